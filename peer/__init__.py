@@ -1,0 +1,26 @@
+"""Swarmgrad peer library: what every volunteer runs.
+
+Layers, lowest first: :mod:`peer.wire` (frames), :mod:`peer.transport` (WebSocket and
+in-memory connections), :mod:`peer.identity` (keys, auth modes, certificates),
+:mod:`peer.node` (authenticated connections, membership and the gossip store).
+"""
+
+from __future__ import annotations
+
+from peer.identity import (
+    Certificate,
+    CertificateAuth,
+    CertificateVerifier,
+    Identity,
+    OpenAuth,
+    SwarmKeyAuth,
+)
+
+__all__ = [
+    "Certificate",
+    "CertificateAuth",
+    "CertificateVerifier",
+    "Identity",
+    "OpenAuth",
+    "SwarmKeyAuth",
+]

@@ -1,0 +1,1 @@
+"""Swarmgrad coordinator: run management, credentials, bootstrap peers and progress in SQL."""
