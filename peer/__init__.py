@@ -7,6 +7,7 @@ in-memory connections), :mod:`peer.identity` (keys, auth modes, certificates),
 
 from __future__ import annotations
 
+from peer.exceptions import SwarmgradError
 from peer.identity import (
     Certificate,
     CertificateAuth,
@@ -15,12 +16,18 @@ from peer.identity import (
     OpenAuth,
     SwarmKeyAuth,
 )
+from peer.node import AsyncNode, Node, ValueWithExpiration, get_time
 
 __all__ = [
+    "AsyncNode",
     "Certificate",
     "CertificateAuth",
     "CertificateVerifier",
     "Identity",
+    "Node",
     "OpenAuth",
     "SwarmKeyAuth",
+    "SwarmgradError",
+    "ValueWithExpiration",
+    "get_time",
 ]

@@ -6,7 +6,9 @@ import typer
 
 from server.cli import app as coordinator_app
 
-app = typer.Typer(help="Swarmgrad: train one PyTorch model on many volunteers' machines.", no_args_is_help=True)
+app = typer.Typer(
+    help="Swarmgrad: train one PyTorch model on many volunteers' machines.", no_args_is_help=True
+)
 app.add_typer(coordinator_app, name="coordinator")
 
 

@@ -53,7 +53,14 @@ class TransportError(SwarmgradError):
 
 
 class ConnectionClosed(TransportError):
-    """The connection is closed; nothing more can be sent or received on it."""
+    """The connection is closed; nothing more can be sent or received on it.
+
+    ``clean`` is True when the other side closed it on purpose (a close handshake), False
+    when it was lost (reset, crash, timeout)."""
+
+    def __init__(self, message: str = "connection closed", *, clean: bool = False) -> None:
+        super().__init__(message)
+        self.clean = clean
 
 
 class RemoteError(SwarmgradError):

@@ -135,7 +135,11 @@ class Certificate:
             raise ValueError(f"an Ed25519 public key is {PUBLIC_KEY_SIZE} raw bytes")
         unsigned = cls(run_id, bytes(public_key), role, float(expires_at))
         return cls(
-            run_id, bytes(public_key), role, float(expires_at), authority.sign(unsigned.signed_payload())
+            run_id,
+            bytes(public_key),
+            role,
+            float(expires_at),
+            authority.sign(unsigned.signed_payload()),
         )
 
     def to_bytes(self) -> bytes:
@@ -247,7 +251,9 @@ class SwarmKeyAuth:
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, bytes) or len(self.key) < 16:
-            raise ValueError("a swarm key is at least 16 random bytes (e.g. secrets.token_bytes(32))")
+            raise ValueError(
+                "a swarm key is at least 16 random bytes (e.g. secrets.token_bytes(32))"
+            )
 
     def proof(self, transcript: bytes) -> bytes:
         return hmac.new(self.key, transcript, hashlib.sha256).digest()

@@ -1,0 +1,571 @@
+"""The asynchronous node: listener, authenticated links, membership and gossip.
+
+Runs entirely on one asyncio event loop. :class:`peer.Node` wraps it with a synchronous
+API and a background thread; the many-peer simulator runs hundreds of these on one loop
+over the in-memory transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from peer.exceptions import (
+    AuthenticationError,
+    ConnectionClosed,
+    NodeShutdown,
+    ProtocolError,
+    RemoteError,
+    SwarmgradError,
+    TransportError,
+)
+from peer.identity import Authenticator, Identity, OpenAuth
+from peer.node.gossip import (
+    MEMBERS_KEY,
+    RESERVED_PREFIX,
+    GossipStore,
+    Record,
+    RecordError,
+    Subkey,
+    ValueWithExpiration,
+    take_within_budget,
+)
+from peer.node.links import Handler, PeerLink, RemotePeer, handshake, register_link_messages
+from peer.transport.base import Connection, Listener, Transport
+from peer.wire import (
+    BYTES,
+    FLOAT,
+    AnyValue,
+    Frame,
+    Limits,
+    ListOf,
+    MessageRegistry,
+    Schema,
+    Tuple,
+)
+
+logger = logging.getLogger("peer.node")
+
+GOSSIP_DIGEST = "gossip.digest"
+GOSSIP_REPLY = "gossip.reply"
+GOSSIP_PUSH = "gossip.push"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Tunables of one node. Defaults suit a real swarm; tests shorten the periods."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    client_mode: bool = False
+    announce_addresses: tuple[str, ...] | None = None
+    gossip_period: float = 1.0  # seconds between anti-entropy rounds (±25 % jitter)
+    fanout: int = 3  # peers contacted per round
+    member_ttl: float = 30.0  # a silent peer leaves membership after this long
+    request_timeout: float = 5.0
+    max_links: int = 64  # idle links beyond this are closed, least recently used first
+    max_exchange_bytes: int = 512 * 1024  # records sent per exchange; the rest wait a round
+    max_record_ttl: float = 7 * 24 * 3600.0
+    retry_backoff: float = 5.0  # seconds before dialing a peer that just failed again
+    limits: Limits = Limits()
+
+    def __post_init__(self) -> None:
+        if self.gossip_period <= 0 or self.fanout < 1 or self.member_ttl <= self.gossip_period:
+            raise ValueError("need gossip_period > 0, fanout >= 1 and member_ttl > gossip_period")
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    peer_id: str
+    addresses: tuple[str, ...]
+    client_mode: bool
+    expiration: float
+
+
+class AsyncNode:
+    """One peer's network presence. ``await start()``, then ``store``/``get``; ``await
+    shutdown()`` stops every task and closes every connection."""
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str] = (),
+        *,
+        transport: Transport,
+        identity: Identity | None = None,
+        auth: Authenticator | None = None,
+        config: NodeConfig | None = None,
+        clock: Callable[[], float] = time.time,
+        seed: int | None = None,
+    ) -> None:
+        self.config = config or NodeConfig()
+        self.identity = identity or Identity()
+        self.auth: Authenticator = auth if auth is not None else OpenAuth()
+        self.transport = transport
+        self.clock = clock
+        self.initial_peers = [str(a) for a in initial_peers]
+        self.registry = MessageRegistry()
+        register_link_messages(self.registry)
+        self.store_ = GossipStore(max_ttl=self.config.max_record_ttl)
+        self.random = random.Random(seed)
+        self.handlers: dict[str, Handler] = {}
+        self._links: dict[str, PeerLink] = {}
+        self._all_links: set[PeerLink] = set()
+        self._dialing: dict[str, asyncio.Future[PeerLink]] = {}
+        self._failed_at: dict[str, float] = {}
+        self._lost_warned: set[str] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._listener: Listener | None = None
+        self._addresses: list[str] = []
+        self._started = False
+        self._stopping = False
+        self.rounds = 0
+        self.exchanges = 0
+        self._register_gossip()
+
+    # lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    @property
+    def visible_addresses(self) -> list[str]:
+        return list(self._addresses)
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        cfg = self.config
+        if not cfg.client_mode:
+            self._listener = await self.transport.listen(cfg.host, cfg.port, self._on_inbound)
+            self._addresses = list(cfg.announce_addresses or self._listener.addresses)
+        self._publish_membership()
+        self._spawn(self._gossip_loop(), "gossip")
+        self._spawn(self._maintenance_loop(), "maintenance")
+        if self.initial_peers:
+            await self._bootstrap()
+
+    async def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:
+            await self._listener.close()
+        for future in self._dialing.values():
+            future.cancel()
+        links = list(self._all_links)
+        await asyncio.gather(
+            *(link.close("node shutting down") for link in links), return_exceptions=True
+        )
+        self._links.clear()
+        self._all_links.clear()
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self.peer_id[:8]}-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _check_running(self) -> None:
+        if self._stopping:
+            raise NodeShutdown("node is shut down")
+
+    # the store -----------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return self.clock()
+
+    async def store(
+        self, key: str, value: Any, expiration_time: float, subkey: Subkey = None
+    ) -> bool:
+        """Store ``value`` under ``key`` (and ``subkey``) until ``expiration_time`` (wall
+        clock, seconds). Returns False if this node already holds a record of its own in
+        that slot with a later or equal expiration, or if the time is already past."""
+        self._check_running()
+        if not isinstance(key, str) or not key:
+            raise TypeError("key must be a non-empty string")
+        if key.startswith(RESERVED_PREFIX):
+            raise ValueError(
+                f"keys starting with {RESERVED_PREFIX!r} are reserved for the node itself"
+            )
+        if subkey is not None and (
+            isinstance(subkey, bool) or not isinstance(subkey, str | int | bytes)
+        ):
+            raise TypeError("subkey must be a string, an integer, bytes or None")
+        record = Record.create(self.identity, key, subkey, value, expiration_time)
+        stored = self.store_.put(record, self.now())
+        if stored:
+            # Push right away to a few peers so a store is visible in about one round trip.
+            self._spawn(self._push_now([record]), "push")
+        return stored
+
+    async def get(self, key: str, latest: bool = False) -> ValueWithExpiration[Any] | None:
+        """The freshest value this node knows for ``key``. With ``latest=True``, first pull
+        from up to ``fanout`` peers so that a store made elsewhere a moment ago is seen."""
+        self._check_running()
+        if latest:
+            await self._gossip_round()
+        return self.store_.get(key, self.now())
+
+    def members(self) -> dict[str, Member]:
+        """Peers whose membership record is live, this node included."""
+        out = {}
+        for record in self.store_.records(MEMBERS_KEY, self.now()):
+            try:
+                value = _decode_member(record)
+            except RecordError:
+                continue
+            out[record.owner_id] = Member(record.owner_id, value[0], value[1], record.expiration)
+        return out
+
+    def _publish_membership(self) -> None:
+        record = Record.create(
+            self.identity,
+            MEMBERS_KEY,
+            self.peer_id,
+            {"addresses": self._addresses, "client_mode": self.config.client_mode},
+            self.now() + self.config.member_ttl,
+        )
+        self.store_.put(record, self.now())
+
+    # handlers and links --------------------------------------------------------------------
+
+    def register_handler(self, message_type: str, schema: Schema, handler: Handler) -> None:
+        """Accept ``message_type`` (validated by ``schema``) from authenticated peers."""
+        self.registry.register(message_type, schema)
+        self.handlers[message_type] = handler
+
+    async def request(self, peer_id: str, frame: Frame, timeout: float | None = None) -> Frame:
+        link = await self.link(peer_id)
+        return await link.request(
+            frame, self.config.request_timeout if timeout is None else timeout
+        )
+
+    async def send(self, peer_id: str, frame: Frame) -> None:
+        link = await self.link(peer_id)
+        await link.send(frame)
+
+    async def link(self, peer_id: str, addresses: Sequence[str] | None = None) -> PeerLink:
+        """An authenticated link to ``peer_id``, reusing an open one or dialing its known
+        addresses. Raises TransportError when it cannot be reached."""
+        self._check_running()
+        link = self._links.get(peer_id)
+        if link is not None and not link.closed:
+            return link
+        pending = self._dialing.get(peer_id)
+        if pending is None:
+            if addresses is None:
+                member = self.members().get(peer_id)
+                addresses = member.addresses if member else ()
+            if not addresses:
+                raise TransportError(
+                    f"peer {peer_id} is not reachable: no open link and no address"
+                )
+            pending = asyncio.get_running_loop().create_future()
+            self._dialing[peer_id] = pending
+            self._spawn(self._dial(peer_id, list(addresses), pending), "dial")
+        return await asyncio.shield(pending)
+
+    async def _dial(
+        self, peer_id: str | None, addresses: list[str], result: asyncio.Future[PeerLink]
+    ) -> None:
+        errors = []
+        try:
+            for address in addresses:
+                try:
+                    link = await self._connect(address, peer_id)
+                except (TransportError, ProtocolError, AuthenticationError) as exc:
+                    errors.append(f"{address}: {exc}")
+                    continue
+                if not result.done():
+                    result.set_result(link)
+                return
+            if not result.done():
+                result.set_exception(
+                    TransportError(f"cannot reach {peer_id or addresses}: {'; '.join(errors)}")
+                )
+                result.exception()  # mark retrieved: callers may have given up
+        except asyncio.CancelledError:
+            if not result.done():
+                result.set_exception(NodeShutdown("node is shutting down"))
+                result.exception()
+            raise
+        finally:
+            if peer_id is not None and self._dialing.get(peer_id) is result:
+                del self._dialing[peer_id]
+
+    async def _connect(self, address: str, expected_peer_id: str | None) -> PeerLink:
+        cfg = self.config
+        conn = await self.transport.connect(address, timeout=cfg.request_timeout)
+        try:
+            remote = await handshake(
+                conn,
+                identity=self.identity,
+                auth=self.auth,
+                addresses=self._addresses,
+                client_mode=cfg.client_mode,
+                registry=self.registry,
+                limits=cfg.limits,
+                timeout=cfg.request_timeout,
+                expected_peer_id=expected_peer_id,
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await conn.close("handshake failed")
+            raise
+        return self._adopt(conn, remote, inbound=False)
+
+    async def _on_inbound(self, conn: Connection) -> None:
+        if self._stopping:
+            return
+        cfg = self.config
+        try:
+            remote = await handshake(
+                conn,
+                identity=self.identity,
+                auth=self.auth,
+                addresses=self._addresses,
+                client_mode=cfg.client_mode,
+                registry=self.registry,
+                limits=cfg.limits,
+                timeout=cfg.request_timeout,
+            )
+        except (AuthenticationError, ProtocolError) as exc:
+            logger.warning("refused connection from %s: %s", conn.remote_address, exc)
+            with contextlib.suppress(Exception):
+                await conn.close(str(exc), protocol_error=True)
+            return
+        except (ConnectionClosed, TransportError):
+            return
+        link = self._adopt(conn, remote, inbound=True)
+        # The transport closes the connection when this handler returns: serve until closed.
+        with contextlib.suppress(asyncio.CancelledError):
+            await link._reader
+
+    def _adopt(self, conn: Connection, remote: RemotePeer, *, inbound: bool) -> PeerLink:
+        link = PeerLink(
+            conn,
+            remote,
+            registry=self.registry,
+            limits=self.config.limits,
+            handlers=self.handlers,
+            on_close=self._on_link_closed,
+            inbound=inbound,
+        )
+        self._all_links.add(link)
+        self._links[remote.peer_id] = link
+        self._failed_at.pop(remote.peer_id, None)
+        if remote.peer_id in self._lost_warned:
+            self._lost_warned.discard(remote.peer_id)
+            logger.info("reconnected to peer %s", remote.peer_id)
+        self._evict_idle_links()
+        return link
+
+    def _on_link_closed(self, link: PeerLink, reason: str, unexpected: bool) -> None:
+        self._all_links.discard(link)
+        if self._links.get(link.peer_id) is link:
+            del self._links[link.peer_id]
+        if unexpected and not self._stopping:
+            self._peer_failed(link.peer_id, reason)
+
+    def _peer_failed(self, peer_id: str, reason: str) -> None:
+        self._failed_at[peer_id] = asyncio.get_running_loop().time()
+        if peer_id not in self._lost_warned:
+            self._lost_warned.add(peer_id)
+            logger.warning("lost contact with peer %s: %s", peer_id, reason)
+        else:
+            logger.debug("peer %s still unreachable: %s", peer_id, reason)
+
+    def _evict_idle_links(self) -> None:
+        excess = len(self._all_links) - self.config.max_links
+        if excess <= 0:
+            return
+        idle = sorted((lk for lk in self._all_links if not lk.busy), key=lambda lk: lk.last_used)
+        for link in idle[:excess]:
+            self._all_links.discard(link)
+            if self._links.get(link.peer_id) is link:
+                del self._links[link.peer_id]
+            self._spawn(link.close("idle"), "evict")
+
+    # gossip ----------------------------------------------------------------------------------
+
+    def _register_gossip(self) -> None:
+        record_list = ListOf(AnyValue())
+        self.register_handler(
+            GOSSIP_DIGEST,
+            Schema(required={"digest": ListOf(Tuple((BYTES, FLOAT)))}),
+            self._on_digest,
+        )
+        self.registry.register(
+            GOSSIP_REPLY, Schema(required={"records": record_list, "want": ListOf(BYTES)})
+        )
+        self.register_handler(GOSSIP_PUSH, Schema(required={"records": record_list}), self._on_push)
+
+    async def _bootstrap(self) -> None:
+        """Exchange with every initial peer once, right away, so membership is known before
+        the first regular round."""
+        results = await asyncio.gather(
+            *(self._exchange_with_address(a) for a in self.initial_peers), return_exceptions=True
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures and len(failures) == len(results):
+            logger.warning(
+                "could not reach any initial peer yet (%s); will keep trying", failures[0]
+            )
+
+    async def _exchange_with_address(self, address: str) -> None:
+        link = await self._connect(address, None)
+        await self._exchange(link)
+
+    def _gossip_targets(self) -> list[str]:
+        loop_now = asyncio.get_running_loop().time()
+        candidates = []
+        for member in self.members().values():
+            if member.peer_id == self.peer_id:
+                continue
+            failed = self._failed_at.get(member.peer_id)
+            if failed is not None and loop_now - failed < self.config.retry_backoff:
+                continue
+            link = self._links.get(member.peer_id)
+            if member.addresses or (link is not None and not link.closed):
+                candidates.append(member.peer_id)
+        return self.random.sample(candidates, min(self.config.fanout, len(candidates)))
+
+    async def _gossip_round(self) -> None:
+        targets = self._gossip_targets()
+        self.rounds += 1
+        if not targets and self.initial_peers:
+            # Alone (e.g. every known peer died or the bootstrap failed): retry the initial peers.
+            await asyncio.gather(
+                *(self._exchange_with_address(a) for a in self.initial_peers),
+                return_exceptions=True,
+            )
+            return
+        await asyncio.gather(
+            *(self._exchange_with_peer(p) for p in targets), return_exceptions=True
+        )
+
+    async def _exchange_with_peer(self, peer_id: str) -> None:
+        try:
+            link = await self.link(peer_id)
+            await self._exchange(link)
+        except (
+            TransportError,
+            AuthenticationError,
+            ProtocolError,
+            TimeoutError,
+            RemoteError,
+        ) as exc:
+            self._peer_failed(peer_id, str(exc) or type(exc).__name__)
+
+    async def _exchange(self, link: PeerLink) -> None:
+        """Push-pull: send a digest, take what the other side sends, push what it wants."""
+        now = self.now()
+        reply = await link.request(
+            Frame(GOSSIP_DIGEST, {"digest": self.store_.digest(now)}), self.config.request_timeout
+        )
+        if reply.type != GOSSIP_REPLY:
+            raise ProtocolError(f"expected {GOSSIP_REPLY}, got {reply.type}")
+        self.exchanges += 1
+        self._accept_records(reply.fields["records"], link)
+        wanted = self.store_.get_by_ids(reply.fields["want"], self.now())
+        if wanted:
+            batch = take_within_budget(wanted, self.config.max_exchange_bytes, self.random)
+            await link.send(Frame(GOSSIP_PUSH, {"records": [r.to_wire() for r in batch]}))
+
+    async def _on_digest(self, link: PeerLink, frame: Frame) -> Frame:
+        now = self.now()
+        mine_newer, theirs_newer = self.store_.compare(frame.fields["digest"], now)
+        batch = take_within_budget(mine_newer, self.config.max_exchange_bytes, self.random)
+        return Frame(GOSSIP_REPLY, {"records": [r.to_wire() for r in batch], "want": theirs_newer})
+
+    async def _on_push(self, link: PeerLink, frame: Frame) -> None:
+        self._accept_records(frame.fields["records"], link)
+        return None
+
+    def _accept_records(self, items: list[Any], link: PeerLink) -> None:
+        now = self.now()
+        rejected = 0
+        for item in items:
+            try:
+                record = Record.from_wire(item)
+                if record.key == MEMBERS_KEY:
+                    _decode_member(record)
+                record.verify()
+            except RecordError as exc:
+                rejected += 1
+                if rejected == 1:
+                    logger.warning("rejected a record relayed by %s: %s", link.peer_id, exc)
+                continue
+            self.store_.put(record, now)
+        if rejected:
+            # A peer that relays forged records is either malicious or broken: drop the link.
+            raise ProtocolError(f"{rejected} invalid record(s) relayed")
+
+    async def _push_now(self, records: list[Record]) -> None:
+        targets = self._gossip_targets()
+        payload = Frame(GOSSIP_PUSH, {"records": [r.to_wire() for r in records]})
+        for peer_id in targets:
+            link = self._links.get(peer_id)
+            if link is None or link.closed:
+                continue  # pushing is opportunistic; the next round carries it anyway
+            with contextlib.suppress(SwarmgradError):
+                await link.send(payload)
+
+    async def _gossip_loop(self) -> None:
+        period = self.config.gossip_period
+        while True:
+            await asyncio.sleep(period * self.random.uniform(0.75, 1.25))
+            try:
+                await self._gossip_round()
+            except SwarmgradError as exc:
+                logger.debug("gossip round failed: %s", exc)
+
+    async def _maintenance_loop(self) -> None:
+        cfg = self.config
+        refresh = max(cfg.gossip_period, cfg.member_ttl / 3)
+        last_refresh = self.now()
+        while True:
+            await asyncio.sleep(min(refresh, cfg.gossip_period))
+            now = self.now()
+            if now - last_refresh >= refresh:
+                self._publish_membership()
+                last_refresh = now
+            for record in self.store_.expire(now):
+                if record.key == MEMBERS_KEY:
+                    peer_id = record.owner_id
+                    self._failed_at.pop(peer_id, None)
+                    self._lost_warned.discard(peer_id)
+                    logger.info("peer %s left the swarm (membership expired)", peer_id)
+
+
+def _decode_member(record: Record) -> tuple[tuple[str, ...], bool]:
+    from peer.node.gossip import unpack_value
+
+    try:
+        value = unpack_value(record.value)
+    except Exception as exc:
+        raise RecordError("membership record is not valid msgpack") from exc
+    if not isinstance(value, dict):
+        raise RecordError("membership record must be a map")
+    addresses = value.get("addresses")
+    client_mode = value.get("client_mode")
+    if (
+        not isinstance(addresses, list)
+        or len(addresses) > 16
+        or not all(isinstance(a, str) and len(a) <= 256 for a in addresses)
+        or not isinstance(client_mode, bool)
+    ):
+        raise RecordError("membership record has bad addresses or client_mode")
+    return tuple(addresses), client_mode

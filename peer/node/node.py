@@ -1,0 +1,253 @@
+"""``peer.Node``: the synchronous face of :class:`~peer.node.core.AsyncNode`.
+
+One asyncio event loop runs in a background thread; every public method submits a
+coroutine to it and waits, so a training loop can call ``store``/``get`` without knowing
+about asyncio. Layers built on the node (the averager) run their own coroutines on the same
+loop through :meth:`Node.run_coroutine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from peer.exceptions import NodeShutdown
+from peer.identity import Authenticator, Identity
+from peer.node.core import AsyncNode, Member, NodeConfig
+from peer.node.gossip import Subkey, ValueWithExpiration
+from peer.transport.base import Transport
+from peer.transport.websocket import WebSocketTransport
+from peer.wire import Limits
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An event loop running in a daemon thread, stopped and joined by :meth:`stop`."""
+
+    def __init__(self, name: str = "swarmgrad-node") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+        self._ready.wait()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._ready.set)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+
+        async def drain() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.loop.shutdown_asyncgens()
+            await self.loop.shutdown_default_executor()
+
+        if self.thread.is_alive():
+            asyncio.run_coroutine_threadsafe(drain(), self.loop).result()
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+        self.loop.close()
+
+
+class Node:
+    """A peer in the swarm: authenticated connections, membership and a gossip store.
+
+    ``Node(initial_peers)`` joins the swarm through any of ``initial_peers`` (addresses like
+    ``ws://host:port``, from another node's :attr:`visible_addresses` or the coordinator's
+    bootstrap list). ``client_mode=True`` accepts no inbound connections (behind NAT or a
+    firewall): the node still takes part by dialing out.
+
+    Authentication: ``auth=OpenAuth()`` (default, for local experiments),
+    ``SwarmKeyAuth(key)`` or ``CertificateAuth(certificate, verify)``; every peer of a swarm
+    must use the same mode.
+
+    Use as a context manager, or call :meth:`shutdown` when done.
+    """
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        client_mode: bool = False,
+        start: bool = True,
+        identity: Identity | None = None,
+        auth: Authenticator | None = None,
+        announce_addresses: Sequence[str] | None = None,
+        transport: Transport | None = None,
+        gossip_period: float = 1.0,
+        fanout: int = 3,
+        member_ttl: float = 30.0,
+        request_timeout: float = 5.0,
+        limits: Limits | None = None,
+        loop_thread: LoopThread | None = None,
+    ) -> None:
+        if isinstance(initial_peers, str):
+            raise TypeError('initial_peers is a list of addresses, e.g. ["ws://127.0.0.1:4000"]')
+        self.config = NodeConfig(
+            host=host,
+            port=port,
+            client_mode=client_mode,
+            announce_addresses=tuple(announce_addresses) if announce_addresses else None,
+            gossip_period=gossip_period,
+            fanout=fanout,
+            member_ttl=member_ttl,
+            request_timeout=request_timeout,
+            limits=limits or Limits(),
+        )
+        self._transport = transport or WebSocketTransport(
+            max_message_bytes=self.config.limits.max_frame_bytes
+        )
+        self._identity = identity or Identity()
+        self._auth = auth
+        self._initial_peers = list(initial_peers or ())
+        self._owns_loop = loop_thread is None
+        self._loop_thread = loop_thread
+        self._core: AsyncNode | None = None
+        self._shutdown = False
+        if start:
+            self.run()
+
+    # lifecycle -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Start the node (done by the constructor unless ``start=False``)."""
+        if self._core is not None:
+            return
+        if self._loop_thread is None:
+            self._loop_thread = LoopThread(f"swarmgrad-node-{self._identity.peer_id[:8]}")
+
+        async def create() -> AsyncNode:
+            core = AsyncNode(
+                self._initial_peers,
+                transport=self._transport,
+                identity=self._identity,
+                auth=self._auth,
+                config=self.config,
+            )
+            await core.start()
+            return core
+
+        try:
+            self._core = self._loop_thread.submit(create()).result()
+        except BaseException:
+            if self._owns_loop:
+                self._loop_thread.stop()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop gossip, close every connection and the listener, and stop the loop thread
+        (if this node owns it). Idempotent."""
+        if self._shutdown:
+            return
+        self._shutdown = True
+        if self._core is not None and self._loop_thread is not None:
+            self._loop_thread.submit(self._core.shutdown()).result()
+        if self._owns_loop and self._loop_thread is not None:
+            self._loop_thread.stop()
+
+    def __enter__(self) -> Node:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # properties ----------------------------------------------------------------------------
+
+    @property
+    def core(self) -> AsyncNode:
+        if self._core is None or self._shutdown:
+            raise NodeShutdown("the node is not running; call run() or create it with start=True")
+        return self._core
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop_thread is not None
+        return self._loop_thread.loop
+
+    @property
+    def peer_id(self) -> str:
+        return self._identity.peer_id
+
+    @property
+    def identity(self) -> Identity:
+        return self._identity
+
+    @property
+    def client_mode(self) -> bool:
+        return self.config.client_mode
+
+    @property
+    def visible_addresses(self) -> list[str]:
+        """Addresses other peers can dial (empty in client mode)."""
+        return self.core.visible_addresses
+
+    def is_alive(self) -> bool:
+        return self._core is not None and not self._shutdown
+
+    # API -------------------------------------------------------------------------------------
+
+    def run_coroutine(self, coro: Coroutine[Any, Any, T], *, wait: bool = True) -> Any:
+        """Run ``coro`` on the node's event loop; returns its result, or a
+        ``concurrent.futures.Future`` with ``wait=False``."""
+        if self._shutdown or self._loop_thread is None:
+            coro.close()
+            raise NodeShutdown("the node is shut down")
+        if self._loop_thread.thread is threading.current_thread():
+            coro.close()
+            raise RuntimeError(
+                "a blocking Node call from its own event loop would deadlock; await the AsyncNode"
+            )
+        future = self._loop_thread.submit(coro)
+        return future.result() if wait else future
+
+    def store(self, key: str, value: Any, expiration_time: float, subkey: Subkey = None) -> bool:
+        """Store ``value`` (any msgpack-serialisable object) under ``key`` and, optionally,
+        ``subkey`` until ``expiration_time`` (wall-clock seconds, e.g. ``get_time() + 30``).
+
+        Returns False when this node already holds its own record in that slot with a later
+        expiration. The record spreads to every peer by gossip within a few rounds."""
+        return self.run_coroutine(self.core.store(key, value, expiration_time, subkey))
+
+    def get(self, key: str, latest: bool = False) -> ValueWithExpiration[Any] | None:
+        """``(value, expiration_time)`` for ``key``, or None if nothing live is known. For a
+        key stored with subkeys, ``value`` is a dict subkey → ``(value, expiration_time)``."""
+        return self.run_coroutine(self.core.get(key, latest))
+
+    def members(self) -> dict[str, Member]:
+        """Live peers by peer id (including this one), as known from gossip."""
+        core = self.core
+        return self.run_coroutine(_call(core.members))
+
+    def get_time(self) -> float:
+        """The wall-clock time that expirations are measured against."""
+        return self.core.now()
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_alive() else "stopped"
+        return f"Node(peer_id={self.peer_id!r}, {state})"
+
+
+async def _call(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
+def get_time() -> float:
+    """Wall-clock seconds, the time base of expirations (hivemind's ``get_dht_time``)."""
+    import time
+
+    return time.time()

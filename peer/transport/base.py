@@ -1,0 +1,71 @@
+"""The transport seam: connect to an address, listen with a handler, send and receive
+whole binary messages. Everything above it (handshake, gossip, averaging) is written
+against these two small abstract classes, so tests and the simulator can swap the
+WebSocket implementation for the in-memory one.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Sequence
+
+Data = bytes | bytearray | memoryview
+Message = Data | Sequence[Data]
+"""A message to send: one buffer, or several sent back to back as one message (so a header
+and a tensor view can go out without being concatenated first)."""
+
+
+class Connection(abc.ABC):
+    """A bidirectional, ordered, reliable-or-failing stream of binary messages."""
+
+    remote_address: str
+
+    @abc.abstractmethod
+    async def send(self, message: Message) -> None:
+        """Send one message; waits while the peer is slow (back-pressure).
+
+        Raises :class:`~peer.exceptions.ConnectionClosed` once the connection is closed."""
+
+    @abc.abstractmethod
+    async def recv(self) -> bytes:
+        """The next whole message. Raises ConnectionClosed when there will be no more."""
+
+    @abc.abstractmethod
+    async def close(self, reason: str = "", *, protocol_error: bool = False) -> None:
+        """Close the connection, telling the other side ``reason`` where the transport can."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool: ...
+
+    @property
+    def close_reason(self) -> str:
+        """Why the connection was closed, as far as this side knows ("" if open or unknown)."""
+        return ""
+
+
+Handler = Callable[[Connection], Awaitable[None]]
+
+
+class Listener(abc.ABC):
+    """A running server; ``addresses`` are the ones other peers can dial."""
+
+    addresses: list[str]
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class Transport(abc.ABC):
+    @abc.abstractmethod
+    async def connect(self, address: str, *, timeout: float) -> Connection:
+        """Open a connection. Raises :class:`~peer.exceptions.TransportError` on failure."""
+
+    @abc.abstractmethod
+    async def listen(self, host: str, port: int, handler: Handler) -> Listener:
+        """Serve incoming connections with ``handler`` (one task per connection; the
+        connection is closed when the handler returns)."""
+
+    @property
+    @abc.abstractmethod
+    def max_message_bytes(self) -> int: ...
