@@ -13,7 +13,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from peer.exceptions import (
@@ -73,7 +73,7 @@ class NodeConfig:
     max_exchange_bytes: int = 512 * 1024  # records sent per exchange; the rest wait a round
     max_record_ttl: float = 7 * 24 * 3600.0
     retry_backoff: float = 5.0  # seconds before dialing a peer that just failed again
-    limits: Limits = Limits()
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         if self.gossip_period <= 0 or self.fanout < 1 or self.member_ttl <= self.gossip_period:
