@@ -1,0 +1,70 @@
+"""Join tokens (invites) of a run: create (shown once), list without secrets, revoke."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Path, status
+
+from server.api.deps import CurrentOrganizer, RunDep, SessionDep, SettingsDep
+from server.exceptions import NotFound
+from server.models import Token
+from server.schemas import TokenCreate, TokenCreated, TokenPublic, TokensPublic
+from server.services import tokens as token_service
+
+router = APIRouter(prefix="/runs/{run_id}/tokens", tags=["tokens"])
+
+
+def token_public(token: Token) -> TokenPublic:
+    return TokenPublic(
+        id=token.id,
+        label=token.label,
+        created_at=token.created_at,
+        expires_at=token.expires_at,
+        max_uses=token.max_uses,
+        uses=token.uses,
+        revoked_at=token.revoked_at,
+        active=token_service.is_active(token),
+    )
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=TokenCreated)
+def create_join_token(
+    _: CurrentOrganizer,
+    session: SessionDep,
+    settings: SettingsDep,
+    run: RunDep,
+    body: TokenCreate,
+) -> TokenCreated:
+    """A join token for volunteers. The token is in this answer only; it is stored hashed."""
+    token, plaintext = token_service.create_join_token(
+        session, run, body, settings.join_token_default_ttl_s
+    )
+    session.commit()
+    return TokenCreated(
+        id=token.id,
+        token=plaintext,
+        expires_at=token.expires_at,
+        max_uses=token.max_uses,
+        label=token.label,
+    )
+
+
+@router.get("", response_model=TokensPublic)
+def list_join_tokens(_: CurrentOrganizer, session: SessionDep, run: RunDep) -> TokensPublic:
+    return TokensPublic(
+        tokens=[token_public(t) for t in token_service.list_join_tokens(session, run)]
+    )
+
+
+@router.delete("/{token_id}", status_code=status.HTTP_204_NO_CONTENT)
+def revoke_join_token(
+    _: CurrentOrganizer,
+    session: SessionDep,
+    run: RunDep,
+    token_id: str = Path(min_length=1, max_length=32),
+) -> None:
+    """Revoke a join token: nobody can join with it any more (peers that joined stay)."""
+    token = token_service.get_join_token(session, run, token_id)
+    if token is None:
+        raise NotFound(f"run {run.id} has no join token {token_id!r}")
+    token_service.revoke(session, token)
+    session.commit()

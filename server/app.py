@@ -1,0 +1,173 @@
+"""The app factory: ``create_app(settings)`` builds one coordinator.
+
+Serve it with uvicorn, which runs the lifespan: migrations (unless disabled), then the
+report buffer; on shutdown the buffer is flushed and the pool closed. ``app_from_env`` is
+the factory uvicorn's workers use (``uvicorn --factory server.app:app_from_env``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.api.routes import health, peers, progress, runs, tokens
+from server.config import Settings
+from server.db import make_engine, make_session_factory, upgrade_database
+from server.exceptions import CoordinatorError
+from server.metrics import Metrics, MetricsMiddleware
+from server.schemas import ErrorPublic
+from server.security import KeyBox
+from server.services.reports import ReportBuffer
+
+logger = logging.getLogger("server")
+
+API_PREFIX = "/api/v1"
+MAX_BODY_BYTES = 1024 * 1024
+
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorPublic, "description": description}
+    for status, description in {
+        401: "Missing, unknown, expired, revoked or used-up token.",
+        403: "Valid token of the wrong scope or for another run.",
+        404: "Unknown id.",
+        409: "Conflicts with the resource's state.",
+    }.items()
+}
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """A coordinator for ``settings`` (default: read from ``SWARMGRAD_*`` variables)."""
+    settings = settings if settings is not None else Settings()
+    engine = make_engine(settings)
+    session_factory = make_session_factory(engine)
+    metrics = Metrics(session_factory, settings.peer_online_ttl_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.migrate_on_start:
+            await asyncio.to_thread(upgrade_database, engine)
+        buffer = ReportBuffer(
+            session_factory,
+            flush_interval_s=settings.report_flush_interval_s,
+            max_pending=settings.report_buffer_max,
+            snapshot_interval_s=settings.snapshot_interval_s,
+            online_ttl_s=settings.peer_online_ttl_s,
+            on_written=metrics.count_written,
+        )
+        async with buffer:
+            app.state.report_buffer = buffer
+            try:
+                yield
+            finally:
+                app.state.report_buffer = None
+        engine.dispose()
+
+    app = FastAPI(
+        title="Swarmgrad coordinator",
+        version="1",
+        summary="Runs, invites, peer credentials, bootstrap peers and progress.",
+        lifespan=lifespan,
+        responses=ERROR_RESPONSES,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.session_factory = session_factory
+    app.state.keybox = KeyBox(settings.secret_key.get_secret_value())
+    app.state.metrics = metrics
+
+    for module in (runs, tokens, peers, progress):
+        app.include_router(module.router, prefix=API_PREFIX)
+    app.include_router(health.router)
+
+    @app.exception_handler(CoordinatorError)
+    async def coordinator_error(_: Request, exc: CoordinatorError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # The input is not echoed back: it may hold NaN (not JSON) or a secret.
+        detail = [
+            {"loc": list(error["loc"]), "msg": error["msg"], "type": error["type"]}
+            for error in exc.errors()
+        ]
+        return JSONResponse({"detail": detail}, status_code=422)
+
+    @app.exception_handler(OperationalError)
+    async def database_down(_: Request, exc: OperationalError) -> JSONResponse:
+        logger.error("database error: %s", exc.orig)
+        return JSONResponse(
+            {"detail": "the coordinator's database is unavailable; try again shortly"},
+            status_code=503,
+            headers={"Retry-After": "5"},
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return JSONResponse(
+            {"detail": "internal error; the coordinator's log has the details"}, status_code=500
+        )
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """Factory for ``uvicorn --factory``: settings from the environment."""
+    return create_app(Settings())
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over ``max_bytes`` with 413 before they are read into memory."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._too_large(send)
+                return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _BodyTooLarge:
+            await self._too_large(send)
+
+    async def _too_large(self, send: Send) -> None:
+        response = JSONResponse(
+            {"detail": f"request body over {self.max_bytes} bytes"}, status_code=413
+        )
+        await response({"type": "http"}, _no_receive, send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _no_receive() -> Message:  # pragma: no cover - never called for a plain response
+    return {"type": "http.disconnect"}

@@ -1,0 +1,112 @@
+"""Coordinator settings: one pydantic-settings class, read from ``SWARMGRAD_*`` variables.
+
+Build it once per process (the app factory and the CLI do) and pass it down; nothing in
+``server`` reads the environment at import time.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal, Self
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Values that look like secrets but are not: copied from examples, left as defaults.
+PLACEHOLDER_SECRETS = frozenset(
+    {"", "changethis", "change-me", "changeme", "secret", "password", "admin", "dev", "development"}
+)
+DEVELOPMENT_SECRET_KEY = "changethis"
+MIN_SECRET_LENGTH = 32
+
+
+class InsecureSettingsError(ValueError):
+    """A secret is missing or a placeholder outside development; the server must not start."""
+
+
+class Settings(BaseSettings):
+    """Everything an organizer can configure. Environment variables use the prefix
+    ``SWARMGRAD_`` (``SWARMGRAD_DATABASE_URL``, ``SWARMGRAD_SECRET_KEY``, ...)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SWARMGRAD_", env_file=None, extra="ignore", frozen=True
+    )
+
+    environment: Literal["development", "production"] = Field(
+        "development",
+        description="'production' refuses missing or placeholder secrets at start.",
+    )
+    database_url: str = Field(
+        "sqlite:///./swarmgrad.db",
+        description="SQLAlchemy URL: a SQLite file (default) or postgresql+psycopg://...",
+    )
+    secret_key: SecretStr = Field(
+        SecretStr(DEVELOPMENT_SECRET_KEY),
+        description="Encrypts run signing keys at rest. Changing it makes existing runs unusable.",
+    )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Optional organizer token accepted in addition to those in the database.",
+    )
+    public_url: str = Field(
+        "http://127.0.0.1:8000", description="Where volunteers reach this coordinator."
+    )
+    migrate_on_start: bool = Field(True, description="Apply Alembic migrations at start.")
+
+    # Limits and timings.
+    peer_online_ttl_s: float = Field(60.0, gt=0, description="A peer seen this recently is online.")
+    certificate_ttl_s: float = Field(
+        24 * 3600.0, gt=0, description="Lifetime of a peer certificate issued at join."
+    )
+    join_token_default_ttl_s: float = Field(7 * 24 * 3600.0, gt=0)
+    bootstrap_peers: int = Field(8, ge=1, le=100, description="Peers handed out per bootstrap.")
+    history_points: int = Field(200, ge=2, le=5000, description="Points of chart history.")
+    snapshot_interval_s: float = Field(
+        5.0, gt=0, description="Minimum time between two progress snapshots of one run."
+    )
+    report_flush_interval_s: float = Field(
+        0.05,
+        ge=0,
+        description="Reports acknowledged with 202 are written within this time; 0 writes "
+        "each report before answering.",
+    )
+    report_buffer_max: int = Field(
+        2000, ge=1, description="Flush earlier once this many reports are waiting."
+    )
+    max_config_bytes: int = Field(64 * 1024, ge=2, description="Largest run config accepted.")
+    db_pool_size: int = Field(10, ge=1)
+
+    @model_validator(mode="after")
+    def _check_secrets(self) -> Self:
+        problems = []
+        secret = self.secret_key.get_secret_value()
+        if secret.lower() in PLACEHOLDER_SECRETS or len(secret) < MIN_SECRET_LENGTH:
+            problems.append(
+                f"SWARMGRAD_SECRET_KEY is missing, a placeholder or shorter than "
+                f"{MIN_SECRET_LENGTH} characters"
+            )
+        if self.admin_token is not None:
+            token = self.admin_token.get_secret_value()
+            if token.lower() in PLACEHOLDER_SECRETS or len(token) < MIN_SECRET_LENGTH:
+                problems.append(
+                    f"SWARMGRAD_ADMIN_TOKEN is a placeholder or shorter than "
+                    f"{MIN_SECRET_LENGTH} characters (unset it, or use e.g. "
+                    "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+                )
+        if not problems:
+            return self
+        message = "; ".join(problems)
+        if self.environment != "development":
+            raise InsecureSettingsError(
+                f"refusing to start in {self.environment}: {message}. Generate a secret with "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(48))'`."
+            )
+        warnings.warn(
+            f"{message}; acceptable only because SWARMGRAD_ENVIRONMENT=development",
+            stacklevel=2,
+        )
+        return self
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")

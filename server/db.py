@@ -1,0 +1,109 @@
+"""Engine, sessions and schema migrations.
+
+The engine is built from :class:`~server.config.Settings` by the app factory; there is no
+module-level engine. SQLite gets write-ahead logging and ``synchronous=NORMAL`` (durable
+across application crashes, may lose the last transactions on power loss) and a busy
+timeout so that several worker processes can share one file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.config import Settings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ALEMBIC_INI = REPO_ROOT / "alembic.ini"
+MIGRATIONS_DIR = REPO_ROOT / "migrations"
+
+# Any constant works; it only has to be the same in every worker.
+_MIGRATION_LOCK_ID = zlib.crc32(b"swarmgrad-migrations")
+
+
+def make_engine(settings: Settings) -> Engine:
+    """A connection pool for ``settings.database_url``."""
+    url = settings.database_url
+    if url.startswith("sqlite"):
+        engine = create_engine(
+            url,
+            connect_args={"check_same_thread": False, "timeout": 30},
+            pool_size=settings.db_pool_size,
+            max_overflow=2 * settings.db_pool_size,
+        )
+        event.listen(engine, "connect", _sqlite_on_connect)
+        return engine
+    return create_engine(
+        url,
+        pool_size=settings.db_pool_size,
+        max_overflow=2 * settings.db_pool_size,
+        pool_pre_ping=True,
+    )
+
+
+def _sqlite_on_connect(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str | None = None):  # type: ignore[no-untyped-def]
+    """An Alembic config for ``migrations/``; ``url`` overrides ``SWARMGRAD_DATABASE_URL``."""
+    from alembic.config import Config
+
+    config = Config(str(ALEMBIC_INI))
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    if url is not None:
+        # ConfigParser interpolation treats '%' specially (URL-encoded options contain it).
+        config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def upgrade_database(engine: Engine) -> None:
+    """Bring the schema to the newest migration.
+
+    Safe to call from several workers at once on PostgreSQL (an advisory lock serialises
+    them; the later ones find the schema current). On SQLite the CLI migrates once in the
+    parent process before it starts workers.
+    """
+    from alembic import command
+
+    with engine.connect() as connection:
+        if connection.dialect.name == "postgresql":
+            connection.execute(text("SELECT pg_advisory_lock(:id)"), {"id": _MIGRATION_LOCK_ID})
+            connection.commit()
+        try:
+            config = alembic_config(engine.url.render_as_string(hide_password=False))
+            config.attributes["connection"] = connection
+            command.upgrade(config, "head")
+            connection.commit()
+        finally:
+            if connection.dialect.name == "postgresql":
+                connection.execute(
+                    text("SELECT pg_advisory_unlock(:id)"), {"id": _MIGRATION_LOCK_ID}
+                )
+                connection.commit()
+
+
+@contextlib.contextmanager
+def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """A session committed on success and rolled back on error."""
+    with factory() as session:
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise

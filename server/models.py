@@ -1,0 +1,219 @@
+"""SQLAlchemy 2 ORM: the coordinator's tables.
+
+Times the coordinator compares or buckets (``last_seen_ms``, ``reported_ms``, ...) are
+integer Unix milliseconds, so the same arithmetic works on SQLite and PostgreSQL; times
+shown to people (``created_at``) are timezone-aware datetimes.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on every backend (SQLite stores naive values)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime; use datetime.now(UTC)")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class RunStatus(enum.StrEnum):
+    running = "running"
+    paused = "paused"
+    finished = "finished"
+
+
+class TokenScope(enum.StrEnum):
+    organizer = "organizer"
+    join = "join"
+    peer = "peer"
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    task: Mapped[str] = mapped_column(String(200))
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    status: Mapped[RunStatus] = mapped_column(
+        Enum(RunStatus, name="run_status", native_enum=False, length=16)
+    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    archived_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    # The run authority: an Ed25519 key pair; the private half is AES-GCM encrypted with
+    # a key derived from the server secret (see server.security).
+    authority_public_key: Mapped[bytes] = mapped_column(LargeBinary(32))
+    authority_private_key_encrypted: Mapped[bytes] = mapped_column(LargeBinary(128))
+    last_snapshot_ms: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Token(Base):
+    """A bearer token of one scope. Only the SHA-256 of the secret part is kept."""
+
+    __tablename__ = "tokens"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    scope: Mapped[TokenScope] = mapped_column(
+        Enum(TokenScope, name="token_scope", native_enum=False, length=16)
+    )
+    secret_hash: Mapped[bytes] = mapped_column(LargeBinary(32))
+    run_id: Mapped[str | None] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), nullable=True, index=True
+    )
+    peer_id: Mapped[int | None] = mapped_column(
+        ForeignKey("peers.id", ondelete="CASCADE"), nullable=True
+    )
+    label: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    max_uses: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    uses: Mapped[int] = mapped_column(Integer, default=0)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class Volunteer(Base):
+    """A person who joined a run through an invite; owns one or more peers."""
+
+    __tablename__ = "volunteers"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    display_name: Mapped[str] = mapped_column(String(64))
+    # No foreign key: tokens reference peers, peers volunteers; this closes no cycle.
+    join_token_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class Peer(Base):
+    """A volunteer's node in one run, identified by its Ed25519 public key.
+
+    The progress columns hold the peer's latest report, so the run's totals are one
+    aggregate over this table rather than a scan of all reports.
+    """
+
+    __tablename__ = "peers"
+    __table_args__ = (
+        UniqueConstraint("run_id", "peer_id", name="uq_peers_run_id_peer_id"),
+        Index("ix_peers_run_id_last_seen_ms", "run_id", "last_seen_ms"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    peer_id: Mapped[str] = mapped_column(String(64))
+    public_key: Mapped[bytes] = mapped_column(LargeBinary(32))
+    volunteer_id: Mapped[int] = mapped_column(ForeignKey("volunteers.id", ondelete="CASCADE"))
+    addresses: Mapped[list[str]] = mapped_column(JSON)
+    client_mode: Mapped[bool] = mapped_column(Boolean, default=False)
+    first_seen_ms: Mapped[int] = mapped_column(BigInteger)
+    last_seen_ms: Mapped[int] = mapped_column(BigInteger)
+    # Latest report (null before the first one).
+    last_report_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    samples: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Samples counted before the peer's counter last went backwards (a restart from zero):
+    # the peer's contribution to the run is samples_base + samples.
+    samples_base: Mapped[int] = mapped_column(BigInteger, default=0)
+    samples_per_second: Mapped[float] = mapped_column(Float, default=0.0)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    group_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+    volunteer: Mapped[Volunteer] = relationship(lazy="joined")
+
+
+class ProgressReport(Base):
+    """One report as a peer sent it: the raw record behind the summaries."""
+
+    __tablename__ = "progress_reports"
+    __table_args__ = (Index("ix_progress_reports_run_id_id", "run_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    peer_id: Mapped[int] = mapped_column(ForeignKey("peers.id", ondelete="CASCADE"), index=True)
+    reported_ms: Mapped[int] = mapped_column(BigInteger)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    samples: Mapped[int] = mapped_column(BigInteger)
+    samples_per_second: Mapped[float] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    group_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class EpochSummary(Base):
+    """Aggregates over all reports of one epoch of one run (updated atomically per batch)."""
+
+    __tablename__ = "epoch_summaries"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    first_report_ms: Mapped[int] = mapped_column(BigInteger)
+    last_report_ms: Mapped[int] = mapped_column(BigInteger)
+    reports: Mapped[int] = mapped_column(BigInteger)
+    loss_sum: Mapped[float] = mapped_column(Float)
+    loss_count: Mapped[int] = mapped_column(BigInteger)
+    max_group_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class ProgressSnapshot(Base):
+    """The run's totals at one instant, taken at most every ``snapshot_interval_s``;
+    the chart history is these rows, downsampled."""
+
+    __tablename__ = "progress_snapshots"
+    __table_args__ = (Index("ix_progress_snapshots_run_id_taken_ms", "run_id", "taken_ms"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    taken_ms: Mapped[int] = mapped_column(BigInteger)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    samples: Mapped[int] = mapped_column(BigInteger)
+    samples_per_second: Mapped[float] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    peers_online: Mapped[int] = mapped_column(Integer)

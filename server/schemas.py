@@ -1,0 +1,226 @@
+"""Request and response bodies of the REST API, kept apart from the ORM classes.
+
+One family per resource: ``XCreate`` (what a client sends to create), ``XUpdate`` (partial
+changes), ``XPublic`` (what the API returns).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from server.models import RunStatus
+
+MAX_INT = 2**62  # fits a signed 64-bit column with room to add
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
+def _check_json_config(value: dict[str, Any]) -> dict[str, Any]:
+    try:
+        text = json.dumps(value, allow_nan=False)
+    except ValueError as exc:
+        raise ValueError("config must be JSON without NaN or Infinity") from exc
+    if "\\u0000" in text:
+        raise ValueError("config must not contain NUL characters")
+    return value
+
+
+Name = Annotated[str, Field(min_length=1, max_length=200), AfterValidator(_no_nul)]
+Label = Annotated[str, Field(max_length=200), AfterValidator(_no_nul)]
+DisplayName = Annotated[str, Field(min_length=1, max_length=64), AfterValidator(_no_nul)]
+Address = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_no_nul)]
+Config = Annotated[dict[str, Any], AfterValidator(_check_json_config)]
+
+
+def decode_public_key(text: str) -> bytes:
+    """Raw 32 bytes of a urlsafe-base64 Ed25519 public key; ``ValueError`` otherwise."""
+    try:
+        raw = base64.urlsafe_b64decode(text.encode("ascii"))
+    except (binascii.Error, UnicodeEncodeError, ValueError) as exc:
+        raise ValueError("public_key must be urlsafe base64") from exc
+    if len(raw) != 32:
+        raise ValueError("public_key must be a 32-byte Ed25519 public key, base64-encoded")
+    return raw
+
+
+def encode_bytes(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode("ascii")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorPublic(BaseModel):
+    detail: Any = Field(description="What went wrong and, where possible, what to do next.")
+
+
+# --------------------------------------------------------------------------- runs
+
+
+class RunCreate(_Body):
+    name: Name
+    task: Name = Field(description="Name of the training task peers should run.")
+    config: Config = Field(default_factory=dict, description="Hyper-parameters, as JSON.")
+
+
+class RunUpdate(_Body):
+    name: Name | None = None
+    status: RunStatus | None = None
+    config: Config | None = None
+
+
+class RunPublic(BaseModel):
+    id: str
+    name: str
+    task: str
+    config: dict[str, Any]
+    status: RunStatus
+    created_at: datetime
+    updated_at: datetime
+    archived_at: datetime | None
+    public_key: str = Field(description="The run authority's Ed25519 public key (base64).")
+
+
+class RunsPublic(BaseModel):
+    runs: list[RunPublic]
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+class TokenCreate(_Body):
+    expires_in_s: float | None = Field(
+        None, gt=0, le=366 * 24 * 3600, description="Lifetime; default from the settings."
+    )
+    max_uses: int | None = Field(None, ge=1, le=10_000_000, description="Default: unlimited.")
+    label: Label | None = None
+
+
+class TokenCreated(BaseModel):
+    id: str
+    token: str = Field(description="The join token. Shown only now; store it safely.")
+    expires_at: datetime | None
+    max_uses: int | None
+    label: str | None
+
+
+class TokenPublic(BaseModel):
+    id: str
+    label: str | None
+    created_at: datetime
+    expires_at: datetime | None
+    max_uses: int | None
+    uses: int
+    revoked_at: datetime | None
+    active: bool
+
+
+class TokensPublic(BaseModel):
+    tokens: list[TokenPublic]
+
+
+# --------------------------------------------------------------------------- peers
+
+
+class JoinRequest(_Body):
+    public_key: str = Field(
+        min_length=1, max_length=64, description="Ed25519 public key, urlsafe base64."
+    )
+    addresses: list[Address] = Field(default_factory=list, max_length=16)
+    client_mode: bool = Field(False, description="True for peers that accept no connections.")
+    display_name: DisplayName | None = None
+
+    @field_validator("public_key")
+    @classmethod
+    def _valid_key(cls, value: str) -> str:
+        decode_public_key(value)
+        return value
+
+
+class BootstrapPeer(BaseModel):
+    peer_id: str
+    addresses: list[str]
+
+
+class JoinResponse(BaseModel):
+    run_id: str
+    peer_id: str
+    peer_token: str = Field(description="Bearer token for this peer's later calls.")
+    certificate: str = Field(description="Run certificate (base64) for the peer library.")
+    certificate_expires_at: datetime
+    run_public_key: str
+    task: str
+    config: dict[str, Any]
+    bootstrap: list[BootstrapPeer]
+
+
+class CertificatePublic(BaseModel):
+    certificate: str
+    certificate_expires_at: datetime
+
+
+class BootstrapPublic(BaseModel):
+    peers: list[BootstrapPeer]
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class ReportCreate(_Body):
+    epoch: int = Field(ge=0, le=MAX_INT)
+    samples: int = Field(
+        ge=0, le=MAX_INT, description="Samples this peer has processed since it joined."
+    )
+    samples_per_second: float = Field(ge=0, le=1e12, allow_inf_nan=False)
+    loss: float | None = Field(None, allow_inf_nan=False, ge=-1e300, le=1e300)
+    group_size: int | None = Field(None, ge=1, le=1_000_000)
+
+
+class ReportAccepted(BaseModel):
+    status: Literal["accepted"] = "accepted"
+
+
+class HistoryPoint(BaseModel):
+    t: datetime
+    epoch: int
+    samples: int
+    samples_per_second: float
+    loss: float | None
+    peers_online: int
+
+
+class EpochPublic(BaseModel):
+    epoch: int
+    started_at: datetime
+    last_report_at: datetime
+    reports: int
+    mean_loss: float | None
+    max_group_size: int | None
+
+
+class ProgressPublic(BaseModel):
+    run_id: str
+    status: RunStatus
+    epoch: int
+    samples: int
+    samples_per_second: float
+    peers_online: int
+    recent_group_sizes: list[int]
+    epochs: list[EpochPublic] = Field(description="The most recent epochs, newest last.")
+    history: list[HistoryPoint] = Field(description="Downsampled history, oldest first.")
+
+
+class HealthPublic(BaseModel):
+    status: Literal["ok"] = "ok"
+    database: Literal["ok"] = "ok"

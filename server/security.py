@@ -1,0 +1,103 @@
+"""Token format and hashing, and encryption of run signing keys at rest.
+
+A token reads ``sg<scope letter>_<id>_<secret>``: the id (16 hex characters, not secret)
+finds the row, then SHA-256 of the secret is compared in constant time with the stored
+hash. The secret has 256 bits of entropy, so a fast unsalted hash is enough (no
+dictionary to attack); only the hash is stored, and the full token is shown exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from server.models import TokenScope
+
+_SCOPE_LETTER = {TokenScope.organizer: "o", TokenScope.join: "j", TokenScope.peer: "p"}
+_LETTER_SCOPE = {letter: scope for scope, letter in _SCOPE_LETTER.items()}
+TOKEN_ID_HEX = 16
+_NONCE_SIZE = 12
+
+
+@dataclass(frozen=True, slots=True)
+class NewToken:
+    """A freshly minted token: give ``plaintext`` to its holder, store the rest."""
+
+    id: str
+    plaintext: str
+    secret_hash: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedToken:
+    scope: TokenScope
+    id: str
+    secret: str
+
+
+def hash_secret(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("utf-8")).digest()
+
+
+def mint_token(scope: TokenScope) -> NewToken:
+    token_id = secrets.token_hex(TOKEN_ID_HEX // 2)
+    secret = secrets.token_urlsafe(32)
+    return NewToken(token_id, f"sg{_SCOPE_LETTER[scope]}_{token_id}_{secret}", hash_secret(secret))
+
+
+def parse_token(text: str) -> ParsedToken | None:
+    """Split a presented token; ``None`` when it cannot be one of ours."""
+    parts = text.split("_", 2)
+    if len(parts) != 3 or len(parts[0]) != 3 or not parts[0].startswith("sg"):
+        return None
+    scope = _LETTER_SCOPE.get(parts[0][2])
+    token_id, secret = parts[1], parts[2]
+    if scope is None or len(token_id) != TOKEN_ID_HEX or not secret or len(secret) > 128:
+        return None
+    return ParsedToken(scope, token_id, secret)
+
+
+def secret_matches(secret: str, stored_hash: bytes) -> bool:
+    return hmac.compare_digest(hash_secret(secret), stored_hash)
+
+
+def constant_time_equals(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode("utf-8"), b.encode("utf-8"))
+
+
+class KeyBox:
+    """AES-256-GCM with a key derived from the server secret by HKDF-SHA256 (RFC 5869).
+
+    ``associated_data`` binds a ciphertext to its row (the run id), so a key copied onto
+    another run does not decrypt.
+    """
+
+    def __init__(self, server_secret: str) -> None:
+        key = HKDF(
+            algorithm=hashes.SHA256(),
+            length=32,
+            salt=b"swarmgrad/keybox/v1",
+            info=b"run-authority-private-key",
+        ).derive(server_secret.encode("utf-8"))
+        self._aead = AESGCM(key)
+
+    def seal(self, plaintext: bytes, associated_data: bytes) -> bytes:
+        nonce = secrets.token_bytes(_NONCE_SIZE)
+        return nonce + self._aead.encrypt(nonce, plaintext, associated_data)
+
+    def open(self, sealed: bytes, associated_data: bytes) -> bytes:
+        """Decrypt; raises ``ValueError`` if the secret changed or the data was altered."""
+        try:
+            return self._aead.decrypt(sealed[:_NONCE_SIZE], sealed[_NONCE_SIZE:], associated_data)
+        except InvalidTag as exc:
+            raise ValueError(
+                "cannot decrypt the run's signing key: SWARMGRAD_SECRET_KEY differs from the "
+                "one the run was created with"
+            ) from exc

@@ -1,0 +1,1 @@
+"""Writes and the queries behind them; routes stay thin and call these."""

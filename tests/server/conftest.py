@@ -1,0 +1,217 @@
+"""Fixtures for coordinator tests: every database test runs on SQLite and on PostgreSQL,
+each test on a fresh database (a new SQLite file, or a new PostgreSQL schema).
+
+PostgreSQL is found at ``SWARMGRAD_TEST_POSTGRES_URL`` (default: the local server, database
+``test``). Without it the PostgreSQL half is skipped — unless ``CI=true``, where its absence
+fails the run, so CI can never pass by skipping.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import os
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from peer.identity import Identity
+from server.app import create_app
+from server.config import Settings
+
+POSTGRES_URL = os.environ.get(
+    "SWARMGRAD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+ADMIN_TOKEN = "test-admin-" + "a" * 40
+SECRET_KEY = "test-secret-" + "s" * 40
+BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+
+
+@functools.cache
+def _postgres_problem() -> str | None:
+    engine = create_engine(POSTGRES_URL, connect_args={"connect_timeout": 3})
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        engine.dispose()
+    return None
+
+
+def require_postgres() -> None:
+    """Skip without PostgreSQL, or fail when ``CI=true``."""
+    problem = _postgres_problem()
+    if problem is None:
+        return
+    where = make_url(POSTGRES_URL).render_as_string(hide_password=True)
+    message = f"PostgreSQL at {where} is unavailable ({problem})"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(message + "; CI=true requires it", pytrace=False)
+    pytest.skip(message)
+
+
+@contextlib.contextmanager
+def fresh_database(backend: str, directory: Path) -> Iterator[str]:
+    """A URL to an empty database of ``backend``, removed afterwards."""
+    if backend == "sqlite":
+        yield f"sqlite:///{directory / 'coordinator.db'}"
+        return
+    require_postgres()
+    schema = f"t_{secrets.token_hex(6)}"
+    admin = create_engine(POSTGRES_URL)
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = make_url(POSTGRES_URL).update_query_dict({"options": f"-csearch_path={schema}"})
+    try:
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture(params=BACKENDS)
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    with fresh_database(request.param, tmp_path) as url:
+        yield url
+
+
+def make_settings(database_url: str, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "environment": "production",
+        "database_url": database_url,
+        "secret_key": SECRET_KEY,
+        "admin_token": ADMIN_TOKEN,
+        "db_pool_size": 4,
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture
+def settings(database_url: str) -> Settings:
+    return make_settings(database_url)
+
+
+@contextlib.asynccontextmanager
+async def running(app: FastAPI) -> AsyncIterator[FastAPI]:
+    """The app with its lifespan running (migrations applied, report buffer started)."""
+    async with app.router.lifespan_context(app):
+        yield app
+
+
+@pytest.fixture
+async def app(settings: Settings) -> AsyncIterator[FastAPI]:
+    async with running(create_app(settings)) as application:
+        yield application
+
+
+def client_for(app: FastAPI) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://coordinator")
+
+
+@pytest.fixture
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with client_for(app) as c:
+        yield c
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+ORGANIZER = bearer(ADMIN_TOKEN)
+
+
+def b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode("ascii")
+
+
+@dataclass
+class JoinedPeer:
+    identity: Identity
+    body: dict[str, Any]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return bearer(self.body["peer_token"])
+
+
+class Api:
+    """Short-hands for the calls most tests make before the one they test."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def create_run(self, name: str = "mnist", **extra: Any) -> dict[str, Any]:
+        response = await self.client.post(
+            "/api/v1/runs", json={"name": name, "task": "mnist-mlp", **extra}, headers=ORGANIZER
+        )
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    async def create_join_token(self, run_id: str, **body: Any) -> dict[str, Any]:
+        response = await self.client.post(
+            f"/api/v1/runs/{run_id}/tokens", json=body, headers=ORGANIZER
+        )
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    async def join(
+        self,
+        run_id: str,
+        join_token: str,
+        identity: Identity | None = None,
+        *,
+        addresses: list[str] | None = None,
+        client_mode: bool = False,
+        display_name: str | None = None,
+        expect: int = 200,
+    ) -> JoinedPeer:
+        identity = identity or Identity()
+        body: dict[str, Any] = {
+            "public_key": b64(identity.public_key),
+            "addresses": addresses
+            if addresses is not None
+            else [f"ws://127.0.0.1:{secrets.randbelow(50000) + 10000}"],
+            "client_mode": client_mode,
+        }
+        if display_name is not None:
+            body["display_name"] = display_name
+        response = await self.client.post(
+            f"/api/v1/runs/{run_id}/join", json=body, headers=bearer(join_token)
+        )
+        assert response.status_code == expect, response.text
+        return JoinedPeer(identity, response.json())
+
+    async def report(self, run_id: str, peer: JoinedPeer, **body: Any) -> httpx.Response:
+        payload = {"epoch": 0, "samples": 0, "samples_per_second": 0.0, **body}
+        return await self.client.post(
+            f"/api/v1/runs/{run_id}/reports", json=payload, headers=peer.headers
+        )
+
+
+@pytest.fixture
+def api(client: httpx.AsyncClient) -> Api:
+    return Api(client)
+
+
+@pytest.fixture
+async def run(api: Api) -> dict[str, Any]:
+    return await api.create_run(config={"lr": 0.1, "target_batch_size": 4096})
+
+
+@pytest.fixture
+async def join_token(api: Api, run: dict[str, Any]) -> str:
+    return (await api.create_join_token(run["id"], label="lab"))["token"]
