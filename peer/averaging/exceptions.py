@@ -1,0 +1,48 @@
+"""Exceptions raised by the averaging package (:mod:`peer.averaging`).
+
+Hierarchy (all under :class:`peer.exceptions.SwarmgradError`)::
+
+    SwarmgradError
+    ├── CompressionError (ValueError)   peer.compression: a compressed tensor that does not decode
+    └── AveragingError                  root of everything raised by peer.averaging
+        └── BadContribution (ValueError) a sender's part has the wrong size, dtype or weight,
+            │                            NaN/Inf values, a duplicate or unknown part index;
+            │                            carries ``sender`` and ``part_index`` so the caller can
+            │                            exclude the offender (``WeightedMeanReducer.exclude``)
+            └── UnexpectedSender         a contribution from a peer that is not a sender
+
+Matchmaking never raises for a remote peer's behaviour: its outcomes are typed values
+(:class:`peer.averaging.matchmaking.Failed` and friends), not exceptions. Caller mistakes (a
+bad argument, an event in a state where it cannot happen) raise ``ValueError``/``TypeError``.
+
+The networked averager (one layer up) adds its own subclasses of :class:`AveragingError`
+(timeouts, a failed round) beside these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from peer.exceptions import SwarmgradError
+
+
+class AveragingError(SwarmgradError):
+    """Root of every error the averaging package raises on purpose."""
+
+
+class BadContribution(AveragingError, ValueError):
+    """A sender's contribution is invalid; exclude ``sender`` from the round.
+
+    The reducer's state is unchanged by the rejected contribution: nothing of it was added.
+    """
+
+    def __init__(self, sender: Hashable, part_index: int | None, reason: str) -> None:
+        self.sender = sender
+        self.part_index = part_index
+        self.reason = reason
+        where = "" if part_index is None else f" in part {part_index}"
+        super().__init__(f"bad contribution from {sender!r}{where}: {reason}")
+
+
+class UnexpectedSender(BadContribution):
+    """A contribution arrived from a peer that is not among the reducer's senders."""

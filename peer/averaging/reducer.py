@@ -1,0 +1,240 @@
+"""The weighted-mean reducer of one reducer's span (butterfly all-reduce), without I/O.
+
+A group member that reduces span ``i`` receives, for each part of that span, one
+contribution ``(weight wⱼ, values xⱼ)`` from every sender ``j`` (itself included) and answers
+every member with ``Σⱼ wⱼ·xⱼ / Σⱼ wⱼ``. :class:`WeightedMeanReducer` is that bookkeeping fed
+one event at a time, sans-I/O style: :meth:`~WeightedMeanReducer.accumulate` and
+:meth:`~WeightedMeanReducer.exclude` return the parts that became final, which the caller
+sends back.
+
+Memory: one preallocated accumulator ``[span numel]`` in the accumulation dtype, written in
+place (``acc += w·x``) as contributions arrive, so reducing overlaps receiving. To drop an
+excluded sender's contribution *exactly* (no floating-point subtraction), the reducer keeps
+a reference to each contribution of a part until that part is final and rebuilds the
+affected accumulators from the survivors'; references are released at finalisation, so
+memory beyond the accumulator is bounded by the contributions of parts still in flight.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from peer.averaging.exceptions import BadContribution, UnexpectedSender
+
+__all__ = ["FinishedPart", "WeightedMeanReducer", "apply_averaging_alpha"]
+
+
+@dataclass(frozen=True)
+class FinishedPart:
+    """A part whose average is final.
+
+    ``average`` is a view of the reducer's accumulator (shape ``[numel]``), valid until the
+    reducer is dropped; ``None`` when no surviving sender had positive weight (everyone was
+    excluded or auxiliary): members then keep their local values for that part.
+    ``senders`` are the senders whose values are in the average.
+    """
+
+    index: int
+    average: torch.Tensor | None
+    total_weight: float
+    senders: frozenset[Hashable]
+
+
+class WeightedMeanReducer:
+    """Σ wᵢ·xᵢ / Σ wᵢ over the senders, part by part, into a preallocated buffer.
+
+    ``part_sizes`` are the element counts of the span's parts (``Partition.part_sizes``);
+    ``senders`` the peers expected to contribute to every part. A part is final once every
+    sender not excluded has contributed to it. A sender with weight 0 (auxiliary) counts as
+    having contributed but adds nothing (its values may be ``None``).
+
+    Errors: a malformed contribution raises :class:`BadContribution` (or
+    :class:`UnexpectedSender`) naming the offender and changes nothing; the caller's next
+    step is ``exclude(err.sender)`` and sending back the parts that returns.
+    """
+
+    def __init__(
+        self,
+        part_sizes: Iterable[int],
+        senders: Iterable[Hashable],
+        dtype: torch.dtype = torch.float32,
+        accumulate_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.part_sizes = tuple(part_sizes)
+        if any(size < 0 for size in self.part_sizes):
+            raise ValueError("part sizes must be non-negative")
+        self.senders = frozenset(senders)
+        if not self.senders:
+            raise ValueError("a reducer needs at least one sender")
+        self.dtype = dtype
+        if accumulate_dtype is None:
+            # half-precision sums lose too much; accumulate those in fp32
+            accumulate_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        self.offsets = [0]
+        for size in self.part_sizes:
+            self.offsets.append(self.offsets[-1] + size)
+        self.buffer = torch.zeros(self.offsets[-1], dtype=accumulate_dtype)  # [span numel]
+        self._weights: dict[Hashable, float] = {}
+        self._total_weight = [0.0] * len(self.part_sizes)
+        # part index → sender → (weight, values) still needed to rebuild after an exclusion
+        self._pending: list[dict[Hashable, tuple[float, torch.Tensor | None]] | None] = [
+            {} for _ in self.part_sizes
+        ]
+        self.excluded: set[Hashable] = set()
+
+    # ---------------------------------------------------------------- queries
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.part_sizes)
+
+    @property
+    def active_senders(self) -> frozenset[Hashable]:
+        return self.senders - self.excluded
+
+    def is_final(self, index: int) -> bool:
+        return self._pending[index] is None
+
+    @property
+    def is_finished(self) -> bool:
+        """Every part is final."""
+        return all(p is None for p in self._pending)
+
+    def waiting_for(self, index: int) -> frozenset[Hashable]:
+        """Senders whose contribution to part ``index`` is still missing."""
+        pending = self._pending[index]
+        if pending is None:
+            return frozenset()
+        return self.active_senders - pending.keys()
+
+    def part_view(self, index: int) -> torch.Tensor:
+        return self.buffer[self.offsets[index] : self.offsets[index + 1]]
+
+    # ----------------------------------------------------------------- events
+
+    def accumulate(
+        self, sender: Hashable, index: int, values: torch.Tensor | None, weight: float = 1.0
+    ) -> list[FinishedPart]:
+        """Add ``weight · values`` from ``sender`` to part ``index``; return parts now final.
+
+        ``values`` has shape ``[part_sizes[index]]`` and dtype :attr:`dtype`, all finite.
+        A contribution from an excluded sender (late arrival) is ignored. Raises
+        :class:`BadContribution` for a duplicate, an unknown part, a bad weight (negative,
+        non-finite or different from the sender's earlier parts), shape, dtype or NaN/Inf.
+        """
+        if sender not in self.senders:
+            raise UnexpectedSender(sender, index, "not a sender of this reducer")
+        if sender in self.excluded:
+            return []
+        if not isinstance(index, int) or not 0 <= index < len(self.part_sizes):
+            raise BadContribution(sender, None, f"no part {index!r} in this span")
+        pending = self._pending[index]
+        if pending is None or sender in pending:
+            raise BadContribution(sender, index, "duplicate contribution")
+        weight = self._check_weight(sender, index, weight)
+        if values is not None or weight > 0:
+            self._check_values(sender, index, values)
+        pending[sender] = (weight, values)
+        if weight > 0:
+            self.part_view(index).add_(values, alpha=weight)  # type: ignore[arg-type]
+            self._total_weight[index] += weight
+        return self._finalise_ready([index])
+
+    def exclude(self, sender: Hashable) -> list[FinishedPart]:
+        """Stop waiting for ``sender``; drop its contributions to parts not yet final.
+
+        Parts it contributed to that are already final keep its values. Returns the parts
+        that became final because they were only waiting for this sender. Idempotent.
+        """
+        if sender not in self.senders:
+            raise ValueError(f"{sender!r} is not a sender of this reducer")
+        if sender in self.excluded:
+            return []
+        self.excluded.add(sender)
+        touched = []
+        for index, pending in enumerate(self._pending):
+            if pending is None:
+                continue
+            touched.append(index)
+            if sender in pending:
+                del pending[sender]
+                self._rebuild(index, pending)
+        return self._finalise_ready(touched)
+
+    # -------------------------------------------------------------- internals
+
+    def _rebuild(
+        self, index: int, pending: dict[Hashable, tuple[float, torch.Tensor | None]]
+    ) -> None:
+        # recompute from the survivors instead of subtracting: exact, and cheap (one part)
+        view = self.part_view(index).zero_()
+        total = 0.0
+        for weight, values in pending.values():
+            if weight > 0:
+                view.add_(values, alpha=weight)  # type: ignore[arg-type]
+                total += weight
+        self._total_weight[index] = total
+
+    def _finalise_ready(self, indices: Iterable[int]) -> list[FinishedPart]:
+        done = []
+        active = self.active_senders
+        for index in indices:
+            pending = self._pending[index]
+            if pending is None or not active <= pending.keys():
+                continue
+            total = self._total_weight[index]
+            average: torch.Tensor | None = None
+            if total > 0:
+                average = self.part_view(index).div_(total)
+            contributors = frozenset(s for s, (w, _) in pending.items() if w > 0)
+            self._pending[index] = None  # releases the retained contributions
+            done.append(FinishedPart(index, average, total, contributors))
+        return done
+
+    def _check_weight(self, sender: Hashable, index: int, weight: float) -> float:
+        try:
+            weight = float(weight)
+        except (TypeError, ValueError):
+            raise BadContribution(sender, index, f"weight {weight!r} is not a number") from None
+        if not math.isfinite(weight) or weight < 0:
+            raise BadContribution(sender, index, f"weight {weight} must be finite and >= 0")
+        previous = self._weights.setdefault(sender, weight)
+        if previous != weight:
+            raise BadContribution(sender, index, f"weight {weight} differs from earlier {previous}")
+        return weight
+
+    def _check_values(self, sender: Hashable, index: int, values: torch.Tensor | None) -> None:
+        if not isinstance(values, torch.Tensor):
+            raise BadContribution(sender, index, "values missing")
+        if values.shape != (self.part_sizes[index],):
+            raise BadContribution(
+                sender, index, f"shape {list(values.shape)}, expected [{self.part_sizes[index]}]"
+            )
+        if values.dtype != self.dtype:
+            raise BadContribution(sender, index, f"dtype {values.dtype}, expected {self.dtype}")
+        if values.numel() and not bool(torch.isfinite(values).all()):
+            raise BadContribution(sender, index, "NaN or Inf values")
+
+
+def apply_averaging_alpha(
+    local: torch.Tensor, average: torch.Tensor, alpha: float = 1.0
+) -> torch.Tensor:
+    """Move ``local`` toward ``average`` in place: ``local += alpha · (average - local)``.
+
+    ``alpha=1`` replaces ``local`` by the average exactly (hivemind's ``averaging_alpha``);
+    smaller values give a damped, exponential-moving-average update. Returns ``local``.
+    """
+    if not 0.0 <= alpha <= 1.0 or math.isnan(alpha):
+        raise ValueError(f"averaging_alpha must be in [0, 1], got {alpha}")
+    with torch.no_grad():
+        if alpha == 1.0:
+            return local.copy_(average)
+        if alpha == 0.0:
+            return local
+        if local.dtype == average.dtype:
+            return local.lerp_(average, alpha)
+        return local.lerp_(average.to(local.dtype), alpha)
