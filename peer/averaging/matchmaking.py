@@ -1,0 +1,735 @@
+"""Matchmaking into averaging groups: a state machine without I/O.
+
+One :class:`Matchmaker` per peer. The networked averager feeds it events — its own step
+beginning (:meth:`~Matchmaker.start`), declarations seen in gossip, join requests and
+responses, notices from leaders and followers, timer ticks, cancellation — and executes the
+commands each call returns, *in order*: publish or retract a :class:`Declaration`, send a
+:class:`JoinRequest`, :class:`Reply` to a request, :class:`Notify` a peer, and finally
+:class:`BeginAllreduce` with a :class:`GroupInfo` or :class:`Failed` with a reason. Time is
+only ever an argument (``now``); :meth:`~Matchmaker.next_wakeup` says when to call
+:meth:`~Matchmaker.tick`.
+
+Why it cannot deadlock
+----------------------
+Every declaration of intent to average has a place in one total order,
+``Declaration.order_key = (start_time, peer_id)`` — the same on every peer, because both
+fields are chosen by the declaring peer and carried verbatim (clock skew changes where a
+peer lands in the order, never whether peers agree on it). The rules:
+
+1. A peer sends a join request only to a leader whose declaration *precedes* its own
+   (:meth:`Matchmaker._viable`); a leader refuses a request from a peer that does not come
+   after it (``RefuseReason.WRONG_ORDER``), so a buggy peer cannot break the rule either.
+2. A peer waits on at most one other peer: the leader it is REQUESTING or FOLLOWING
+   (:meth:`Matchmaker.waiting_on`). While it does, it answers every join request to itself
+   at once with a redirect to that leader (which precedes the requester too, by
+   transitivity) — it never accepts followers and never lets a requester wait on it.
+3. Every request is answered immediately by the handler (:meth:`Matchmaker.on_join_request`
+   returns its :class:`Reply`); no answer waits for another peer's action.
+4. A leader never waits on its followers: it assembles on its own (full group, or its start
+   time reached with at least ``min_group_size``) and tells them; nothing is acknowledged.
+
+So every edge of the waits-for graph goes from a declaration to a strictly earlier one:
+the graph is acyclic and no deadlock can form. Timeouts remain only for peers that die or
+stall (a request unanswered after ``request_timeout``; a leader silent ``assembly_grace``
+after its declared deadline, or whose connection the I/O layer reports lost), and for the
+caller's overall ``deadline``.
+
+Client-mode peers (they cannot accept connections) never lead and are never requested;
+nothing can wait on them, so they may ask any leader regardless of order, and leaders accept
+them regardless of order.
+
+Other guarantees read off the code
+----------------------------------
+* A peer is in at most one group per attempt: it emits at most one :class:`BeginAllreduce`,
+  after which it refuses every request; it leads or follows, never both (accepted by a
+  leader, it first redirects its own followers there with :class:`GroupDisbanded`).
+* Group size stays within ``[min_group_size, target_group_size]``: the leader counts.
+* Different ``group_key`` or ``schema_hash`` (shapes, dtypes, compression) never share a
+  group: leaders refuse such requests and peers never ask such leaders.
+* A follower whose leader refuses, disbands, times out or dies moves on to the next
+  viable leader in order, or leads itself. A peer that abandons a leader sends it
+  :class:`LeaveGroup`, so a late acceptance does not leave it listed. One race remains:
+  if the leader assembles before the notice arrives, its :class:`GroupInfo` names a member
+  that will not come; the all-reduce layer must exclude it (it refuses traffic for a group
+  id it never began), exactly as it excludes a member that crashes.
+
+Clock skew: decisions by *order* (who leads) need no synchronised clocks. One decision
+compares another peer's declared time with the local clock: a follower gives up on a silent
+leader ``assembly_grace`` (default: ``request_timeout``) after that leader's declared
+``deadline`` (a live leader assembles or disbands before it); that tolerates skew up to
+``assembly_grace``. A leader that is alive but short of ``min_group_size`` keeps its
+followers until then, so a late peer can still complete the group. Old
+declarations are not filtered by time (a lone leader past its start time still takes late
+followers until its deadline); gossip expiry (``Publish.expires_at``), :meth:`Matchmaker.forget`
+and request timeouts remove dead ones.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from dataclasses import dataclass, field, replace
+
+__all__ = [
+    "BeginAllreduce",
+    "Command",
+    "Declaration",
+    "Failed",
+    "FailureReason",
+    "GroupAssembled",
+    "GroupDisbanded",
+    "GroupInfo",
+    "JoinRequest",
+    "JoinResponse",
+    "LeaveGroup",
+    "MatchState",
+    "Matchmaker",
+    "MatchmakingConfig",
+    "Notify",
+    "Publish",
+    "RefuseReason",
+    "Reply",
+    "ResponseStatus",
+    "Retract",
+    "SendRequest",
+]
+
+PeerID = str
+
+
+# ------------------------------------------------------------------ configuration
+
+
+@dataclass(frozen=True)
+class MatchmakingConfig:
+    """Matchmaking options (seed names: hivemind's ``DecentralizedAverager``).
+
+    ``target_group_size=None`` means no upper bound. ``assembly_grace`` (default
+    ``request_timeout``) is how long past a leader's start time a follower keeps waiting.
+    """
+
+    target_group_size: int | None = None
+    min_group_size: int = 2
+    min_matchmaking_time: float = 5.0
+    request_timeout: float = 3.0
+    assembly_grace: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_group_size < 1:
+            raise ValueError("min_group_size must be at least 1")
+        if self.target_group_size is not None and self.target_group_size < self.min_group_size:
+            raise ValueError("target_group_size must be >= min_group_size")
+        if self.min_matchmaking_time < 0 or self.request_timeout <= 0:
+            raise ValueError("min_matchmaking_time must be >= 0 and request_timeout > 0")
+        if self.assembly_grace is not None and self.assembly_grace < 0:
+            raise ValueError("assembly_grace must be >= 0")
+
+    @property
+    def grace(self) -> float:
+        return self.request_timeout if self.assembly_grace is None else self.assembly_grace
+
+
+# -------------------------------------------------------------- messages (wire)
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """A peer's intent to average, spread by gossip under ``group_key``.
+
+    ``revision`` grows each time the peer becomes free to lead again (after a failed attempt
+    to join someone), so peers that had given up on it try it again; it is not part of the
+    order.
+    """
+
+    group_key: str
+    peer_id: PeerID
+    start_time: float
+    schema_hash: bytes
+    client_mode: bool = False
+    revision: int = 0
+    deadline: float = math.inf  # the peer gives up (and disbands its followers) by then
+
+    @property
+    def order_key(self) -> tuple[float, PeerID]:
+        """Position in the one total order that makes matchmaking deadlock-free."""
+        return (self.start_time, self.peer_id)
+
+    def precedes(self, other: Declaration) -> bool:
+        return self.order_key < other.order_key
+
+    def compatible(self, other: Declaration) -> bool:
+        """Same group key and tensor schema: allowed to share a group."""
+        return self.group_key == other.group_key and self.schema_hash == other.schema_hash
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """Follower → leader: "let me join"; ``metadata`` is gathered into :class:`GroupInfo`."""
+
+    requester: Declaration
+    leader_id: PeerID
+    metadata: bytes = b""
+
+
+class ResponseStatus(enum.Enum):
+    ACCEPTED = "accepted"
+    REFUSED = "refused"
+    REDIRECT = "redirect"
+
+
+class RefuseReason(enum.Enum):
+    NOT_LOOKING = "not_looking"  # idle, failed, or not matchmaking for this step
+    BUSY = "busy"  # already in a group
+    FULL = "full"
+    WRONG_KEY = "wrong_key"
+    WRONG_SCHEMA = "wrong_schema"
+    WRONG_ORDER = "wrong_order"  # the requester does not come after this leader
+    CLIENT_MODE = "client_mode"  # client-mode peers never lead
+
+
+@dataclass(frozen=True)
+class JoinResponse:
+    """Leader → follower answer to a :class:`JoinRequest` (sent at once, never deferred)."""
+
+    leader_id: PeerID
+    status: ResponseStatus
+    reason: RefuseReason | None = None
+    redirect_to: Declaration | None = None
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """An assembled group (hivemind's ``GroupInfo`` plus gathered metadata).
+
+    ``peer_ids`` are ordered leader first, then by declaration order; that order assigns
+    reducer spans. ``gathered[i]`` and ``client_mode[i]`` belong to ``peer_ids[i]``.
+    """
+
+    group_id: bytes
+    group_key: str
+    leader: PeerID
+    peer_ids: tuple[PeerID, ...]
+    gathered: tuple[bytes, ...]
+    client_mode: tuple[bool, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.peer_ids)
+
+    def index_of(self, peer_id: PeerID) -> int:
+        return self.peer_ids.index(peer_id)
+
+
+@dataclass(frozen=True)
+class GroupAssembled:
+    """Leader → each follower: the group is final; begin all-reduce."""
+
+    group: GroupInfo
+
+
+@dataclass(frozen=True)
+class GroupDisbanded:
+    """Leader → its followers: it will not lead; go to ``redirect_to`` if given."""
+
+    leader_id: PeerID
+    redirect_to: Declaration | None = None
+
+
+@dataclass(frozen=True)
+class LeaveGroup:
+    """Follower (or requester) → leader: drop me, I no longer wait for you."""
+
+    follower_id: PeerID
+    leader_id: PeerID
+
+
+Notice = GroupAssembled | GroupDisbanded | LeaveGroup
+
+
+# ----------------------------------------------------------------- commands (out)
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Put (or replace) this declaration in gossip; keep it until ``expires_at`` or retracted."""
+
+    declaration: Declaration
+    expires_at: float | None
+
+
+@dataclass(frozen=True)
+class Retract:
+    """Remove this declaration from gossip (or let it expire early)."""
+
+    declaration: Declaration
+
+
+@dataclass(frozen=True)
+class SendRequest:
+    """Send ``request`` to ``to``; feed the answer to :meth:`Matchmaker.on_join_response`,
+    or a connection failure to :meth:`Matchmaker.on_request_failed`."""
+
+    to: PeerID
+    request: JoinRequest
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Answer the join request received from ``to`` with ``response``."""
+
+    to: PeerID
+    response: JoinResponse
+
+
+@dataclass(frozen=True)
+class Notify:
+    """Send a one-way notice; deliver it at ``to`` with :meth:`Matchmaker.on_notice`."""
+
+    to: PeerID
+    message: Notice
+
+
+@dataclass(frozen=True)
+class BeginAllreduce:
+    """Terminal success of this attempt: run the all-reduce with ``group``."""
+
+    group: GroupInfo
+
+
+class FailureReason(enum.Enum):
+    DEADLINE = "deadline"  # no group of at least min_group_size before the deadline
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Terminal failure of this attempt."""
+
+    reason: FailureReason
+    detail: str = ""
+
+
+Command = Publish | Retract | SendRequest | Reply | Notify | BeginAllreduce | Failed
+
+
+class MatchState(enum.Enum):
+    IDLE = "idle"  # no attempt yet; refuses requests
+    LOOKING = "looking"  # leads (may have followers); seeks an earlier leader to join
+    REQUESTING = "requesting"  # a join request to an earlier leader is in flight
+    FOLLOWING = "following"  # accepted by a leader; waiting for it to assemble
+    GROUPED = "grouped"  # terminal: BeginAllreduce emitted
+    FAILED = "failed"  # terminal: Failed emitted
+
+
+_ACTIVE = (MatchState.LOOKING, MatchState.REQUESTING, MatchState.FOLLOWING)
+
+
+@dataclass
+class _Follower:
+    declaration: Declaration
+    metadata: bytes
+
+
+@dataclass
+class _Attempt:
+    """Per-attempt state (reset by :meth:`Matchmaker.start`)."""
+
+    declaration: Declaration
+    metadata: bytes
+    deadline: float
+    leader: Declaration | None = None  # the peer waited on (REQUESTING / FOLLOWING)
+    since: float = 0.0  # when the request was sent / acceptance arrived
+    # declaration (by order key) → the revision of it this peer gave up on
+    tried: dict[tuple[float, PeerID], int] = field(default_factory=dict)
+    followers: dict[PeerID, _Follower] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------- machine
+
+
+class Matchmaker:
+    """The matchmaking state machine of one peer; see the module docstring for the rules.
+
+    Every event method takes ``now`` (seconds, the caller's clock; non-decreasing) and
+    returns the list of commands to execute in order. Events that do not apply in the
+    current state (a stale response, a notice from a peer left behind) are ignored, never
+    errors: remote peers are not trusted to be in sync.
+    """
+
+    def __init__(self, peer_id: PeerID, config: MatchmakingConfig | None = None) -> None:
+        self.peer_id = peer_id
+        self.config = config or MatchmakingConfig()
+        self.state = MatchState.IDLE
+        self.known: dict[PeerID, Declaration] = {}  # latest declaration seen per peer
+        self.group: GroupInfo | None = None  # set when GROUPED
+        self._attempt: _Attempt | None = None
+        self._now = -math.inf
+        self._assembled = 0  # attempts counter, salts group ids
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def declaration(self) -> Declaration | None:
+        return self._attempt.declaration if self._attempt else None
+
+    @property
+    def followers(self) -> tuple[PeerID, ...]:
+        return tuple(self._attempt.followers) if self._attempt else ()
+
+    def waiting_on(self) -> PeerID | None:
+        """The one peer this machine waits on (its edge in the waits-for graph), if any."""
+        if self.state in (MatchState.REQUESTING, MatchState.FOLLOWING):
+            assert self._attempt is not None and self._attempt.leader is not None
+            return self._attempt.leader.peer_id
+        return None
+
+    def next_wakeup(self) -> float | None:
+        """When to call :meth:`tick` next (absolute, caller's clock), or ``None``."""
+        a = self._attempt
+        if a is None or self.state not in _ACTIVE:
+            return None
+        times = [a.deadline]
+        if self.state is MatchState.LOOKING and a.declaration.start_time > self._now:
+            times.append(a.declaration.start_time)  # may assemble then
+        elif self.state is MatchState.REQUESTING:
+            times.append(a.since + self.config.request_timeout)
+        elif self.state is MatchState.FOLLOWING:
+            times.append(self._follow_deadline())
+        finite = [t for t in times if math.isfinite(t)]
+        return min(finite) if finite else None
+
+    # ------------------------------------------------------------- events
+
+    def start(
+        self,
+        now: float,
+        *,
+        group_key: str,
+        schema_hash: bytes,
+        metadata: bytes = b"",
+        scheduled_time: float | None = None,
+        deadline: float | None = None,
+        client_mode: bool = False,
+    ) -> list[Command]:
+        """Begin an attempt: declare, then lead or seek an earlier leader.
+
+        The declared start time is ``max(now + min_matchmaking_time, scheduled_time)``; a
+        leader assembles then (or earlier when full). ``deadline`` (absolute; None = none)
+        bounds the whole attempt. Raises ``ValueError`` if an attempt is already running.
+        """
+        if self.state in _ACTIVE:
+            raise ValueError("a matchmaking attempt is already running; cancel it first")
+        self._tick_clock(now)
+        start_time = now + self.config.min_matchmaking_time
+        if scheduled_time is not None:
+            start_time = max(start_time, scheduled_time)
+        deadline = math.inf if deadline is None else deadline
+        if deadline < start_time:
+            # the caller allows less time than matchmaking needs: assemble by the deadline
+            start_time = max(now, deadline)
+        declaration = Declaration(
+            group_key, self.peer_id, start_time, schema_hash, client_mode, deadline=deadline
+        )
+        self._attempt = _Attempt(declaration, metadata, deadline)
+        self.group = None
+        self.state = MatchState.LOOKING
+        out: list[Command] = []
+        if not client_mode:  # nobody may ask a client to lead
+            out.append(Publish(declaration, None if math.isinf(deadline) else deadline))
+        return out + self._progress(now)
+
+    def on_declaration(self, now: float, declaration: Declaration) -> list[Command]:
+        """A declaration seen in gossip (new, or a newer revision)."""
+        self._tick_clock(now)
+        if declaration.peer_id == self.peer_id:
+            return []
+        previous = self.known.get(declaration.peer_id)
+        if (
+            previous is not None
+            and previous.order_key == declaration.order_key
+            and previous.revision >= declaration.revision
+        ):
+            return []  # nothing new (gossip may deliver old revisions late)
+        self.known[declaration.peer_id] = declaration
+        return self._progress(now) if self.state is MatchState.LOOKING else []
+
+    def forget(self, peer_id: PeerID) -> None:
+        """Drop a peer's declaration (retracted from gossip, or the peer left)."""
+        self.known.pop(peer_id, None)
+
+    def on_join_request(self, now: float, request: JoinRequest) -> list[Command]:
+        """A join request from ``request.requester``; the result always holds one :class:`Reply`."""
+        self._tick_clock(now)
+        requester = request.requester
+        to = requester.peer_id
+        a = self._attempt
+
+        def refuse(reason: RefuseReason) -> list[Command]:
+            return [Reply(to, JoinResponse(self.peer_id, ResponseStatus.REFUSED, reason))]
+
+        if a is None or self.state in (MatchState.IDLE, MatchState.FAILED):
+            return refuse(RefuseReason.NOT_LOOKING)
+        if self.state is MatchState.GROUPED:
+            return refuse(RefuseReason.BUSY)
+        me = a.declaration
+        if requester.group_key != me.group_key:
+            return refuse(RefuseReason.WRONG_KEY)
+        if requester.schema_hash != me.schema_hash:
+            return refuse(RefuseReason.WRONG_SCHEMA)
+        if me.client_mode:
+            return refuse(RefuseReason.CLIENT_MODE)
+        if not requester.client_mode and not me.precedes(requester):
+            return refuse(RefuseReason.WRONG_ORDER)
+        if self.state in (MatchState.REQUESTING, MatchState.FOLLOWING):
+            # rule 2: never let anyone wait on a peer that waits; point it further down
+            assert a.leader is not None
+            return [
+                Reply(to, JoinResponse(self.peer_id, ResponseStatus.REDIRECT, redirect_to=a.leader))
+            ]
+        # LOOKING: lead
+        if to not in a.followers and self._is_full():
+            return refuse(RefuseReason.FULL)
+        a.followers[to] = _Follower(requester, request.metadata)
+        out: list[Command] = [Reply(to, JoinResponse(self.peer_id, ResponseStatus.ACCEPTED))]
+        return out + self._progress(now)
+
+    def on_join_response(self, now: float, sender: PeerID, response: JoinResponse) -> list[Command]:
+        """The answer to a :class:`SendRequest` we issued to ``sender``."""
+        self._tick_clock(now)
+        a = self._attempt
+        current = self.state is MatchState.REQUESTING and a is not None and a.leader is not None
+        if not current or a.leader.peer_id != sender:  # type: ignore[union-attr]
+            # a late answer from a leader we gave up on: if it took us, tell it we left
+            in_its_group = self.group is not None and self.group.leader == sender
+            if response.status is ResponseStatus.ACCEPTED and not in_its_group:
+                return [Notify(sender, LeaveGroup(self.peer_id, sender))]
+            return []
+        assert a is not None and a.leader is not None
+        leader = a.leader
+        if response.status is ResponseStatus.ACCEPTED:
+            out: list[Command] = [
+                Notify(f, GroupDisbanded(self.peer_id, redirect_to=leader)) for f in a.followers
+            ]
+            a.followers.clear()
+            a.since = now
+            self.state = MatchState.FOLLOWING
+            return out
+        self._give_up_on(leader)
+        self.state = MatchState.LOOKING
+        if response.status is ResponseStatus.REDIRECT and response.redirect_to is not None:
+            target = response.redirect_to
+            if self._viable(target, now):
+                self.known.setdefault(target.peer_id, target)
+                return self._request(now, target)
+        return self._progress(now)
+
+    def on_request_failed(self, now: float, peer_id: PeerID) -> list[Command]:
+        """A :class:`SendRequest` to ``peer_id`` could not be delivered or answered."""
+        self._tick_clock(now)
+        if self.waiting_on() != peer_id or self.state is not MatchState.REQUESTING:
+            return []
+        assert self._attempt is not None and self._attempt.leader is not None
+        self._give_up_on(self._attempt.leader)
+        self.state = MatchState.LOOKING
+        return self._progress(now)
+
+    def on_peer_lost(self, now: float, peer_id: PeerID) -> list[Command]:
+        """The connection to ``peer_id`` broke: stop waiting on it / drop it as a follower."""
+        self._tick_clock(now)
+        a = self._attempt
+        if a is None or self.state not in _ACTIVE:
+            return []
+        a.followers.pop(peer_id, None)
+        if self.waiting_on() != peer_id:
+            return []
+        assert a.leader is not None
+        self._give_up_on(a.leader)
+        self.state = MatchState.LOOKING
+        return self._progress(now)
+
+    def on_notice(self, now: float, sender: PeerID, message: Notice) -> list[Command]:
+        """A one-way notice from another peer's matchmaker."""
+        self._tick_clock(now)
+        a = self._attempt
+        if a is None or self.state not in _ACTIVE:
+            return []
+        if isinstance(message, LeaveGroup):
+            if message.follower_id == sender:
+                a.followers.pop(sender, None)
+            return []
+        # from the leader we follow -- or the one we asked: its notice may overtake its reply
+        waiting = self.state in (MatchState.REQUESTING, MatchState.FOLLOWING)
+        if not waiting or a.leader is None or a.leader.peer_id != sender:
+            return []  # stale
+        if isinstance(message, GroupAssembled):
+            group = message.group
+            if (
+                group.leader == sender
+                and self.peer_id in group.peer_ids
+                and group.group_key == a.declaration.group_key
+            ):
+                # (if the notice overtook the acceptance, our followers still wait on us)
+                out: list[Command] = [
+                    Notify(f, GroupDisbanded(self.peer_id, redirect_to=a.leader))
+                    for f in a.followers
+                ]
+                a.followers.clear()
+                self.group = group
+                self.state = MatchState.GROUPED
+                return [*out, Retract(a.declaration), BeginAllreduce(group)]
+            self._give_up_on(a.leader)  # assembled without us
+            self.state = MatchState.LOOKING
+            return self._progress(now)
+        if isinstance(message, GroupDisbanded):
+            self._give_up_on(a.leader)
+            self.state = MatchState.LOOKING
+            target = message.redirect_to
+            if target is not None and self._viable(target, now):
+                self.known.setdefault(target.peer_id, target)
+                return self._request(now, target)
+            return self._progress(now)
+        raise TypeError(f"unknown notice {type(message).__name__}")
+
+    def tick(self, now: float) -> list[Command]:
+        """Timers: the deadline, an unanswered request, a silent leader, the start time."""
+        self._tick_clock(now)
+        a = self._attempt
+        if a is None or self.state not in _ACTIVE:
+            return []
+        if now >= a.deadline:
+            return self._stop(FailureReason.DEADLINE, "no group before the deadline")
+        if self.state is MatchState.REQUESTING and now >= a.since + self.config.request_timeout:
+            assert a.leader is not None
+            leader = a.leader
+            self._give_up_on(leader)
+            self.state = MatchState.LOOKING
+            return [
+                Notify(leader.peer_id, LeaveGroup(self.peer_id, leader.peer_id)),
+                *self._progress(now),
+            ]
+        if self.state is MatchState.FOLLOWING and now >= self._follow_deadline():
+            assert a.leader is not None
+            leader = a.leader
+            self._give_up_on(leader)
+            self.state = MatchState.LOOKING
+            return [
+                Notify(leader.peer_id, LeaveGroup(self.peer_id, leader.peer_id)),
+                *self._progress(now),
+            ]
+        if self.state is MatchState.LOOKING:
+            return self._progress(now)
+        return []
+
+    def cancel(self, now: float, detail: str = "cancelled by the caller") -> list[Command]:
+        """The local step was cancelled: release followers and leader, then fail."""
+        self._tick_clock(now)
+        if self.state not in _ACTIVE:
+            return []
+        return self._stop(FailureReason.CANCELLED, detail)
+
+    # ---------------------------------------------------------- internals
+
+    def _tick_clock(self, now: float) -> None:
+        self._now = max(self._now, now)
+
+    def _follow_deadline(self) -> float:
+        # a live leader assembles or disbands us by its own deadline; only a dead or
+        # stalled one makes us wait that long (the I/O layer reports lost connections
+        # sooner through on_peer_lost)
+        a = self._attempt
+        assert a is not None and a.leader is not None
+        return max(a.leader.deadline, a.since) + self.config.grace
+
+    def _is_full(self) -> bool:
+        target = self.config.target_group_size
+        return target is not None and 1 + len(self._attempt.followers) >= target  # type: ignore[union-attr]
+
+    def _give_up_on(self, leader: Declaration) -> None:
+        assert self._attempt is not None
+        # the revision we asked, not the newest known: if the peer has led again since
+        # (a newer revision reached us meanwhile), it is worth asking again
+        tried = self._attempt.tried
+        tried[leader.order_key] = max(tried.get(leader.order_key, -1), leader.revision)
+
+    def _viable(self, other: Declaration, now: float) -> bool:
+        """May this peer ask ``other`` to lead it? (rule 1 and compatibility)"""
+        a = self._attempt
+        assert a is not None
+        me = a.declaration
+        if other.peer_id == self.peer_id or other.client_mode or not me.compatible(other):
+            return False
+        if not me.client_mode and not other.precedes(me):
+            return False
+        # a newer revision means the peer leads again after a failed attempt to follow
+        return a.tried.get(other.order_key, -1) < other.revision
+
+    def _request(self, now: float, leader: Declaration) -> list[Command]:
+        a = self._attempt
+        assert a is not None
+        a.leader = leader
+        a.since = now
+        self.state = MatchState.REQUESTING
+        return [SendRequest(leader.peer_id, JoinRequest(a.declaration, leader.peer_id, a.metadata))]
+
+    def _progress(self, now: float) -> list[Command]:
+        """In LOOKING: fail at the deadline, assemble if ready, else ask the earliest leader."""
+        a = self._attempt
+        assert a is not None and self.state is MatchState.LOOKING
+        if now >= a.deadline:
+            return self._stop(FailureReason.DEADLINE, "no group before the deadline")
+        out: list[Command] = []
+        if a.leader is not None:
+            # back to leading after an attempt to follow failed: let peers that gave up on
+            # us try again (rule 1 still holds: only later peers may ask us)
+            a.leader = None
+            if not a.declaration.client_mode:
+                a.declaration = replace(a.declaration, revision=a.declaration.revision + 1)
+                out.append(Publish(a.declaration, None if math.isinf(a.deadline) else a.deadline))
+        size = 1 + len(a.followers)
+        if not a.declaration.client_mode and (
+            self._is_full()
+            or (now >= a.declaration.start_time and size >= self.config.min_group_size)
+        ):
+            return out + self._assemble(now)
+        candidates = [d for d in self.known.values() if self._viable(d, now)]
+        if candidates:
+            return out + self._request(now, min(candidates, key=lambda d: d.order_key))
+        return out
+
+    def _assemble(self, now: float) -> list[Command]:
+        a = self._attempt
+        assert a is not None
+        me = a.declaration
+        followers = sorted(a.followers.values(), key=lambda f: f.declaration.order_key)
+        peer_ids = (self.peer_id, *(f.declaration.peer_id for f in followers))
+        self._assembled += 1
+        digest = hashlib.sha256(
+            f"{self.peer_id}|{me.start_time!r}|{self._assembled}|{','.join(peer_ids)}".encode()
+        ).digest()
+        group = GroupInfo(
+            group_id=digest[:16],
+            group_key=me.group_key,
+            leader=self.peer_id,
+            peer_ids=peer_ids,
+            gathered=(a.metadata, *(f.metadata for f in followers)),
+            client_mode=(me.client_mode, *(f.declaration.client_mode for f in followers)),
+        )
+        self.group = group
+        self.state = MatchState.GROUPED
+        out: list[Command] = [
+            Notify(f.declaration.peer_id, GroupAssembled(group)) for f in followers
+        ]
+        return [*out, Retract(me), BeginAllreduce(group)]
+
+    def _stop(self, reason: FailureReason, detail: str) -> list[Command]:
+        a = self._attempt
+        assert a is not None
+        out: list[Command] = [Notify(f, GroupDisbanded(self.peer_id)) for f in a.followers]
+        a.followers.clear()
+        if self.state in (MatchState.REQUESTING, MatchState.FOLLOWING) and a.leader is not None:
+            out.append(Notify(a.leader.peer_id, LeaveGroup(self.peer_id, a.leader.peer_id)))
+        if not a.declaration.client_mode:
+            out.append(Retract(a.declaration))
+        self.state = MatchState.FAILED
+        return [*out, Failed(reason, detail)]
