@@ -170,6 +170,25 @@ class CertificatePublic(BaseModel):
     certificate_expires_at: datetime
 
 
+class PeerPublic(BaseModel):
+    peer_id: str
+    display_name: str
+    addresses: list[str]
+    client_mode: bool
+    online: bool
+    first_seen_at: datetime
+    last_seen_at: datetime
+    last_report_at: datetime | None
+    epoch: int
+    samples: int
+    samples_per_second: float
+    loss: float | None
+
+
+class PeersPublic(BaseModel):
+    peers: list[PeerPublic]
+
+
 class BootstrapPublic(BaseModel):
     peers: list[BootstrapPeer]
 

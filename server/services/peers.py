@@ -150,3 +150,11 @@ def sample_live_peers(
         .limit(limit)
     )
     return [peer for peer in session.scalars(query) if peer.addresses]
+
+
+def list_peers(session: Session, run_id: str) -> list[Peer]:
+    return list(
+        session.scalars(
+            select(Peer).where(Peer.run_id == run_id).order_by(Peer.first_seen_ms, Peer.id)
+        )
+    )

@@ -7,6 +7,7 @@ from fastapi import APIRouter, status
 
 from server.api.deps import (
     CurrentJoiner,
+    CurrentOrganizer,
     CurrentPeer,
     KeyBoxDep,
     ReportBufferDep,
@@ -14,7 +15,7 @@ from server.api.deps import (
     SessionDep,
     SettingsDep,
 )
-from server.clock import now_ms
+from server.clock import ms_to_datetime, now_ms
 from server.exceptions import Conflict
 from server.models import Peer, RunStatus
 from server.schemas import (
@@ -23,6 +24,8 @@ from server.schemas import (
     CertificatePublic,
     JoinRequest,
     JoinResponse,
+    PeerPublic,
+    PeersPublic,
     ReportAccepted,
     ReportCreate,
     encode_bytes,
@@ -35,6 +38,36 @@ router = APIRouter(prefix="/runs/{run_id}", tags=["peers"])
 
 def bootstrap_peer(peer: Peer) -> BootstrapPeer:
     return BootstrapPeer(peer_id=peer.peer_id, addresses=list(peer.addresses))
+
+
+@router.get("/peers", response_model=PeersPublic)
+def list_peers(
+    _: CurrentOrganizer, session: SessionDep, settings: SettingsDep, run: RunDep
+) -> PeersPublic:
+    """Every peer that joined the run, oldest first, with its volunteer's display name and
+    latest report."""
+    online_since = now_ms() - int(settings.peer_online_ttl_s * 1000)
+    return PeersPublic(
+        peers=[
+            PeerPublic(
+                peer_id=p.peer_id,
+                display_name=p.volunteer.display_name,
+                addresses=list(p.addresses),
+                client_mode=p.client_mode,
+                online=p.last_seen_ms >= online_since,
+                first_seen_at=ms_to_datetime(p.first_seen_ms),
+                last_seen_at=ms_to_datetime(p.last_seen_ms),
+                last_report_at=None
+                if p.last_report_ms is None
+                else ms_to_datetime(p.last_report_ms),
+                epoch=p.epoch,
+                samples=p.samples_base + p.samples,
+                samples_per_second=p.samples_per_second,
+                loss=p.loss,
+            )
+            for p in peer_service.list_peers(session, run.id)
+        ]
+    )
 
 
 @router.post("/join", response_model=JoinResponse)
