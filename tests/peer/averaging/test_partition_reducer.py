@@ -1,0 +1,259 @@
+"""Partition/reassembly exactness, the weighted reducer, and a butterfly round without I/O."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peer.averaging.exceptions import BadContribution, UnexpectedSender
+from peer.averaging.partition import FlatLayout, Partition, schema_hash
+from peer.averaging.reducer import WeightedMeanReducer, apply_averaging_alpha
+from peer.compression import (
+    CompressedTensor,
+    Float16Compression,
+    NoCompression,
+    PerTensorCompression,
+    Uniform8BitQuantization,
+    extract,
+)
+
+shapes = st.lists(
+    st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple), min_size=1, max_size=6
+)
+
+
+def make(shape_list: list[tuple[int, ...]], seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shape_list]
+
+
+def split(total: int, cuts: list[int], n: int) -> list[int]:
+    points = sorted(min(c, total) for c in cuts[: n - 1])
+    edges = [0, *points, total]
+    return [b - a for a, b in itertools.pairwise(edges)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shapes,
+    st.integers(1, 5),
+    st.lists(st.integers(0, 400), min_size=4, max_size=4),
+    st.integers(1, 64),
+    st.booleans(),
+)
+def test_partition_tiles_exactly_and_reassembles(shape_list, n, cuts, part_bytes, mixed) -> None:
+    tensors = make(shape_list)
+    layout = FlatLayout.from_tensors(tensors)
+    spans = split(layout.total, cuts, n)
+    codec = PerTensorCompression(
+        [
+            Uniform8BitQuantization() if i % 2 and mixed else NoCompression()
+            for i in range(len(tensors))
+        ]
+    )
+    partition = Partition(layout, spans, part_bytes, codec)
+    flat = layout.flatten(tensors)
+    position = 0
+    for reducer in range(len(spans)):
+        lo, hi = partition.spans[reducer]
+        assert hi - lo == spans[reducer] and lo == position
+        for index, part in enumerate(partition.parts_of(reducer)):
+            assert (
+                part.start == position
+                and part.numel > 0
+                and part.index == index
+                and part.reducer == reducer
+            )
+            assert part.numel * part.codec.payload_itemsize(layout.dtype) <= max(part_bytes, 4)
+            assert part.view(flat).data_ptr() == flat[part.start :].data_ptr()  # a view, not a copy
+            position = part.stop
+        assert position == hi
+    assert position == layout.total
+    # "averaged" values come back part by part; reassembly puts each where it belongs
+    result = torch.empty_like(flat)
+    for part in partition.all_parts():
+        ct = NoCompression().compress(part.view(flat) * 2)
+        result[part.start : part.stop] = extract(ct)
+    out = [t.clone() for t in tensors]
+    layout.unflatten_into(result, out)
+    for a, b in zip(out, tensors, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b * 2)
+
+
+def test_flatten_views_and_mixed_dtypes() -> None:
+    tensors = [
+        torch.tensor(1.0),
+        torch.zeros(0, 3),
+        torch.ones(2, 2).half(),
+        torch.arange(3.0).double(),
+    ]
+    layout = FlatLayout.from_tensors(tensors)
+    assert layout.total == 1 + 0 + 4 + 3 and layout.dtype == torch.float64
+    flat = layout.flatten(tensors)
+    assert [v.shape for v in layout.views(flat)] == [t.shape for t in tensors]
+    out = [torch.zeros_like(t) for t in tensors]
+    layout.unflatten_into(flat, out)
+    assert all(torch.equal(a, b) for a, b in zip(out, tensors, strict=True))
+    with pytest.raises(ValueError):
+        FlatLayout.from_tensors([torch.arange(3)])
+    with pytest.raises(ValueError):
+        layout.flatten(tensors[:2])
+    with pytest.raises(ValueError):
+        Partition(layout, [1, 2], 16)
+
+
+def test_parts_do_not_cross_codec_changes() -> None:
+    tensors = [torch.randn(5), torch.randn(5), torch.randn(5)]
+    layout = FlatLayout.from_tensors(tensors)
+    codec = PerTensorCompression([NoCompression(), NoCompression(), Float16Compression()])
+    partition = Partition(layout, [15], 1 << 20, codec)
+    assert [(p.start, p.stop, p.codec.name) for p in partition.parts_of(0)] == [
+        (0, 10, "none"),
+        (10, 15, "float16"),
+    ]
+    # part size counts compressed bytes: 8 bytes = 2 fp32 or 4 fp16 elements
+    assert [p.numel for p in Partition(layout, [15], 8, codec).parts_of(0)] == [2, 2, 2, 2, 2, 4, 1]
+
+
+def test_schema_hash_separates_shapes_dtypes_and_codecs() -> None:
+    a = [torch.zeros(3), torch.zeros(2, 2)]
+    assert schema_hash(a) == schema_hash([torch.ones(3), torch.ones(2, 2)])
+    assert schema_hash(a) != schema_hash([torch.zeros(3), torch.zeros(4)])
+    assert schema_hash(a) != schema_hash([torch.zeros(3).double(), torch.zeros(2, 2)])
+    assert schema_hash(a) != schema_hash(a, Float16Compression())
+
+
+# ------------------------------------------------------------------------ reducer
+
+
+def test_weighted_mean_part_by_part() -> None:
+    r = WeightedMeanReducer([3, 2], ["a", "b", "c"])
+    xs = {p: torch.randn(5) for p in "abc"}
+    ws = {"a": 1.0, "b": 2.0, "c": 0.5}
+    done = []
+    for p in "abc":
+        done += r.accumulate(p, 1, xs[p][3:], ws[p])
+    assert [d.index for d in done] == [1] and not r.is_final(0)
+    for p in "abc":
+        done += r.accumulate(p, 0, xs[p][:3], ws[p])
+    assert r.is_finished
+    expected = sum(ws[p] * xs[p] for p in "abc") / sum(ws.values())
+    got = torch.cat([d.average for d in sorted(done, key=lambda d: d.index)])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert done[0].senders == frozenset("abc")
+
+
+def test_exclusion_drops_unfinished_contributions_exactly() -> None:
+    r = WeightedMeanReducer([2, 2], ["a", "b", "c"])
+    a, b, c = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0]), torch.tensor([1e8, -1e8])
+    r.accumulate("a", 0, a)
+    r.accumulate("b", 0, b)
+    (final0,) = r.accumulate("c", 0, c)  # part 0 final with c in it: stays
+    r.accumulate("c", 1, c)
+    r.accumulate("a", 1, a)
+    assert r.exclude("c") == []  # part 1 still waits for b
+    assert r.is_final(0) and r.waiting_for(1) == {"b"}
+    assert r.accumulate("c", 1, c) == []  # late arrivals from an excluded sender are ignored
+    (part1,) = r.accumulate("b", 1, b)
+    assert torch.equal(part1.average, (a + b) / 2)  # exact: rebuilt, not subtracted
+    assert part1.senders == {"a", "b"}
+    torch.testing.assert_close(final0.average, (a + b + c) / 3)  # final parts keep c
+
+
+def test_exclusion_can_finalise_waiting_parts() -> None:
+    r = WeightedMeanReducer([1, 1], ["a", "b"])
+    r.accumulate("a", 0, torch.tensor([4.0]))
+    r.accumulate("a", 1, torch.tensor([6.0]))
+    done = r.exclude("b")
+    assert [d.index for d in done] == [0, 1] and float(done[1].average) == 6.0
+    assert r.exclude("b") == []
+
+
+def test_auxiliary_weight_zero_contributes_nothing() -> None:
+    r = WeightedMeanReducer([2], ["a", "aux"])
+    r.accumulate("aux", 0, None, weight=0.0)
+    (done,) = r.accumulate("a", 0, torch.tensor([1.0, 2.0]), weight=3.0)
+    assert torch.equal(done.average, torch.tensor([1.0, 2.0])) and done.senders == {"a"}
+    r2 = WeightedMeanReducer([2], ["aux"])
+    (nothing,) = r2.accumulate("aux", 0, None, weight=0.0)
+    assert nothing.average is None  # members keep their local values
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("a", 0, torch.zeros(3)), "shape"),
+        (("a", 0, torch.zeros(2).double()), "dtype"),
+        (("a", 0, torch.tensor([1.0, math.nan])), "NaN"),
+        (("a", 0, torch.tensor([1.0, math.inf])), "NaN"),
+        (("a", 5, torch.zeros(2)), "no part"),
+        (("a", 0, torch.zeros(2), -1.0), "weight"),
+        (("a", 0, torch.zeros(2), math.nan), "weight"),
+        (("a", 0, None), "missing"),
+    ],
+)
+def test_bad_contributions_name_the_offender_and_change_nothing(args, match: str) -> None:
+    r = WeightedMeanReducer([2], ["a", "b"])
+    with pytest.raises(BadContribution, match=match) as info:
+        r.accumulate(*args)
+    assert info.value.sender == "a"
+    assert not r.buffer.any() and r.waiting_for(0) == {"a", "b"}
+    (done,) = r.exclude("a") + r.accumulate("b", 0, torch.ones(2))
+    assert torch.equal(done.average, torch.ones(2))
+
+
+def test_duplicates_unknown_senders_and_weight_changes() -> None:
+    r = WeightedMeanReducer([1, 1], ["a", "b"])
+    r.accumulate("a", 0, torch.zeros(1))
+    with pytest.raises(BadContribution, match="duplicate"):
+        r.accumulate("a", 0, torch.zeros(1))
+    with pytest.raises(UnexpectedSender):
+        r.accumulate("z", 0, torch.zeros(1))
+    with pytest.raises(BadContribution, match="differs"):
+        r.accumulate("a", 1, torch.zeros(1), weight=2.0)
+    assert issubclass(BadContribution, ValueError)
+
+
+def test_averaging_alpha() -> None:
+    local, avg = torch.zeros(3), torch.full((3,), 2.0)
+    apply_averaging_alpha(local, avg, 0.25)
+    assert torch.equal(local, torch.full((3,), 0.5))
+    apply_averaging_alpha(local, avg, 1.0)
+    assert torch.equal(local, avg)
+    with pytest.raises(ValueError):
+        apply_averaging_alpha(local, avg, 1.5)
+
+
+@pytest.mark.parametrize("part_bytes", [4, 36, 1 << 20])
+def test_butterfly_round_without_io(part_bytes: int) -> None:
+    """4 peers, odd tensors (zero-size and 0-d included), weights: everyone gets Σwx/Σw."""
+    from peer.averaging.load_balancing import load_balance
+
+    shapes = [(3, 5), (0,), (), (7,)]
+    peers = [make(shapes, seed=i) for i in range(4)]
+    weights = [1.0, 2.0, 0.5, 3.0]
+    layout = FlatLayout.from_tensors(peers[0])
+    spans = load_balance(layout.total, [1.0, None, 2.0, 0.5])
+    partition = Partition(layout, spans, part_bytes)
+    flats = [layout.flatten(t) for t in peers]
+    reducers = [WeightedMeanReducer(partition.part_sizes(r), range(4)) for r in range(4)]
+    for sender, flat in enumerate(flats):
+        for part in partition.all_parts():
+            header, payload = NoCompression().compress(part.view(flat)).to_wire()
+            values = extract(CompressedTensor.from_wire(header, bytes(payload)))
+            for done in reducers[part.reducer].accumulate(
+                sender, part.index, values, weights[sender]
+            ):
+                result = partition.part(part.reducer, done.index)
+                for flat2 in flats:  # send the average back to every member
+                    apply_averaging_alpha(result.view(flat2), done.average)
+    expected = sum(w * f for w, f in zip(weights, flats, strict=True)) / sum(weights)
+    for tensors, flat in zip(peers, flats, strict=True):
+        torch.testing.assert_close(flat, expected, rtol=0, atol=1e-6)
+        layout.unflatten_into(flat, tensors)
+        assert tensors[1].shape == (0,) and tensors[2].shape == ()
