@@ -261,7 +261,7 @@ class CompressedTensor:
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     """Zero-copy memoryview of a contiguous CPU tensor's bytes (format ``B``)."""
     # shape [numel] of uint8 items; the numpy array keeps the tensor alive
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def _from_payload(payload: bytes | bytearray | memoryview, dtype: torch.dtype, numel: int):
@@ -329,7 +329,11 @@ class Compression:
         return f"{type(self).__name__}()"
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.spec() == other.spec()  # type: ignore[attr-defined]
+        return (
+            isinstance(other, Compression)
+            and type(self) is type(other)
+            and self.spec() == other.spec()
+        )
 
     def __hash__(self) -> int:
         return hash((type(self), self.spec()))
@@ -605,7 +609,7 @@ class PerTensorCompression(Compression):
         if info is None:
             raise ValueError("PerTensorCompression needs a CompressionInfo to choose")
         try:
-            codec = self.codecs[info.key]  # type: ignore[index]
+            codec = self.codecs[info.key]  # type: ignore[index,call-overload]
         except (KeyError, IndexError, TypeError):
             raise ValueError(f"no codec for tensor key {info.key!r}") from None
         return codec.select(info)
