@@ -609,7 +609,7 @@ class PerTensorCompression(Compression):
         if info is None:
             raise ValueError("PerTensorCompression needs a CompressionInfo to choose")
         try:
-            codec = self.codecs[info.key]  # type: ignore[index,call-overload]
+            codec = self.codecs[info.key]  # type: ignore[call-overload]
         except (KeyError, IndexError, TypeError):
             raise ValueError(f"no codec for tensor key {info.key!r}") from None
         return codec.select(info)
