@@ -28,6 +28,7 @@ from peer.exceptions import (
 from peer.identity import Authenticator, Identity, OpenAuth
 from peer.node.gossip import (
     MEMBERS_KEY,
+    RECORD_ID_BYTES,
     RESERVED_PREFIX,
     GossipStore,
     Record,
@@ -40,14 +41,12 @@ from peer.node.links import Handler, PeerLink, RemotePeer, handshake, register_l
 from peer.transport.base import Connection, Listener, Transport
 from peer.wire import (
     BYTES,
-    FLOAT,
     AnyValue,
     Frame,
     Limits,
     ListOf,
     MessageRegistry,
     Schema,
-    Tuple,
 )
 
 logger = logging.getLogger("peer.node")
@@ -120,6 +119,7 @@ class AsyncNode:
         self._failed_at: dict[str, float] = {}
         self._lost_warned: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._member_cache: dict[bytes, Member] = {}
         self._listener: Listener | None = None
         self._addresses: list[str] = []
         self._started = False
@@ -138,7 +138,9 @@ class AsyncNode:
     def visible_addresses(self) -> list[str]:
         return list(self._addresses)
 
-    async def start(self) -> None:
+    async def start(self, *, bootstrap: bool = True) -> None:
+        """Listen (unless in client mode), publish membership, start gossiping and, unless
+        ``bootstrap=False``, exchange with the initial peers right away."""
         if self._started:
             return
         self._started = True
@@ -149,8 +151,8 @@ class AsyncNode:
         self._publish_membership()
         self._spawn(self._gossip_loop(), "gossip")
         self._spawn(self._maintenance_loop(), "maintenance")
-        if self.initial_peers:
-            await self._bootstrap()
+        if bootstrap and self.initial_peers:
+            await self.bootstrap()
 
     async def shutdown(self) -> None:
         if self._stopping:
@@ -221,12 +223,18 @@ class AsyncNode:
     def members(self) -> dict[str, Member]:
         """Peers whose membership record is live, this node included."""
         out = {}
+        cache: dict[bytes, Member] = {}
         for record in self.store_.records(MEMBERS_KEY, self.now()):
-            try:
-                value = _decode_member(record)
-            except RecordError:
-                continue
-            out[record.owner_id] = Member(record.owner_id, value[0], value[1], record.expiration)
+            member = self._member_cache.get(record.signature)
+            if member is None:
+                try:
+                    addresses, client_mode = _decode_member(record)
+                except RecordError:
+                    continue
+                member = Member(record.owner_id, addresses, client_mode, record.expiration)
+            cache[record.signature] = member
+            out[member.peer_id] = member
+        self._member_cache = cache
         return out
 
     def _publish_membership(self) -> None:
@@ -402,17 +410,14 @@ class AsyncNode:
 
     def _register_gossip(self) -> None:
         record_list = ListOf(AnyValue())
-        self.register_handler(
-            GOSSIP_DIGEST,
-            Schema(required={"digest": ListOf(Tuple((BYTES, FLOAT)))}),
-            self._on_digest,
-        )
+        # The digest travels as the raw payload (see GossipStore.digest); "want" is packed ids.
+        self.register_handler(GOSSIP_DIGEST, Schema(payload=True), self._on_digest)
         self.registry.register(
-            GOSSIP_REPLY, Schema(required={"records": record_list, "want": ListOf(BYTES)})
+            GOSSIP_REPLY, Schema(required={"records": record_list, "want": BYTES})
         )
         self.register_handler(GOSSIP_PUSH, Schema(required={"records": record_list}), self._on_push)
 
-    async def _bootstrap(self) -> None:
+    async def bootstrap(self) -> None:
         """Exchange with every initial peer once, right away, so membership is known before
         the first regular round."""
         results = await asyncio.gather(
@@ -473,22 +478,31 @@ class AsyncNode:
         """Push-pull: send a digest, take what the other side sends, push what it wants."""
         now = self.now()
         reply = await link.request(
-            Frame(GOSSIP_DIGEST, {"digest": self.store_.digest(now)}), self.config.request_timeout
+            Frame(GOSSIP_DIGEST, payload=self.store_.digest(now)), self.config.request_timeout
         )
         if reply.type != GOSSIP_REPLY:
             raise ProtocolError(f"expected {GOSSIP_REPLY}, got {reply.type}")
         self.exchanges += 1
         self._accept_records(reply.fields["records"], link)
-        wanted = self.store_.get_by_ids(reply.fields["want"], self.now())
+        want: bytes = reply.fields["want"]
+        if len(want) % RECORD_ID_BYTES:
+            raise ProtocolError("gossip.reply: 'want' is not a whole number of record ids")
+        ids = [want[i : i + RECORD_ID_BYTES] for i in range(0, len(want), RECORD_ID_BYTES)]
+        wanted = self.store_.get_by_ids(ids, self.now())
         if wanted:
             batch = take_within_budget(wanted, self.config.max_exchange_bytes, self.random)
             await link.send(Frame(GOSSIP_PUSH, {"records": [r.to_wire() for r in batch]}))
 
     async def _on_digest(self, link: PeerLink, frame: Frame) -> Frame:
         now = self.now()
-        mine_newer, theirs_newer = self.store_.compare(frame.fields["digest"], now)
+        try:
+            mine_newer, theirs_newer = self.store_.compare(frame.payload, now)
+        except RecordError as exc:
+            raise ProtocolError(str(exc)) from None
         batch = take_within_budget(mine_newer, self.config.max_exchange_bytes, self.random)
-        return Frame(GOSSIP_REPLY, {"records": [r.to_wire() for r in batch], "want": theirs_newer})
+        return Frame(
+            GOSSIP_REPLY, {"records": [r.to_wire() for r in batch], "want": b"".join(theirs_newer)}
+        )
 
     async def _on_push(self, link: PeerLink, frame: Frame) -> None:
         self._accept_records(frame.fields["records"], link)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -34,6 +35,7 @@ from peer.identity import Identity, peer_id_from_public_key, verify_signature
 
 RECORD_CONTEXT = b"swarmgrad/record/v1\x00"
 RECORD_ID_BYTES = 12
+_DIGEST_ENTRY = struct.Struct(f">{RECORD_ID_BYTES}sd")  # record id, expiration
 RESERVED_PREFIX = "_"
 MEMBERS_KEY = "_members"
 
@@ -226,18 +228,28 @@ class GossipStore:
 
     # anti-entropy ------------------------------------------------------------------------
 
-    def digest(self, now: float) -> list[list[Any]]:
-        """``[[record id, expiration], ...]`` for every live record."""
-        return [[rid, r.expiration] for rid, r in self._records.items() if r.expiration > now]
+    def digest(self, now: float) -> bytes:
+        """Every live record as (id, expiration), packed: 20 bytes a record, so a digest of
+        thousands of records costs one buffer instead of thousands of msgpack objects."""
+        pack = _DIGEST_ENTRY.pack
+        return b"".join(
+            pack(rid, r.expiration) for rid, r in self._records.items() if r.expiration > now
+        )
 
     def compare(
-        self, remote_digest: Iterable[tuple[bytes, float] | list[Any]], now: float
+        self, remote_digest: bytes | memoryview, now: float
     ) -> tuple[list[Record], list[bytes]]:
         """Given the other side's digest: the records it lacks or holds older copies of, and
-        the ids of records it holds that are missing or older here."""
-        remote: dict[bytes, float] = {}
-        for rid, expiration in remote_digest:
-            remote[bytes(rid)] = float(expiration)
+        the ids of records it holds that are missing or older here.
+
+        Raises RecordError if the digest is not a whole number of entries."""
+        if len(remote_digest) % _DIGEST_ENTRY.size:
+            raise RecordError(f"a digest is a multiple of {_DIGEST_ENTRY.size} bytes")
+        remote: dict[bytes, float] = {
+            rid: expiration
+            for rid, expiration in _DIGEST_ENTRY.iter_unpack(remote_digest)
+            if expiration == expiration
+        }
         theirs_newer: list[bytes] = []
         for rid, expiration in remote.items():
             if expiration <= now:

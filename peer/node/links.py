@@ -376,7 +376,9 @@ class PeerLink:
         self._closing = True
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(ConnectionClosed(f"link to {self.peer_id} closed: {reason}"))
+                future.set_exception(
+                    ConnectionClosed(f"link to {self.peer_id} closed: {reason}", clean=not error)
+                )
         self._pending.clear()
         for task in list(self._tasks):
             task.cancel()

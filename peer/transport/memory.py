@@ -215,6 +215,10 @@ class _MemoryListener(Listener):
 
     async def close(self) -> None:
         self._network._listeners.pop(self.addresses[0], None)
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class MemoryTransport(Transport):

@@ -1,0 +1,176 @@
+"""Run a node in its own OS process and drive it over a line protocol.
+
+Used by the multi-process tests and benchmarks, and handy for users testing their own
+swarms. ``python -m peer.testing [--initial-peer ADDR ...] [--gossip-period S] ...`` starts a
+node, prints one JSON line ``{"peer_id": ..., "addresses": [...]}``, then answers JSON
+commands on standard input, one per line, with one JSON line each::
+
+    {"cmd": "store", "key": "k", "value": 1, "ttl": 30, "subkey": null}  -> {"ok": true}
+    {"cmd": "get", "key": "k"}                                           -> {"value": ..., "expiration": ...}
+    {"cmd": "members"}                                                   -> {"members": [...]}
+    {"cmd": "stats"}                                                     -> {"rounds": ..., "exchanges": ...}
+    {"cmd": "quit"}                                                      -> {"ok": true}, then exits
+
+Logs (WARNING and above by default) go to standard error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from peer.node.gossip import ValueWithExpiration
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, ValueWithExpiration):
+        return {"value": _jsonable(value.value), "expiration": value.expiration_time}
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return value.hex()
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--initial-peer", action="append", default=[])
+    parser.add_argument("--gossip-period", type=float, default=1.0)
+    parser.add_argument("--member-ttl", type=float, default=30.0)
+    parser.add_argument("--fanout", type=int, default=3)
+    parser.add_argument("--client-mode", action="store_true")
+    parser.add_argument("--swarm-key-hex", default=None)
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s"
+    )
+    from peer.identity import SwarmKeyAuth
+    from peer.node import Node
+
+    auth = SwarmKeyAuth(bytes.fromhex(args.swarm_key_hex)) if args.swarm_key_hex else None
+    node = Node(
+        args.initial_peer,
+        gossip_period=args.gossip_period,
+        member_ttl=args.member_ttl,
+        fanout=args.fanout,
+        client_mode=args.client_mode,
+        auth=auth,
+    )
+    out = sys.stdout
+    out.write(json.dumps({"peer_id": node.peer_id, "addresses": node.visible_addresses}) + "\n")
+    out.flush()
+    try:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            command = json.loads(line)
+            cmd = command.get("cmd")
+            if cmd == "store":
+                ok = node.store(
+                    command["key"],
+                    command["value"],
+                    node.get_time() + float(command["ttl"]),
+                    command.get("subkey"),
+                )
+                reply: Any = {"ok": ok}
+            elif cmd == "get":
+                reply = _jsonable(
+                    node.get(command["key"], latest=bool(command.get("latest", False)))
+                )
+            elif cmd == "members":
+                reply = {"members": sorted(node.members())}
+            elif cmd == "stats":
+                reply = {"rounds": node.core.rounds, "exchanges": node.core.exchanges}
+            elif cmd == "quit":
+                out.write(json.dumps({"ok": True}) + "\n")
+                out.flush()
+                break
+            else:
+                reply = {"error": f"unknown command {cmd!r}"}
+            out.write(json.dumps(reply) + "\n")
+            out.flush()
+    finally:
+        node.shutdown()
+
+
+class NodeProcess:
+    """A node in a child process (``python -m peer.testing``), driven from the parent."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "peer.testing", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        first = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not first:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise RuntimeError(f"node process failed to start:\n{err}")
+        info = json.loads(first)
+        self.peer_id: str = info["peer_id"]
+        self.addresses: list[str] = info["addresses"]
+
+    def call(self, **command: Any) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"node process {self.peer_id} exited")
+        return json.loads(line)
+
+    def store(self, key: str, value: Any, ttl: float, subkey: Any = None) -> bool:
+        return bool(self.call(cmd="store", key=key, value=value, ttl=ttl, subkey=subkey)["ok"])
+
+    def get(self, key: str, latest: bool = False) -> Any:
+        return self.call(cmd="get", key=key, latest=latest)
+
+    def members(self) -> list[str]:
+        return self.call(cmd="members")["members"]
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, no close handshake."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def quit(self, timeout: float = 10.0) -> str:
+        """Ask the node to shut down cleanly; returns what it logged to standard error."""
+        if self.proc.poll() is None:
+            try:
+                self.call(cmd="quit")
+            except (RuntimeError, BrokenPipeError):
+                pass
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        return err or ""
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result or time.monotonic() >= deadline:
+            return bool(result)
+        time.sleep(interval)
+
+
+if __name__ == "__main__":
+    main()
