@@ -462,13 +462,23 @@ class AsyncNode:
         )
 
     async def _exchange_with_peer(self, peer_id: str) -> None:
+        link: PeerLink | None = None
         try:
             link = await self.link(peer_id)
             await self._exchange(link)
+        except ConnectionClosed as exc:
+            if exc.clean:
+                # The other side closed an idle link just as we used it: not a lost peer.
+                logger.debug("link to %s closed during an exchange: %s", peer_id, exc)
+            else:
+                self._peer_failed(peer_id, str(exc))
+        except ProtocolError as exc:
+            if link is not None:
+                await link.close(f"protocol error: {exc}")
+            self._peer_failed(peer_id, f"protocol error: {exc}")
         except (
             TransportError,
             AuthenticationError,
-            ProtocolError,
             TimeoutError,
             RemoteError,
         ) as exc:
