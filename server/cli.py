@@ -1,7 +1,108 @@
-"""`swarmgrad coordinator ...` commands."""
+"""`swarmgrad coordinator ...` commands.
+
+``swarmgrad coordinator`` serves the API with uvicorn; ``swarmgrad coordinator admin-token``
+mints an organizer token. Settings come from ``SWARMGRAD_*`` variables; the options here
+override the most common ones.
+"""
 
 from __future__ import annotations
 
-import typer
+import os
+import sys
 
-app = typer.Typer(help="Run the Swarmgrad coordinator.", no_args_is_help=True)
+import typer
+from pydantic import ValidationError
+
+app = typer.Typer(help="Run the Swarmgrad coordinator.")
+
+DatabaseUrlOption = typer.Option(
+    None,
+    "--database-url",
+    help="SQLAlchemy URL (default: SWARMGRAD_DATABASE_URL, else ./swarmgrad.db).",
+)
+
+
+def _settings(database_url: str | None):  # type: ignore[no-untyped-def]
+    from server.config import Settings
+
+    if database_url is not None:
+        # Through the environment, so that uvicorn's worker processes see it too.
+        os.environ["SWARMGRAD_DATABASE_URL"] = database_url
+    try:
+        return Settings()
+    except ValidationError as exc:
+        messages = "; ".join(
+            str(error["msg"]).removeprefix("Value error, ") for error in exc.errors()
+        )
+        typer.echo(f"error: invalid coordinator settings: {messages}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _migrate(settings) -> None:  # type: ignore[no-untyped-def]
+    from server.db import make_engine, upgrade_database
+
+    engine = make_engine(settings)
+    try:
+        upgrade_database(engine)
+    finally:
+        engine.dispose()
+
+
+@app.callback(invoke_without_command=True)
+def serve(
+    ctx: typer.Context,
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0 for all)."),
+    port: int = typer.Option(8000, help="TCP port."),
+    database_url: str | None = DatabaseUrlOption,
+    workers: int = typer.Option(
+        1, min=1, help="Worker processes (use PostgreSQL beyond a few workers)."
+    ),
+    log_level: str = typer.Option("info", help="uvicorn log level."),
+) -> None:
+    """Start the coordinator (migrations are applied first)."""
+    ctx.obj = {"database_url": database_url}
+    if ctx.invoked_subcommand is not None:
+        return
+    import uvicorn
+
+    settings = _settings(database_url)
+    # Migrate once here, before any worker starts, so workers never race on a fresh database.
+    _migrate(settings)
+    typer.echo(f"Swarmgrad coordinator on http://{host}:{port} (API docs at /docs)", err=True)
+    uvicorn.run(
+        "server.app:app_from_env",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level=log_level,
+        proxy_headers=True,
+    )
+
+
+@app.command("admin-token")
+def admin_token(
+    ctx: typer.Context,
+    label: str | None = typer.Option(None, help="A note to recognise the token by."),
+    database_url: str | None = DatabaseUrlOption,
+) -> None:
+    """Create an organizer token and print it (once: only its hash is stored)."""
+    from server.db import make_engine, make_session_factory, session_scope
+    from server.services.tokens import create_organizer_token
+
+    url = database_url or (ctx.obj or {}).get("database_url")
+    settings = _settings(url)
+    _migrate(settings)
+    engine = make_engine(settings)
+    try:
+        with session_scope(make_session_factory(engine)) as session:
+            _, plaintext = create_organizer_token(session, label=label)
+    finally:
+        engine.dispose()
+    typer.echo(plaintext)
+    if sys.stdout.isatty():
+        typer.echo(
+            "Organizer token created. It is shown only now; use it as "
+            "'Authorization: Bearer <token>'.",
+            err=True,
+        )
