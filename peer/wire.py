@@ -283,7 +283,7 @@ def decode_frame(
             max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise MalformedFrame(f"header is not valid msgpack: {exc}") from None
+        raise MalformedFrame(f"header is not valid msgpack ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise MalformedFrame("header must be a msgpack map")
     version = header.get("v")

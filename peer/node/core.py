@@ -85,6 +85,7 @@ class Member:
     addresses: tuple[str, ...]
     client_mode: bool
     expiration: float
+    leaving: bool = False  # announced a clean shutdown; kept out of members()
 
 
 class AsyncNode:
@@ -155,8 +156,12 @@ class AsyncNode:
             await self.bootstrap()
 
     async def shutdown(self) -> None:
+        """Tell connected peers this node is leaving, then stop every task, close every link
+        and the listener. Idempotent."""
         if self._stopping:
             return
+        if self._started:
+            await self._announce_leaving()
         self._stopping = True
         tasks = list(self._tasks)
         for task in tasks:
@@ -228,12 +233,13 @@ class AsyncNode:
             member = self._member_cache.get(record.signature)
             if member is None:
                 try:
-                    addresses, client_mode = _decode_member(record)
+                    addresses, client_mode, leaving = _decode_member(record)
                 except RecordError:
                     continue
-                member = Member(record.owner_id, addresses, client_mode, record.expiration)
+                member = Member(record.owner_id, addresses, client_mode, record.expiration, leaving)
             cache[record.signature] = member
-            out[member.peer_id] = member
+            if not member.leaving:
+                out[member.peer_id] = member
         self._member_cache = cache
         return out
 
@@ -246,6 +252,28 @@ class AsyncNode:
             self.now() + self.config.member_ttl,
         )
         self.store_.put(record, self.now())
+
+    async def _announce_leaving(self) -> None:
+        """Replace our membership record with a newer one marked ``leaving`` and push it over
+        the open links, so peers stop dialing us at once instead of timing out."""
+        now = self.now()
+        own = [
+            r for r in self.store_.records(MEMBERS_KEY, now) if r.owner == self.identity.public_key
+        ]
+        expiration = max((r.expiration for r in own), default=now) + 1e-3
+        record = Record.create(
+            self.identity,
+            MEMBERS_KEY,
+            self.peer_id,
+            {"addresses": [], "client_mode": self.config.client_mode, "leaving": True},
+            expiration,
+        )
+        self.store_.put(record, now)
+        frame = Frame(GOSSIP_PUSH, {"records": [record.to_wire()]})
+        links = [link for link in self._links.values() if not link.closed]
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(1.0, self.config.request_timeout)):
+                await asyncio.gather(*(link.send(frame) for link in links), return_exceptions=True)
 
     # handlers and links --------------------------------------------------------------------
 
@@ -574,7 +602,7 @@ class AsyncNode:
                     logger.info("peer %s left the swarm (membership expired)", peer_id)
 
 
-def _decode_member(record: Record) -> tuple[tuple[str, ...], bool]:
+def _decode_member(record: Record) -> tuple[tuple[str, ...], bool, bool]:
     from peer.node.gossip import unpack_value
 
     try:
@@ -585,11 +613,13 @@ def _decode_member(record: Record) -> tuple[tuple[str, ...], bool]:
         raise RecordError("membership record must be a map")
     addresses = value.get("addresses")
     client_mode = value.get("client_mode")
+    leaving = value.get("leaving", False)
     if (
         not isinstance(addresses, list)
         or len(addresses) > 16
         or not all(isinstance(a, str) and len(a) <= 256 for a in addresses)
         or not isinstance(client_mode, bool)
+        or not isinstance(leaving, bool)
     ):
         raise RecordError("membership record has bad addresses or client_mode")
-    return tuple(addresses), client_mode
+    return tuple(addresses), client_mode, leaving

@@ -170,7 +170,9 @@ class Node:
 
     @property
     def core(self) -> AsyncNode:
-        if self._core is None or self._shutdown:
+        if self._shutdown:
+            raise NodeShutdown("the node is shut down")
+        if self._core is None:
             raise NodeShutdown("the node is not running; call run() or create it with start=True")
         return self._core
 

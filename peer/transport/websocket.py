@@ -55,7 +55,7 @@ class WebSocketConnection(Connection):
 
     @property
     def close_reason(self) -> str:
-        rcvd = self._ws.close_rcvd
+        rcvd = self._ws.protocol.close_rcvd
         return rcvd.reason if rcvd is not None else ""
 
     @staticmethod

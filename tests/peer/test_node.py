@@ -1,0 +1,336 @@
+"""Nodes over real WebSockets on loopback: gossip, authentication, malformed input, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from websockets.exceptions import ConnectionClosed as WsClosed
+from websockets.sync.client import connect as ws_connect
+
+from peer import Node
+from peer.exceptions import AuthenticationError, TransportError
+from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity, SwarmKeyAuth
+from peer.node.core import GOSSIP_PUSH
+from peer.node.gossip import Record
+from peer.testing import wait_until
+from peer.wire import Frame, encode_frame
+from tests.conftest import scaled
+
+FAST = {"gossip_period": 0.2, "request_timeout": 3.0}
+
+
+@pytest.fixture
+def swarm() -> Iterator[list[Node]]:
+    nodes: list[Node] = []
+    first = Node(**FAST)
+    nodes.append(first)
+    for _ in range(3):
+        # a chain: each node knows only the previous one
+        nodes.append(Node(nodes[-1].visible_addresses, **FAST))
+    yield nodes
+    for node in nodes:
+        node.shutdown()
+
+
+def test_record_reaches_everyone_then_is_replaced_then_expires(swarm: list[Node]) -> None:
+    assert wait_until(lambda: all(len(n.members()) == 4 for n in swarm), scaled(10))
+    t = swarm[0].get_time()
+    assert swarm[0].store("greeting", {"hello": "swarm"}, t + 3)
+    assert wait_until(
+        lambda: all(n.get("greeting") == ({"hello": "swarm"}, t + 3) for n in swarm), scaled(10)
+    )
+    assert swarm[0].store("greeting", {"hello": "again"}, t + 4)
+    assert wait_until(
+        lambda: all(n.get("greeting") == ({"hello": "again"}, t + 4) for n in swarm), scaled(10)
+    )
+    assert not swarm[0].store("greeting", "stale", t + 2), (
+        "an older expiration never replaces a newer one"
+    )
+    assert wait_until(lambda: all(n.get("greeting") is None for n in swarm), scaled(10))
+    assert all(n.get("greeting") is None for n in swarm)
+
+
+def test_subkeys_from_every_peer_merge(swarm: list[Node]) -> None:
+    t = swarm[0].get_time() + 30
+    for i, node in enumerate(swarm):
+        node.store("progress", {"step": i}, t, subkey=node.peer_id)
+
+    def merged() -> bool:
+        return all(
+            (v := n.get("progress")) is not None
+            and {k: x.value["step"] for k, x in v.value.items()}
+            == {m.peer_id: i for i, m in enumerate(swarm)}
+            for n in swarm
+        )
+
+    assert wait_until(merged, scaled(10))
+
+
+def test_get_latest_pulls_immediately() -> None:
+    with (
+        Node(gossip_period=60, member_ttl=180) as a,
+        Node(a.visible_addresses, gossip_period=60, member_ttl=180) as b,
+    ):
+        a.store("k", 1, a.get_time() + 30)
+        # With a 60 s period nothing arrives by itself soon; latest=True pulls right away.
+        assert b.get("k", latest=True) == (1, pytest.approx(a.get_time() + 30, abs=5))
+
+
+def test_client_mode_node_participates_by_dialing_out() -> None:
+    with Node(**FAST) as server, Node(server.visible_addresses, client_mode=True, **FAST) as client:
+        assert client.visible_addresses == []
+        client.store("from-client", 1, client.get_time() + 30)
+        server.store("from-server", 2, server.get_time() + 30)
+        assert wait_until(
+            lambda: server.get("from-client") is not None and client.get("from-server") is not None,
+            scaled(10),
+        )
+        assert server.members()[client.peer_id].client_mode
+
+
+def test_store_validates_arguments() -> None:
+    with Node(**FAST) as node:
+        with pytest.raises(ValueError, match="reserved"):
+            node.store("_members", 1, node.get_time() + 10)
+        with pytest.raises(TypeError, match="msgpack"):
+            node.store("k", object(), node.get_time() + 10)
+        with pytest.raises(TypeError, match="subkey"):
+            node.store("k", 1, node.get_time() + 10, subkey=1.5)
+        assert not node.store("k", 1, node.get_time() - 1), "already expired"
+    with pytest.raises(TypeError, match="list of addresses"):
+        Node("ws://127.0.0.1:1")
+
+
+def test_forged_record_relayed_by_a_peer_is_rejected(caplog: pytest.LogCaptureFixture) -> None:
+    with (
+        Node(**FAST) as victim,
+        Node(**FAST) as mallory,
+        Node(victim.visible_addresses, **FAST) as honest,
+    ):
+        honest.store("balance", 10, honest.get_time() + 30)
+        assert wait_until(lambda: victim.get("balance") is not None, scaled(10))
+        genuine = next(r for r in victim.core.store_.records("balance", victim.get_time()))
+        forged = Record(
+            genuine.key,
+            genuine.subkey,
+            Record.create(mallory.identity, "x", None, 10**6, 1).value,
+            genuine.expiration + 100,
+            genuine.owner,
+            genuine.signature,
+        )
+
+        async def relay() -> bool:
+            link = await mallory.core.link(victim.peer_id, victim.visible_addresses)
+            await link.send(Frame(GOSSIP_PUSH, {"records": [forged.to_wire()]}))
+            await asyncio.wait_for(link._reader, scaled(5))  # the victim drops the link
+            return link.closed
+
+        with caplog.at_level(logging.WARNING, logger="peer"):
+            assert mallory.run_coroutine(relay())
+        assert victim.get("balance") == (10, genuine.expiration)
+        assert any("invalid signature" in r.getMessage() for r in caplog.records)
+        # The victim keeps serving honest peers.
+        honest.store("after", 1, honest.get_time() + 30)
+        assert wait_until(lambda: victim.get("after") is not None, scaled(10))
+
+
+def test_wrong_swarm_key_is_refused_at_the_handshake() -> None:
+    key = secrets.token_bytes(32)
+    with Node(auth=SwarmKeyAuth(key), **FAST) as a:
+        with Node(a.visible_addresses, auth=SwarmKeyAuth(key), **FAST) as b:
+            assert wait_until(lambda: b.peer_id in a.members(), scaled(10))
+        with Node(auth=SwarmKeyAuth(secrets.token_bytes(32)), **FAST) as intruder:
+            with pytest.raises(TransportError, match="wrong swarm key"):
+                intruder.run_coroutine(intruder.core.link(a.peer_id, a.visible_addresses))
+            assert intruder.peer_id not in a.members()
+        with Node(**FAST) as open_node:  # open mode never falls back into a keyed swarm
+            with pytest.raises(TransportError, match="mode mismatch"):
+                open_node.run_coroutine(open_node.core.link(a.peer_id, a.visible_addresses))
+
+
+def test_certificates_are_required_and_checked() -> None:
+    authority, other_authority = Identity(), Identity()
+
+    def credentials(
+        run_id: str, signer: Identity, expires_in: float = 60
+    ) -> tuple[Identity, CertificateAuth]:
+        ident = Identity()
+        cert = Certificate.issue(
+            signer, run_id=run_id, public_key=ident.public_key, expires_at=time.time() + expires_in
+        )
+        return ident, CertificateAuth(
+            cert.to_bytes(), CertificateVerifier(authority.public_key, "run")
+        )
+
+    ident_a, auth_a = credentials("run", authority)
+    ident_b, auth_b = credentials("run", authority)
+    with (
+        Node(identity=ident_a, auth=auth_a, **FAST) as a,
+        Node(a.visible_addresses, identity=ident_b, auth=auth_b, **FAST) as b,
+    ):
+        assert wait_until(lambda: b.peer_id in a.members() and a.peer_id in b.members(), scaled(10))
+        for ident, auth, reason in (
+            (*credentials("other-run", authority), "is for run 'other-run'"),
+            (*credentials("run", other_authority), "not signed by this run"),
+            (*credentials("run", authority, expires_in=-60), "expired"),
+        ):
+            with Node(identity=ident, auth=auth, **FAST) as intruder:
+                with pytest.raises(TransportError, match=reason):
+                    intruder.run_coroutine(intruder.core.link(a.peer_id, a.visible_addresses))
+        # A certificate issued to someone else's key is useless without that key.
+        thief = Identity()
+        with Node(
+            identity=thief, auth=CertificateAuth(auth_b.certificate, auth_b.verify), **FAST
+        ) as intruder:
+            with pytest.raises(TransportError, match="different public key"):
+                intruder.run_coroutine(intruder.core.link(a.peer_id, a.visible_addresses))
+        assert set(a.members()) == {a.peer_id, b.peer_id}
+
+
+def test_unauthenticated_frames_before_the_handshake_are_refused() -> None:
+    with Node(**FAST) as node:
+        record = Record.create(Identity(), "sneaky", None, 1, node.get_time() + 30)
+        with ws_connect(node.visible_addresses[0]) as ws:
+            ws.recv(timeout=scaled(5))  # the node's hello
+            ws.send(encode_frame(Frame(GOSSIP_PUSH, {"records": [record.to_wire()]})))
+            with pytest.raises(WsClosed) as info:
+                while True:
+                    ws.recv(timeout=scaled(5))
+            assert "expected 'hello' first" in info.value.rcvd.reason
+        assert node.get("sneaky") is None
+
+
+@pytest.fixture(scope="module")
+def target() -> Iterator[Node]:
+    with Node(**FAST) as node:
+        yield node
+
+
+def _probe(node: Node, data: bytes) -> str:
+    with ws_connect(node.visible_addresses[0], max_size=None) as ws:
+        ws.recv(timeout=scaled(5))
+        try:
+            ws.send(data)
+            while True:
+                ws.recv(timeout=scaled(5))
+        except WsClosed as exc:
+            return exc.rcvd.reason if exc.rcvd else "lost"
+    return "open"
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.one_of(
+        st.binary(max_size=300),
+        st.binary(min_size=4, max_size=40).map(
+            lambda b: b"\x00\x00\x00\x20" + b
+        ),  # truncated headers
+        st.sampled_from(
+            [b"\x00\x00\x00\x03\xc1\xc1\xc1", b"\x00\x00\x00\x01\x90"]
+        ),  # bad msgpack, not a map
+    )
+)
+def test_malformed_input_closes_only_that_connection(target: Node, data: bytes) -> None:
+    reason = _probe(target, data)
+    assert reason not in ("open", "lost") and len(reason) > 5
+    # The node keeps serving everyone else.
+    with Node(target.visible_addresses, **FAST) as other:
+        assert other.get("anything", latest=True) is None
+        assert target.peer_id in other.members()
+
+
+def test_wrong_version_unknown_type_and_oversized_frames(target: Node) -> None:
+    import msgpack
+
+    def raw(header: dict) -> bytes:
+        packed = msgpack.packb(header)
+        return len(packed).to_bytes(4, "big") + packed
+
+    assert "version 7" in _probe(target, raw({"t": "hello", "v": 7, "n": 0, "f": {}}))
+    assert "unknown message type" in _probe(target, raw({"t": "teleport", "v": 1, "n": 0, "f": {}}))
+    # A message over the frame limit is refused by the WebSocket layer (close code 1009).
+    with ws_connect(target.visible_addresses[0], max_size=None) as ws:
+        ws.recv(timeout=scaled(5))
+        ws.send(b"\x00" * (target.config.limits.max_frame_bytes + 1))
+        with pytest.raises(WsClosed) as info:
+            ws.recv(timeout=scaled(10))
+        assert info.value.rcvd is not None and info.value.rcvd.code == 1009
+    with Node(target.visible_addresses, **FAST) as other:
+        assert target.peer_id in other.members()
+
+
+def test_malformed_frames_after_the_handshake_close_the_link(target: Node) -> None:
+    with Node(**FAST) as peer:
+
+        async def send_garbage() -> str:
+            link = await peer.core.link(target.peer_id, target.visible_addresses)
+            await link.conn.send(b"\x00\x00\x00\x02\xc1\xc1")
+            await asyncio.wait_for(link._reader, scaled(5))
+            return link.conn.close_reason
+
+        assert "not valid msgpack" in peer.run_coroutine(send_garbage())
+        with Node(target.visible_addresses, **FAST) as other:
+            assert target.peer_id in other.members()
+
+
+def _open_fds() -> set[str]:
+    return {
+        os.readlink(f"/proc/self/fd/{fd}")
+        for fd in os.listdir("/proc/self/fd")
+        if os.path.exists(f"/proc/self/fd/{fd}")
+    }
+
+
+def test_shutdown_leaves_no_task_thread_or_socket() -> None:
+    threads_before = set(threading.enumerate())
+    sockets_before = {fd for fd in _open_fds() if fd.startswith("socket:")}
+    a = Node(**FAST)
+    b = Node(a.visible_addresses, **FAST)
+    c = Node(b.visible_addresses, client_mode=True, **FAST)
+    assert wait_until(lambda: len(a.members()) == 3, scaled(10))
+    assert {fd for fd in _open_fds() if fd.startswith("socket:")} - sockets_before, (
+        "nodes hold sockets while running"
+    )
+
+    async def leftover_tasks() -> list[asyncio.Task]:
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    for node in (c, b, a):
+        node.run_coroutine(node.core.shutdown())
+        assert node.run_coroutine(leftover_tasks()) == [], (
+            "core.shutdown() must stop every task it started"
+        )
+        node.shutdown()
+    assert set(threading.enumerate()) == threads_before
+    assert {fd for fd in _open_fds() if fd.startswith("socket:")} <= sockets_before
+    with pytest.raises(Exception, match="shut down"):
+        a.get("k")
+
+
+def test_unreachable_initial_peer_is_reported_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
+    with (
+        caplog.at_level(logging.WARNING, logger="peer"),
+        Node(["ws://127.0.0.1:9"], **FAST) as lonely,
+    ):
+        assert lonely.get("x") is None
+    assert any("could not reach any initial peer" in r.getMessage() for r in caplog.records)
+
+
+def test_linking_to_an_unknown_peer_fails_clearly() -> None:
+    with Node(**FAST) as node:
+        with pytest.raises(TransportError, match="not reachable"):
+            node.run_coroutine(node.core.link("nobody"))
+        with pytest.raises(TransportError):
+            node.run_coroutine(node.core.link("nobody", ["ws://127.0.0.1:9"]))
+    assert AuthenticationError  # re-exported type stays importable
