@@ -142,10 +142,12 @@ class NodeProcess:
     def members(self) -> list[str]:
         return self.call(cmd="members")["members"]
 
-    def kill(self) -> None:
-        """SIGKILL: no goodbye, no close handshake."""
-        self.proc.kill()
-        self.proc.wait()
+    def kill(self) -> str:
+        """SIGKILL (no goodbye, no close handshake); returns what it had logged."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        _, err = self.proc.communicate()
+        return err or ""
 
     def quit(self, timeout: float = 10.0) -> str:
         """Ask the node to shut down cleanly; returns what it logged to standard error."""
