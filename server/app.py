@@ -29,7 +29,6 @@ from server.services.reports import ReportBuffer
 
 logger = logging.getLogger("server")
 
-API_PREFIX = "/api/v1"
 MAX_BODY_BYTES = 1024 * 1024
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
@@ -83,9 +82,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.keybox = KeyBox(settings.secret_key.get_secret_value())
     app.state.metrics = metrics
 
-    for module in (runs, tokens, peers, progress):
-        app.include_router(module.router, prefix=API_PREFIX)
-    app.include_router(health.router)
+    for module in (runs, tokens, peers, progress, health):
+        app.include_router(module.router)
 
     @app.exception_handler(CoordinatorError)
     async def coordinator_error(_: Request, exc: CoordinatorError) -> JSONResponse:

@@ -47,6 +47,7 @@ ENDPOINTS: list[tuple[str, str, str, str, dict[str, Any] | None]] = [
     ("create token", "organizer", "POST", "/api/v1/runs/{run}/tokens", {}),
     ("list tokens", "organizer", "GET", "/api/v1/runs/{run}/tokens", None),
     ("revoke token", "organizer", "DELETE", "/api/v1/runs/{run}/tokens/{token_id}", None),
+    ("list peers", "organizer", "GET", "/api/v1/runs/{run}/peers", None),
     ("join", "join", "POST", "/api/v1/runs/{run}/join", None),
     ("bootstrap", "peer", "GET", "/api/v1/runs/{run}/bootstrap", None),
     ("certificate", "peer", "POST", "/api/v1/runs/{run}/certificate", None),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, status
 
+from server.api import API_PREFIX
 from server.api.deps import (
     CurrentJoiner,
     CurrentOrganizer,
@@ -33,7 +34,7 @@ from server.schemas import (
 from server.services import peers as peer_service
 from server.services.reports import PendingReport
 
-router = APIRouter(prefix="/runs/{run_id}", tags=["peers"])
+router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}", tags=["peers"])
 
 
 def bootstrap_peer(peer: Peer) -> BootstrapPeer:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from server.api import API_PREFIX
 from server.api.deps import RunDep, SessionDep, SettingsDep
 from server.schemas import ProgressPublic
 from server.services import progress as progress_service
 
-router = APIRouter(prefix="/runs/{run_id}", tags=["progress"])
+router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}", tags=["progress"])
 
 
 @router.get("/progress", response_model=ProgressPublic)

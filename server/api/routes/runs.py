@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query, status
 
+from server.api import API_PREFIX
 from server.api.deps import CurrentOrganizer, KeyBoxDep, RunDep, SessionDep
 from server.models import Run
 from server.schemas import RunCreate, RunPublic, RunsPublic, RunUpdate, encode_bytes
 from server.services import runs as run_service
 
-router = APIRouter(prefix="/runs", tags=["runs"])
+router = APIRouter(prefix=f"{API_PREFIX}/runs", tags=["runs"])
 
 
 def run_public(run: Run) -> RunPublic:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Path, status
 
+from server.api import API_PREFIX
 from server.api.deps import CurrentOrganizer, RunDep, SessionDep, SettingsDep
 from server.exceptions import NotFound
 from server.models import Token
 from server.schemas import TokenCreate, TokenCreated, TokenPublic, TokensPublic
 from server.services import tokens as token_service
 
-router = APIRouter(prefix="/runs/{run_id}/tokens", tags=["tokens"])
+router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}/tokens", tags=["tokens"])
 
 
 def token_public(token: Token) -> TokenPublic:
