@@ -20,6 +20,7 @@ downgraded silently:
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 import time
@@ -45,7 +46,12 @@ def peer_id_from_public_key(public_key: bytes) -> str:
     """The peer id that belongs to a raw 32-byte Ed25519 public key."""
     if not isinstance(public_key, bytes | bytearray) or len(public_key) != PUBLIC_KEY_SIZE:
         raise ValueError(f"an Ed25519 public key is {PUBLIC_KEY_SIZE} raw bytes")
-    digest = hashlib.sha256(bytes(public_key)).digest()
+    return _peer_id(bytes(public_key))
+
+
+@functools.lru_cache(maxsize=4096)
+def _peer_id(public_key: bytes) -> str:
+    digest = hashlib.sha256(public_key).digest()
     return base64.b32encode(digest).decode("ascii").lower()[:PEER_ID_LENGTH]
 
 
@@ -53,8 +59,16 @@ def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
     """True when ``signature`` is ``public_key``'s Ed25519 signature of ``data``."""
     if len(public_key) != PUBLIC_KEY_SIZE or len(signature) != SIGNATURE_SIZE:
         return False
+    return _verify(bytes(public_key), bytes(signature), bytes(data))
+
+
+# Verification is a pure function of its three inputs, and the same gossip record often
+# arrives from several peers within a round: remembering recent answers saves most of the
+# CPU that signature checks cost (a few MB at most).
+@functools.lru_cache(maxsize=8192)
+def _verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
     try:
-        Ed25519PublicKey.from_public_bytes(bytes(public_key)).verify(bytes(signature), data)
+        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
     except (InvalidSignature, ValueError):
         return False
     return True

@@ -121,6 +121,7 @@ class AsyncNode:
         self._lost_warned: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._member_cache: dict[bytes, Member] = {}
+        self._bootstrapped: set[str] = set()  # initial peers reached at least once
         self._listener: Listener | None = None
         self._addresses: list[str] = []
         self._started = False
@@ -460,6 +461,7 @@ class AsyncNode:
     async def _exchange_with_address(self, address: str) -> None:
         link = await self._connect(address, None)
         await self._exchange(link)
+        self._bootstrapped.add(address)
 
     def _gossip_targets(self) -> list[str]:
         loop_now = asyncio.get_running_loop().time()
@@ -478,15 +480,14 @@ class AsyncNode:
     async def _gossip_round(self) -> None:
         targets = self._gossip_targets()
         self.rounds += 1
-        if not targets and self.initial_peers:
-            # Alone (e.g. every known peer died or the bootstrap failed): retry the initial peers.
-            await asyncio.gather(
-                *(self._exchange_with_address(a) for a in self.initial_peers),
-                return_exceptions=True,
-            )
-            return
+        # Initial peers not yet reached stay on the list every round: a bootstrap that failed
+        # once must not leave this node (and whoever bootstraps from it) in a separate swarm.
+        # When alone (every known peer died), all initial peers are retried.
+        retry = [a for a in self.initial_peers if not targets or a not in self._bootstrapped]
         await asyncio.gather(
-            *(self._exchange_with_peer(p) for p in targets), return_exceptions=True
+            *(self._exchange_with_peer(p) for p in targets),
+            *(self._exchange_with_address(a) for a in retry),
+            return_exceptions=True,
         )
 
     async def _exchange_with_peer(self, peer_id: str) -> None:

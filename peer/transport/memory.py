@@ -10,6 +10,7 @@ message, as after SIGKILL). Used by tests for faults and by the many-peer simula
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import random
 from dataclasses import dataclass
@@ -115,6 +116,8 @@ class _MemoryConnection(Connection):
         self._closed = False
         self._reason = ""
         self._last_delivery = 0.0
+        self._in_flight: collections.deque[tuple[float, object]] = collections.deque()
+        self._pump: asyncio.TimerHandle | None = None
         self._send_lock = asyncio.Lock()
         network._register(self)
 
@@ -146,17 +149,26 @@ class _MemoryConnection(Connection):
             self._deliver(data, loop.time() + cond.latency)
 
     def _deliver(self, item: object, at: float) -> None:
-        peer = self._peer
-        if peer is None:
+        """Queue ``item`` for the other side at time ``at``. One timer pumps the queue in
+        order: timers due at the same instant have no guaranteed order in asyncio."""
+        if self._peer is None:
             return
-        loop = asyncio.get_running_loop()
-        # Keep order: never deliver before an earlier message on the same connection.
         at = max(at, self._last_delivery)
         self._last_delivery = at
-        if at <= loop.time():
-            peer._inbox.put_nowait(item)
-        else:
-            loop.call_at(at, peer._inbox.put_nowait, item)
+        self._in_flight.append((at, item))
+        if self._pump is None:
+            self._pump = asyncio.get_running_loop().call_at(at, self._run_pump)
+
+    def _run_pump(self) -> None:
+        self._pump = None
+        peer = self._peer
+        now = asyncio.get_running_loop().time()
+        while self._in_flight and self._in_flight[0][0] <= now:
+            _, item = self._in_flight.popleft()
+            if peer is not None:
+                peer._inbox.put_nowait(item)
+        if self._in_flight:
+            self._pump = asyncio.get_running_loop().call_at(self._in_flight[0][0], self._run_pump)
 
     async def recv(self) -> bytes:
         if self._closed and self._inbox.empty():
@@ -186,6 +198,11 @@ class _MemoryConnection(Connection):
 
     def _lose(self) -> None:
         """Crash: both ends see the connection vanish, immediately and without a reason."""
+        for side in (self, self._peer):
+            if side is not None and side._pump is not None:
+                side._pump.cancel()
+                side._pump = None
+                side._in_flight.clear()
         for side in (self, self._peer):
             if side is not None and not side._closed:
                 side._mark_closed("connection lost")

@@ -53,12 +53,16 @@ def test_every_node_sees_every_peer_and_record(swarm: list[NodeProcess]) -> None
 def test_store_replace_and_expire_everywhere(swarm: list[NodeProcess]) -> None:
     writer = swarm[3]
     assert writer.store("shared", "v1", ttl=30)
-    assert wait_until(lambda: all((r := n.get("shared")) and r["value"] == "v1" for n in swarm), scaled(15))
+    assert wait_until(
+        lambda: all((r := n.get("shared")) and r["value"] == "v1" for n in swarm), scaled(15)
+    )
     # v2 would expire before v1 does, so it does not replace it (newest expiration wins).
     assert not writer.store("shared", "v2", ttl=3)
     assert all(n.get("shared")["value"] == "v1" for n in swarm)
     assert writer.store("shared", "v3", ttl=40)
-    assert wait_until(lambda: all((r := n.get("shared")) and r["value"] == "v3" for n in swarm), scaled(15))
+    assert wait_until(
+        lambda: all((r := n.get("shared")) and r["value"] == "v3" for n in swarm), scaled(15)
+    )
     assert writer.store("short-lived", 1, ttl=2)
     assert wait_until(lambda: all(n.get("short-lived") is not None for n in swarm), scaled(15))
     assert wait_until(lambda: all(n.get("short-lived") is None for n in swarm), scaled(15))
@@ -70,7 +74,9 @@ def test_sigkilled_node_disappears_and_survivors_stay_quiet(swarm: list[NodeProc
     assert all(victim.peer_id in n.members() for n in survivors)
     victim.kill()
     # Gone from everyone's membership once its record expires (TTL + refresh slack).
-    assert wait_until(lambda: all(victim.peer_id not in n.members() for n in survivors), scaled(MEMBER_TTL + 15))
+    assert wait_until(
+        lambda: all(victim.peer_id not in n.members() for n in survivors), scaled(MEMBER_TTL + 15)
+    )
     # Survivors keep working.
     survivors[0].store("after-crash", 42, ttl=60)
     assert wait_until(lambda: all(n.get("after-crash") is not None for n in survivors), scaled(15))
@@ -78,5 +84,9 @@ def test_sigkilled_node_disappears_and_survivors_stay_quiet(swarm: list[NodeProc
     for node in survivors:
         log = node.quit()
         assert not re.search(r"^(ERROR|CRITICAL)", log, re.MULTILINE), log
-        warnings = [line for line in log.splitlines() if line.startswith("WARNING") and victim.peer_id in line]
+        warnings = [
+            line
+            for line in log.splitlines()
+            if line.startswith("WARNING") and victim.peer_id in line
+        ]
         assert len(warnings) <= 1, warnings
