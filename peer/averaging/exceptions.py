@@ -5,18 +5,23 @@ Hierarchy (all under :class:`peer.exceptions.SwarmgradError`)::
     SwarmgradError
     ├── CompressionError (ValueError)   peer.compression: a compressed tensor that does not decode
     └── AveragingError                  root of everything raised by peer.averaging
-        └── BadContribution (ValueError) a sender's part has the wrong size, dtype or weight,
-            │                            NaN/Inf values, a duplicate or unknown part index;
-            │                            carries ``sender`` and ``part_index`` so the caller can
-            │                            exclude the offender (``WeightedMeanReducer.exclude``)
-            └── UnexpectedSender         a contribution from a peer that is not a sender
+        ├── BadContribution (ValueError) a sender's part has the wrong size, dtype or weight,
+        │   │                            NaN/Inf values, a duplicate or unknown part index;
+        │   │                            carries ``sender`` and ``part_index`` so the caller can
+        │   │                            exclude the offender (``WeightedMeanReducer.exclude``)
+        │   └── UnexpectedSender         a contribution from a peer that is not a sender
+        └── StepFailed                   ``DecentralizedAverager.step`` did not average
+            ├── MatchmakingFailed        no group of at least min_group_size by the deadline
+            ├── AllreduceFailed          the group formed but the all-reduce round failed
+            │   └── AllreduceTimeout     ... because it ran past ``allreduce_timeout``
+            └── StepCancelled            ``StepControl.cancel()`` (or shutdown) before all-reduce
 
 Matchmaking never raises for a remote peer's behaviour: its outcomes are typed values
 (:class:`peer.averaging.matchmaking.Failed` and friends), not exceptions. Caller mistakes (a
 bad argument, an event in a state where it cannot happen) raise ``ValueError``/``TypeError``.
 
-The networked averager (one layer up) adds its own subclasses of :class:`AveragingError`
-(timeouts, a failed round) beside these.
+The networked averager raises :class:`StepFailed` subclasses from ``step()``; it never
+returns ``None`` for a failed step. The averaged tensors are unchanged by a failed step.
 """
 
 from __future__ import annotations
@@ -46,3 +51,23 @@ class BadContribution(AveragingError, ValueError):
 
 class UnexpectedSender(BadContribution):
     """A contribution arrived from a peer that is not among the reducer's senders."""
+
+
+class StepFailed(AveragingError):
+    """An averaging step did not complete; the averaged tensors are unchanged."""
+
+
+class MatchmakingFailed(StepFailed):
+    """No group of at least ``min_group_size`` peers formed before the step's deadline."""
+
+
+class AllreduceFailed(StepFailed):
+    """The group formed, but this peer could not finish the all-reduce round."""
+
+
+class AllreduceTimeout(AllreduceFailed):
+    """The all-reduce round ran past ``allreduce_timeout``."""
+
+
+class StepCancelled(StepFailed):
+    """The step was cancelled (``StepControl.cancel()`` or shutdown) before its all-reduce."""

@@ -1,0 +1,463 @@
+"""One butterfly all-reduce round of an assembled group, over the node's links.
+
+Roles (Moshpit SGD, Ryabinin et al. 2021; hivemind's ``AllReduceRunner``): the flat vector
+is split into one span per member (:func:`~peer.averaging.load_balancing.load_balance` over
+the members' bandwidths; client-mode members and ``bandwidth=0`` get none). Every member
+that is not auxiliary is a *sender*: it streams its values of span ``r`` to member ``r`` in
+parts of at most ``part_size_bytes`` after compression. Member ``r`` *reduces*: it adds each
+sender's part into a preallocated accumulator as it arrives
+(:class:`~peer.averaging.reducer.WeightedMeanReducer`) and, as soon as a part has every
+sender's values, sends its weighted mean back to every member.
+
+Pipeline: one sender task per destination streams from an outbox (averages first, then
+contributions), while the link readers reduce incoming parts inline and queue finished
+averages — so sending, reducing and returning overlap. Payloads are views of the flat
+buffer or of the accumulator (``NoCompression`` is zero-copy); received ``none`` payloads are
+decoded with one copy (the transport hands out read-only ``bytes``).
+
+In-place result: when the average of a part arrives, the part's slot in the flat buffer is
+turned into the *delta* ``average - local`` (the local values were already sent, or are no
+longer needed by anyone: the reducer only finalises a part once it has them or has excluded
+this peer). The caller adds ``alpha · delta`` to the tensors, so a failed reducer's span
+(delta 0) keeps the local values and concurrent local updates are preserved.
+
+Faults (each decision is local; survivors always finish):
+
+* a sender silent for ``sender_timeout`` while still owing parts is excluded from this
+  reducer's parts not yet final;
+* a reducer silent for ``reducer_timeout`` (no average, no accepted send) fails: its span's
+  remaining parts keep the local values;
+* a link that breaks, a bad part (wrong size or dtype, NaN/Inf, undecodable), or an
+  ``avg.abort`` from a member excludes that member in both roles; bad input is logged once;
+* the caller bounds the whole round with ``allreduce_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from peer.averaging.exceptions import BadContribution
+from peer.averaging.load_balancing import load_balance
+from peer.averaging.matchmaking import GroupInfo
+from peer.averaging.partition import FlatLayout, Partition
+from peer.averaging.protocol import ABORT, AVERAGE, PART
+from peer.averaging.reducer import FinishedPart, WeightedMeanReducer
+from peer.compression import CompressedTensor, Compression, CompressionError, TensorRole, extract
+from peer.exceptions import SwarmgradError, TransportError
+from peer.wire import Frame
+
+logger = logging.getLogger("peer.averaging.allreduce")
+
+__all__ = ["AllreduceConfig", "AllreduceRunner", "MemberInfo"]
+
+
+@dataclass(frozen=True)
+class AllreduceConfig:
+    """Options of the all-reduce round (seed names: hivemind's ``DecentralizedAverager``)."""
+
+    part_size_bytes: int = 2**19
+    sender_timeout: float = 10.0
+    reducer_timeout: float = 20.0
+    min_vector_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.part_size_bytes < 1:
+            raise ValueError("part_size_bytes must be positive")
+        if self.sender_timeout <= 0 or self.reducer_timeout <= 0:
+            raise ValueError("sender_timeout and reducer_timeout must be positive")
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """What a member told the group through the gathered metadata."""
+
+    peer_id: str
+    client_mode: bool
+    bandwidth: float | None
+    auxiliary: bool
+
+
+class _Outbox:
+    __slots__ = ("averages", "contributions", "event")
+
+    def __init__(self) -> None:
+        self.averages: collections.deque[int] = collections.deque()
+        self.contributions: collections.deque[int] = collections.deque()
+        self.event = asyncio.Event()
+
+
+class AllreduceRunner:
+    """Run one round: ``await run()``; afterwards ``flat`` holds ``average - local`` for
+    every part that got an average and 0 elsewhere (see the module docstring)."""
+
+    def __init__(
+        self,
+        core: Any,
+        prefix: str,
+        group: GroupInfo,
+        members: Sequence[MemberInfo],
+        layout: FlatLayout,
+        flat: torch.Tensor,
+        *,
+        weight: float,
+        compression: Compression,
+        roles: Sequence[TensorRole] | None,
+        config: AllreduceConfig,
+    ) -> None:
+        self.core = core
+        self.prefix = prefix
+        self.group = group
+        self.members = list(members)
+        self.me = core.peer_id
+        self.index = group.index_of(self.me)
+        self.peer_index = {m.peer_id: i for i, m in enumerate(self.members)}
+        self.layout = layout
+        self.flat = flat  # [total], layout.dtype; local values, turned into deltas
+        self.weight = float(weight)
+        self.config = config
+        bandwidths = [0.0 if m.client_mode else m.bandwidth for m in self.members]
+        spans = load_balance(layout.total, bandwidths, config.min_vector_size)
+        self.partition = Partition(layout, spans, config.part_size_bytes, compression, roles)
+        self.is_sender = not self.members[self.index].auxiliary
+        senders = [m.peer_id for m in self.members if not m.auxiliary]
+        my_sizes = self.partition.part_sizes(self.index)
+        self.reducer: WeightedMeanReducer | None = None
+        if my_sizes and senders:
+            self.reducer = WeightedMeanReducer(my_sizes, senders, dtype=layout.dtype)
+        self.finished: dict[int, FinishedPart] = {}
+        self._wire_cache: dict[int, tuple[dict[str, Any] | None, Any, int]] = {}
+        # other reducers' parts still waiting for their average
+        self.unresolved: dict[int, set[int]] = {
+            r: set(range(len(self.partition.parts_of(r))))
+            for r in range(len(self.members))
+            if r != self.index
+        }
+        self.failed: set[str] = set()  # excluded in both roles
+        self.failed_reducers: set[int] = set()
+        self.excluded_senders: set[str] = set()
+        self._logged: set[str] = set()
+        self._outboxes: dict[str, _Outbox] = {}
+        for r, member in enumerate(self.members):
+            if r == self.index:
+                continue
+            box = self._outboxes[member.peer_id] = _Outbox()
+            if self.is_sender:
+                box.contributions.extend(range(len(self.partition.parts_of(r))))
+        self._done = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        loop_now = asyncio.get_running_loop().time()
+        self.last_from: dict[str, float] = dict.fromkeys(senders, loop_now)
+        self.last_progress: dict[int, float] = dict.fromkeys(self.unresolved, loop_now)
+        self.started = False
+        self.early: list[tuple[str, Frame]] = []  # frames that arrived before run()
+
+    # ------------------------------------------------------------------ run
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.started = True
+        start = loop.time()
+        for key in self.last_from:
+            self.last_from[key] = start
+        for key in self.last_progress:
+            self.last_progress[key] = start
+        my_parts = self.partition.parts_of(self.index)
+        if self.reducer is None:
+            for part in my_parts:  # nobody contributes: everyone keeps local values
+                part.view(self.flat).zero_()
+        elif self.is_sender:
+            for i, part in enumerate(my_parts):
+                if self.reducer.is_final(i) or self.me in self.reducer.excluded:
+                    continue
+                self._on_finished(
+                    self.reducer.accumulate(self.me, i, part.view(self.flat), self.weight)
+                )
+        early, self.early = self.early, []
+        for sender, frame in early:
+            self.on_frame(sender, frame)
+        for peer_id in self._outboxes:
+            self._tasks.append(loop.create_task(self._sender(peer_id)))
+        watchdog = loop.create_task(self._watchdog())
+        try:
+            self._check_done()
+            await self._done.wait()
+            await asyncio.gather(*self._tasks)
+        finally:
+            watchdog.cancel()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(watchdog, *self._tasks, return_exceptions=True)
+            self._wire_cache.clear()
+
+    async def abort(self, reason: str) -> None:
+        """Tell every member this peer leaves the round (best effort, bounded)."""
+        frame = Frame(ABORT, {"p": self.prefix, "g": self.group.group_id, "why": reason[:200]})
+
+        async def tell(peer_id: str) -> None:
+            with contextlib.suppress(SwarmgradError, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self.core.send(peer_id, frame)
+
+        await asyncio.gather(*(tell(p) for p in self._outboxes if p not in self.failed))
+
+    # ---------------------------------------------------------------- sending
+
+    async def _link_to(self, peer_id: str) -> Any:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.sender_timeout
+        while True:
+            try:
+                return await self.core.link(peer_id)
+            except TransportError:
+                # a client-mode peer has no address: wait for the link it opens to us
+                if not self.members[self.peer_index[peer_id]].client_mode:
+                    raise
+                if loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(0.02)
+
+    async def _sender(self, peer_id: str) -> None:
+        box = self._outboxes[peer_id]
+        r = self.peer_index[peer_id]
+        try:
+            link = await self._link_to(peer_id)
+            while True:
+                item = await self._next_item(peer_id, box, r)
+                if item is None:
+                    return
+                kind, index = item
+                await self._before_send(peer_id, kind, index)
+                frame = self._frame(kind, r, index)
+                async with asyncio.timeout(self.config.sender_timeout):
+                    await link.send(frame)
+                if kind == "avg":
+                    self._release_wire(index)
+                else:
+                    self.last_progress[r] = asyncio.get_running_loop().time()
+        except (SwarmgradError, TimeoutError, OSError) as exc:
+            self._peer_failed(peer_id, f"cannot send to it: {exc or type(exc).__name__}")
+
+    async def _next_item(self, peer_id: str, box: _Outbox, r: int) -> tuple[str, int] | None:
+        while True:
+            if peer_id in self.failed:
+                return None
+            if box.averages:
+                return "avg", box.averages.popleft()
+            pending = self.unresolved.get(r, set())
+            while box.contributions and r not in self.failed_reducers:
+                index = box.contributions.popleft()
+                if index in pending:
+                    return "part", index
+            box.contributions.clear()
+            if self.reducer is None or self.reducer.is_finished:
+                return None
+            box.event.clear()
+            await box.event.wait()
+
+    def _frame(self, kind: str, r: int, index: int) -> Frame:
+        base = {"p": self.prefix, "g": self.group.group_id, "l": self.group.leader, "i": index}
+        if kind == "part":
+            header, payload = self._contribution_wire(r, index)
+            return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
+        header, payload, _ = self._wire_cache[index]
+        if header is None:
+            return Frame(AVERAGE, base)
+        return Frame(AVERAGE, {**base, "c": header}, payload)
+
+    def _contribution_wire(self, r: int, index: int) -> tuple[dict[str, Any], Any]:
+        part = self.partition.part(r, index)
+        return part.codec.compress(part.view(self.flat)).to_wire()
+
+    def _release_wire(self, index: int) -> None:
+        header, payload, remaining = self._wire_cache[index]
+        if remaining <= 1:
+            del self._wire_cache[index]
+        else:
+            self._wire_cache[index] = (header, payload, remaining - 1)
+
+    async def _before_send(self, peer_id: str, kind: str, index: int) -> None:
+        """Hook for fault-injection tests; does nothing here."""
+
+    # -------------------------------------------------------------- receiving
+
+    def on_frame(self, sender: str, frame: Frame) -> None:
+        """A part, an average or an abort for this round from ``sender`` (a link reader
+        calls this inline: only decoding and in-place arithmetic happen here)."""
+        if sender not in self.peer_index or sender == self.me or sender in self.failed:
+            return
+        if frame.type == PART:
+            self._on_part(sender, frame)
+        elif frame.type == AVERAGE:
+            self._on_average(sender, frame)
+        elif frame.type == ABORT:
+            self._peer_failed(sender, f"it left the round ({frame.fields.get('why', '')})")
+
+    def _on_part(self, sender: str, frame: Frame) -> None:
+        reducer = self.reducer
+        if reducer is None or sender not in reducer.senders:
+            self._bad(sender, "sent a part although it is not a sender to this peer")
+            return
+        if sender in reducer.excluded:
+            return
+        index = frame.fields["i"]
+        try:
+            compressed = CompressedTensor.from_wire(frame.fields["c"], frame.payload)
+            values = extract(compressed).reshape(-1)
+            finished = reducer.accumulate(sender, index, values, frame.fields["w"])
+        except (BadContribution, CompressionError, ValueError, RuntimeError) as exc:
+            self._bad(sender, str(exc))
+            return
+        self.last_from[sender] = asyncio.get_running_loop().time()
+        self._on_received_part(sender, index)
+        self._on_finished(finished)
+
+    def _on_received_part(self, sender: str, index: int) -> None:
+        """Hook for fault-injection tests; does nothing here."""
+
+    def _on_average(self, sender: str, frame: Frame) -> None:
+        r = self.peer_index[sender]
+        pending = self.unresolved.get(r)
+        index = frame.fields["i"]
+        if pending is None or index not in pending:
+            return  # late, duplicate, or the reducer already failed
+        part = self.partition.part(r, index)
+        view = part.view(self.flat)
+        if "c" not in frame.fields:
+            view.zero_()  # no contributor with positive weight: keep local values
+        else:
+            try:
+                average = extract(CompressedTensor.from_wire(frame.fields["c"], frame.payload))
+                average = average.reshape(-1)
+                if average.numel() != part.numel or average.dtype != self.flat.dtype:
+                    raise ValueError(
+                        f"average of {average.numel()} {average.dtype}, expected "
+                        f"{part.numel} {self.flat.dtype}"
+                    )
+            except (CompressionError, ValueError, RuntimeError) as exc:
+                self._bad(sender, f"bad average: {exc}")
+                return
+            view.neg_().add_(average)  # delta = average - local, in place
+        pending.discard(index)
+        self.last_progress[r] = asyncio.get_running_loop().time()
+        if not pending:
+            self._outboxes[sender].event.set()
+        self._check_done()
+
+    def _on_finished(self, finished: list[FinishedPart]) -> None:
+        for done in finished:
+            view = self.partition.part(self.index, done.index).view(self.flat)
+            if done.average is None:
+                view.zero_()
+                self._wire_cache[done.index] = (None, b"", len(self._outboxes))
+            else:
+                view.neg_().add_(done.average.to(view.dtype))
+                part = self.partition.part(self.index, done.index)
+                header, payload = part.codec.compress(done.average.to(self.flat.dtype)).to_wire()
+                self._wire_cache[done.index] = (header, payload, len(self._outboxes))
+            self.finished[done.index] = done
+            for peer_id, box in self._outboxes.items():
+                if peer_id in self.failed:
+                    self._release_wire(done.index)
+                    continue
+                box.averages.append(done.index)
+                box.event.set()
+        if finished:
+            if self.reducer is not None and self.reducer.is_finished:
+                for box in self._outboxes.values():
+                    box.event.set()
+            self._check_done()
+
+    # ----------------------------------------------------------------- faults
+
+    def _bad(self, sender: str, reason: str) -> None:
+        if sender not in self._logged:
+            self._logged.add(sender)
+            logger.warning("excluding %s from the round: %s", sender, reason)
+        self._peer_failed(sender, reason, log=False)
+
+    def _exclude_sender(self, sender: str, reason: str) -> None:
+        if sender in self.excluded_senders:
+            return
+        self.excluded_senders.add(sender)
+        logger.info("excluding sender %s: %s", sender, reason)
+        if self.reducer is not None and sender in self.reducer.senders:
+            self._on_finished(self.reducer.exclude(sender))
+        self._check_done()
+
+    def _fail_reducer(self, r: int, reason: str) -> None:
+        if r in self.failed_reducers or r == self.index:
+            return
+        self.failed_reducers.add(r)
+        pending = self.unresolved.get(r, set())
+        if pending:
+            logger.info(
+                "reducer %s failed (%s): %d parts keep local values",
+                self.members[r].peer_id,
+                reason,
+                len(pending),
+            )
+        for index in pending:
+            self.partition.part(r, index).view(self.flat).zero_()
+        pending.clear()
+        self._outboxes[self.members[r].peer_id].event.set()
+        self._check_done()
+
+    def _peer_failed(self, peer_id: str, reason: str, *, log: bool = True) -> None:
+        if peer_id in self.failed or peer_id == self.me:
+            return
+        if log:
+            logger.info("peer %s left the round: %s", peer_id, reason)
+        self.failed.add(peer_id)
+        box = self._outboxes.get(peer_id)
+        if box is not None:
+            while box.averages:
+                self._release_wire(box.averages.popleft())
+            box.contributions.clear()
+            box.event.set()
+        self._exclude_sender(peer_id, reason)
+        self._fail_reducer(self.peer_index[peer_id], reason)
+
+    async def _watchdog(self) -> None:
+        cfg = self.config
+        tick = min(cfg.sender_timeout, cfg.reducer_timeout) / 4
+        loop = asyncio.get_running_loop()
+        while not self._done.is_set():
+            await asyncio.sleep(tick)
+            now = loop.time()
+            reducer = self.reducer
+            if reducer is not None and not reducer.is_finished:
+                owing: set[Any] = set()
+                for i in range(reducer.num_parts):
+                    owing |= reducer.waiting_for(i)
+                for sender in owing - {self.me}:
+                    if now - self.last_from[sender] > cfg.sender_timeout:
+                        self._exclude_sender(sender, f"silent for {cfg.sender_timeout:g} s")
+            for r, pending in self.unresolved.items():
+                if pending and now - self.last_progress[r] > cfg.reducer_timeout:
+                    self._fail_reducer(r, f"silent for {cfg.reducer_timeout:g} s")
+
+    def _check_done(self) -> None:
+        if self._done.is_set():
+            return
+        if self.reducer is not None and not self.reducer.is_finished:
+            return
+        if any(self.unresolved.values()):
+            return
+        self._done.set()
+        for box in self._outboxes.values():
+            box.event.set()
+
+    # ----------------------------------------------------------------- report
+
+    @property
+    def contributors(self) -> set[str]:
+        """Members none of whose roles failed (for logging and tests)."""
+        return set(self.peer_index) - self.failed

@@ -1,0 +1,745 @@
+"""``DecentralizedAverager``: average tensors with peers in groups, without a server.
+
+The public signature mirrors hivemind's ``hivemind.averaging.DecentralizedAverager`` (pass a
+:class:`peer.Node` where hivemind took a ``DHT``). Inside, the options are grouped into
+small frozen configs (:class:`~peer.averaging.matchmaking.MatchmakingConfig`,
+:class:`~peer.averaging.allreduce.AllreduceConfig`, :class:`AveragerConfig`) and the work
+is split into layers beside this module: ``matchmaking`` (pure state machine) and
+``matchmaking_io`` (its I/O), ``allreduce`` (one butterfly round), ``state`` (download),
+``control`` (:class:`StepControl`).
+
+Failure contract: :meth:`DecentralizedAverager.step` either returns a dict peer id →
+gathered data (every member of the group, this peer included) with the averaged tensors
+updated in place, or raises a :class:`~peer.averaging.exceptions.StepFailed` subclass —
+``MatchmakingFailed``, ``AllreduceFailed`` (``AllreduceTimeout``) or ``StepCancelled`` —
+and leaves the tensors unchanged. It never returns ``None``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from peer.averaging.allreduce import AllreduceConfig, AllreduceRunner, MemberInfo
+from peer.averaging.control import AveragingStage, StepControl
+from peer.averaging.exceptions import (
+    AllreduceFailed,
+    AllreduceTimeout,
+    MatchmakingFailed,
+    StepCancelled,
+    StepFailed,
+)
+from peer.averaging.group_bits import (
+    bits_per_coordinate,
+    group_key,
+    next_group_bits,
+    slot_in_group,
+    validate_group_bits,
+)
+from peer.averaging.matchmaking import GroupInfo, MatchmakingConfig, MatchState
+from peer.averaging.matchmaking_io import MatchmakingDriver
+from peer.averaging.partition import FlatLayout, schema_hash
+from peer.averaging.protocol import (
+    ABORT,
+    AVERAGE,
+    JOIN,
+    NOTICE,
+    PART,
+    STATE_BEGIN,
+    STATE_CHUNK,
+    Router,
+)
+from peer.averaging.state import StateServer, download_state, state_key
+from peer.compression import Compression, CompressionInfo, NoCompression, TensorRole
+from peer.exceptions import SwarmgradError
+from peer.wire import Frame
+
+logger = logging.getLogger("peer.averaging")
+
+__all__ = ["AveragerConfig", "DecentralizedAverager"]
+
+
+@dataclass(frozen=True)
+class AveragerConfig:
+    """Per-averager options that are neither matchmaking nor all-reduce."""
+
+    prefix: str
+    averaging_alpha: float = 1.0
+    allreduce_timeout: float | None = None
+    next_chunk_timeout: float = 10.0
+    bandwidth: float | None = None
+    auxiliary: bool = False
+    client_mode: bool = False
+    declare_state_period: float = 30.0
+    shutdown_timeout: float = 5.0
+    poll_interval: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not self.prefix or not isinstance(self.prefix, str):
+            raise ValueError("prefix must be a non-empty string")
+        if not 0.0 <= self.averaging_alpha <= 1.0:
+            raise ValueError("averaging_alpha must be in [0, 1]")
+        if self.client_mode and self.auxiliary:
+            raise ValueError("an auxiliary peer must reduce, so it cannot be in client mode")
+        if self.bandwidth is not None and self.bandwidth < 0:
+            raise ValueError("bandwidth must be non-negative")
+        if self.declare_state_period <= 0:
+            raise ValueError("declare_state_period must be positive")
+
+
+class DecentralizedAverager:
+    """Average ``averaged_tensors`` with other peers of the swarm sharing ``prefix``.
+
+    Arguments keep hivemind's names and meanings; the notable ones:
+
+    * ``target_group_size`` / ``min_group_size`` / ``min_matchmaking_time``: groups of at most
+      / at least that many, assembled about ``min_matchmaking_time`` after a step begins;
+    * ``initial_group_bits``: Moshpit grid coordinates (see :mod:`peer.averaging.group_bits`);
+    * ``part_size_bytes``: parts streamed during all-reduce (after compression);
+    * ``sender_timeout`` (default ``next_chunk_timeout``, itself default 10 s) /
+      ``reducer_timeout`` (default twice ``sender_timeout``) / ``allreduce_timeout``;
+    * ``bandwidth`` (relative; 0 reduces nothing), ``client_mode`` (dial out only),
+      ``auxiliary`` (reduces, contributes weight 0);
+    * ``allow_state_sharing`` (default: not client and not auxiliary),
+      ``declare_state_period``.
+
+    ``start=False`` defers registration on the node until :meth:`run`. Call
+    :meth:`shutdown` when done (or use as a context manager); the node is not shut down.
+    """
+
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        node: Any,
+        *,
+        start: bool,
+        prefix: str,
+        target_group_size: int | None = None,
+        min_group_size: int = 2,
+        initial_group_bits: str = "",
+        min_matchmaking_time: float = 5.0,
+        request_timeout: float = 3.0,
+        averaging_alpha: float = 1.0,
+        part_size_bytes: int = 2**19,
+        allreduce_timeout: float | None = None,
+        next_chunk_timeout: float | None = None,
+        sender_timeout: float | None = None,
+        reducer_timeout: float | None = None,
+        compression: Compression = NoCompression(),
+        state_compression: Compression = NoCompression(),
+        tensor_infos: Sequence[CompressionInfo] | None = None,
+        bandwidth: float | None = None,
+        min_vector_size: int = 0,
+        auxiliary: bool = False,
+        allow_state_sharing: bool | None = None,
+        declare_state_period: float = 30,
+        client_mode: bool | None = None,
+        shutdown_timeout: float = 5,
+    ) -> None:
+        tensors = tuple(averaged_tensors)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError("averaged_tensors must be torch tensors")
+            if t.device.type != "cpu":
+                raise ValueError("averaged tensors must live on the CPU")
+        if client_mode is None:
+            client_mode = bool(node.client_mode)
+        if node.client_mode and not client_mode:
+            raise ValueError("a node in client mode cannot host a non-client averager")
+        if tensor_infos is not None and len(tensor_infos) != len(tensors):
+            raise ValueError("tensor_infos must describe every averaged tensor")
+        chunk_timeout = 10.0 if next_chunk_timeout is None else float(next_chunk_timeout)
+        sender = chunk_timeout if sender_timeout is None else float(sender_timeout)
+        self.config = AveragerConfig(
+            prefix=prefix,
+            averaging_alpha=float(averaging_alpha),
+            allreduce_timeout=allreduce_timeout,
+            next_chunk_timeout=chunk_timeout,
+            bandwidth=bandwidth,
+            auxiliary=auxiliary,
+            client_mode=client_mode,
+            declare_state_period=float(declare_state_period),
+            shutdown_timeout=float(shutdown_timeout),
+        )
+        self.matchmaking_config = MatchmakingConfig(
+            target_group_size=target_group_size,
+            min_group_size=min_group_size,
+            min_matchmaking_time=float(min_matchmaking_time),
+            request_timeout=float(request_timeout),
+        )
+        self.allreduce_config = AllreduceConfig(
+            part_size_bytes=int(part_size_bytes),
+            sender_timeout=sender,
+            reducer_timeout=2 * sender if reducer_timeout is None else float(reducer_timeout),
+            min_vector_size=int(min_vector_size),
+        )
+        self.node = node
+        self._averaged_tensors = tensors
+        self.layout = FlatLayout.from_tensors(tensors)
+        self.compression = compression
+        self.state_compression = state_compression
+        self.roles: list[TensorRole] | None = (
+            [info.role for info in tensor_infos] if tensor_infos is not None else None
+        )
+        self.schema_hash = schema_hash(tensors, compression, self.roles)
+        self._group_bits = validate_group_bits(initial_group_bits)
+        self._allow_state_sharing = (
+            (not client_mode and not auxiliary)
+            if allow_state_sharing is None
+            else bool(allow_state_sharing)
+        )
+        if self._allow_state_sharing and client_mode:
+            raise ValueError("a client-mode averager cannot share state (nobody can dial it)")
+        self._state_sharing_priority = 0.0
+        self._lock = threading.RLock()
+        self._running = False
+        self._shut = False
+        self._step_futures: set[concurrent.futures.Future[Any]] = set()
+        # loop-side state, created in run()
+        self._core: Any = None
+        self._driver: MatchmakingDriver | None = None
+        self._state_server: StateServer | None = None
+        self._runners: dict[bytes, AllreduceRunner] = {}
+        self._early: dict[bytes, list[tuple[str, Frame]]] = {}
+        self._early_bytes = 0
+        self._finished_groups: dict[bytes, None] = {}
+        self._told_abort: set[tuple[bytes, str]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._step_lock: asyncio.Lock | None = None
+        self._declare_task: asyncio.Task[Any] | None = None
+        self._declare_wake: asyncio.Event | None = None
+        self._declared_until = 0.0
+        self._runner_cls: type[AllreduceRunner] = AllreduceRunner
+        self._state_server_cls: type[StateServer] = StateServer
+        if start:
+            self.run()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> None:
+        """Register on the node and start declaring state (done by ``start=True``)."""
+        if self._running:
+            return
+        self.node.run_coroutine(self._start())
+        self._running = True
+
+    async def _start(self) -> None:
+        core = self._core = self.node.core
+        self._driver = MatchmakingDriver(
+            core, self.config.prefix, self.matchmaking_config, self.config.poll_interval
+        )
+        self._state_server = self._state_server_cls(
+            self.get_current_state,
+            self.state_compression,
+            self.allreduce_config.part_size_bytes * 2,
+            self._locked,
+        )
+        self._step_lock = asyncio.Lock()
+        self._declare_wake = asyncio.Event()
+        Router.of(core).add(self.config.prefix, self._endpoint)
+        self._declare_task = asyncio.get_running_loop().create_task(self._declare_state_loop())
+
+    def shutdown(self) -> None:
+        """Cancel pending steps, stop declaring state and unregister. Idempotent."""
+        if self._shut:
+            return
+        self._shut = True
+        for future in list(self._step_futures):
+            future.cancel()
+        if not self._running:
+            return
+        with contextlib.suppress(SwarmgradError, concurrent.futures.TimeoutError, RuntimeError):
+            future = self.node.run_coroutine(self._stop(), wait=False)
+            future.result(self.config.shutdown_timeout)
+
+    async def _stop(self) -> None:
+        core = self._core
+        Router.of(core).remove(self.config.prefix)
+        if self._declare_task is not None:
+            self._declare_task.cancel()
+            await asyncio.gather(self._declare_task, return_exceptions=True)
+        if self._declared_until:
+            with contextlib.suppress(SwarmgradError):
+                await core.store(
+                    state_key(self.config.prefix),
+                    None,
+                    self._declared_until + 1.0,
+                    subkey=core.peer_id,
+                )
+        if self._driver is not None:
+            await self._driver.close()
+        self._early.clear()
+
+    def __enter__(self) -> DecentralizedAverager:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    @property
+    def peer_id(self) -> str:
+        return self.node.peer_id
+
+    @property
+    def client_mode(self) -> bool:
+        return self.config.client_mode
+
+    @property
+    def mode_auxiliary(self) -> bool:
+        return self.config.auxiliary
+
+    # -------------------------------------------------------------------- tensors
+
+    @contextlib.contextmanager
+    def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
+        """The averaged tensors, locked against concurrent all-reduce writes. Modify them
+        in place inside the ``with`` block only."""
+        with self._lock:
+            yield self._averaged_tensors
+
+    @contextlib.asynccontextmanager
+    async def _locked(self) -> AsyncIterator[None]:
+        # never block the event loop on a lock a training thread holds
+        while not self._lock.acquire(blocking=False):  # noqa: ASYNC110 - a threading lock
+            await asyncio.sleep(0.001)
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    # ------------------------------------------------------------------ group bits
+
+    def get_group_bits(self) -> str:
+        return self._group_bits
+
+    def set_group_bits(self, group_bits: str) -> None:
+        self._group_bits = validate_group_bits(group_bits)
+
+    def _group_key(self) -> str:
+        target = self.matchmaking_config.target_group_size
+        if target is None:
+            return f"{self.config.prefix}.0b{self._group_bits}"
+        return group_key(self.config.prefix, self._group_bits, target)
+
+    # ------------------------------------------------------------------------ step
+
+    def step(
+        self,
+        gather: Any = None,
+        scheduled_time: float | None = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        require_trigger: bool = False,
+        wait: bool = True,
+    ) -> dict[str, Any] | StepControl:
+        """Find a group and average with it.
+
+        ``gather`` (any msgpack-serialisable value) is shared with the group; the result maps
+        every member's peer id to its ``gather``. ``weight`` defaults to 1 (0 for auxiliary
+        peers). ``scheduled_time`` (wall clock) is when the group should assemble, at the
+        earliest ``now + min_matchmaking_time``. ``timeout`` bounds the whole step;
+        ``allow_retries`` retries matchmaking and a failed all-reduce within it.
+        ``require_trigger`` waits for :meth:`StepControl.allow_allreduce` once the group is
+        formed. ``wait=False`` returns a :class:`StepControl` at once.
+
+        Raises a :class:`~peer.averaging.exceptions.StepFailed` subclass on failure.
+        """
+        if self._shut or not self._running:
+            raise RuntimeError("the averager is not running (start=True or run())")
+        if weight is None:
+            weight = 0.0 if self.config.auxiliary else 1.0
+        weight = float(weight)
+        if not weight >= 0 or weight == float("inf"):
+            raise ValueError("weight must be finite and non-negative")
+        if self.config.auxiliary and weight != 0:
+            raise ValueError("an auxiliary averager contributes nothing: weight must be 0")
+        if timeout is not None and timeout <= 0:
+            raise ValueError("timeout must be positive")
+        try:
+            metadata = msgpack.packb(
+                {
+                    "b": self.config.bandwidth,
+                    "a": self.config.auxiliary,
+                    "u": gather,
+                },
+                use_bin_type=True,
+            )
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"gather must be msgpack-serialisable: {exc}") from None
+        control = StepControl(
+            self.node.loop,
+            scheduled_time=scheduled_time,
+            weight=weight,
+            require_trigger=require_trigger,
+            data_for_gather=gather,
+        )
+        deadline = None if timeout is None else self.node.get_time() + timeout
+        future = self.node.run_coroutine(
+            self._step(control, metadata, deadline, allow_retries), wait=False
+        )
+        self._step_futures.add(future)
+        future.add_done_callback(self._step_futures.discard)
+        if wait:
+            return control.result()
+        return control
+
+    async def _step(
+        self, control: StepControl, metadata: bytes, deadline: float | None, allow_retries: bool
+    ) -> None:
+        assert self._step_lock is not None
+        try:
+            async with self._step_lock:
+                result = await self._step_attempts(control, metadata, deadline, allow_retries)
+        except StepFailed as exc:
+            control._finish(error=exc)
+        except asyncio.CancelledError:
+            control._finish(error=StepCancelled("the averager was shut down"))
+            raise
+        except Exception as exc:
+            logger.exception("averaging step failed unexpectedly")
+            error = AllreduceFailed(f"unexpected error: {exc!r}")
+            error.__cause__ = exc
+            control._finish(error=error)
+        else:
+            control._finish(result)
+
+    async def _step_attempts(
+        self, control: StepControl, metadata: bytes, deadline: float | None, allow_retries: bool
+    ) -> dict[str, Any]:
+        core = self._core
+        mm = self.matchmaking_config
+        first = True
+        while True:
+            if control.cancel_requested:
+                raise StepCancelled("step cancelled")
+            control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
+            now = core.now()
+            scheduled = control.scheduled_time if first else None
+            start_time = max(now + mm.min_matchmaking_time, scheduled or now)
+            # a finite attempt: a follower of a dead leader gives up by then, and we retry
+            attempt_deadline = start_time + mm.min_matchmaking_time + mm.request_timeout
+            if deadline is not None:
+                attempt_deadline = min(attempt_deadline, deadline)
+            first = False
+            assert self._driver is not None
+            try:
+                group = await self._driver.find_group(
+                    group_key=self._group_key(),
+                    schema_hash=self.schema_hash,
+                    metadata=metadata,
+                    scheduled_time=scheduled,
+                    deadline=attempt_deadline,
+                    client_mode=self.config.client_mode,
+                    cancel=control._cancel,
+                )
+            except MatchmakingFailed:
+                self._drop_early(keep=None)
+                if deadline is not None and core.now() >= deadline:
+                    raise
+                continue
+            self._drop_early(keep=group.group_id)
+            try:
+                return await self._run_group(control, group, deadline)
+            except AllreduceFailed as exc:
+                if not allow_retries or (deadline is not None and core.now() >= deadline):
+                    raise
+                logger.info("all-reduce failed (%s); retrying", exc)
+
+    async def _run_group(
+        self, control: StepControl, group: GroupInfo, deadline: float | None
+    ) -> dict[str, Any]:
+        core = self._core
+        members, gathered = _parse_members(group)
+        if control.require_trigger and not control._trigger.is_set():
+            control._set_stage(AveragingStage.AWAITING_TRIGGER)
+            waiters = [
+                asyncio.ensure_future(control._trigger.wait()),
+                asyncio.ensure_future(control._cancel.wait()),
+            ]
+            timeout = None if deadline is None else max(0.0, deadline - core.now())
+            try:
+                await asyncio.wait(waiters, timeout=timeout, return_when="FIRST_COMPLETED")
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+                await asyncio.gather(*waiters, return_exceptions=True)
+            if not control._trigger.is_set():
+                await self._leave_group(group, "cancelled before all-reduce")
+                if control._cancel.is_set():
+                    raise StepCancelled("step cancelled while awaiting the trigger")
+                raise AllreduceFailed("the step's deadline passed while awaiting the trigger")
+        with control._lock:
+            if control._cancel_requested:
+                cancelled = True
+            else:
+                cancelled = False
+                control._stage = AveragingStage.RUNNING_ALLREDUCE
+                control._ran_allreduce = True
+        if cancelled:
+            await self._leave_group(group, "cancelled before all-reduce")
+            raise StepCancelled("step cancelled before all-reduce")
+        async with self._locked():
+            flat = self.layout.flatten(self._averaged_tensors)  # [total], a copy
+        try:
+            runner = self._runner_cls(
+                core,
+                self.config.prefix,
+                group,
+                members,
+                self.layout,
+                flat,
+                weight=control.weight,
+                compression=self.compression,
+                roles=self.roles,
+                config=self.allreduce_config,
+            )
+        except ValueError as exc:
+            await self._leave_group(group, str(exc))
+            raise AllreduceFailed(f"cannot average with this group: {exc}") from exc
+        self._runners[group.group_id] = runner
+        try:
+            for sender, frame in self._early.pop(group.group_id, []):
+                self._early_bytes -= memoryview(frame.payload).nbytes
+                runner.early.append((sender, frame))
+            timeout = self.config.allreduce_timeout
+            try:
+                async with asyncio.timeout(timeout):
+                    await runner.run()
+            except TimeoutError:
+                await runner.abort("all-reduce timeout")
+                raise AllreduceTimeout(
+                    f"all-reduce did not finish within allreduce_timeout={timeout} s"
+                ) from None
+        finally:
+            del self._runners[group.group_id]
+            self._finished_groups[group.group_id] = None
+            while len(self._finished_groups) > 64:
+                del self._finished_groups[next(iter(self._finished_groups))]
+        async with self._locked():
+            with torch.no_grad():
+                alpha = self.config.averaging_alpha
+                for tensor, delta in zip(
+                    self._averaged_tensors, self.layout.views(flat), strict=True
+                ):
+                    if alpha:
+                        tensor.add_(delta.to(tensor.dtype), alpha=alpha)
+        self._advance_group_bits(group)
+        if runner.failed:
+            logger.info(
+                "averaged with %d of %d peers (%d left the round)",
+                len(runner.contributors),
+                group.size,
+                len(runner.failed),
+            )
+        return gathered
+
+    async def _leave_group(self, group: GroupInfo, reason: str) -> None:
+        frame = Frame(ABORT, {"p": self.config.prefix, "g": group.group_id, "why": reason[:200]})
+        self._finished_groups[group.group_id] = None
+
+        async def tell(peer_id: str) -> None:
+            with contextlib.suppress(SwarmgradError, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._core.send(peer_id, frame)
+
+        await asyncio.gather(*(tell(p) for p in group.peer_ids if p != self.peer_id))
+
+    def _advance_group_bits(self, group: GroupInfo) -> None:
+        target = self.matchmaking_config.target_group_size
+        if target is None or not self._group_bits or bits_per_coordinate(target) == 0:
+            return
+        slot = slot_in_group(group.group_id, group.index_of(self.peer_id), group.size, target)
+        if slot < 2 ** bits_per_coordinate(target):
+            self._group_bits = next_group_bits(self._group_bits, slot, target)
+
+    # ------------------------------------------------------------------- routing
+
+    async def _endpoint(self, link: Any, frame: Frame) -> Frame | None:
+        kind = frame.type
+        if kind in (PART, AVERAGE, ABORT):
+            self._route_round(link.peer_id, frame)
+            return None
+        if kind == JOIN:
+            assert self._driver is not None
+            return await self._driver.on_join(link, frame)
+        if kind == NOTICE:
+            assert self._driver is not None
+            await self._driver.on_notice(link, frame)
+            return None
+        if kind == STATE_BEGIN:
+            if not self._allow_state_sharing or self._state_server is None:
+                raise ValueError("this peer does not share its state")
+            return await self._state_server.on_begin(link, frame)
+        if kind == STATE_CHUNK:
+            assert self._state_server is not None
+            return await self._state_server.on_chunk(link, frame)
+        return None
+
+    def _route_round(self, sender: str, frame: Frame) -> None:
+        group_id = frame.fields["g"]
+        runner = self._runners.get(group_id)
+        if runner is not None:
+            if runner.started:
+                runner.on_frame(sender, frame)
+            else:
+                runner.early.append((sender, frame))
+            return
+        if group_id in self._finished_groups:
+            return
+        driver = self._driver
+        machine = driver.machine if driver is not None else None
+        expected = machine is not None and (
+            (
+                machine.state is MatchState.GROUPED
+                and machine.group is not None
+                and machine.group.group_id == group_id
+            )
+            or (frame.type != ABORT and machine.waiting_on() == frame.fields.get("l"))
+        )
+        if expected:
+            size = memoryview(frame.payload).nbytes
+            limit = 4 * self.layout.total * self.layout.dtype.itemsize + (1 << 20)
+            if self._early_bytes + size <= limit:
+                self._early.setdefault(group_id, []).append((sender, frame))
+                self._early_bytes += size
+            return
+        if frame.type != ABORT and (group_id, sender) not in self._told_abort:
+            # a group that named us after we left (see matchmaking): tell it to go on
+            self._told_abort.add((group_id, sender))
+            if len(self._told_abort) > 4096:
+                self._told_abort.clear()
+            abort = Frame(ABORT, {"p": self.config.prefix, "g": group_id, "why": "not a member"})
+            task = asyncio.get_running_loop().create_task(self._send_quietly(sender, abort))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _send_quietly(self, peer_id: str, frame: Frame) -> None:
+        with contextlib.suppress(SwarmgradError, TimeoutError):
+            async with asyncio.timeout(2.0):
+                await self._core.send(peer_id, frame)
+
+    def _drop_early(self, keep: bytes | None) -> None:
+        for group_id in list(self._early):
+            if group_id != keep:
+                for _, frame in self._early.pop(group_id):
+                    self._early_bytes -= memoryview(frame.payload).nbytes
+
+    # --------------------------------------------------------------------- state
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
+        """What this peer shares with newcomers: ``(metadata, tensors)``. Override to share
+        more (e.g. optimizer state). Metadata must be msgpack-serialisable. Called on the
+        node's event loop with the tensors locked."""
+        return {"group_bits": self.get_group_bits()}, self._averaged_tensors
+
+    def load_state_from_peers(
+        self, wait: bool = True, timeout: float | None = None
+    ) -> tuple[Any, list[torch.Tensor]] | concurrent.futures.Future[Any] | None:
+        """Download ``(metadata, tensors)`` from the donor with the highest
+        ``state_sharing_priority`` (random among ties), falling back to the next one if a
+        donor fails. Returns None if no donor could provide it within ``timeout``."""
+
+        async def download() -> tuple[Any, list[torch.Tensor]] | None:
+            try:
+                async with asyncio.timeout(timeout):
+                    found = await download_state(
+                        self._core,
+                        self.config.prefix,
+                        request_timeout=self.matchmaking_config.request_timeout,
+                        chunk_timeout=self.config.next_chunk_timeout,
+                    )
+            except TimeoutError:
+                logger.warning("state download did not finish within %s s", timeout)
+                return None
+            if found is None:
+                return None
+            metadata, tensors, donor = found
+            self.last_state_donor = donor
+            return metadata, tensors
+
+        future = self.node.run_coroutine(download(), wait=False)
+        return future.result() if wait else future
+
+    last_state_donor: str | None = None
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        return self._allow_state_sharing
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        if value and self.config.client_mode:
+            raise ValueError("a client-mode averager cannot share state")
+        self._allow_state_sharing = bool(value)
+        self._wake_declare()
+
+    @property
+    def state_sharing_priority(self) -> float:
+        return self._state_sharing_priority
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        self._state_sharing_priority = float(value)
+        self._wake_declare()
+
+    def _wake_declare(self) -> None:
+        if self._running and self._declare_wake is not None and not self._shut:
+            self.node.loop.call_soon_threadsafe(self._declare_wake.set)
+
+    async def _declare_state_loop(self) -> None:
+        core = self._core
+        period = self.config.declare_state_period
+        assert self._declare_wake is not None
+        while True:
+            self._declare_wake.clear()
+            expiration = max(core.now() + period, self._declared_until + 1e-3)
+            value = self._state_sharing_priority if self._allow_state_sharing else None
+            if value is not None or self._declared_until:
+                with contextlib.suppress(SwarmgradError):
+                    await core.store(
+                        state_key(self.config.prefix), value, expiration, subkey=core.peer_id
+                    )
+                    self._declared_until = expiration
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(period / 2):
+                    await self._declare_wake.wait()
+
+    def __repr__(self) -> str:
+        return f"DecentralizedAverager(prefix={self.config.prefix!r}, peer_id={self.peer_id!r})"
+
+
+def _parse_members(group: GroupInfo) -> tuple[list[MemberInfo], dict[str, Any]]:
+    """Members' roles and gathered data from the group's metadata. A member whose metadata
+    does not parse is treated as auxiliary with bandwidth 0 — the same on every member."""
+    members, gathered = [], {}
+    for peer_id, raw, client in zip(group.peer_ids, group.gathered, group.client_mode, strict=True):
+        try:
+            value = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+            bandwidth, auxiliary, user = value["b"], value["a"], value["u"]
+            if bandwidth is not None and (
+                isinstance(bandwidth, bool)
+                or not isinstance(bandwidth, int | float)
+                or not bandwidth >= 0
+                or bandwidth == float("inf")
+            ):
+                raise ValueError("bad bandwidth")
+            if not isinstance(auxiliary, bool):
+                raise ValueError("bad auxiliary flag")
+        except Exception as exc:  # msgpack raises several unrelated types for bad input
+            logger.warning("member %s sent malformed metadata (%s): ignoring it", peer_id, exc)
+            members.append(MemberInfo(peer_id, client, 0.0, True))
+            gathered[peer_id] = None
+            continue
+        members.append(MemberInfo(peer_id, client, bandwidth, auxiliary))
+        gathered[peer_id] = user
+    return members, gathered

@@ -1,0 +1,237 @@
+"""State download: a newcomer fetches ``(metadata, tensors)`` from a peer that has them.
+
+Donors declare themselves in gossip under ``f"{prefix}.all_averagers"`` (subkey: peer id,
+value: ``state_sharing_priority``; ``None`` retracts), refreshed every
+``declare_state_period / 2`` and expiring after ``declare_state_period``.
+
+Transfer (one donor at a time; highest priority first, random order among equal ones):
+
+1. ``avg.state_begin`` → ``avg.state_info``: the donor snapshots ``get_current_state()``,
+   compresses each tensor with ``state_compression`` and copies the payloads into one
+   buffer (a snapshot: the donor may keep training). The reply carries a transfer id, the
+   msgpack metadata, each tensor's compressed header and byte length, the chunk size and
+   the chunk count.
+2. ``avg.state_chunk`` (``i`` = 0 … n-1) → ``avg.state_data`` with the chunk's bytes; a few
+   requests are kept in flight so the stream does not wait a round trip per chunk.
+
+A donor that fails to answer within ``next_chunk_timeout`` (or dies, or sends anything
+malformed) is abandoned and the next donor is tried from the start. Nothing is unpickled:
+metadata is msgpack, tensors are validated by :meth:`CompressedTensor.from_wire`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from peer.averaging.protocol import STATE_BEGIN, STATE_CHUNK, STATE_DATA, STATE_INFO
+from peer.compression import CompressedTensor, Compression, CompressionError, extract
+from peer.exceptions import SwarmgradError
+from peer.wire import Frame
+
+logger = logging.getLogger("peer.averaging.state")
+
+__all__ = ["StateServer", "download_state", "state_key"]
+
+#: a transfer idle this long is dropped by the donor
+_TRANSFER_TTL = 60.0
+_MAX_TRANSFERS = 4
+_WINDOW = 4  # chunk requests in flight
+_MAX_STATE_BYTES = 1 << 40
+
+
+def state_key(prefix: str) -> str:
+    return f"{prefix}.all_averagers"
+
+
+@dataclass
+class _Transfer:
+    buffer: bytearray
+    chunk_bytes: int
+    last_used: float
+    served: set[int] = field(default_factory=set)
+
+    @property
+    def num_chunks(self) -> int:
+        return max(1, math.ceil(len(self.buffer) / self.chunk_bytes))
+
+
+class StateServer:
+    """The donor side: answers ``avg.state_begin`` and ``avg.state_chunk``."""
+
+    def __init__(
+        self,
+        get_state: Callable[[], tuple[Any, Sequence[torch.Tensor]]],
+        compression: Compression,
+        chunk_bytes: int,
+        lock: Callable[[], Any],
+    ) -> None:
+        self.get_state = get_state
+        self.compression = compression
+        self.chunk_bytes = max(1, chunk_bytes)
+        self.lock = lock  # async context manager factory guarding the tensors
+        self._transfers: dict[int, _Transfer] = {}
+        self._ids = itertools.count(1)
+
+    async def on_begin(self, link: Any, frame: Frame) -> Frame:
+        now = asyncio.get_running_loop().time()
+        for tid, transfer in list(self._transfers.items()):
+            if now - transfer.last_used > _TRANSFER_TTL:
+                del self._transfers[tid]
+        if len(self._transfers) >= _MAX_TRANSFERS:
+            raise ValueError("too many state downloads in progress; try another donor")
+        async with self.lock():
+            metadata, tensors = self.get_state()
+            compressed = [self.compression.compress(t.detach().cpu()) for t in tensors]
+            wires = [c.to_wire() for c in compressed]
+            total = sum(memoryview(payload).nbytes for _, payload in wires)
+            buffer = bytearray(total)
+            offset = 0
+            for _, payload in wires:
+                view = memoryview(payload).cast("B")
+                buffer[offset : offset + view.nbytes] = view
+                offset += view.nbytes
+        transfer = _Transfer(buffer, self.chunk_bytes, now)
+        tid = next(self._ids)
+        self._transfers[tid] = transfer
+        return Frame(
+            STATE_INFO,
+            {
+                "t": tid,
+                "m": msgpack.packb(metadata, use_bin_type=True),
+                "x": [[header, memoryview(payload).nbytes] for header, payload in wires],
+                "n": transfer.num_chunks,
+                "b": transfer.chunk_bytes,
+            },
+        )
+
+    async def on_chunk(self, link: Any, frame: Frame) -> Frame:
+        tid, index = frame.fields["t"], frame.fields["i"]
+        transfer = self._transfers.get(tid)
+        if transfer is None or index >= transfer.num_chunks:
+            raise ValueError("no such state transfer or chunk")
+        transfer.last_used = asyncio.get_running_loop().time()
+        transfer.served.add(index)
+        if len(transfer.served) == transfer.num_chunks:
+            del self._transfers[tid]
+        await self._before_chunk(index)
+        start = index * transfer.chunk_bytes
+        return Frame(
+            STATE_DATA, payload=memoryview(transfer.buffer)[start : start + transfer.chunk_bytes]
+        )
+
+    async def _before_chunk(self, index: int) -> None:
+        """Hook for fault-injection tests; does nothing here."""
+
+
+async def list_donors(core: Any, prefix: str) -> list[tuple[float, str]]:
+    """``(priority, peer_id)`` of the declared donors other than this peer, best first
+    (random order among equal priorities)."""
+    entry = await core.get(state_key(prefix), latest=True)
+    donors = []
+    if entry is not None and isinstance(entry.value, dict):
+        for subkey, item in entry.value.items():
+            priority = getattr(item, "value", None)
+            if (
+                subkey == core.peer_id
+                or not isinstance(subkey, str)
+                or isinstance(priority, bool)
+                or not isinstance(priority, int | float)
+                or not math.isfinite(priority)
+            ):
+                continue
+            donors.append((float(priority), random.random(), subkey))
+    donors.sort(key=lambda d: (-d[0], d[1]))
+    return [(priority, peer_id) for priority, _, peer_id in donors]
+
+
+async def download_state(
+    core: Any,
+    prefix: str,
+    *,
+    request_timeout: float,
+    chunk_timeout: float,
+) -> tuple[Any, list[torch.Tensor], str] | None:
+    """Download from the best donor that works; ``(metadata, tensors, donor)`` or None."""
+    for priority, donor in await list_donors(core, prefix):
+        try:
+            metadata, tensors = await _download_from(
+                core, prefix, donor, request_timeout, chunk_timeout
+            )
+        except (
+            SwarmgradError,
+            TimeoutError,
+            ValueError,
+            KeyError,
+            TypeError,
+            CompressionError,
+        ) as exc:
+            logger.warning(
+                "state download from %s (priority %g) failed: %s; trying the next donor",
+                donor,
+                priority,
+                exc or type(exc).__name__,
+            )
+            continue
+        return metadata, tensors, donor
+    return None
+
+
+async def _download_from(
+    core: Any, prefix: str, donor: str, request_timeout: float, chunk_timeout: float
+) -> tuple[Any, list[torch.Tensor]]:
+    info = await core.request(donor, Frame(STATE_BEGIN, {"p": prefix}), request_timeout)
+    if info.type != STATE_INFO:
+        raise ValueError(f"expected {STATE_INFO}, got {info.type}")
+    fields = info.fields
+    tid, num_chunks, chunk_bytes = fields["t"], fields["n"], fields["b"]
+    items = fields["x"]
+    if not isinstance(items, list) or not all(
+        isinstance(x, list) and len(x) == 2 and isinstance(x[1], int) and x[1] >= 0 for x in items
+    ):
+        raise ValueError("malformed tensor list")
+    total = sum(x[1] for x in items)
+    if total > _MAX_STATE_BYTES or chunk_bytes < 1:
+        raise ValueError("state too large or bad chunk size")
+    if num_chunks != max(1, math.ceil(total / chunk_bytes)):
+        raise ValueError("chunk count does not match the state size")
+    metadata = msgpack.unpackb(fields["m"], raw=False, strict_map_key=False)
+    buffer = bytearray(total)
+    indices = iter(range(num_chunks))
+
+    async def fetch_some() -> None:
+        for index in indices:
+            frame = Frame(STATE_CHUNK, {"p": prefix, "t": tid, "i": index})
+            reply = await core.request(donor, frame, chunk_timeout)
+            if reply.type != STATE_DATA:
+                raise ValueError(f"expected {STATE_DATA}, got {reply.type}")
+            start = index * chunk_bytes
+            expected = min(chunk_bytes, total - start)
+            data = memoryview(reply.payload).cast("B")
+            if data.nbytes != expected:
+                raise ValueError(f"chunk {index} has {data.nbytes} bytes, expected {expected}")
+            buffer[start : start + expected] = data
+
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            for _ in range(min(_WINDOW, num_chunks)):
+                tasks.create_task(fetch_some())
+    except ExceptionGroup as group:
+        raise group.exceptions[0] from None
+    tensors = []
+    offset = 0
+    view = memoryview(buffer)
+    for header, nbytes in items:
+        compressed = CompressedTensor.from_wire(header, view[offset : offset + nbytes])
+        tensors.append(extract(compressed).clone())
+        offset += nbytes
+    return metadata, tensors
