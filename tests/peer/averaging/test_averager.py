@@ -1,0 +1,189 @@
+"""DecentralizedAverager over WebSocket on loopback: points 1 to 6 of issue 3."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from peer import AveragingStage, DecentralizedAverager
+from peer.averaging.exceptions import MatchmakingFailed, StepCancelled
+from peer.averaging.group_bits import grid_bits
+from tests.conftest import scaled
+from tests.peer.averaging.conftest import random_tensors, step_all, wait_for
+
+
+def assert_close(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    for a, e in zip(actual, expected, strict=True):
+        assert a.shape == e.shape
+        assert torch.allclose(a, e, atol=1e-6, rtol=0), (a - e).abs().max()
+
+
+@pytest.mark.parametrize("clients", [0, 1, 2])
+@pytest.mark.parametrize("auxiliaries", [0, 1, 2])
+def test_four_peers_average_to_the_exact_mean(make_swarm, clients: int, auxiliaries: int) -> None:
+    """Point 1: every peer holds the mean over non-auxiliary peers; results name all 4."""
+    # peers 0..: auxiliary first (they can lead), clients last (never peer 0: the bootstrap)
+    aux = set(range(auxiliaries))
+    client = set(range(4 - clients, 4))
+    swarm = make_swarm(4, client=sorted(client))
+    tensors = [random_tensors(i) for i in range(4)]
+    contributors = [i for i in range(4) if i not in aux]
+    expected = [sum(tensors[i][j] for i in contributors) / len(contributors) for j in range(5)]
+    averagers = swarm.add_averagers(
+        tensors, per_peer=[{"auxiliary": i in aux} for i in range(4)], part_size_bytes=256
+    )
+    results = step_all(averagers)
+    ids = {a.peer_id for a in averagers}
+    for i, result in enumerate(results):
+        assert isinstance(result, dict), result
+        assert set(result) == ids
+        if i not in aux:
+            assert_close(tensors[i], expected)
+    for i in aux:  # auxiliary peers receive the average too
+        assert_close(tensors[i], expected)
+
+
+def test_weighted_mean(make_swarm) -> None:
+    """Point 2: random weights → Σwᵢxᵢ/Σwᵢ everywhere."""
+    swarm = make_swarm(4)
+    tensors = [random_tensors(10 + i) for i in range(4)]
+    rng = random.Random(3)
+    weights = [rng.uniform(0.1, 5.0) for _ in range(4)]
+    expected = [
+        sum(w * t[j] for w, t in zip(weights, tensors, strict=True)) / sum(weights)
+        for j in range(5)
+    ]
+    averagers = swarm.add_averagers(tensors, part_size_bytes=300)
+    results = step_all(averagers, [{"weight": w} for w in weights])
+    assert all(isinstance(r, dict) for r in results), results
+    for t in tensors:
+        assert_close(t, expected)
+
+
+def test_moshpit_grid_reaches_the_global_mean_in_three_rounds(make_swarm) -> None:
+    """Point 3: 8 peers, groups of 2 on a 2x2x2 grid."""
+    n = 8
+    swarm = make_swarm(n)
+    tensors = [[torch.randn(64, generator=torch.Generator().manual_seed(i))] for i in range(n)]
+    global_mean = sum(t[0] for t in tensors) / n
+    averagers = swarm.add_averagers(
+        tensors,
+        target_group_size=2,
+        per_peer=[{"initial_group_bits": grid_bits(i, n, 2)} for i in range(n)],
+    )
+    index = {a.peer_id: i for i, a in enumerate(averagers)}
+    for round_ in range(4):
+        results = step_all(averagers)
+        groups = {frozenset(r) for r in results if isinstance(r, dict)}
+        assert all(isinstance(r, dict) for r in results), results
+        assert all(len(g) == 2 for g in groups) and len(groups) == 4
+        if round_ == 0:
+            assert {frozenset(index[p] for p in g) for g in groups} == {
+                frozenset({2 * k, 2 * k + 1}) for k in range(4)
+            }
+        mean_now = sum(t[0] for t in tensors) / n
+        assert torch.allclose(mean_now, global_mean, atol=1e-6)
+        if round_ >= 2:  # after rounds 0, 1, 2: everyone holds the global mean
+            for t in tensors:
+                assert torch.allclose(t[0], global_mean, atol=1e-6)
+
+
+def test_all_gather_returns_exactly_the_group(make_swarm) -> None:
+    """Point 4: 8 peers in two groups of 4 (group bits), each result holds its group."""
+    n = 8
+    swarm = make_swarm(n)
+    tensors = [[torch.full((10,), float(i))] for i in range(n)]
+    averagers = swarm.add_averagers(
+        tensors,
+        target_group_size=4,
+        per_peer=[{"initial_group_bits": format(i % 4, "02b") + str(i // 4)} for i in range(n)],
+    )
+    results = step_all(averagers, [{"gather": {"batch_size": 123 + i}} for i in range(n)])
+    ids = [a.peer_id for a in averagers]
+    for i, result in enumerate(results):
+        group = range(0, 4) if i < 4 else range(4, 8)
+        assert result == {ids[k]: {"batch_size": 123 + k} for k in group}
+        expected = sum(float(k) for k in group) / 4
+        assert torch.allclose(tensors[i][0], torch.full((10,), expected))
+
+
+def test_lone_peers_and_different_schemas_fail_cleanly(make_swarm) -> None:
+    """Point 5: no partner within the timeout → MatchmakingFailed, tensors untouched.
+    Peers with different shapes never share a group."""
+    swarm = make_swarm(3)
+    tensors = [[torch.ones(4)], [torch.ones(5)], [torch.ones(4, dtype=torch.float64)]]
+    before = [[t.clone() for t in ts] for ts in tensors]
+    averagers = swarm.add_averagers(tensors)
+    results = step_all(averagers, [{"timeout": 2.0}] * 3)
+    for result in results:
+        assert isinstance(result, MatchmakingFailed), result
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(tensors, before, strict=True))
+
+
+def test_scheduled_and_triggered_steps_expose_stages(make_swarm) -> None:
+    """Point 6: a scheduled step waits for its time; require_trigger waits in
+    AWAITING_TRIGGER until allow_allreduce()."""
+    swarm = make_swarm(2)
+    tensors = [[torch.zeros(3)], [torch.ones(3)]]
+    a, b = swarm.add_averagers(tensors)
+    when = swarm.nodes[0].get_time() + 2.0
+    ca = a.step(wait=False, scheduled_time=when, require_trigger=True, timeout=scaled(20))
+    cb = b.step(wait=False, scheduled_time=when, require_trigger=True, timeout=scaled(20))
+    assert ca.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP)
+    assert wait_for(
+        lambda: (
+            ca.stage is AveragingStage.AWAITING_TRIGGER
+            and cb.stage is AveragingStage.AWAITING_TRIGGER
+        ),
+        15,
+    )
+    assert swarm.nodes[0].get_time() >= when - 0.5  # the group formed at the scheduled time
+    assert not ca.done() and torch.equal(tensors[0][0], torch.zeros(3))
+    ca.allow_allreduce()
+    cb.allow_allreduce()
+    assert set(ca.result(scaled(20))) == {a.peer_id, b.peer_id}
+    assert set(cb.result(scaled(20))) == {a.peer_id, b.peer_id}
+    assert ca.stage is AveragingStage.FINISHED and ca.began_allreduce
+    assert torch.allclose(tensors[0][0], torch.full((3,), 0.5))
+    assert not ca.cancel()  # too late
+
+
+def test_cancel_before_allreduce(make_swarm) -> None:
+    """Point 6: cancel() while looking for a group → StepCancelled, tensors unchanged."""
+    swarm = make_swarm(2)
+    tensors = [[torch.zeros(3)], [torch.ones(3)]]
+    a, b = swarm.add_averagers(tensors, min_matchmaking_time=5.0)
+    control = a.step(wait=False, timeout=scaled(20))
+    assert wait_for(lambda: control.stage is AveragingStage.LOOKING_FOR_GROUP, 5)
+    assert control.cancel()
+    with pytest.raises(StepCancelled):
+        control.result(scaled(10))
+    assert control.stage is AveragingStage.CANCELLED
+    assert torch.equal(tensors[0][0], torch.zeros(3))
+    # the averager is still usable afterwards
+    results = step_all([a, b])
+    assert all(isinstance(r, dict) for r in results), results
+    assert torch.allclose(tensors[1][0], torch.full((3,), 0.5))
+
+
+def test_constructor_rejects_bad_settings(make_swarm) -> None:
+    swarm = make_swarm(1)
+    with pytest.raises(ValueError):
+        DecentralizedAverager(
+            [torch.zeros(1)],
+            swarm.nodes[0],
+            start=False,
+            prefix="x",
+            auxiliary=True,
+            client_mode=True,
+        )
+    with pytest.raises(ValueError):
+        DecentralizedAverager(
+            [torch.zeros(1, dtype=torch.int64)], swarm.nodes[0], start=False, prefix="x"
+        )
+    averager = DecentralizedAverager([torch.zeros(1)], swarm.nodes[0], start=True, prefix="y")
+    with pytest.raises(ValueError):
+        averager.step(weight=-1.0)
+    averager.shutdown()
