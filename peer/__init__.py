@@ -5,12 +5,16 @@ in-memory connections), :mod:`peer.identity` (keys, auth modes, certificates),
 :mod:`peer.node` (authenticated connections, membership and the gossip store),
 :mod:`peer.averaging` (``DecentralizedAverager``: matchmaking, butterfly all-reduce, state
 download).
+
+Names that need torch are imported lazily (PEP 562), so a process that only gossips — a
+node in a test harness, the coordinator — starts without paying for ``import torch``.
 """
 
 from __future__ import annotations
 
-from peer.averaging.averager import DecentralizedAverager
-from peer.averaging.control import AveragingStage, StepControl
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from peer.exceptions import SwarmgradError
 from peer.identity import (
     Certificate,
@@ -21,6 +25,26 @@ from peer.identity import (
     SwarmKeyAuth,
 )
 from peer.node import AsyncNode, Node, ValueWithExpiration, get_time
+
+if TYPE_CHECKING:
+    from peer.averaging.averager import DecentralizedAverager
+    from peer.averaging.control import AveragingStage, StepControl
+
+_LAZY = {
+    "DecentralizedAverager": "peer.averaging.averager",
+    "AveragingStage": "peer.averaging.control",
+    "StepControl": "peer.averaging.control",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'peer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AsyncNode",
