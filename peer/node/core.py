@@ -342,21 +342,24 @@ class AsyncNode:
             if peer_id is not None and self._dialing.get(peer_id) is result:
                 del self._dialing[peer_id]
 
-    async def _connect(self, address: str, expected_peer_id: str | None) -> PeerLink:
+    async def _handshake(self, conn: Connection, expected_peer_id: str | None) -> RemotePeer:
         cfg = self.config
-        conn = await self.transport.connect(address, timeout=cfg.request_timeout)
+        return await handshake(
+            conn,
+            identity=self.identity,
+            auth=self.auth,
+            addresses=self._addresses,
+            client_mode=cfg.client_mode,
+            registry=self.registry,
+            limits=cfg.limits,
+            timeout=cfg.request_timeout,
+            expected_peer_id=expected_peer_id,
+        )
+
+    async def _connect(self, address: str, expected_peer_id: str | None) -> PeerLink:
+        conn = await self.transport.connect(address, timeout=self.config.request_timeout)
         try:
-            remote = await handshake(
-                conn,
-                identity=self.identity,
-                auth=self.auth,
-                addresses=self._addresses,
-                client_mode=cfg.client_mode,
-                registry=self.registry,
-                limits=cfg.limits,
-                timeout=cfg.request_timeout,
-                expected_peer_id=expected_peer_id,
-            )
+            remote = await self._handshake(conn, expected_peer_id)
         except BaseException:
             with contextlib.suppress(Exception):
                 await conn.close("handshake failed")
@@ -366,18 +369,8 @@ class AsyncNode:
     async def _on_inbound(self, conn: Connection) -> None:
         if self._stopping:
             return
-        cfg = self.config
         try:
-            remote = await handshake(
-                conn,
-                identity=self.identity,
-                auth=self.auth,
-                addresses=self._addresses,
-                client_mode=cfg.client_mode,
-                registry=self.registry,
-                limits=cfg.limits,
-                timeout=cfg.request_timeout,
-            )
+            remote = await self._handshake(conn, None)
         except (AuthenticationError, ProtocolError) as exc:
             logger.warning("refused connection from %s: %s", conn.remote_address, exc)
             with contextlib.suppress(Exception):

@@ -33,6 +33,7 @@ from typing import Any
 from peer.exceptions import (
     AuthenticationError,
     ConnectionClosed,
+    FrameTooLarge,
     NodeShutdown,
     ProtocolError,
     RemoteError,
@@ -280,11 +281,19 @@ class PeerLink:
 
     async def send(self, frame: Frame) -> None:
         """Send a one-way message (or a reply). The payload goes out without being copied
-        into the header's buffer."""
-        self._check_size(frame)
-        header = encode_header(frame)
-        self.last_used = asyncio.get_running_loop().time()
+        into the header's buffer. Raises FrameTooLarge, before sending anything, for a frame
+        the other side would refuse."""
         payload = memoryview(frame.payload).cast("B")
+        if payload.nbytes > self._limits.max_payload_bytes:
+            raise FrameTooLarge(
+                f"{frame.type}: payload over the limit of {self._limits.max_payload_bytes} bytes"
+            )
+        header = encode_header(frame)
+        if len(header) - 4 > self._limits.max_header_bytes:
+            raise FrameTooLarge(
+                f"{frame.type}: header over the limit of {self._limits.max_header_bytes} bytes"
+            )
+        self.last_used = asyncio.get_running_loop().time()
         await self.conn.send([header, payload] if payload.nbytes else header)
 
     async def request(self, frame: Frame, timeout: float | None) -> Frame:
@@ -303,15 +312,6 @@ class PeerLink:
                 return await future
         finally:
             self._pending.pop(request_id, None)
-
-    def _check_size(self, frame: Frame) -> None:
-        # Enforced by encode_frame on the slow path; here cheaply for the payload.
-        from peer.exceptions import FrameTooLarge
-
-        if memoryview(frame.payload).nbytes > self._limits.max_payload_bytes:
-            raise FrameTooLarge(
-                f"{frame.type}: payload over the limit of {self._limits.max_payload_bytes} bytes"
-            )
 
     async def _read_loop(self) -> None:
         reason, error = "closed by remote", False
