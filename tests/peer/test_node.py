@@ -334,3 +334,23 @@ def test_linking_to_an_unknown_peer_fails_clearly() -> None:
         with pytest.raises(TransportError):
             node.run_coroutine(node.core.link("nobody", ["ws://127.0.0.1:9"]))
     assert AuthenticationError  # re-exported type stays importable
+
+
+def test_oversized_frames_are_refused_before_sending() -> None:
+    from peer.exceptions import FrameTooLarge
+    from peer.wire import Limits
+
+    small = Limits(max_header_bytes=4096, max_payload_bytes=1024)
+    with Node(limits=small, **FAST) as a, Node(a.visible_addresses, limits=small, **FAST) as b:
+
+        async def send(frame: Frame) -> None:
+            link = await b.core.link(a.peer_id, a.visible_addresses)
+            await link.send(frame)
+
+        with pytest.raises(FrameTooLarge, match="payload over the limit"):
+            b.run_coroutine(send(Frame(GOSSIP_PUSH, {"records": []}, b"x" * 2048)))
+        with pytest.raises(FrameTooLarge, match="header over the limit"):
+            b.run_coroutine(send(Frame(GOSSIP_PUSH, {"records": ["y" * 5000]})))
+        # Nothing was sent, so the link is still healthy.
+        b.store("still-fine", 1, b.get_time() + 30)
+        assert wait_until(lambda: a.get("still-fine") is not None, scaled(10))
