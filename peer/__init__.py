@@ -29,11 +29,19 @@ from peer.node import AsyncNode, Node, ValueWithExpiration, get_time
 if TYPE_CHECKING:
     from peer.averaging.averager import DecentralizedAverager
     from peer.averaging.control import AveragingStage, StepControl
+    from peer.optim.decentralized import (
+        DecentralizedAdam,
+        DecentralizedOptimizer,
+        DecentralizedSGD,
+    )
 
 _LAZY = {
     "DecentralizedAverager": "peer.averaging.averager",
     "AveragingStage": "peer.averaging.control",
     "StepControl": "peer.averaging.control",
+    "DecentralizedAdam": "peer.optim.decentralized",
+    "DecentralizedOptimizer": "peer.optim.decentralized",
+    "DecentralizedSGD": "peer.optim.decentralized",
 }
 
 
@@ -52,7 +60,10 @@ __all__ = [
     "Certificate",
     "CertificateAuth",
     "CertificateVerifier",
+    "DecentralizedAdam",
     "DecentralizedAverager",
+    "DecentralizedOptimizer",
+    "DecentralizedSGD",
     "Identity",
     "Node",
     "OpenAuth",

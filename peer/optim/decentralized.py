@@ -1,0 +1,598 @@
+"""Local steps with background averaging: ``DecentralizedOptimizer``, ``DecentralizedSGD``,
+``DecentralizedAdam``.
+
+Signatures and meanings follow hivemind's decentralized optimizers (pass a
+:class:`peer.Node` where hivemind took a ``DHT``). Each peer steps its own optimizer on its
+own batches; a background thread averages parameters (and/or gradients, and named optimizer
+statistics) with other peers through a :class:`~peer.averaging.DecentralizedAverager`; epochs
+are counted across the swarm through progress reports (:mod:`peer.optim.progress`).
+
+Locking — one lock, the averager's (``averager.get_tensors()``):
+
+* ``step()`` holds it while the wrapped optimizer updates parameters and statistics in place
+  (and while a state download is copied in);
+* the averager holds it while it copies the averaged tensors into its flat buffer at the
+  start of a round, and while it adds ``average - copy`` back at the end (see
+  :mod:`peer.averaging.averager`), and a state donor holds it while it snapshots.
+
+So a round never reads half-updated parameters, ``step()`` never waits longer than one copy
+or one in-place add of the tensors, and local steps taken while a round runs are kept: the
+round moves the parameters by ``average - (parameters when the round began)``.
+
+Gradient averaging (``average_gradients=True``): gradients change every step, so the round
+averages a buffer into which ``step()`` copies the latest local gradients; the correction the
+round produced (``average - local`` at the round's start) is added to ``.grad`` once, at the
+next ``step()`` after the round finished (a delayed correction, as in local SGD with
+gradient tracking; it is exact only if gradients change slowly).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from peer.averaging.averager import DecentralizedAverager
+from peer.averaging.exceptions import StepFailed
+from peer.optim.progress import (
+    PerformanceEMA,
+    ProgressReport,
+    ProgressTracker,
+    SwarmProgress,
+    compute_swarm_progress,
+)
+
+logger = logging.getLogger("peer.optim")
+
+__all__ = [
+    "DecentralizedAdam",
+    "DecentralizedConfig",
+    "DecentralizedOptimizer",
+    "DecentralizedSGD",
+]
+
+_SCALAR_TYPES = (int, float, bool, type(None))
+
+
+@dataclass(frozen=True)
+class DecentralizedConfig:
+    """The options of :class:`DecentralizedOptimizer` that are not the averager's."""
+
+    prefix: str
+    average_parameters: bool
+    average_gradients: bool
+    average_opt_statistics: tuple[str, ...]
+    max_allowed_epoch_difference: int
+    total_steps_in_epoch: int
+    averaging_steps_period: int = 1
+    averaging_time_period: float = 0.0
+    report_progress_expiration: float = 30.0
+    timeout: float | None = None
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.prefix or not isinstance(self.prefix, str):
+            raise ValueError("prefix must be a non-empty string")
+        if not (self.average_parameters or self.average_gradients or self.average_opt_statistics):
+            raise ValueError(
+                "nothing to average: set average_parameters, average_gradients "
+                "or average_opt_statistics"
+            )
+        if self.max_allowed_epoch_difference < 0:
+            raise ValueError("max_allowed_epoch_difference must be non-negative")
+        if self.total_steps_in_epoch < 1:
+            raise ValueError("total_steps_in_epoch must be at least 1")
+        if self.averaging_steps_period < 1:
+            raise ValueError("averaging_steps_period must be at least 1")
+        if self.averaging_time_period < 0:
+            raise ValueError("averaging_time_period must be non-negative")
+        if self.report_progress_expiration <= 0:
+            raise ValueError("report_progress_expiration must be positive")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError("timeout must be positive")
+
+
+class _TrainingAverager(DecentralizedAverager):
+    """An averager whose shared state (for newcomers) is the optimizer's full state."""
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        node: Any,
+        state_fn: Callable[[], tuple[Any, Sequence[torch.Tensor]]],
+        **kwargs: Any,
+    ) -> None:
+        self._state_fn = state_fn  # set first: start=True may serve state at once
+        super().__init__(tensors, node, **kwargs)
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
+        return self._state_fn()
+
+
+class DecentralizedOptimizer:
+    """Wrap ``opt``: local steps, averaging with peers in the background, swarm epochs.
+
+    * ``average_parameters`` / ``average_gradients`` / ``average_opt_statistics`` (names of
+      per-parameter entries of ``opt.state``, e.g. ``("exp_avg_sq",)``): what the background
+      rounds average, in groups of up to ``target_group_size``.
+    * A round starts every ``averaging_steps_period`` local steps and, if
+      ``averaging_time_period > 0``, at least that often in seconds; a request made while a
+      round runs is served by the next round. ``timeout`` bounds one round.
+    * Epochs: the swarm's epoch advances when the steps reported at its latest epoch reach
+      ``total_steps_in_epoch`` (summed over peers); ``scheduler_cls(opt)``, if given, steps
+      once per epoch. A peer more than ``max_allowed_epoch_difference`` epochs behind loads
+      the state from peers instead of stepping; one less far behind just moves its epoch on.
+    * Other keyword arguments go to :class:`~peer.averaging.DecentralizedAverager`
+      (``min_matchmaking_time``, ``request_timeout``, ``compression``, ``client_mode``, ...).
+
+    Optimizer state that is averaged is referenced in place: do not replace those tensors
+    (e.g. ``opt.load_state_dict``) after construction. Call :meth:`shutdown` when done (or use
+    as a context manager); the node is not shut down.
+    """
+
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        node: Any,
+        *,
+        prefix: str,
+        target_group_size: int | None,
+        average_parameters: bool,
+        average_gradients: bool,
+        max_allowed_epoch_difference: int,
+        total_steps_in_epoch: int,
+        average_opt_statistics: Sequence[str] = (),
+        scheduler_cls: Callable[[torch.optim.Optimizer], Any] | None = None,
+        averaging_steps_period: int = 1,
+        averaging_time_period: float = 0,
+        report_progress_expiration: float = 30,
+        timeout: float | None = None,
+        verbose: bool = False,
+        **averager_kwargs: Any,
+    ) -> None:
+        if isinstance(average_opt_statistics, str):
+            raise TypeError('average_opt_statistics is a sequence of names, e.g. ("exp_avg_sq",)')
+        self.config = DecentralizedConfig(
+            prefix=prefix,
+            average_parameters=bool(average_parameters),
+            average_gradients=bool(average_gradients),
+            average_opt_statistics=tuple(average_opt_statistics),
+            max_allowed_epoch_difference=int(max_allowed_epoch_difference),
+            total_steps_in_epoch=int(total_steps_in_epoch),
+            averaging_steps_period=int(averaging_steps_period),
+            averaging_time_period=float(averaging_time_period),
+            report_progress_expiration=float(report_progress_expiration),
+            timeout=timeout,
+            verbose=bool(verbose),
+        )
+        self.opt = opt
+        self.node = node
+        self.params: list[torch.Tensor] = [p for g in opt.param_groups for p in g["params"]]
+        if not self.params:
+            raise ValueError("the optimizer has no parameters")
+        if self.config.average_opt_statistics:
+            self._init_optimizer_state()
+        tensors = self._averaged_tensors()
+        self.averager = _TrainingAverager(
+            tensors,
+            node,
+            self._current_state,
+            start=True,
+            prefix=prefix,
+            target_group_size=target_group_size,
+            **averager_kwargs,
+        )
+        self.scheduler = scheduler_cls(opt) if scheduler_cls is not None else None
+        self.tracker = ProgressTracker(node, prefix, expiration=report_progress_expiration)
+        self.performance = PerformanceEMA()
+        self.local_epoch = 0
+        self.local_step = 0  # steps taken by this peer, all epochs
+        self.steps_at_epoch = 0  # steps taken by this peer at local_epoch
+        self.averaging_rounds = 0  # rounds that finished (tensors averaged)
+        self.failed_rounds = 0
+        self.last_group: tuple[str, ...] = ()  # peer ids of the last successful round
+        self.last_progress: SwarmProgress | None = None
+        self._rounds_changed = threading.Condition()
+        self._want_round = threading.Event()
+        self._stop = threading.Event()
+        self._current_round: Any = None
+        self._shut = False
+        self._report()
+        self._thread = threading.Thread(
+            target=self._averaging_loop, name=f"swarmgrad-avg-{prefix}", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------ construction
+
+    def _init_optimizer_state(self) -> None:
+        """Create the optimizer's lazily made state (e.g. Adam's moments) so it can be
+        averaged from the start: one step with zero gradients and learning rate 0, after which
+        parameters, statistics and step counters are put back to their initial values."""
+        with torch.no_grad():
+            saved_params = [p.detach().clone() for p in self.params]
+            saved_grads = [p.grad for p in self.params]
+            saved_lrs = [group["lr"] for group in self.opt.param_groups]
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
+            for group in self.opt.param_groups:
+                group["lr"] = 0.0
+            try:
+                self.opt.step()
+            finally:
+                for group, lr in zip(self.opt.param_groups, saved_lrs, strict=True):
+                    group["lr"] = lr
+                for p, value, grad in zip(self.params, saved_params, saved_grads, strict=True):
+                    p.copy_(value)
+                    p.grad = grad
+            for p in self.params:
+                state = self.opt.state[p]
+                for key, value in list(state.items()):
+                    if isinstance(value, torch.Tensor):
+                        value.zero_()
+                    elif isinstance(value, int | float) and not isinstance(value, bool):
+                        state[key] = type(value)(0)
+
+    def _averaged_tensors(self) -> list[torch.Tensor]:
+        tensors: list[torch.Tensor] = []
+        if self.config.average_parameters:
+            tensors += [p.detach() for p in self.params]  # same storage as the parameters
+        self._grad_buffers: list[torch.Tensor] = []
+        self._grad_written: list[torch.Tensor] = []
+        if self.config.average_gradients:
+            self._grad_buffers = [
+                torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self.params
+            ]
+            self._grad_written = [torch.zeros_like(b) for b in self._grad_buffers]
+            tensors += self._grad_buffers
+        for name in self.config.average_opt_statistics:
+            for p in self.params:
+                value = self.opt.state[p].get(name)
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(
+                        f"optimizer statistic {name!r} is not a tensor in the state of "
+                        f"{type(self.opt).__name__} (found {type(value).__name__})"
+                    )
+                tensors.append(value)
+        return tensors
+
+    # ------------------------------------------------------------------------ step
+
+    def step(
+        self, closure: Callable[[], Any] | None = None, *, batch_size: int | None = None
+    ) -> Any:
+        """One local step, unless this peer is too far behind the swarm (then it loads the
+        state from peers and returns None without stepping).
+
+        ``closure`` is passed to the wrapped optimizer and runs with the parameter lock held.
+        ``batch_size`` (samples in this step) feeds the samples/s figure in progress reports.
+        """
+        if self._shut:
+            raise RuntimeError("this optimizer was shut down")
+        reports = self.tracker.fetch()
+        progress = self._swarm_progress(reports)
+        if progress.epochs_behind > self.config.max_allowed_epoch_difference:
+            logger.info(
+                "epoch %d is %d behind the swarm's %d: loading state from peers",
+                self.local_epoch,
+                progress.epochs_behind,
+                progress.epoch,
+            )
+            self.performance.pause()
+            self.load_state_from_peers(fallback_epoch=progress.epoch)
+            return None
+        self._advance_to(progress.target_epoch)
+        with self.averager.get_tensors():
+            self._apply_gradient_correction()
+            loss = self.opt.step(closure) if closure is not None else self.opt.step()
+        self.local_step += 1
+        self.steps_at_epoch += 1
+        if batch_size is not None:
+            self.performance.update(batch_size)
+        progress = self._swarm_progress(reports)
+        self._advance_to(progress.target_epoch)
+        self.last_progress = self._swarm_progress(reports)
+        self._report()
+        if self.local_step % self.config.averaging_steps_period == 0:
+            self._want_round.set()
+        if self.config.verbose:
+            logger.info("step %d, epoch %d: %s", self.local_step, self.local_epoch, progress)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.opt.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.opt.state
+
+    def _local_report(self) -> ProgressReport:
+        return ProgressReport(
+            peer_id=self.tracker.peer_id,
+            epoch=self.local_epoch,
+            steps_at_epoch=self.steps_at_epoch,
+            total_steps=self.local_step,
+            time=float(self.node.get_time()),
+            samples_per_second=self.performance.samples_per_second,
+        )
+
+    def _swarm_progress(self, reports: Iterable[ProgressReport]) -> SwarmProgress:
+        return compute_swarm_progress(
+            reports, self._local_report(), self.config.total_steps_in_epoch
+        )
+
+    def _report(self) -> None:
+        self.tracker.report(self._local_report())
+
+    def _advance_to(self, epoch: int) -> None:
+        """Move to ``epoch`` (no-op if not ahead): step the scheduler once per epoch passed
+        and tell state downloaders that this peer now holds fresher state."""
+        if epoch <= self.local_epoch:
+            return
+        passed = epoch - self.local_epoch
+        self.local_epoch, self.steps_at_epoch = epoch, 0
+        self._step_scheduler(passed)
+        if self.averager.allow_state_sharing:
+            self.averager.state_sharing_priority = float(epoch)
+        if self.config.verbose:
+            logger.info("swarm epoch %d", epoch)
+
+    def _step_scheduler(self, times: int) -> None:
+        if self.scheduler is None:
+            return
+        with warnings.catch_warnings():
+            # epochs can pass before this peer's first optimizer step (a newcomer catching
+            # up): that is the intended order here, not the mistake torch warns about
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+            for _ in range(times):
+                self.scheduler.step()
+
+    def _apply_gradient_correction(self) -> None:
+        """With ``average_gradients``: add the last round's correction to ``.grad`` and put
+        the latest local gradients where the next round will average them. Lock held."""
+        if not self._grad_buffers:
+            return
+        with torch.no_grad():
+            for p, buffer, written in zip(
+                self.params, self._grad_buffers, self._grad_written, strict=True
+            ):
+                if p.grad is None:
+                    continue
+                correction = buffer - written  # zero unless a round finished since
+                written.copy_(p.grad)
+                buffer.copy_(p.grad)
+                p.grad.add_(correction)
+
+    # ----------------------------------------------------------- background rounds
+
+    def _averaging_loop(self) -> None:
+        period = self.config.averaging_time_period
+        last_start = time.monotonic()
+        while not self._stop.is_set():
+            wait = None if period <= 0 else max(0.0, last_start + period - time.monotonic())
+            self._want_round.wait(wait)
+            if self._stop.is_set():
+                return
+            self._want_round.clear()
+            last_start = time.monotonic()
+            self._average_once()
+
+    def _average_once(self) -> None:
+        try:
+            control = self.averager.step(
+                wait=False, timeout=self.config.timeout, gather={"epoch": self.local_epoch}
+            )
+            self._current_round = control
+            gathered = control.result()
+        except StepFailed as exc:
+            with self._rounds_changed:
+                self.failed_rounds += 1
+                self._rounds_changed.notify_all()
+            if not self._stop.is_set():
+                logger.log(
+                    logging.INFO if self.config.verbose else logging.DEBUG,
+                    "averaging round failed: %s",
+                    exc,
+                )
+            return
+        finally:
+            self._current_round = None
+        with self._rounds_changed:
+            self.averaging_rounds += 1
+            self.last_group = tuple(sorted(gathered))
+            self._rounds_changed.notify_all()
+        if self.config.verbose:
+            logger.info("averaged with %d peers", len(gathered))
+
+    def average_now(self) -> None:
+        """Ask the background thread for a round now (e.g. after the last step)."""
+        self._want_round.set()
+
+    def wait_for_rounds(self, count: int, timeout: float | None = None) -> bool:
+        """Wait until ``averaging_rounds >= count``; False on timeout."""
+        with self._rounds_changed:
+            return self._rounds_changed.wait_for(
+                lambda: self.averaging_rounds >= count or self._shut, timeout
+            ) and (self.averaging_rounds >= count)
+
+    # ------------------------------------------------------------------ state
+
+    def _current_state(self) -> tuple[Any, list[torch.Tensor]]:
+        """Parameters and the whole optimizer state, for a newcomer. Called by the averager
+        on the node's loop with the lock held (so nothing here changes meanwhile)."""
+        tensors = [p.detach() for p in self.params]
+        layout = []
+        for p in self.params:
+            entries = []
+            for key, value in sorted(self.opt.state[p].items()):
+                if isinstance(value, torch.Tensor):
+                    entries.append([key, True, None])
+                    tensors.append(value.detach())
+                elif isinstance(value, _SCALAR_TYPES):
+                    entries.append([key, False, value])
+            layout.append(entries)
+        metadata = {"epoch": self.local_epoch, "step": self.local_step, "state": layout}
+        return metadata, tensors
+
+    def load_state_from_peers(
+        self, timeout: float | None = None, *, fallback_epoch: int | None = None
+    ) -> bool:
+        """Download parameters, optimizer state and epoch from the peer with the freshest
+        state. Returns False if no peer provided a state that fits this model; then this peer
+        keeps its own parameters and, if ``fallback_epoch`` is given, moves to that epoch (so
+        training goes on and averaging pulls it towards the swarm)."""
+        timeout = timeout if timeout is not None else self.config.timeout
+        result = self.averager.load_state_from_peers(timeout=timeout)
+        if result is not None and self._apply_state(*result):  # type: ignore[misc]
+            return True
+        logger.warning("could not load state from peers; continuing with local state")
+        if fallback_epoch is not None:
+            self._advance_to(fallback_epoch)
+            self._report()
+        return False
+
+    def _apply_state(self, metadata: Any, tensors: list[torch.Tensor]) -> bool:
+        try:
+            epoch = int(metadata["epoch"])
+            layout = metadata["state"]
+            if len(layout) != len(self.params) or epoch < 0:
+                raise ValueError("a different number of parameters")
+            n_tensors = len(self.params) + sum(1 for e in layout for entry in e if entry[1])
+            if len(tensors) != n_tensors:
+                raise ValueError("tensor count does not match the layout")
+            for p, t in zip(self.params, tensors, strict=False):
+                if t.shape != p.shape:
+                    raise ValueError(f"shape {tuple(t.shape)} where {tuple(p.shape)} expected")
+        except (KeyError, TypeError, ValueError) as exc:
+            logger.warning("ignoring a downloaded state that does not fit: %s", exc)
+            return False
+        incoming = iter(tensors[len(self.params) :])
+        with self.averager.get_tensors(), torch.no_grad():
+            for p, t in zip(self.params, tensors, strict=False):
+                p.copy_(t.to(p.dtype))
+            for p, entries in zip(self.params, layout, strict=True):
+                state = self.opt.state[p]
+                for key, is_tensor, value in entries:
+                    if not is_tensor:
+                        state[key] = value
+                        continue
+                    t = next(incoming)
+                    current = state.get(key)
+                    if isinstance(current, torch.Tensor) and current.shape == t.shape:
+                        current.copy_(t.to(current.dtype))  # in place: the averager holds it
+                    else:
+                        state[key] = t.clone()
+        self._advance_to(epoch)
+        self._report()
+        return True
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def shutdown(self) -> None:
+        """Stop the background thread (cancelling a round in progress), the averager and
+        progress reports. Idempotent; does not shut the node down."""
+        if self._shut:
+            return
+        self._shut = True
+        self._stop.set()
+        self._want_round.set()
+        control = self._current_round
+        if control is not None:
+            control.cancel()
+        self.averager.shutdown()  # cancels a round already streaming
+        self._thread.join(timeout=self.averager.config.shutdown_timeout + 1.0)
+        self.tracker.shutdown()
+        with self._rounds_changed:
+            self._rounds_changed.notify_all()
+
+    def __enter__(self) -> DecentralizedOptimizer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(prefix={self.config.prefix!r}, "
+            f"epoch={self.local_epoch}, step={self.local_step})"
+        )
+
+
+class DecentralizedSGD(DecentralizedOptimizer):
+    """``torch.optim.SGD`` with parameters averaged in the background after every step
+    (``averaging_steps_period=1`` unless given). Other keyword arguments: see
+    :class:`DecentralizedOptimizer`."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        *,
+        node: Any,
+        prefix: str,
+        target_group_size: int | None,
+        momentum: float = 0,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        opt = torch.optim.SGD(
+            params,
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+        )
+        kwargs.setdefault("average_parameters", True)
+        kwargs.setdefault("average_gradients", False)
+        super().__init__(opt, node, prefix=prefix, target_group_size=target_group_size, **kwargs)
+
+
+class DecentralizedAdam(DecentralizedOptimizer):
+    """``torch.optim.Adam`` with parameters and the second moment (``exp_avg_sq``, or
+    ``max_exp_avg_sq`` with ``amsgrad``) averaged in the background every
+    ``averaging_steps_period`` steps. Other keyword arguments: see
+    :class:`DecentralizedOptimizer`."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        *,
+        node: Any,
+        prefix: str,
+        target_group_size: int | None,
+        averaging_steps_period: int,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        opt = torch.optim.Adam(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad
+        )
+        kwargs.setdefault("average_parameters", True)
+        kwargs.setdefault("average_gradients", False)
+        stat = "max_exp_avg_sq" if amsgrad else "exp_avg_sq"
+        super().__init__(
+            opt,
+            node,
+            prefix=prefix,
+            target_group_size=target_group_size,
+            averaging_steps_period=averaging_steps_period,
+            average_opt_statistics=(stat,),
+            **kwargs,
+        )

@@ -1,0 +1,275 @@
+"""Swarm progress: what each peer reports, and the swarm's epoch computed from the reports.
+
+Every training peer stores one record under ``f"{prefix}.progress"`` with its peer id as
+the subkey (so no peer can overwrite another's: gossip records are signed by their owner)::
+
+    [epoch, steps_at_epoch, total_steps, time, samples_per_second]
+
+expiring ``report_progress_expiration`` seconds after ``time``; a peer that stops reporting
+drops out of the count on its own. Two layers:
+
+* :func:`compute_swarm_progress` — pure: reports in, :class:`SwarmProgress` out. No I/O, no
+  clock: the caller passes its own fresh report, which replaces whatever gossip last carried
+  for it. Tested directly.
+* :class:`ProgressTracker` — the I/O around it: publishes this peer's reports (coalesced, so
+  a fast training loop never queues stores) and reads the others' from the node's local
+  replica of the gossip store.
+
+Epoch rule: the swarm's epoch is the largest epoch any live peer reports; it is complete when
+the steps reported *at that epoch*, summed over peers, reach ``total_steps_in_epoch``. Steps
+reported at older epochs do not count — a peer still at an older epoch has not noticed the
+advance yet, and its next step moves it forward. Gossip lag (a few ``gossip_period``) lets the
+swarm overshoot an epoch by the steps taken during the lag; nothing depends on the count
+being exact. Clock skew only affects expirations, never the order of epochs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from peer.exceptions import SwarmgradError
+
+logger = logging.getLogger("peer.optim.progress")
+
+__all__ = [
+    "PerformanceEMA",
+    "ProgressReport",
+    "ProgressTracker",
+    "SwarmProgress",
+    "compute_swarm_progress",
+    "progress_key",
+]
+
+
+def progress_key(prefix: str) -> str:
+    return f"{prefix}.progress"
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class ProgressReport:
+    """One peer's progress: ``steps_at_epoch`` local steps taken since it entered ``epoch``."""
+
+    peer_id: str
+    epoch: int
+    steps_at_epoch: int
+    total_steps: int
+    time: float
+    samples_per_second: float = 0.0
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.epoch,
+            self.steps_at_epoch,
+            self.total_steps,
+            self.time,
+            self.samples_per_second,
+        ]
+
+    @classmethod
+    def from_wire(cls, peer_id: str, value: Any) -> ProgressReport | None:
+        """Parse a gossip value; None for anything malformed (a buggy or hostile peer's
+        record is ignored rather than allowed to break every other peer's step)."""
+        if not isinstance(value, list | tuple) or len(value) != 5:
+            return None
+        epoch, steps, total, when, sps = value
+        if not (_is_count(epoch) and _is_count(steps) and _is_count(total)):
+            return None
+        if not (_is_finite(when) and _is_finite(sps)) or sps < 0:
+            return None
+        return cls(peer_id, epoch, steps, total, float(when), float(sps))
+
+
+@dataclass(frozen=True)
+class SwarmProgress:
+    """The swarm as seen from one peer (see the module docstring for the epoch rule)."""
+
+    epoch: int  # the largest epoch any live peer reports (this one included)
+    steps_at_epoch: int  # steps reported at ``epoch``, summed over peers
+    total_steps_in_epoch: int
+    num_peers: int  # peers with a live report, this one included
+    num_peers_at_epoch: int
+    samples_per_second: float  # summed over peers
+    local_epoch: int
+
+    @property
+    def should_advance(self) -> bool:
+        """True when ``epoch`` is complete: the next step belongs to ``epoch + 1``."""
+        return self.steps_at_epoch >= self.total_steps_in_epoch
+
+    @property
+    def epochs_behind(self) -> int:
+        """How many epochs this peer lags the swarm's latest one (0 if it is at it)."""
+        return max(0, self.epoch - self.local_epoch)
+
+    @property
+    def target_epoch(self) -> int:
+        """The epoch this peer's next step belongs to."""
+        return self.epoch + 1 if self.should_advance else self.epoch
+
+
+def compute_swarm_progress(
+    reports: Iterable[ProgressReport], local: ProgressReport, total_steps_in_epoch: int
+) -> SwarmProgress:
+    """The swarm's state from the peers' reports and this peer's own fresh one.
+
+    ``local`` replaces any report carrying the same peer id (gossip may still hold an older
+    one). Pure: no clock, no I/O.
+    """
+    if total_steps_in_epoch < 1:
+        raise ValueError("total_steps_in_epoch must be at least 1")
+    by_peer = {r.peer_id: r for r in reports}
+    by_peer[local.peer_id] = local
+    epoch = max(r.epoch for r in by_peer.values())
+    at_epoch = [r for r in by_peer.values() if r.epoch == epoch]
+    return SwarmProgress(
+        epoch=epoch,
+        steps_at_epoch=sum(r.steps_at_epoch for r in at_epoch),
+        total_steps_in_epoch=total_steps_in_epoch,
+        num_peers=len(by_peer),
+        num_peers_at_epoch=len(at_epoch),
+        samples_per_second=sum(r.samples_per_second for r in by_peer.values()),
+        local_epoch=local.epoch,
+    )
+
+
+class PerformanceEMA:
+    """Samples per second, as an exponential moving average over steps.
+
+    ``update(samples)`` after each step; the interval is measured from the previous update
+    (the first update only starts the clock). ``pause()`` before a gap that is not training
+    (a state download) so it is not counted as slowness.
+    """
+
+    def __init__(self, alpha: float = 0.1, clock: Any = time.perf_counter) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError("alpha must be in (0, 1]")
+        self.alpha = alpha
+        self.clock = clock
+        self.samples_per_second = 0.0
+        self._last: float | None = None
+        self._seen = 0
+
+    def update(self, samples: int) -> float:
+        now = self.clock()
+        if self._last is not None:
+            interval = max(now - self._last, 1e-9)
+            rate = samples / interval
+            self._seen += 1
+            # plain mean for the first few intervals, so one odd step does not stick
+            alpha = max(self.alpha, 1.0 / self._seen)
+            self.samples_per_second += alpha * (rate - self.samples_per_second)
+        self._last = now
+        return self.samples_per_second
+
+    def pause(self) -> None:
+        self._last = None
+
+
+class ProgressTracker:
+    """Publish this peer's :class:`ProgressReport` and read the swarm's.
+
+    :meth:`report` never blocks on the network: it leaves the report in a one-slot mailbox
+    that a task on the node's event loop stores (a newer report overwrites one that was not
+    stored yet, so a fast loop does not queue stores). :meth:`fetch` reads the node's local
+    replica of the gossip store. Thread-safe. Call :meth:`shutdown` when done: it retracts
+    this peer's report so the swarm stops counting it.
+    """
+
+    def __init__(self, node: Any, prefix: str, *, expiration: float = 30.0) -> None:
+        if expiration <= 0:
+            raise ValueError("report_progress_expiration must be positive")
+        self.node = node
+        self.key = progress_key(prefix)
+        self.expiration = float(expiration)
+        self._latest: ProgressReport | None = None
+        self._stored: ProgressReport | None = None
+        self._stored_until = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._shut = False
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.node.peer_id)
+
+    def report(self, report: ProgressReport) -> None:
+        """Publish ``report`` (asynchronously; see :meth:`flush`)."""
+        if self._shut:
+            return
+        self._latest = report
+        with contextlib.suppress(RuntimeError):  # the loop closed under us: nothing to do
+            self.node.loop.call_soon_threadsafe(self._kick)
+
+    def _kick(self) -> None:
+        if self._shut or (self._task is not None and not self._task.done()):
+            return
+        self._task = asyncio.get_running_loop().create_task(self._push())
+
+    async def _push(self) -> None:
+        core = self.node.core
+        while not self._shut and self._latest is not None and self._latest is not self._stored:
+            report = self._latest
+            # a store needs a strictly later expiration than our own previous record
+            until = max(report.time + self.expiration, self._stored_until + 1e-6)
+            try:
+                await core.store(self.key, report.to_wire(), until, subkey=core.peer_id)
+            except SwarmgradError as exc:
+                logger.debug("could not store a progress report: %s", exc)
+                return
+            self._stored, self._stored_until = report, until
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until the latest report is in the local store (it spreads by gossip from
+        there). Returns False if that did not happen within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while self._latest is not self._stored and not self._shut:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def fetch(self) -> list[ProgressReport]:
+        """Every live, well-formed report this node knows of (this peer's own included)."""
+        found = self.node.get(self.key)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        reports = []
+        for subkey, item in found.value.items():
+            if not isinstance(subkey, str):
+                continue
+            report = ProgressReport.from_wire(subkey, getattr(item, "value", None))
+            if report is not None:
+                reports.append(report)
+        return reports
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Stop publishing and retract this peer's report. Idempotent."""
+        if self._shut:
+            return
+        self._shut = True
+        if not self._stored_until:
+            return
+
+        async def retract() -> None:
+            if self._task is not None and not self._task.done():
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+            core = self.node.core
+            await core.store(self.key, None, self._stored_until + 1e-3, subkey=core.peer_id)
+
+        with contextlib.suppress(Exception):  # the node may already be gone: nothing to retract
+            self.node.run_coroutine(retract(), wait=False).result(timeout)
