@@ -158,6 +158,7 @@ class AllreduceRunner:
         self.last_progress: dict[int, float] = dict.fromkeys(self.unresolved, loop_now)
         self.started = False
         self.early: list[tuple[str, Frame]] = []  # frames that arrived before run()
+        self._background: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ run
 
@@ -227,12 +228,15 @@ class AllreduceRunner:
     async def _sender(self, peer_id: str) -> None:
         box = self._outboxes[peer_id]
         r = self.peer_index[peer_id]
+        link = None
         try:
-            link = await self._link_to(peer_id)
             while True:
                 item = await self._next_item(peer_id, box, r)
                 if item is None:
                     return
+                if link is None or link.closed:
+                    # lazily: two client-mode members never exchange anything (nor can they)
+                    link = await self._link_to(peer_id)
                 kind, index = item
                 await self._before_send(peer_id, kind, index)
                 frame = self._frame(kind, r, index)
@@ -381,7 +385,17 @@ class AllreduceRunner:
         if sender not in self._logged:
             self._logged.add(sender)
             logger.warning("excluding %s from the round: %s", sender, reason)
+            # tell the offender, so that it stops waiting for our averages
+            frame = Frame(ABORT, {"p": self.prefix, "g": self.group.group_id, "why": "excluded"})
+            task = asyncio.get_running_loop().create_task(self._send_quietly(sender, frame))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         self._peer_failed(sender, reason, log=False)
+
+    async def _send_quietly(self, peer_id: str, frame: Frame) -> None:
+        with contextlib.suppress(SwarmgradError, TimeoutError):
+            async with asyncio.timeout(1.0):
+                await self.core.send(peer_id, frame)
 
     def _exclude_sender(self, sender: str, reason: str) -> None:
         if sender in self.excluded_senders:

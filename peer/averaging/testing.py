@@ -1,0 +1,244 @@
+"""Run an averager in its own OS process and drive it over a line protocol (for tests).
+
+``python -m peer.averaging.testing --tensors PATH [--initial-peer ADDR] [--config JSON]
+[--fault KIND] [--client-mode]`` starts a node and an averager over the tensors saved at
+``PATH`` (``torch.save`` of a list), prints ``{"peer_id": ..., "addresses": [...]}`` and
+answers JSON commands on standard input, one per line::
+
+    {"cmd": "members"}                          -> {"members": <count>}
+    {"cmd": "step", "kw": {...}, "out": PATH}   -> {"ok": true, "gathered": {...}}
+                                                   or {"ok": false, "error": "Class: message"}
+                                                   (tensors saved to PATH either way)
+    {"cmd": "load_state", "out": PATH}          -> {"ok": bool, "metadata": ..., "donor": ...}
+    {"cmd": "sharing", "allow": B, "priority": P} -> {"ok": true}
+    {"cmd": "quit"}                             -> {"ok": true}, then exits
+
+``--fault`` injects one misbehaviour (by subclassing the round runner or the state server):
+``kill_after_first_part`` / ``stall_after_first_part`` (SIGKILL itself, or stop sending
+anything, right after its first part went out), ``kill_while_reducing`` (SIGKILL on the first
+part it receives as a reducer), ``nan`` / ``wrong_length`` / ``oversized`` (corrupt parts),
+``kill_mid_state`` (SIGKILL while serving the third chunk of a state download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+from peer.averaging.allreduce import AllreduceRunner
+from peer.averaging.state import StateServer
+
+FAULTS = (
+    "kill_after_first_part",
+    "stall_after_first_part",
+    "kill_while_reducing",
+    "nan",
+    "wrong_length",
+    "oversized",
+    "kill_mid_state",
+)
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FaultyRunner(AllreduceRunner):
+    """An all-reduce runner that misbehaves as ``fault`` says."""
+
+    fault = ""
+    _parts_sent = 0
+    _stalled: asyncio.Event | None = None
+
+    async def _before_send(self, peer_id: str, kind: str, index: int) -> None:
+        cls = type(self)
+        if cls._stalled is not None:
+            await asyncio.Event().wait()  # never: stay silent until cancelled
+        if kind == "part":
+            if cls._parts_sent >= 1:
+                if self.fault == "kill_after_first_part":
+                    _kill_self()
+                elif self.fault == "stall_after_first_part":
+                    cls._stalled = asyncio.Event()
+                    await asyncio.Event().wait()
+            cls._parts_sent += 1
+
+    def _on_received_part(self, sender: str, index: int) -> None:
+        if self.fault == "kill_while_reducing":
+            _kill_self()
+
+    def _contribution_wire(self, r: int, index: int) -> tuple[dict[str, Any], Any]:
+        header, payload = super()._contribution_wire(r, index)
+        part = self.partition.part(r, index)
+        if self.fault == "nan":
+            bad = torch.full((part.numel,), float("nan"), dtype=self.flat.dtype)
+            return header, bad.numpy().tobytes()
+        if self.fault in ("wrong_length", "oversized"):
+            numel = part.numel + 1 if self.fault == "wrong_length" else part.numel * 8
+            header = {**header, "shape": [numel]}
+            return header, torch.ones(numel, dtype=self.flat.dtype).numpy().tobytes()
+        return header, payload
+
+
+class FaultyStateServer(StateServer):
+    async def _before_chunk(self, index: int) -> None:
+        if index == 2:
+            _kill_self()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tensors", required=True)
+    parser.add_argument("--initial-peer", action="append", default=[])
+    parser.add_argument("--config", default="{}")
+    parser.add_argument("--fault", choices=FAULTS, default=None)
+    parser.add_argument("--client-mode", action="store_true")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    import logging
+
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s"
+    )
+    from peer import DecentralizedAverager, Node
+
+    tensors = torch.load(args.tensors, weights_only=True)
+    node = Node(args.initial_peer, gossip_period=0.2, client_mode=args.client_mode)
+    config = json.loads(args.config)
+    averager = DecentralizedAverager(tensors, node, start=False, **config)
+    if args.fault == "kill_mid_state":
+        averager._state_server_cls = FaultyStateServer
+    elif args.fault:
+        averager._runner_cls = type("Faulty", (FaultyRunner,), {"fault": args.fault})
+    averager.run()
+    out = sys.stdout
+    out.write(json.dumps({"peer_id": node.peer_id, "addresses": node.visible_addresses}) + "\n")
+    out.flush()
+    try:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            command = json.loads(line)
+            cmd = command.get("cmd")
+            reply: Any
+            if cmd == "members":
+                reply = {"members": len(node.members())}
+            elif cmd == "step":
+                try:
+                    gathered = averager.step(**command.get("kw", {}))
+                    reply = {"ok": True, "gathered": gathered}
+                except Exception as exc:
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                if command.get("out"):
+                    with averager.get_tensors() as current:
+                        torch.save([t.clone() for t in current], command["out"])
+            elif cmd == "load_state":
+                loaded = averager.load_state_from_peers(timeout=command.get("timeout"))
+                if loaded is None:
+                    reply = {"ok": False}
+                else:
+                    metadata, state = loaded  # type: ignore[misc]
+                    torch.save(state, command["out"])
+                    reply = {"ok": True, "metadata": metadata, "donor": averager.last_state_donor}
+            elif cmd == "sharing":
+                averager.allow_state_sharing = bool(command["allow"])
+                averager.state_sharing_priority = float(command.get("priority", 0.0))
+                reply = {"ok": True}
+            elif cmd == "quit":
+                out.write(json.dumps({"ok": True}) + "\n")
+                out.flush()
+                break
+            else:
+                reply = {"error": f"unknown command {cmd!r}"}
+            out.write(json.dumps(reply) + "\n")
+            out.flush()
+    finally:
+        averager.shutdown()
+        node.shutdown()
+
+
+class AveragerProcess:
+    """An averager in a child process (``python -m peer.averaging.testing``)."""
+
+    def __init__(
+        self,
+        tensors_path: str,
+        *,
+        initial_peers: list[str] = (),  # type: ignore[assignment]
+        config: dict[str, Any] | None = None,
+        fault: str | None = None,
+        client_mode: bool = False,
+    ) -> None:
+        args = [sys.executable, "-m", "peer.averaging.testing", "--tensors", tensors_path]
+        for address in initial_peers:
+            args += ["--initial-peer", address]
+        args += ["--config", json.dumps(config or {})]
+        if fault:
+            args += ["--fault", fault]
+        if client_mode:
+            args.append("--client-mode")
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        first = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not first:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise RuntimeError(f"averager process failed to start:\n{err}")
+        info = json.loads(first)
+        self.peer_id: str = info["peer_id"]
+        self.addresses: list[str] = info["addresses"]
+
+    def send(self, **command: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self) -> Any:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"averager process {self.peer_id} exited")
+        return json.loads(line)
+
+    def call(self, **command: Any) -> Any:
+        self.send(**command)
+        return self.receive()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL (if still running) and release the pipes."""
+        if self.alive:
+            self.proc.kill()
+        self.proc.communicate()
+
+    def quit(self, timeout: float = 10.0) -> str:
+        if self.alive:
+            try:
+                self.call(cmd="quit")
+            except (RuntimeError, BrokenPipeError, OSError):
+                pass
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        return err or ""
+
+
+if __name__ == "__main__":
+    main()
