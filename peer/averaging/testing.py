@@ -11,6 +11,7 @@ answers JSON commands on standard input, one per line::
                                                    (tensors saved to PATH either way)
     {"cmd": "load_state", "out": PATH}          -> {"ok": bool, "metadata": ..., "donor": ...}
     {"cmd": "sharing", "allow": B, "priority": P} -> {"ok": true}
+    {"cmd": "donors"}                           -> {"donors": [peer ids, best first]}
     {"cmd": "quit"}                             -> {"ok": true}, then exits
 
 ``--fault`` injects one misbehaviour (by subclassing the round runner or the state server):
@@ -148,6 +149,11 @@ def main(argv: list[str] | None = None) -> None:
                     metadata, state = loaded  # type: ignore[misc]
                     torch.save(state, command["out"])
                     reply = {"ok": True, "metadata": metadata, "donor": averager.last_state_donor}
+            elif cmd == "donors":
+                from peer.averaging.state import list_donors
+
+                donors = node.run_coroutine(list_donors(node.core, averager.config.prefix))
+                reply = {"donors": [peer_id for _, peer_id in donors]}
             elif cmd == "sharing":
                 averager.allow_state_sharing = bool(command["allow"])
                 averager.state_sharing_priority = float(command.get("priority", 0.0))
