@@ -488,6 +488,7 @@ class DecentralizedAverager:
         if cancelled:
             await self._leave_group(group, "cancelled before all-reduce")
             raise StepCancelled("step cancelled before all-reduce")
+        began = asyncio.get_running_loop().time()
         async with self._locked():
             flat = self.layout.flatten(self._averaged_tensors)  # [total], a copy
         try:
@@ -534,6 +535,7 @@ class DecentralizedAverager:
                     if alpha:
                         tensor.add_(delta.to(tensor.dtype), alpha=alpha)
         self._advance_group_bits(group)
+        self.last_allreduce_seconds = asyncio.get_running_loop().time() - began
         if runner.failed:
             logger.info(
                 "averaged with %d of %d peers (%d left the round)",
@@ -671,6 +673,8 @@ class DecentralizedAverager:
         return future.result() if wait else future
 
     last_state_donor: str | None = None
+    #: wall time of the last successful all-reduce (snapshot to write-back), for benchmarks
+    last_allreduce_seconds: float | None = None
 
     @property
     def allow_state_sharing(self) -> bool:
