@@ -25,6 +25,7 @@ extension types, and the payload is raw bytes interpreted only by the message's 
 
 from __future__ import annotations
 
+import abc
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -63,11 +64,12 @@ DEFAULT_LIMITS = Limits()
 # --------------------------------------------------------------------------- schemas
 
 
-class Spec:
+class Spec(abc.ABC):
     """A tiny validator for one msgpack-decoded value; raises MalformedFrame on mismatch."""
 
-    def check(self, value: Any, path: str, limits: Limits) -> Any:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def check(self, value: Any, path: str, limits: Limits) -> Any:
+        """Return the validated value (possibly normalised, e.g. a tuple for a list)."""
 
 
 @dataclass(frozen=True, slots=True)
