@@ -1,0 +1,218 @@
+"""All-reduce throughput: Swarmgrad's butterfly all-reduce against torch.distributed (gloo).
+
+    .venv/bin/python bench/allreduce.py [--peers 2 4 8] [--mb 64] [--reps 5]
+
+For each peer count, starts that many worker processes on loopback; each holds ``--mb`` MB of
+fp32 and runs, in the same processes and the same run:
+
+1. ``torch.distributed.all_reduce`` (gloo) of the tensor, ``--reps`` times after a warm-up;
+2. ``DecentralizedAverager.step()`` (no compression, one group of all peers), ``--reps``
+   times after a warm-up, recording the all-reduce time (snapshot → write-back) and the full
+   step time including matchmaking.
+
+Per repetition the slowest peer's time counts (a collective is done when the last peer is);
+the table shows medians, the ratio Swarmgrad / gloo, and peak extra resident memory per peer
+(high-water mark during the steps minus the resident size before them) relative to the
+tensor size. Absolute times on a shared machine are noise; the ratio is the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    # writing 5 to clear_refs resets the peak RSS (VmHWM) to the current RSS (Linux ≥ 4.0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from peer import DecentralizedAverager, Node
+
+    torch.set_num_threads(1)
+    node = Node(args.initial_peer, gossip_period=0.2)
+    if args.rank == 0:
+        print(json.dumps({"addresses": node.visible_addresses}), flush=True)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.master_port}",
+        rank=args.rank,
+        world_size=args.world,
+    )
+    while len(node.members()) < args.world:
+        time.sleep(0.05)
+    dist.barrier()
+    numel = args.mb * (1 << 20) // 4
+    tensor = torch.randn(numel)
+
+    gloo = []
+    work = tensor.clone()
+    for rep in range(args.reps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(work)
+        elapsed = time.perf_counter() - start
+        if rep:
+            gloo.append(elapsed)
+    del work
+
+    averager = DecentralizedAverager(
+        [tensor],
+        node,
+        start=True,
+        prefix="bench",
+        target_group_size=args.world,
+        min_group_size=args.world,
+        min_matchmaking_time=0.5,
+        request_timeout=3.0,
+        part_size_bytes=args.part_size,
+        sender_timeout=30.0,
+    )
+    steps, allreduce = [], []
+    peak_extra = 0
+    for rep in range(args.reps + 1):
+        dist.barrier()
+        if rep:
+            _reset_peak()
+            baseline = _rss_kib("VmRSS")
+        start = time.perf_counter()
+        averager.step(timeout=120)
+        elapsed = time.perf_counter() - start
+        if rep:
+            peak_extra = max(peak_extra, _rss_kib("VmHWM") - baseline)
+            steps.append(elapsed)
+            allreduce.append(averager.last_allreduce_seconds)
+    dist.barrier()
+    averager.shutdown()
+    node.shutdown()
+    dist.destroy_process_group()
+    print(
+        json.dumps(
+            {
+                "rank": args.rank,
+                "gloo": gloo,
+                "step": steps,
+                "allreduce": allreduce,
+                "peak_extra_bytes": peak_extra * 1024,
+                "tensor_bytes": numel * 4,
+            }
+        ),
+        flush=True,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(peers: int, args: argparse.Namespace) -> dict[str, float]:
+    port = _free_port()
+    base = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--world",
+        str(peers),
+        "--master-port",
+        str(port),
+        "--mb",
+        str(args.mb),
+        "--reps",
+        str(args.reps),
+        "--part-size",
+        str(args.part_size),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen([*base, "--rank", "0"], stdout=subprocess.PIPE, text=True, env=env)
+    assert first.stdout is not None
+    address = json.loads(first.stdout.readline())["addresses"][0]
+    procs = [first] + [
+        subprocess.Popen(
+            [*base, "--rank", str(r), "--initial-peer", address],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(1, peers)
+    ]
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=1800)
+        if proc.returncode:
+            raise RuntimeError(f"a worker failed with exit code {proc.returncode}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+
+    def slowest(key: str) -> list[float]:
+        return [max(r[key][i] for r in results) for i in range(args.reps)]
+
+    gloo = statistics.median(slowest("gloo"))
+    ours = statistics.median(slowest("allreduce"))
+    step = statistics.median(slowest("step"))
+    memory = max(r["peak_extra_bytes"] for r in results) / results[0]["tensor_bytes"]
+    return {
+        "peers": peers,
+        "gloo": gloo,
+        "swarmgrad": ours,
+        "ratio": ours / gloo,
+        "step": step,
+        "memory": memory,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--mb", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--part-size", type=int, default=2**19)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--master-port", type=int, default=0)
+    parser.add_argument("--initial-peer", action="append", default=[])
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    print(
+        f"{args.mb} MB fp32 per peer, no compression, parts of {args.part_size} bytes, "
+        f"median of {args.reps} (slowest peer per repetition)"
+    )
+    print(
+        f"{'peers':>5} {'gloo s':>8} {'swarmgrad s':>12} {'ratio':>6} {'step() s':>9} "
+        f"{'peak extra mem':>15}"
+    )
+    for peers in args.peers:
+        r = run(peers, args)
+        print(
+            f"{r['peers']:>5} {r['gloo']:>8.3f} {r['swarmgrad']:>12.3f} {r['ratio']:>6.2f} "
+            f"{r['step']:>9.3f} {r['memory']:>14.2f}x",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
