@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from peer.averaging.exceptions import BadContribution, UnexpectedSender
+from peer.compression import all_finite
 
 __all__ = ["FinishedPart", "WeightedMeanReducer", "apply_averaging_alpha"]
 
@@ -216,7 +217,7 @@ class WeightedMeanReducer:
             )
         if values.dtype != self.dtype:
             raise BadContribution(sender, index, f"dtype {values.dtype}, expected {self.dtype}")
-        if values.numel() and not bool(torch.isfinite(values).all()):
+        if not all_finite(values):
             raise BadContribution(sender, index, "NaN or Inf values")
 
 
