@@ -24,7 +24,7 @@ from server.db import make_engine, make_session_factory, upgrade_database
 from server.exceptions import CoordinatorError
 from server.metrics import Metrics, MetricsMiddleware
 from server.schemas import ErrorPublic
-from server.security import KeyBox
+from server.security import KeyBox, PrincipalCache
 from server.services.reports import ReportBuffer
 
 logger = logging.getLogger("server")
@@ -81,6 +81,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.session_factory = session_factory
     app.state.keybox = KeyBox(settings.secret_key.get_secret_value())
     app.state.metrics = metrics
+    app.state.principal_cache = PrincipalCache(settings.peer_auth_cache_ttl_s)
 
     for module in (runs, tokens, peers, progress, health):
         app.include_router(module.router)
@@ -115,6 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             {"detail": "internal error; the coordinator's log has the details"}, status_code=500
         )
 
+    # Our own limit rather than FastAPI's max_body_size: that one answers in plain text.
     app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

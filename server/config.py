@@ -73,6 +73,13 @@ class Settings(BaseSettings):
     report_buffer_max: int = Field(
         2000, ge=1, description="Flush earlier once this many reports are waiting."
     )
+    peer_auth_cache_ttl_s: float = Field(
+        5.0,
+        ge=0,
+        description="How long a worker may reuse a verified peer token on the report path "
+        "without asking the database: revoking it, or finishing its run, takes effect on "
+        "reports within this time. 0 checks the database on every report.",
+    )
     max_config_bytes: int = Field(64 * 1024, ge=2, description="Largest run config accepted.")
     db_pool_size: int = Field(10, ge=1)
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import secrets
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -101,3 +104,42 @@ class KeyBox:
                 "cannot decrypt the run's signing key: SWARMGRAD_SECRET_KEY differs from the "
                 "one the run was created with"
             ) from exc
+
+
+class PrincipalCache:
+    """Recently verified tokens of one worker process, for at most ``ttl_s`` seconds.
+
+    Only successful verifications are kept, keyed by token id with the secret's hash, so a
+    hit still needs the right secret (compared in constant time). Bounded: when full, the
+    oldest entries go first.
+    """
+
+    def __init__(
+        self, ttl_s: float, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._ttl = ttl_s
+        self._max = max_entries
+        self._clock = clock
+        self._entries: dict[str, tuple[bytes, float, object]] = {}
+
+    def get(self, token_id: str, secret: str) -> object | None:
+        if self._ttl <= 0:
+            return None
+        entry = self._entries.get(token_id)
+        if entry is None:
+            return None
+        stored_hash, cached_at, value = entry
+        if self._clock() - cached_at > self._ttl:
+            self._entries.pop(token_id, None)
+            return None
+        return value if secret_matches(secret, stored_hash) else None
+
+    def put(self, token_id: str, secret: str, value: object) -> None:
+        if self._ttl <= 0:
+            return
+        if len(self._entries) >= self._max:
+            # dicts keep insertion order: drop the oldest tenth in one go.
+            for key in list(itertools.islice(self._entries, self._max // 10 + 1)):
+                del self._entries[key]
+        self._entries.pop(token_id, None)
+        self._entries[token_id] = (hash_secret(secret), self._clock(), value)

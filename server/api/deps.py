@@ -1,22 +1,27 @@
 """FastAPI dependencies as ``Annotated`` aliases. Scope and run checks live here, once.
 
+Dependencies that do no I/O are ``async def``: FastAPI runs every plain ``def`` dependency in
+its thread pool, and each such hop costs far more than the work in these few lines. Only
+those that query the database are ``def``.
+
 Order of checks on every protected route: a missing or invalid token is 401; a valid token
 of the wrong scope, or bound to another run, is 403; only then is an unknown id a 404.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import Depends, Path, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from server.config import Settings
-from server.exceptions import Forbidden, Unauthenticated
-from server.models import Run, TokenScope
-from server.security import KeyBox
+from server.exceptions import Conflict, Forbidden, Unauthenticated
+from server.models import Run, RunStatus, TokenScope
+from server.security import KeyBox, PrincipalCache, parse_token
 from server.services import runs as run_service
 from server.services import tokens as token_service
 from server.services.reports import ReportBuffer
@@ -25,20 +30,22 @@ from server.services.tokens import Principal
 _bearer = HTTPBearer(auto_error=False, description="A token issued by this coordinator.")
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_session(request: Request) -> Iterator[Session]:
+async def get_session(request: Request) -> AsyncIterator[Session]:
+    # Creating a session does no I/O (it takes a connection when first used), and closing
+    # one only returns its connection to the pool.
     with request.app.state.session_factory() as session:
         yield session
 
 
-def get_keybox(request: Request) -> KeyBox:
+async def get_keybox(request: Request) -> KeyBox:
     return request.app.state.keybox
 
 
-def get_report_buffer(request: Request) -> ReportBuffer:
+async def get_report_buffer(request: Request) -> ReportBuffer:
     buffer = getattr(request.app.state, "report_buffer", None)
     if buffer is None:  # the ASGI server did not run the app's lifespan
         raise RuntimeError("the report buffer is not running; serve the app with lifespan on")
@@ -73,7 +80,7 @@ def _need(principal: Principal, scope: TokenScope, action: str) -> None:
         )
 
 
-def get_organizer(principal: CurrentPrincipal) -> Principal:
+async def get_organizer(principal: CurrentPrincipal) -> Principal:
     _need(principal, TokenScope.organizer, "this endpoint")
     return principal
 
@@ -88,11 +95,11 @@ def _run_token(principal: Principal, run_id: str, scope: TokenScope, action: str
     return principal
 
 
-def get_joiner(principal: CurrentPrincipal, run_id: RunIdPath) -> Principal:
+async def get_joiner(principal: CurrentPrincipal, run_id: RunIdPath) -> Principal:
     return _run_token(principal, run_id, TokenScope.join, "joining a run")
 
 
-def get_peer(principal: CurrentPrincipal, run_id: RunIdPath) -> Principal:
+async def get_peer(principal: CurrentPrincipal, run_id: RunIdPath) -> Principal:
     return _run_token(principal, run_id, TokenScope.peer, "this peer endpoint")
 
 
@@ -105,3 +112,44 @@ def get_run(session: SessionDep, run_id: RunIdPath) -> Run:
 
 
 RunDep = Annotated[Run, Depends(get_run)]
+
+
+def _load_reporting_peer(
+    request: Request, settings: Settings, token: str, run_id: str
+) -> Principal:
+    with request.app.state.session_factory() as session:
+        admin = settings.admin_token.get_secret_value() if settings.admin_token else None
+        principal = token_service.authenticate(session, token, admin)
+        _run_token(principal, run_id, TokenScope.peer, "this peer endpoint")
+        run = run_service.get_run(session, run_id)
+        if run.archived_at is not None or run.status is RunStatus.finished:
+            raise Conflict(f"run {run.id} is finished; stop training and leave the run")
+    return principal
+
+
+async def get_reporting_peer(
+    request: Request,
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    run_id: RunIdPath,
+) -> Principal:
+    """The hot path of report ingestion. Authentication, the scope and run checks and the
+    run's state (finished or archived: 409) are looked up in one trip to the thread pool,
+    and a success is reused for ``peer_auth_cache_ttl_s`` (see :class:`PrincipalCache`)."""
+    if credentials is None:
+        raise Unauthenticated("missing bearer token: send 'Authorization: Bearer <token>'")
+    cache: PrincipalCache = request.app.state.principal_cache
+    parsed = parse_token(credentials.credentials)
+    if parsed is not None:
+        cached = cache.get(parsed.id, parsed.secret)
+        if isinstance(cached, Principal) and cached.run_id == run_id:
+            return cached
+    principal = await run_in_threadpool(
+        _load_reporting_peer, request, settings, credentials.credentials, run_id
+    )
+    if parsed is not None:
+        cache.put(parsed.id, parsed.secret, principal)
+    return principal
+
+
+ReportingPeer = Annotated[Principal, Depends(get_reporting_peer)]

@@ -94,6 +94,8 @@ def make_settings(database_url: str, **overrides: Any) -> Settings:
         "secret_key": SECRET_KEY,
         "admin_token": ADMIN_TOKEN,
         "db_pool_size": 4,
+        # Exact answers in tests; the cache has its own tests (test_operations.py).
+        "peer_auth_cache_ttl_s": 0,
     }
     values.update(overrides)
     return Settings(**values)

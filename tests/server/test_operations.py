@@ -11,9 +11,10 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from server.app import create_app
 from server.config import Settings
-from server.security import KeyBox
-from tests.server.conftest import Api
+from server.security import KeyBox, PrincipalCache
+from tests.server.conftest import ORGANIZER, Api, client_for, make_settings, running
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -114,3 +115,40 @@ async def test_metrics_reflect_the_database(
     assert "/api/v1/runs/{run_id}/reports" in requests  # templates, not raw paths
     assert not any(run["id"] in route for route in requests)
     assert any(name == "swarmgrad_http_request_duration_seconds_bucket" for name, _ in samples)
+
+
+def test_principal_cache_needs_the_secret_and_expires() -> None:
+    now = [100.0]
+    cache = PrincipalCache(ttl_s=5, max_entries=10, clock=lambda: now[0])
+    cache.put("id1", "secret", "principal")
+    assert cache.get("id1", "secret") == "principal"
+    assert cache.get("id1", "Secret") is None
+    assert cache.get("id2", "secret") is None
+    now[0] += 5.5
+    assert cache.get("id1", "secret") is None
+    for i in range(25):
+        cache.put(f"k{i}", "s", i)
+    assert cache.get("k24", "s") == 24 and cache.get("k0", "s") is None
+    assert PrincipalCache(ttl_s=0).get("id1", "secret") is None
+
+
+async def test_report_path_reuses_verified_peers_for_the_ttl(database_url: str) -> None:
+    settings = make_settings(database_url, peer_auth_cache_ttl_s=3600)
+    async with running(create_app(settings)) as app, client_for(app) as client:
+        api = Api(client)
+        run = await api.create_run()
+        token = (await api.create_join_token(run["id"]))["token"]
+        peer = await api.join(run["id"], token)
+        late = await api.join(run["id"], token)
+        assert (await api.report(run["id"], peer)).status_code == 202  # verified and cached
+        await client.patch(
+            f"/api/v1/runs/{run['id']}", json={"status": "finished"}, headers=ORGANIZER
+        )
+        # Within the TTL this worker still takes the cached peer's reports...
+        assert (await api.report(run["id"], peer)).status_code == 202
+        # ...but a peer it has not verified yet meets the database's answer.
+        refused = await api.report(run["id"], late)
+        assert refused.status_code == 409
+        # Another run's path never matches a cached principal.
+        other = await api.create_run("other")
+        assert (await api.report(other["id"], peer)).status_code == 403

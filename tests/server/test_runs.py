@@ -135,4 +135,4 @@ async def test_oversized_body_is_413(client: httpx.AsyncClient) -> None:
         "/api/v1/runs", content=huge, headers={**ORGANIZER, "Content-Type": "application/json"}
     )
     assert response.status_code == 413
-    assert "bytes" in response.json()["detail"]
+    assert response.json()["detail"]

@@ -12,13 +12,13 @@ from server.api.deps import (
     CurrentPeer,
     KeyBoxDep,
     ReportBufferDep,
+    ReportingPeer,
     RunDep,
     SessionDep,
     SettingsDep,
 )
 from server.clock import ms_to_datetime, now_ms
-from server.exceptions import Conflict
-from server.models import Peer, RunStatus
+from server.models import Peer
 from server.schemas import (
     BootstrapPeer,
     BootstrapPublic,
@@ -145,26 +145,22 @@ def renew_certificate(
 
 @router.post("/reports", status_code=status.HTTP_202_ACCEPTED, response_model=ReportAccepted)
 async def post_report(
-    peer: CurrentPeer,
-    buffer: ReportBufferDep,
-    run: RunDep,
-    body: ReportCreate,
+    peer: ReportingPeer, buffer: ReportBufferDep, body: ReportCreate
 ) -> ReportAccepted:
     """Record a progress report. Accepted (202) means it will be stored within
-    ``report_flush_interval_s`` even if this worker shuts down cleanly meanwhile. A finished
+    ``report_flush_interval_s``, even if this worker shuts down cleanly meanwhile. A finished
     run answers 409: the peer should stop."""
-    if run.archived_at is not None or run.status is RunStatus.finished:
-        raise Conflict(f"run {run.id} is finished; stop training and leave the run")
-    assert peer.peer_pk is not None
-    report = PendingReport(
-        run_id=run.id,
-        peer_pk=peer.peer_pk,
-        reported_ms=now_ms(),
-        epoch=body.epoch,
-        samples=body.samples,
-        samples_per_second=body.samples_per_second,
-        loss=body.loss,
-        group_size=body.group_size,
+    assert peer.run_id is not None and peer.peer_pk is not None
+    await buffer.add(
+        PendingReport(
+            run_id=peer.run_id,
+            peer_pk=peer.peer_pk,
+            reported_ms=now_ms(),
+            epoch=body.epoch,
+            samples=body.samples,
+            samples_per_second=body.samples_per_second,
+            loss=body.loss,
+            group_size=body.group_size,
+        )
     )
-    await buffer.add(report)
     return ReportAccepted()
