@@ -9,21 +9,29 @@ are counted across the swarm through progress reports (:mod:`peer.optim.progress
 
 Locking — one lock, the averager's (``averager.get_tensors()``):
 
-* ``step()`` holds it while the wrapped optimizer updates parameters and statistics in place
-  (and while a state download is copied in);
 * the averager holds it while it copies the averaged tensors into its flat buffer at the
-  start of a round, and while it adds ``average - copy`` back at the end (see
-  :mod:`peer.averaging.averager`), and a state donor holds it while it snapshots.
+  start of a round and while it adds ``average - copy`` back at the end (see
+  :mod:`peer.averaging.averager`); a state donor holds it while it snapshots;
+* ``step()`` holds it while the wrapped optimizer updates parameters and statistics in place,
+  and while a downloaded state is copied in; ``zero_grad()`` while it applies a round's
+  result to the parameters (below).
 
-So a round never reads half-updated parameters, ``step()`` never waits longer than one copy
-or one in-place add of the tensors, and local steps taken while a round runs are kept: the
-round moves the parameters by ``average - (parameters when the round began)``.
+So a round never reads half-updated tensors and ``step()`` waits at most for one copy or one
+in-place add of the averaged tensors.
 
-Gradient averaging (``average_gradients=True``): gradients change every step, so the round
-averages a buffer into which ``step()`` copies the latest local gradients; the correction the
-round produced (``average - local`` at the round's start) is added to ``.grad`` once, at the
-next ``step()`` after the round finished (a delayed correction, as in local SGD with
-gradient tracking; it is exact only if gradients change slowly).
+Parameters are read by the forward and backward passes, which run *outside* the lock: a
+round that wrote into them mid-pass would corrupt the gradient (autograd rejects it). So
+rounds average a buffer, not the parameters: after every local step (lock held) the buffer
+receives a copy of the parameters, and the round's result ``average - (buffer when the round
+began)`` is added to the parameters at the next safe point — the next ``step()`` or
+``zero_grad()``, between two passes. Local steps taken while a round runs are kept, as in
+hivemind. Optimizer statistics (``average_opt_statistics``) are only touched by the
+optimizer's own step, under the lock, so rounds average them in place.
+
+Gradient averaging (``average_gradients=True``) works the same way: the buffer receives the
+latest local gradients at each ``step()``, and the round's correction (``average - local``
+at the round's start) is added to ``.grad`` once, at the next ``step()`` after the round
+finished (a delayed correction; exact only if gradients change slowly).
 """
 
 from __future__ import annotations
@@ -241,8 +249,13 @@ class DecentralizedOptimizer:
 
     def _averaged_tensors(self) -> list[torch.Tensor]:
         tensors: list[torch.Tensor] = []
+        # buffers, not the parameters themselves: see "Locking" in the module docstring
+        self._param_buffers: list[torch.Tensor] = []
+        self._param_written: list[torch.Tensor] = []
         if self.config.average_parameters:
-            tensors += [p.detach() for p in self.params]  # same storage as the parameters
+            self._param_buffers = [p.detach().clone() for p in self.params]
+            self._param_written = [b.clone() for b in self._param_buffers]
+            tensors += self._param_buffers
         self._grad_buffers: list[torch.Tensor] = []
         self._grad_written: list[torch.Tensor] = []
         if self.config.average_gradients:
@@ -291,6 +304,7 @@ class DecentralizedOptimizer:
         with self.averager.get_tensors():
             self._apply_gradient_correction()
             loss = self.opt.step(closure) if closure is not None else self.opt.step()
+            self._exchange_parameters()
         self.local_step += 1
         self.steps_at_epoch += 1
         if batch_size is not None:
@@ -306,7 +320,23 @@ class DecentralizedOptimizer:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients and apply a finished round's result to the parameters (a safe
+        point: call it between a ``step()`` and the next forward pass, as usual)."""
+        with self.averager.get_tensors():
+            self._exchange_parameters()
         self.opt.zero_grad(set_to_none=set_to_none)
+
+    def _exchange_parameters(self) -> None:
+        """Add what finished rounds did to the buffer since the last exchange (``buffer -
+        written``: zero if no round finished) to the parameters, then put the parameters in
+        the buffer for the next round. Lock held."""
+        with torch.no_grad():
+            for p, buffer, written in zip(
+                self.params, self._param_buffers, self._param_written, strict=True
+            ):
+                p.add_(buffer).sub_(written)
+                buffer.copy_(p)
+                written.copy_(p)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -480,6 +510,11 @@ class DecentralizedOptimizer:
         with self.averager.get_tensors(), torch.no_grad():
             for p, t in zip(self.params, tensors, strict=False):
                 p.copy_(t.to(p.dtype))
+            for p, buffer, written in zip(
+                self.params, self._param_buffers, self._param_written, strict=True
+            ):
+                buffer.copy_(p)  # the next round starts from the downloaded parameters
+                written.copy_(p)
             for p, entries in zip(self.params, layout, strict=True):
                 state = self.opt.state[p]
                 for key, is_tensor, value in entries:

@@ -1,0 +1,1 @@
+"""Built-in training tasks that need no download (see :mod:`peer.tasks.digits`)."""

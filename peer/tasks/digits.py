@@ -1,0 +1,239 @@
+"""The built-in task: scikit-learn's bundled digits (8x8 images, 10 classes), a small MLP.
+
+Needs no download: ``sklearn.datasets.load_digits`` ships with scikit-learn. Everything is
+deterministic given a seed: the train/test split, the model's initial weights, each peer's
+shard and the order of its batches — so a swarm and a single process can be compared on the
+same data.
+
+Two trainers share one recipe (:class:`DigitsConfig`):
+
+* :func:`train_single` — one process over the whole training set;
+* :func:`train_peer` — one peer of a swarm over its shard with
+  :class:`~peer.optim.DecentralizedSGD`: local steps, parameters averaged in the background.
+
+Both process ``epochs * len(train set)`` samples in total (a peer ``1/num_peers`` of that),
+so their accuracies compare at equal sample budgets.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DigitsConfig",
+    "DigitsData",
+    "TrainResult",
+    "accuracy",
+    "batches",
+    "load_digits_split",
+    "make_model",
+    "shard_indices",
+    "train_peer",
+    "train_single",
+]
+
+NUM_FEATURES = 64  # 8x8 pixels, values 0..16
+NUM_CLASSES = 10
+
+
+@dataclass(frozen=True)
+class DigitsData:
+    """Train/test tensors: ``x_*`` [n, 64] float32 in [0, 1], ``y_*`` [n] int64."""
+
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DigitsConfig:
+    """One training recipe, shared by the single process and every peer."""
+
+    epochs: int = 30
+    batch_size: int = 16
+    lr: float = 0.05
+    momentum: float = 0.9
+    hidden: int = 64
+    seed: int = 0
+    test_fraction: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1 or self.hidden < 1:
+            raise ValueError("epochs, batch_size and hidden must be positive")
+        if not 0.0 < self.test_fraction < 1.0:
+            raise ValueError("test_fraction must be in (0, 1)")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    accuracy: float  # on the test set, in [0, 1]
+    samples: int  # training samples processed
+    seconds: float  # wall time of the training loop (not of set-up or evaluation)
+    steps: int
+    averaging_rounds: int = 0
+    epoch: int = 0  # the swarm epoch this peer ended at (0 for a single process)
+
+
+def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:
+    """The digits dataset, shuffled with ``seed`` and split into train and test sets."""
+    from sklearn.datasets import load_digits  # imported here: scikit-learn is slow to import
+
+    x, y = load_digits(return_X_y=True)
+    order = np.random.default_rng(seed).permutation(len(y))
+    x = torch.tensor(x[order] / 16.0, dtype=torch.float32)
+    y = torch.tensor(y[order], dtype=torch.int64)
+    n_test = round(len(y) * test_fraction)
+    return DigitsData(x[n_test:], y[n_test:], x[:n_test], y[:n_test])
+
+
+def make_model(seed: int = 0, hidden: int = 64) -> torch.nn.Module:
+    """An MLP 64 → hidden → 10 whose initial weights depend only on ``seed``."""
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(
+            torch.nn.Linear(NUM_FEATURES, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, NUM_CLASSES),
+        )
+    finally:
+        torch.random.set_rng_state(generator_state)
+
+
+def shard_indices(n: int, num_shards: int, index: int) -> torch.Tensor:
+    """Indices of shard ``index`` of ``num_shards``: every ``num_shards``-th sample, so shards
+    differ in size by at most one and (the data being shuffled) have the same distribution."""
+    if not 0 <= index < num_shards:
+        raise ValueError("index must be in [0, num_shards)")
+    return torch.arange(index, n, num_shards)
+
+
+def batches(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """One pass over ``(x, y)`` in an order fixed by ``seed``; the last batch may be short."""
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    for start in range(0, len(y), batch_size):
+        chunk = order[start : start + batch_size]
+        yield x[chunk], y[chunk]
+
+
+@torch.no_grad()
+def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((model(x).argmax(dim=1) == y).float().mean())
+
+
+def _loss(model: torch.nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(xb), yb)
+
+
+def train_single(config: DigitsConfig, data: DigitsData | None = None) -> TrainResult:
+    """Train one process on the whole training set with plain ``torch.optim.SGD``."""
+    data = data or load_digits_split(config.seed, config.test_fraction)
+    model = make_model(config.seed, config.hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+    samples = steps = 0
+    start = time.perf_counter()
+    for epoch in range(config.epochs):
+        for xb, yb in batches(data.x_train, data.y_train, config.batch_size, config.seed + epoch):
+            opt.zero_grad()
+            _loss(model, xb, yb).backward()
+            opt.step()
+            samples += len(yb)
+            steps += 1
+    seconds = time.perf_counter() - start
+    return TrainResult(accuracy(model, data.x_test, data.y_test), samples, seconds, steps)
+
+
+def train_peer(
+    node: Any,
+    index: int,
+    num_peers: int,
+    config: DigitsConfig,
+    *,
+    prefix: str = "digits",
+    data: DigitsData | None = None,
+    start_timeout: float = 60.0,
+    finish_timeout: float = 60.0,
+    **optimizer_kwargs: Any,
+) -> TrainResult:
+    """Train peer ``index`` of ``num_peers`` on its shard with ``DecentralizedSGD``.
+
+    Every peer starts from the same weights (the seed's). The peer waits (up to
+    ``start_timeout``) until it sees every peer's progress report, so the swarm starts
+    together; after its last step it keeps averaging until every peer has finished (up to
+    ``finish_timeout``), then takes one more round so that the models it evaluates agree.
+    ``optimizer_kwargs`` go to :class:`~peer.optim.DecentralizedSGD` (defaults: groups of
+    ``num_peers``, a round after every step, ``min_matchmaking_time=0.2``).
+    """
+    from peer.optim.decentralized import DecentralizedSGD
+
+    data = data or load_digits_split(config.seed, config.test_fraction)
+    shard = shard_indices(len(data.y_train), num_peers, index)
+    x, y = data.x_train[shard], data.y_train[shard]
+    model = make_model(config.seed, config.hidden)
+    steps_per_epoch = -(-len(data.y_train) // config.batch_size)  # of the whole swarm
+    kwargs: dict[str, Any] = dict(
+        target_group_size=num_peers,
+        max_allowed_epoch_difference=1,
+        total_steps_in_epoch=steps_per_epoch,
+        averaging_steps_period=1,
+        min_matchmaking_time=0.2,
+        request_timeout=1.0,
+        timeout=30.0,
+    )
+    kwargs.update(optimizer_kwargs)
+    opt = DecentralizedSGD(
+        model.parameters(), config.lr, node=node, prefix=prefix, momentum=config.momentum, **kwargs
+    )
+    try:
+        _wait(lambda: len(opt.tracker.fetch()) >= num_peers, start_timeout)
+        samples = steps = 0
+        start = time.perf_counter()
+        for epoch in range(config.epochs):
+            for xb, yb in batches(x, y, config.batch_size, config.seed + 1000 * index + epoch):
+                opt.zero_grad()
+                _loss(model, xb, yb).backward()
+                opt.step(batch_size=len(yb))
+                samples += len(yb)
+                steps += 1
+        seconds = time.perf_counter() - start
+        done_key = f"{prefix}.done"
+        node.store(done_key, True, node.get_time() + 600, subkey=node.peer_id)
+
+        def everyone_done() -> bool:
+            found = node.get(done_key)
+            return found is not None and len(found.value) >= num_peers
+
+        _wait(everyone_done, finish_timeout)
+        # a round that starts after everyone finished: the evaluated models agree
+        rounds = opt.averaging_rounds + (1 if opt._current_round is not None else 0)
+        opt.average_now()
+        opt.wait_for_rounds(rounds + 1, timeout=finish_timeout)
+        opt.zero_grad()  # the safe point where the last round reaches the parameters
+        return TrainResult(
+            accuracy(model, data.x_test, data.y_test),
+            samples,
+            seconds,
+            steps,
+            opt.averaging_rounds,
+            opt.local_epoch,
+        )
+    finally:
+        opt.shutdown()
+
+
+def _wait(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
