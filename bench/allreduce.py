@@ -91,6 +91,16 @@ def worker(args: argparse.Namespace) -> None:
     )
     steps, allreduce = [], []
     peak_extra = 0
+    profiler = None
+    if os.environ.get("SWARMGRAD_BENCH_PROFILE") and args.rank == 0:
+        import cProfile
+
+        profiler = cProfile.Profile()
+
+        async def enable() -> None:
+            profiler.enable()
+
+        node.run_coroutine(enable())
     for rep in range(args.reps + 1):
         dist.barrier()
         if rep:
@@ -103,6 +113,14 @@ def worker(args: argparse.Namespace) -> None:
             peak_extra = max(peak_extra, _rss_kib("VmHWM") - baseline)
             steps.append(elapsed)
             allreduce.append(averager.last_allreduce_seconds)
+    if profiler is not None:
+        import pstats
+
+        async def disable() -> None:
+            profiler.disable()
+
+        node.run_coroutine(disable())
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
     dist.barrier()
     averager.shutdown()
     node.shutdown()

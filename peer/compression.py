@@ -405,10 +405,14 @@ class Compression:
 
     # Leaf codecs override these two; wrappers delegate through select() and never get here.
     def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], Any]:
-        raise TypeError(f"{type(self).__name__} does not encode itself; select() picks a leaf codec")
+        raise TypeError(
+            f"{type(self).__name__} does not encode itself; select() picks a leaf codec"
+        )
 
     def _decode(self, compressed: CompressedTensor, dtype: torch.dtype) -> torch.Tensor:
-        raise TypeError(f"{type(self).__name__} does not decode itself; extract() picks by wire name")
+        raise TypeError(
+            f"{type(self).__name__} does not decode itself; extract() picks by wire name"
+        )
 
     # ---- validation of received data
 

@@ -111,6 +111,7 @@ class AllreduceRunner:
         compression: Compression,
         roles: Sequence[TensorRole] | None,
         config: AllreduceConfig,
+        scratch: Any = None,
     ) -> None:
         self.core = core
         self.prefix = prefix
@@ -131,7 +132,12 @@ class AllreduceRunner:
         my_sizes = self.partition.part_sizes(self.index)
         self.reducer: WeightedMeanReducer | None = None
         if my_sizes and senders:
-            self.reducer = WeightedMeanReducer(my_sizes, senders, dtype=layout.dtype)
+            numel = sum(my_sizes)
+            acc_dtype = (
+                torch.float32 if layout.dtype in (torch.float16, torch.bfloat16) else layout.dtype
+            )
+            out = scratch(numel, acc_dtype) if scratch is not None else None
+            self.reducer = WeightedMeanReducer(my_sizes, senders, dtype=layout.dtype, out=out)
         self.finished: dict[int, FinishedPart] = {}
         self._wire_cache: dict[int, tuple[dict[str, Any] | None, Any, int]] = {}
         # other reducers' parts still waiting for their average

@@ -219,6 +219,8 @@ class DecentralizedAverager:
         self._declare_wake: asyncio.Event | None = None
         self._declared_until = 0.0
         self._runner_cls: type[AllreduceRunner] = AllreduceRunner
+        self._flat: torch.Tensor | None = None  # flat snapshot, then deltas (reused)
+        self._acc: torch.Tensor | None = None  # reducer accumulator (reused)
         self._state_server_cls: type[StateServer] = StateServer
         if start:
             self.run()
@@ -489,8 +491,11 @@ class DecentralizedAverager:
             await self._leave_group(group, "cancelled before all-reduce")
             raise StepCancelled("step cancelled before all-reduce")
         began = asyncio.get_running_loop().time()
+        if self._flat is None:
+            self._flat = torch.empty(self.layout.total, dtype=self.layout.dtype)
         async with self._locked():
-            flat = self.layout.flatten(self._averaged_tensors)  # [total], a copy
+            # [total], a copy into a buffer reused across rounds
+            flat = self.layout.flatten(self._averaged_tensors, out=self._flat)
         try:
             runner = self._runner_cls(
                 core,
@@ -503,6 +508,7 @@ class DecentralizedAverager:
                 compression=self.compression,
                 roles=self.roles,
                 config=self.allreduce_config,
+                scratch=self._accumulator,
             )
         except ValueError as exc:
             await self._leave_group(group, str(exc))
@@ -544,6 +550,13 @@ class DecentralizedAverager:
                 len(runner.failed),
             )
         return gathered
+
+    def _accumulator(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The reducer's accumulator, reused across rounds while large enough."""
+        buffer = self._acc
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
+            buffer = self._acc = torch.empty(numel, dtype=dtype)
+        return buffer[:numel]
 
     async def _leave_group(self, group: GroupInfo, reason: str) -> None:
         frame = Frame(ABORT, {"p": self.config.prefix, "g": group.group_id, "why": reason[:200]})

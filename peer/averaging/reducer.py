@@ -64,6 +64,7 @@ class WeightedMeanReducer:
         senders: Iterable[Hashable],
         dtype: torch.dtype = torch.float32,
         accumulate_dtype: torch.dtype | None = None,
+        out: torch.Tensor | None = None,
     ) -> None:
         self.part_sizes = tuple(part_sizes)
         if any(size < 0 for size in self.part_sizes):
@@ -78,7 +79,13 @@ class WeightedMeanReducer:
         self.offsets = [0]
         for size in self.part_sizes:
             self.offsets.append(self.offsets[-1] + size)
-        self.buffer = torch.zeros(self.offsets[-1], dtype=accumulate_dtype)  # [span numel]
+        if out is None:
+            self.buffer = torch.zeros(self.offsets[-1], dtype=accumulate_dtype)  # [span numel]
+        else:
+            # a caller-owned accumulator reused across rounds (no fresh pages to fault in)
+            if out.shape != (self.offsets[-1],) or out.dtype != accumulate_dtype:
+                raise ValueError(f"out must be a {accumulate_dtype}[{self.offsets[-1]}] tensor")
+            self.buffer = out.zero_()
         self._weights: dict[Hashable, float] = {}
         self._total_weight = [0.0] * len(self.part_sizes)
         # part index → sender → (weight, values) still needed to rebuild after an exclusion
