@@ -71,7 +71,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(database_url: str, workers: int, flush_interval: float) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    database_url: str, workers: int, flush_interval: float
+) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMGRAD_")}
     env.update(
@@ -83,9 +85,20 @@ def start_server(database_url: str, workers: int, flush_interval: float) -> tupl
     )
     process = subprocess.Popen(
         [
-            sys.executable, "-c", "from peer.cli import app; app()", "coordinator",
-            "--host", "127.0.0.1", "--port", str(port), "--database-url", database_url,
-            "--workers", str(workers), "--log-level", "warning",
+            sys.executable,
+            "-c",
+            "from peer.cli import app; app()",
+            "coordinator",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--database-url",
+            database_url,
+            "--workers",
+            str(workers),
+            "--log-level",
+            "warning",
         ],
         env=env,
         cwd=REPO,
@@ -109,7 +122,9 @@ def start_server(database_url: str, workers: int, flush_interval: float) -> tupl
 async def setup_run(base: str, peers: int) -> tuple[str, list[str]]:
     admin = {"Authorization": f"Bearer {ADMIN}"}
     async with httpx.AsyncClient(base_url=f"{base}/api/v1", timeout=60) as http:
-        run = (await http.post("/runs", json={"name": "bench", "task": "none"}, headers=admin)).json()
+        run = (
+            await http.post("/runs", json={"name": "bench", "task": "none"}, headers=admin)
+        ).json()
         invite = (await http.post(f"/runs/{run['id']}/tokens", json={}, headers=admin)).json()
         semaphore = asyncio.Semaphore(16)
 
@@ -130,7 +145,9 @@ async def setup_run(base: str, peers: int) -> tuple[str, list[str]]:
     return run["id"], list(tokens)
 
 
-async def _drive(base: str, path: str, tokens: list[str], concurrency: int, duration: float, report: bool) -> tuple[int, int, list[float], float]:
+async def _drive(
+    base: str, path: str, tokens: list[str], concurrency: int, duration: float, report: bool
+) -> tuple[int, int, list[float], float]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     ok = errors = 0
     latencies: list[float] = []
@@ -151,7 +168,13 @@ async def _drive(base: str, path: str, tokens: list[str], concurrency: int, dura
                         epoch += 1
                         response = await http.post(
                             path,
-                            json={"epoch": epoch // 100, "samples": epoch * 32, "samples_per_second": 100.0, "loss": 1.0 / epoch, "group_size": 8},
+                            json={
+                                "epoch": epoch // 100,
+                                "samples": epoch * 32,
+                                "samples_per_second": 100.0,
+                                "loss": 1.0 / epoch,
+                                "group_size": 8,
+                            },
                             headers={"Authorization": f"Bearer {token}"},
                         )
                         good = response.status_code == 202
@@ -171,11 +194,22 @@ async def _drive(base: str, path: str, tokens: list[str], concurrency: int, dura
     return ok, errors, latencies, elapsed
 
 
-def _client_process(args: tuple[str, str, list[str], int, float, bool]) -> tuple[int, int, list[float], float]:
+def _client_process(
+    args: tuple[str, str, list[str], int, float, bool],
+) -> tuple[int, int, list[float], float]:
     return asyncio.run(_drive(*args))
 
 
-def drive(name: str, base: str, path: str, tokens: list[str], concurrency: int, duration: float, processes: int, report: bool) -> Result:
+def drive(
+    name: str,
+    base: str,
+    path: str,
+    tokens: list[str],
+    concurrency: int,
+    duration: float,
+    processes: int,
+    report: bool,
+) -> Result:
     per_process = max(1, concurrency // processes)
     chunks = [tokens[k::processes] or tokens for k in range(processes)]
     jobs = [(base, path, chunk, per_process, duration, report) for chunk in chunks]
@@ -212,12 +246,34 @@ def bench_backend(backend: str, args: argparse.Namespace) -> None:
         admin = create_engine(args.postgres_url)
         with admin.begin() as connection:
             connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-        url = make_url(args.postgres_url).update_query_dict({"options": f"-csearch_path={schema}"}).render_as_string(hide_password=False)
+        url = (
+            make_url(args.postgres_url)
+            .update_query_dict({"options": f"-csearch_path={schema}"})
+            .render_as_string(hide_password=False)
+        )
     process, base = start_server(url, args.workers, args.flush_interval)
     try:
         run_id, tokens = asyncio.run(setup_run(base, args.peers))
-        baseline = drive("healthz", base, "/healthz", tokens, args.concurrency, args.duration / 2, args.client_processes, report=False)
-        reports = drive("reports", base, f"/api/v1/runs/{run_id}/reports", tokens, args.concurrency, args.duration, args.client_processes, report=True)
+        baseline = drive(
+            "healthz",
+            base,
+            "/healthz",
+            tokens,
+            args.concurrency,
+            args.duration / 2,
+            args.client_processes,
+            report=False,
+        )
+        reports = drive(
+            "reports",
+            base,
+            f"/api/v1/runs/{run_id}/reports",
+            tokens,
+            args.concurrency,
+            args.duration,
+            args.client_processes,
+            report=True,
+        )
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
@@ -241,20 +297,28 @@ def bench_backend(backend: str, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backend", choices=["sqlite", "postgresql", "both"], default="both")
     parser.add_argument("--peers", type=int, default=1000, help="Simulated peers (joined first).")
     parser.add_argument("--duration", type=float, default=10.0, help="Seconds of load per backend.")
-    parser.add_argument("--concurrency", type=int, default=64, help="Requests in flight.")
+    parser.add_argument("--concurrency", type=int, default=32, help="Requests in flight.")
     parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes.")
     parser.add_argument("--client-processes", type=int, default=1, help="Load-generator processes.")
-    parser.add_argument("--flush-interval", type=float, default=0.05, help="SWARMGRAD_REPORT_FLUSH_INTERVAL_S")
+    parser.add_argument(
+        "--flush-interval", type=float, default=0.05, help="SWARMGRAD_REPORT_FLUSH_INTERVAL_S"
+    )
     parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES)
     args = parser.parse_args()
-    if not 1 <= args.peers <= 100_000 or not 0 < args.duration <= 600 or not 1 <= args.concurrency <= 1024:
+    if (
+        not 1 <= args.peers <= 100_000
+        or not 0 < args.duration <= 600
+        or not 1 <= args.concurrency <= 1024
+    ):
         parser.error("peers in [1, 100000], duration in (0, 600] s, concurrency in [1, 1024]")
     print(f"coordinator load: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}", flush=True)
-    for backend in (["sqlite", "postgresql"] if args.backend == "both" else [args.backend]):
+    for backend in ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]:
         bench_backend(backend, args)
 
 

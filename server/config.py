@@ -74,7 +74,7 @@ class Settings(BaseSettings):
         2000, ge=1, description="Flush earlier once this many reports are waiting."
     )
     peer_auth_cache_ttl_s: float = Field(
-        5.0,
+        30.0,
         ge=0,
         description="How long a worker may reuse a verified peer token on the report path "
         "without asking the database: revoking it, or finishing its run, takes effect on "
