@@ -211,7 +211,7 @@ class DecentralizedOptimizer:
         self._stop = threading.Event()
         self._current_round: Any = None
         self._shut = False
-        self._report()
+        self._report(force=True)
         self._thread = threading.Thread(
             target=self._averaging_loop, name=f"swarmgrad-avg-{prefix}", daemon=True
         )
@@ -311,8 +311,9 @@ class DecentralizedOptimizer:
             self.performance.update(batch_size)
         progress = self._swarm_progress(reports)
         self._advance_to(progress.target_epoch)
+        epoch_before = self.last_progress.local_epoch if self.last_progress else 0
         self.last_progress = self._swarm_progress(reports)
-        self._report()
+        self._report(force=self.local_epoch != epoch_before)
         if self.local_step % self.config.averaging_steps_period == 0:
             self._want_round.set()
         if self.config.verbose:
@@ -330,13 +331,15 @@ class DecentralizedOptimizer:
         """Add what finished rounds did to the buffer since the last exchange (``buffer -
         written``: zero if no round finished) to the parameters, then put the parameters in
         the buffer for the next round. Lock held."""
+        if not self._param_buffers:
+            return
+        params = [p.detach() for p in self.params]
         with torch.no_grad():
-            for p, buffer, written in zip(
-                self.params, self._param_buffers, self._param_written, strict=True
-            ):
-                p.add_(buffer).sub_(written)
-                buffer.copy_(p)
-                written.copy_(p)
+            # foreach: one call per operation instead of a Python loop over tensors
+            torch._foreach_add_(params, self._param_buffers)
+            torch._foreach_sub_(params, self._param_written)
+            torch._foreach_copy_(self._param_buffers, params)
+            torch._foreach_copy_(self._param_written, params)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -361,8 +364,8 @@ class DecentralizedOptimizer:
             reports, self._local_report(), self.config.total_steps_in_epoch
         )
 
-    def _report(self) -> None:
-        self.tracker.report(self._local_report())
+    def _report(self, force: bool = False) -> None:
+        self.tracker.report(self._local_report(), force=force)
 
     def _advance_to(self, epoch: int) -> None:
         """Move to ``epoch`` (no-op if not ahead): step the scheduler once per epoch passed
@@ -488,7 +491,7 @@ class DecentralizedOptimizer:
         logger.warning("could not load state from peers; continuing with local state")
         if fallback_epoch is not None:
             self._advance_to(fallback_epoch)
-            self._report()
+            self._report(force=True)
         return False
 
     def _apply_state(self, metadata: Any, tensors: list[torch.Tensor]) -> bool:
@@ -528,7 +531,7 @@ class DecentralizedOptimizer:
                     else:
                         state[key] = t.clone()
         self._advance_to(epoch)
-        self._report()
+        self._report(force=True)
         return True
 
     # ------------------------------------------------------------------ lifecycle

@@ -190,9 +190,17 @@ class ProgressTracker:
     this peer's report so the swarm stops counting it.
     """
 
+    #: seconds between two reads of the store / two stores of a report (0: every call).
+    #: Gossip spreads records every ``gossip_period`` anyway; touching the node's loop on
+    #: every training step costs a thread round trip for nothing newer.
+    refresh_interval: float = 0.05
+
     def __init__(self, node: Any, prefix: str, *, expiration: float = 30.0) -> None:
         if expiration <= 0:
             raise ValueError("report_progress_expiration must be positive")
+        self._fetched: list[ProgressReport] = []
+        self._fetched_at = -math.inf
+        self._reported_at = -math.inf
         self.node = node
         self.key = progress_key(prefix)
         self.expiration = float(expiration)
@@ -206,10 +214,15 @@ class ProgressTracker:
     def peer_id(self) -> str:
         return str(self.node.peer_id)
 
-    def report(self, report: ProgressReport) -> None:
-        """Publish ``report`` (asynchronously; see :meth:`flush`)."""
+    def report(self, report: ProgressReport, *, force: bool = False) -> None:
+        """Publish ``report`` (asynchronously; see :meth:`flush`). Within ``refresh_interval``
+        of the previous one it is skipped unless ``force`` (use it when the epoch changes)."""
         if self._shut:
             return
+        now = time.monotonic()
+        if not force and now - self._reported_at < self.refresh_interval:
+            return
+        self._reported_at = now
         self._latest = report
         with contextlib.suppress(RuntimeError):  # the loop closed under us: nothing to do
             self.node.loop.call_soon_threadsafe(self._kick)
@@ -243,7 +256,16 @@ class ProgressTracker:
         return True
 
     def fetch(self) -> list[ProgressReport]:
-        """Every live, well-formed report this node knows of (this peer's own included)."""
+        """Every live, well-formed report this node knows of (this peer's own included); the
+        previous answer if asked again within ``refresh_interval``."""
+        now = time.monotonic()
+        if now - self._fetched_at < self.refresh_interval:
+            return self._fetched
+        self._fetched = self._fetch()
+        self._fetched_at = now
+        return self._fetched
+
+    def _fetch(self) -> list[ProgressReport]:
         found = self.node.get(self.key)
         if found is None or not isinstance(found.value, dict):
             return []

@@ -147,6 +147,8 @@ def test_swarm_epoch_advances_every_total_steps_summed_over_peers(make_nodes) ->
         for net, node in zip(nets, nodes, strict=True)
     ]
     make_nodes.optimizers.extend(opts)
+    for opt in opts:  # exact counts: read and publish progress on every step
+        opt.tracker.refresh_interval = 0.0
     first_seen: dict[int, int] = {}
     for k in range(1, 81):
         i = (k - 1) % 4
@@ -180,6 +182,7 @@ def test_a_peer_far_behind_loads_state_instead_of_stepping(make_nodes) -> None:
     )
     leader = DecentralizedAdam(nets[0].parameters(), 0.05, node=nodes[0], **kwargs)
     make_nodes.optimizers.append(leader)
+    leader.tracker.refresh_interval = 0.0
     for s in range(10):
         local_step(leader, nets[0], seed=s)
     assert leader.local_epoch == 5
