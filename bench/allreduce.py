@@ -13,7 +13,8 @@ fp32 and runs, in the same processes and the same run:
 Per repetition the slowest peer's time counts (a collective is done when the last peer is);
 the table shows medians, the ratio Swarmgrad / gloo, and peak extra resident memory per peer
 (high-water mark during the steps minus the resident size before them) relative to the
-tensor size. Absolute times on a shared machine are noise; the ratio is the figure.
+tensor size (the averager keeps a flat snapshot and an accumulator between rounds, so
+they are included). Absolute times on a shared machine are noise; the ratio is the figure.
 """
 
 from __future__ import annotations
@@ -101,16 +102,16 @@ def worker(args: argparse.Namespace) -> None:
             profiler.enable()
 
         node.run_coroutine(enable())
+    # baseline before the first step: the averager's reused buffers count as extra memory
+    _reset_peak()
+    baseline = _rss_kib("VmRSS")
     for rep in range(args.reps + 1):
         dist.barrier()
-        if rep:
-            _reset_peak()
-            baseline = _rss_kib("VmRSS")
         start = time.perf_counter()
         averager.step(timeout=120)
         elapsed = time.perf_counter() - start
+        peak_extra = max(peak_extra, _rss_kib("VmHWM") - baseline)
         if rep:
-            peak_extra = max(peak_extra, _rss_kib("VmHWM") - baseline)
             steps.append(elapsed)
             allreduce.append(averager.last_allreduce_seconds)
     if profiler is not None:

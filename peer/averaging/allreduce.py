@@ -320,7 +320,8 @@ class AllreduceRunner:
         index = frame.fields["i"]
         try:
             compressed = CompressedTensor.from_wire(frame.fields["c"], frame.payload)
-            values = extract(compressed).reshape(-1)
+            # the reducer checks finiteness itself: skip extract's (second) pass
+            values = extract(compressed, check_finite=False).reshape(-1)
             finished = reducer.accumulate(sender, index, values, frame.fields["w"])
         except (BadContribution, CompressionError, ValueError, RuntimeError) as exc:
             self._bad(sender, str(exc))
@@ -354,7 +355,7 @@ class AllreduceRunner:
             except (CompressionError, ValueError, RuntimeError) as exc:
                 self._bad(sender, f"bad average: {exc}")
                 return
-            view.neg_().add_(average)  # delta = average - local, in place
+            torch.sub(average, view, out=view)  # delta = average - local, one pass
         pending.discard(index)
         self.last_progress[r] = asyncio.get_running_loop().time()
         if not pending:
@@ -368,7 +369,7 @@ class AllreduceRunner:
                 view.zero_()
                 self._wire_cache[done.index] = (None, b"", len(self._outboxes))
             else:
-                view.neg_().add_(done.average.to(view.dtype))
+                torch.sub(done.average.to(view.dtype), view, out=view)
                 part = self.partition.part(self.index, done.index)
                 header, payload = part.codec.compress(done.average.to(self.flat.dtype)).to_wire()
                 self._wire_cache[done.index] = (header, payload, len(self._outboxes))

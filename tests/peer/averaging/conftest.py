@@ -41,7 +41,8 @@ class Swarm:
         self, tensors: Sequence[Sequence[torch.Tensor]], **kwargs: Any
     ) -> list[DecentralizedAverager]:
         per_peer: list[dict[str, Any]] = kwargs.pop("per_peer", [{}] * len(tensors))
-        base = dict(prefix="test", min_matchmaking_time=1.0, request_timeout=1.0, start=True)
+        # request_timeout stays at its default: a busy 2-core CI box answers slowly
+        base = dict(prefix="test", min_matchmaking_time=1.0, request_timeout=3.0, start=True)
         base.update(kwargs)
         for node, t, extra in zip(self.nodes, tensors, per_peer, strict=False):
             self.averagers.append(DecentralizedAverager(t, node, **{**base, **extra}))
