@@ -1,0 +1,99 @@
+"""One peer of a collaborative-optimizer test, as its own process (not collected by pytest).
+
+Prints one JSON line with its addresses, trains ``--epochs`` epochs on its deterministic
+shard, then writes its final parameters (and epoch) to ``--out`` with torch.save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from peer import Node
+from peer.optim.collaborative import Optimizer
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def batch(rank: int, epoch: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * epoch + rank)
+    x = torch.randn(size, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def make_optimizer(name: str):
+    if name == "sgd":
+        return partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+    if name == "plain-sgd":
+        return partial(torch.optim.SGD, lr=1.0)
+    return partial(torch.optim.Adam, lr=1e-2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--batch-sizes", type=str, required=True)  # e.g. 8,16,32
+    parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--initial-peer", default=None)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--done-dir", required=True)
+    parser.add_argument(
+        "--start-epoch-wait",
+        type=int,
+        default=0,
+        help="join only after the swarm reaches this epoch",
+    )
+    parser.add_argument("--matchmaking-time", type=float, default=1.5)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    node = Node([args.initial_peer] if args.initial_peer else None, gossip_period=0.2)
+    print(json.dumps({"addresses": node.visible_addresses, "peer_id": node.peer_id}), flush=True)
+    model = make_model()
+    opt = Optimizer(
+        node=node,
+        run_id="collab-test",
+        target_batch_size=sum(sizes),
+        optimizer=make_optimizer(args.optimizer),
+        params=model.parameters(),
+        matchmaking_time=args.matchmaking_time,
+        averaging_timeout=30.0,
+        load_state_timeout=30.0,
+    )
+    deadline = time.monotonic() + 300
+    while opt.local_epoch < args.epochs and time.monotonic() < deadline:
+        epoch = opt.local_epoch
+        x, y = batch(args.rank, epoch, sizes[args.rank])
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step(batch_size=sizes[args.rank])
+        opt.zero_grad()
+        while opt.local_epoch == epoch and time.monotonic() < deadline:
+            # Nothing new to add: take part in the swarm's progress until the epoch advances.
+            opt.step(batch_size=0)
+            time.sleep(0.05)
+    torch.save(
+        {"params": [p.detach() for p in model.parameters()], "epoch": opt.local_epoch}, args.out
+    )
+    Path(args.done_dir, f"{args.rank}.done").touch()
+    # Stay for the others' last rounds and state downloads.
+    world = len(sizes)
+    while len(list(Path(args.done_dir).glob("*.done"))) < world and time.monotonic() < deadline:
+        opt.step(batch_size=0)
+        time.sleep(0.1)
+    opt.shutdown()
+    node.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Collaborative optimizer: global batch semantics across real processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer.optim.collaborative import CollaborativeReport, compute_global_progress
+
+WORKER = Path(__file__).with_name("collab_worker.py")
+sys.path.insert(0, str(WORKER.parent))
+
+from collab_worker import batch, make_model, make_optimizer  # noqa: E402
+
+
+def test_global_progress_counts_only_the_newest_epoch() -> None:
+    reports = [
+        CollaborativeReport("a", 3, 40, 10.0, 100.0),
+        CollaborativeReport("b", 3, 30, 5.0, 100.0),
+        CollaborativeReport("c", 2, 500, 50.0, 100.0),  # has not noticed the advance yet
+        CollaborativeReport("me", 0, 999, 1.0, 90.0),  # gossip's stale copy of my own report
+    ]
+    own = CollaborativeReport("me", 3, 10, 5.0, 101.0, client_mode=True)
+    progress = compute_global_progress(reports, own, target_batch_size=100, now=101.0)
+    assert (
+        progress.epoch,
+        progress.samples_accumulated,
+        progress.num_peers,
+        progress.num_clients,
+    ) == (3, 80, 3, 1)
+    assert not progress.ready
+    assert progress.eta_next_epoch == pytest.approx(101.0 + 20 / 20.0)
+    done = compute_global_progress(
+        reports, CollaborativeReport("me", 3, 30, 5.0, 101.0), target_batch_size=100, now=0
+    )
+    assert done.ready
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        [1, 2],
+        [-1, 0, 0.0, 1.0, False],
+        [1, 0, float("nan"), 1.0, False],
+        [1, True, 0.0, 1.0, False],
+    ],
+)
+def test_malformed_reports_are_ignored(value: object) -> None:
+    assert CollaborativeReport.from_wire("x", value) is None
+
+
+def _reference(sizes: list[int], epochs: int, optimizer: str) -> list[torch.Tensor]:
+    """One process, one step per epoch on the concatenated batches of every rank."""
+    model = make_model()
+    opt = make_optimizer(optimizer)(model.parameters())
+    for epoch in range(epochs):
+        xs, ys = zip(*(batch(rank, epoch, size) for rank, size in enumerate(sizes)), strict=True)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _run_swarm(tmp_path: Path, sizes: list[int], epochs: int, optimizer: str) -> list[dict]:
+    done = tmp_path / "done"
+    done.mkdir()
+    procs: list[subprocess.Popen] = []
+    outs = [tmp_path / f"rank{r}.pt" for r in range(len(sizes))]
+    first_address = None
+    try:
+        for rank in range(len(sizes)):
+            cmd = [
+                sys.executable,
+                str(WORKER),
+                "--rank",
+                str(rank),
+                "--batch-sizes",
+                ",".join(map(str, sizes)),
+                "--epochs",
+                str(epochs),
+                "--optimizer",
+                optimizer,
+                "--out",
+                str(outs[rank]),
+                "--done-dir",
+                str(done),
+            ]
+            if first_address:
+                cmd += ["--initial-peer", first_address]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            procs.append(proc)
+            info = json.loads(proc.stdout.readline())
+            first_address = first_address or info["addresses"][0]
+        for proc in procs:
+            _, err = proc.communicate(timeout=400)
+            assert proc.returncode == 0, err
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return [torch.load(out) for out in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_four_peers_equal_single_process_training(tmp_path: Path, optimizer: str) -> None:
+    sizes, epochs = [8, 8, 8, 8], 10
+    results = _run_swarm(tmp_path, sizes, epochs, optimizer)
+    reference = _reference(sizes, epochs, optimizer)
+    for result in results:
+        assert result["epoch"] == epochs
+        for mine, expected in zip(result["params"], reference, strict=True):
+            torch.testing.assert_close(mine, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_uneven_peers_average_the_sample_weighted_gradient(tmp_path: Path) -> None:
+    """Batch sizes 8, 16 and 32, plain SGD with lr=1 for one epoch: every peer's parameter
+    change is exactly minus the gradient of the mean loss over all 56 samples."""
+    sizes = [8, 16, 32]
+    results = _run_swarm(tmp_path, sizes, 1, "plain-sgd")
+    model = make_model()
+    xs, ys = zip(*(batch(rank, 0, size) for rank, size in enumerate(sizes)), strict=True)
+    torch.nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+    # The naive (unweighted) mean of the three peers' gradients differs: the test can tell.
+    naive = []
+    for rank, size in enumerate(sizes):
+        m = make_model()
+        x, y = batch(rank, 0, size)
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        naive.append([p.grad for p in m.parameters()])
+    for result in results:
+        for p, after, *per_peer in zip(model.parameters(), result["params"], *naive, strict=True):
+            torch.testing.assert_close(p.detach() - after, p.grad, atol=1e-6, rtol=0)
+            assert not torch.allclose(p.grad, sum(per_peer) / 3, atol=1e-4)
