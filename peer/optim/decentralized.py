@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from peer.averaging.averager import DecentralizedAverager
+from peer.averaging.control import StepControl
 from peer.averaging.exceptions import StepFailed
 from peer.optim.progress import (
     PerformanceEMA,
@@ -425,6 +426,7 @@ class DecentralizedOptimizer:
             control = self.averager.step(
                 wait=False, timeout=self.config.timeout, gather={"epoch": self.local_epoch}
             )
+            assert isinstance(control, StepControl)  # wait=False always returns one
             self._current_round = control
             gathered = control.result()
         except StepFailed as exc:
