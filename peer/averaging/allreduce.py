@@ -397,6 +397,12 @@ class AllreduceRunner:
             task = asyncio.get_running_loop().create_task(self._send_quietly(sender, frame))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+        r = self.peer_index[sender]
+        if r != self.index and sender not in self.failed:
+            # distrust everything it reduced, too: its whole span keeps the local values
+            start, stop = self.partition.spans[r]
+            self.flat[start:stop].zero_()
+            self.unresolved[r].clear()
         self._peer_failed(sender, reason, log=False)
 
     async def _send_quietly(self, peer_id: str, frame: Frame) -> None:

@@ -6,6 +6,7 @@ injects bad parts in-process over WebSocket on loopback.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -91,6 +92,24 @@ def test_survivors_finish_with_the_mean_over_survivors(tmp_path: Path, fault: st
             p.kill()
 
 
+def _round_tasks(node) -> list[str]:
+    """Tasks started by the averaging package, except the state-declaration loop."""
+
+    async def names() -> list[str]:
+        out = []
+        for task in asyncio.all_tasks():
+            code = getattr(task.get_coro(), "cr_code", None)
+            if (
+                code is not None
+                and "averaging" in code.co_filename
+                and code.co_name not in ("_declare_state_loop", "names")
+            ):
+                out.append(code.co_name)
+        return out
+
+    return node.run_coroutine(names())
+
+
 @pytest.mark.parametrize("fault", ["nan", "wrong_length", "oversized"])
 def test_bad_parts_exclude_the_sender(make_swarm, caplog, fault: str) -> None:
     """Point 9: a sender of NaN, wrong-length or oversized parts is excluded and logged once
@@ -108,6 +127,10 @@ def test_bad_parts_exclude_the_sender(make_swarm, caplog, fault: str) -> None:
     averagers[3]._runner_cls = type("Bad", (FaultyRunner,), {"fault": fault})
     with caplog.at_level(logging.WARNING, logger="peer.averaging.allreduce"):
         results = step_all(averagers)
+    # no task of the round outlives it (a last abort notice may still be on its way)
+    assert wait_for(lambda: not any(_round_tasks(n) for n in swarm.nodes), 5), [
+        _round_tasks(n) for n in swarm.nodes
+    ]
     for i in honest:
         assert isinstance(results[i], dict), results[i]
         for got, want in zip(tensors[i], expected, strict=True):
