@@ -172,10 +172,10 @@ class AllreduceRunner:
         loop = asyncio.get_running_loop()
         self.started = True
         start = loop.time()
-        for key in self.last_from:
-            self.last_from[key] = start
-        for key in self.last_progress:
-            self.last_progress[key] = start
+        for sender in self.last_from:
+            self.last_from[sender] = start
+        for r in self.last_progress:
+            self.last_progress[r] = start
         my_parts = self.partition.parts_of(self.index)
         if self.reducer is None:
             for part in my_parts:  # nobody contributes: everyone keeps local values
@@ -277,10 +277,10 @@ class AllreduceRunner:
         if kind == "part":
             header, payload = self._contribution_wire(r, index)
             return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
-        header, payload, _ = self._wire_cache[index]
-        if header is None:
+        cached, payload, _ = self._wire_cache[index]
+        if cached is None:
             return Frame(AVERAGE, base)
-        return Frame(AVERAGE, {**base, "c": header}, payload)
+        return Frame(AVERAGE, {**base, "c": cached}, payload)
 
     def _contribution_wire(self, r: int, index: int) -> tuple[dict[str, Any], Any]:
         part = self.partition.part(r, index)

@@ -738,7 +738,8 @@ class DecentralizedAverager:
 def _parse_members(group: GroupInfo) -> tuple[list[MemberInfo], dict[str, Any]]:
     """Members' roles and gathered data from the group's metadata. A member whose metadata
     does not parse is treated as auxiliary with bandwidth 0 — the same on every member."""
-    members, gathered = [], {}
+    members: list[MemberInfo] = []
+    gathered: dict[str, Any] = {}
     for peer_id, raw, client in zip(group.peer_ids, group.gathered, group.client_mode, strict=True):
         try:
             value = msgpack.unpackb(raw, raw=False, strict_map_key=False)
