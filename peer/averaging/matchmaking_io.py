@@ -75,6 +75,7 @@ class MatchmakingDriver:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._published: tuple[Declaration, float] | None = None
         self._group_key: str | None = None
+        self._slot_expirations: dict[str, float] = {}
 
     # ------------------------------------------------------------------ attempt
 
@@ -178,10 +179,21 @@ class MatchmakingDriver:
         if math.isinf(declaration.deadline) and expiration - self.core.now() < _UNBOUNDED_TTL / 3:
             await self._publish(declaration, None)
 
+    def _slot_expiration(self, key: str, wanted: float) -> float:
+        # our gossip slot keeps the record with the latest expiration: a new record (a
+        # declaration after a retraction, or the other way round) must expire later
+        expiration = max(wanted, self._slot_expirations.get(key, -math.inf) + 1e-3)
+        self._slot_expirations[key] = expiration
+        if len(self._slot_expirations) > 256:
+            now = self.core.now()
+            self._slot_expirations = {
+                k: v for k, v in self._slot_expirations.items() if v > now or k == key
+            }
+        return expiration
+
     async def _publish(self, declaration: Declaration, expires_at: float | None) -> None:
-        expiration = expires_at if expires_at is not None else self.core.now() + _UNBOUNDED_TTL
-        if self._published is not None and self._published[0].group_key == declaration.group_key:
-            expiration = max(expiration, self._published[1] + 1e-3)
+        wanted = expires_at if expires_at is not None else self.core.now() + _UNBOUNDED_TTL
+        expiration = self._slot_expiration(declaration.group_key, wanted)
         self._published = (declaration, expiration)
         with contextlib.suppress(SwarmgradError):
             await self.core.store(
@@ -201,7 +213,7 @@ class MatchmakingDriver:
             await self.core.store(
                 published.group_key,
                 None,
-                max(expiration, self.core.now()) + 1.0,
+                self._slot_expiration(published.group_key, expiration),
                 subkey=self.core.peer_id,
             )
 

@@ -187,3 +187,16 @@ def test_constructor_rejects_bad_settings(make_swarm) -> None:
     with pytest.raises(ValueError):
         averager.step(weight=-1.0)
     averager.shutdown()
+
+
+def test_back_to_back_steps_with_the_same_key(make_swarm) -> None:
+    """A declaration published right after the previous round's retraction must win over
+    it in gossip; otherwise the partner cannot see it and the step only succeeds after a
+    failed attempt (which the timeout below does not leave room for)."""
+    swarm = make_swarm(2)
+    tensors = [[torch.zeros(5)], [torch.ones(5)]]
+    averagers = swarm.add_averagers(tensors, target_group_size=2)
+    for _ in range(4):
+        results = step_all(averagers, [{"timeout": scaled(3.5)}] * 2)
+        assert all(isinstance(r, dict) for r in results), results
+    assert torch.allclose(tensors[0][0], torch.full((5,), 0.5))
