@@ -553,10 +553,14 @@ class Optimizer:
             with torch.no_grad():
                 for g in self._grads:
                     g.zero_()
-                if self.reuse_grad_buffers:
-                    for p in self.params:
-                        if p.grad is not None:
-                            p.grad.zero_()
+                for p in self.params:
+                    # The gradients are consumed: they were accumulated before this round. Left
+                    # in .grad, the next backward would add to them (the epoch may end in a
+                    # later step() call, after the user's zero_grad()).
+                    if self.reuse_grad_buffers and p.grad is not None:
+                        p.grad.zero_()
+                    else:
+                        p.grad = None
         self.local_epoch = epoch + 1
         self._samples = 0
         if self.scheduler is not None:

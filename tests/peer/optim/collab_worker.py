@@ -56,7 +56,12 @@ def main() -> None:
         help="join only after the swarm reaches this epoch",
     )
     parser.add_argument("--matchmaking-time", type=float, default=1.5)
+    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--average-state-every", type=int, default=1)
     args = parser.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     node = Node([args.initial_peer] if args.initial_peer else None, gossip_period=0.2)
     print(json.dumps({"addresses": node.visible_addresses, "peer_id": node.peer_id}), flush=True)
@@ -70,8 +75,11 @@ def main() -> None:
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=30.0,
         load_state_timeout=30.0,
+        verbose=args.verbose,
+        average_state_every=args.average_state_every,
     )
     deadline = time.monotonic() + 300
+    trace: list = []
     while opt.local_epoch < args.epochs and time.monotonic() < deadline:
         epoch = opt.local_epoch
         x, y = batch(args.rank, epoch, sizes[args.rank])
@@ -82,8 +90,14 @@ def main() -> None:
             # Nothing new to add: take part in the swarm's progress until the epoch advances.
             opt.step(batch_size=0)
             time.sleep(0.05)
+        trace.append([p.detach().clone() for p in model.parameters()])
     torch.save(
-        {"params": [p.detach() for p in model.parameters()], "epoch": opt.local_epoch}, args.out
+        {
+            "params": [p.detach() for p in model.parameters()],
+            "epoch": opt.local_epoch,
+            "trace": trace,
+        },
+        args.out,
     )
     Path(args.done_dir, f"{args.rank}.done").touch()
     # Stay for the others' last rounds and state downloads.
