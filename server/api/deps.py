@@ -35,10 +35,17 @@ async def get_settings(request: Request) -> Settings:
 
 
 async def get_session(request: Request) -> AsyncIterator[Session]:
-    # Creating a session does no I/O (it takes a connection when first used), and closing
-    # one only returns its connection to the pool.
-    with request.app.state.session_factory() as session:
+    # Creating a session does no I/O (it takes a connection when first used). Closing one
+    # that still holds a transaction rolls it back, a round trip to the database: that goes
+    # to the thread pool rather than blocking the event loop.
+    session: Session = request.app.state.session_factory()
+    try:
         yield session
+    finally:
+        if session.in_transaction():
+            await run_in_threadpool(session.close)
+        else:
+            session.close()
 
 
 async def get_keybox(request: Request) -> KeyBox:
