@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -18,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from peer import Node
-from peer.optim.collaborative import Optimizer
+from peer.optim.collaborative import Optimizer, ProgressTracker
 
 
 def make_model() -> torch.nn.Module:
@@ -58,13 +61,29 @@ def main() -> None:
     parser.add_argument("--matchmaking-time", type=float, default=1.5)
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--average-state-every", type=int, default=1)
+    parser.add_argument(
+        "--continuous", action="store_true", help="train new batches until the epoch advances"
+    )
+    parser.add_argument(
+        "--die-in-round", type=int, default=-1, help="SIGKILL itself during this epoch's averaging"
+    )
     args = parser.parse_args()
     import logging
 
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(levelname)s %(name)s %(message)s",
+    )
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     node = Node([args.initial_peer] if args.initial_peer else None, gossip_period=0.2)
     print(json.dumps({"addresses": node.visible_addresses, "peer_id": node.peer_id}), flush=True)
+    deadline = time.monotonic() + 300
+    if args.start_epoch_wait:
+        # A latecomer: wait until the swarm is at that epoch before joining it.
+        tracker = ProgressTracker(node, "collab-test", sum(sizes), client_mode=False)
+        while tracker.global_progress.epoch < args.start_epoch_wait and time.monotonic() < deadline:
+            time.sleep(0.1)
     model = make_model()
     opt = Optimizer(
         node=node,
@@ -78,30 +97,44 @@ def main() -> None:
         verbose=args.verbose,
         average_state_every=args.average_state_every,
     )
-    deadline = time.monotonic() + 300
+    joined_at = opt.local_epoch
+    if args.die_in_round >= 0:
+        real_step = opt.grad_averager.step
+
+        def step_then_die(*a: object, **kw: object) -> object:
+            if opt.local_epoch == args.die_in_round:
+                # Dies in the middle of this round's matchmaking / all-reduce, without cleanup.
+                threading.Timer(
+                    args.matchmaking_time * 0.8, os.kill, (os.getpid(), signal.SIGKILL)
+                ).start()
+            return real_step(*a, **kw)
+
+        opt.grad_averager.step = step_then_die  # type: ignore[method-assign]
     trace: list = []
+    counter = 0
     while opt.local_epoch < args.epochs and time.monotonic() < deadline:
         epoch = opt.local_epoch
-        x, y = batch(args.rank, epoch, sizes[args.rank])
+        x, y = batch(args.rank, counter if args.continuous else epoch, sizes[args.rank])
+        counter += 1
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step(batch_size=sizes[args.rank])
         opt.zero_grad()
-        while opt.local_epoch == epoch and time.monotonic() < deadline:
+        while not args.continuous and opt.local_epoch == epoch and time.monotonic() < deadline:
             # Nothing new to add: take part in the swarm's progress until the epoch advances.
             opt.step(batch_size=0)
             time.sleep(0.05)
-        trace.append([p.detach().clone() for p in model.parameters()])
-    torch.save(
-        {
-            "params": [p.detach() for p in model.parameters()],
-            "epoch": opt.local_epoch,
-            "trace": trace,
-        },
-        args.out,
-    )
+        if opt.local_epoch != epoch:
+            trace.append([p.detach().clone() for p in model.parameters()])
+    result = {
+        "params": [p.detach() for p in model.parameters()],
+        "epoch": opt.local_epoch,
+        "joined_at": joined_at,
+        "trace": trace,
+    }
+    torch.save(result, args.out)
     Path(args.done_dir, f"{args.rank}.done").touch()
     # Stay for the others' last rounds and state downloads.
-    world = len(sizes)
+    world = len(list(Path(args.done_dir).glob("*.expected"))) or len(sizes)
     while len(list(Path(args.done_dir).glob("*.done"))) < world and time.monotonic() < deadline:
         opt.step(batch_size=0)
         time.sleep(0.1)

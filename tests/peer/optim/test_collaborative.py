@@ -140,3 +140,84 @@ def test_uneven_peers_average_the_sample_weighted_gradient(tmp_path: Path) -> No
         for p, after, *per_peer in zip(model.parameters(), result["params"], *naive, strict=True):
             torch.testing.assert_close(p.detach() - after, p.grad, atol=1e-6, rtol=0)
             assert not torch.allclose(p.grad, sum(per_peer) / 3, atol=1e-4)
+
+
+def _start(
+    tmp_path: Path, rank: int, sizes: list[int], epochs: int, first: str | None, *extra: str
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        str(WORKER),
+        "--rank",
+        str(rank),
+        "--batch-sizes",
+        ",".join(map(str, sizes)),
+        "--epochs",
+        str(epochs),
+        "--out",
+        str(tmp_path / f"rank{rank}.pt"),
+        "--done-dir",
+        str(tmp_path / "done"),
+        "--continuous",
+        *extra,
+    ]
+    if first:
+        cmd += ["--initial-peer", first]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
+    logs = []
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=timeout)
+            logs.append(err)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return logs
+
+
+@pytest.mark.slow
+def test_latecomer_downloads_state_and_ends_in_step(tmp_path: Path) -> None:
+    (tmp_path / "done").mkdir()
+    sizes, epochs = [8, 8, 8, 8], 10
+    procs = [_start(tmp_path, 0, sizes, epochs, None)]
+    first = json.loads(procs[0].stdout.readline())["addresses"][0]
+    procs += [_start(tmp_path, r, sizes, epochs, first) for r in (1, 2)]
+    procs.append(_start(tmp_path, 3, sizes, epochs, first, "--start-epoch-wait", "5"))
+    logs = _finish(procs)
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.returncode == 0, log
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    assert results[3]["joined_at"] >= 5, (
+        "the latecomer starts from the swarm's state, not from scratch"
+    )
+    assert [r["epoch"] for r in results] == [epochs] * 4
+    # Everyone ends on the same model: the latecomer's state is the swarm's, not its own.
+    for result in results[1:]:
+        for mine, first_peer in zip(result["params"], results[0]["params"], strict=True):
+            torch.testing.assert_close(mine, first_peer, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_peer_killed_during_gradient_averaging(tmp_path: Path) -> None:
+    (tmp_path / "done").mkdir()
+    for rank in range(3):
+        (tmp_path / "done" / f"{rank}.expected").touch()  # survivors wait for each other only
+    sizes, epochs = [8, 8, 8, 8], 5
+    procs = [_start(tmp_path, 0, sizes, epochs, None)]
+    first = json.loads(procs[0].stdout.readline())["addresses"][0]
+    procs += [_start(tmp_path, r, sizes, epochs, first) for r in (1, 2)]
+    procs.append(_start(tmp_path, 3, sizes, epochs, first, "--die-in-round", "2"))
+    logs = _finish(procs)
+    assert procs[3].returncode == -9, "the victim was SIGKILLed"
+    for proc, log in zip(procs[:3], logs[:3], strict=True):
+        assert proc.returncode == 0, log
+        assert "Traceback" not in log and "ERROR" not in log, log
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    assert [r["epoch"] for r in results] == [epochs] * 3
+    for result in results:
+        assert all(torch.isfinite(p).all() for p in result["params"])
