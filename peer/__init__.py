@@ -4,7 +4,8 @@ Layers, lowest first: :mod:`peer.wire` (frames), :mod:`peer.transport` (WebSocke
 in-memory connections), :mod:`peer.identity` (keys, auth modes, certificates),
 :mod:`peer.node` (authenticated connections, membership and the gossip store),
 :mod:`peer.averaging` (``DecentralizedAverager``: matchmaking, butterfly all-reduce, state
-download).
+download), :mod:`peer.optim` (``DecentralizedOptimizer``/``SGD``/``Adam`` with swarm epochs,
+and the collaborative ``Optimizer`` with a global target batch size).
 
 Names that need torch are imported lazily (PEP 562), so a process that only gossips — a
 node in a test harness, the coordinator — starts without paying for ``import torch``.
@@ -29,11 +30,8 @@ from peer.node import AsyncNode, Node, ValueWithExpiration, get_time
 if TYPE_CHECKING:
     from peer.averaging.averager import DecentralizedAverager
     from peer.averaging.control import AveragingStage, StepControl
-    from peer.optim.decentralized import (
-        DecentralizedAdam,
-        DecentralizedOptimizer,
-        DecentralizedSGD,
-    )
+    from peer.optim.collaborative import Optimizer
+    from peer.optim.decentralized import DecentralizedAdam, DecentralizedOptimizer, DecentralizedSGD
 
 _LAZY = {
     "DecentralizedAverager": "peer.averaging.averager",
@@ -42,6 +40,7 @@ _LAZY = {
     "DecentralizedAdam": "peer.optim.decentralized",
     "DecentralizedOptimizer": "peer.optim.decentralized",
     "DecentralizedSGD": "peer.optim.decentralized",
+    "Optimizer": "peer.optim.collaborative",
 }
 
 
@@ -67,6 +66,7 @@ __all__ = [
     "Identity",
     "Node",
     "OpenAuth",
+    "Optimizer",
     "StepControl",
     "SwarmKeyAuth",
     "SwarmgradError",
