@@ -52,6 +52,14 @@ def worker(args: argparse.Namespace) -> None:
     from peer import DecentralizedAverager, Node
 
     torch.set_num_threads(1)
+    write_limit = os.environ.get("SWARMGRAD_BENCH_WRITE_LIMIT")
+    if write_limit:  # experiment: a larger websockets write buffer (a transport knob)
+        import functools
+
+        import peer.transport.websocket as ws
+
+        ws.ws_connect = functools.partial(ws.ws_connect, write_limit=int(write_limit))
+        ws.ws_serve = functools.partial(ws.ws_serve, write_limit=int(write_limit))
     node = Node(args.initial_peer, gossip_period=0.2)
     if args.rank == 0:
         print(json.dumps({"addresses": node.visible_addresses}), flush=True)
