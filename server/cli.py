@@ -13,6 +13,8 @@ import sys
 import typer
 from pydantic import ValidationError
 
+from server.config import Settings
+
 app = typer.Typer(help="Run the Swarmgrad coordinator.")
 
 DatabaseUrlOption = typer.Option(
@@ -22,9 +24,7 @@ DatabaseUrlOption = typer.Option(
 )
 
 
-def _settings(database_url: str | None):  # type: ignore[no-untyped-def]
-    from server.config import Settings
-
+def _settings(database_url: str | None) -> Settings:
     if database_url is not None:
         # Through the environment, so that uvicorn's worker processes see it too.
         os.environ["SWARMGRAD_DATABASE_URL"] = database_url
@@ -38,7 +38,7 @@ def _settings(database_url: str | None):  # type: ignore[no-untyped-def]
         raise typer.Exit(2) from None
 
 
-def _migrate(settings) -> None:  # type: ignore[no-untyped-def]
+def _migrate(settings: Settings) -> None:
     from server.db import make_engine, upgrade_database
 
     engine = make_engine(settings)

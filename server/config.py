@@ -33,55 +33,61 @@ class Settings(BaseSettings):
     )
 
     environment: Literal["development", "production"] = Field(
-        "development",
+        default="development",
         description="'production' refuses missing or placeholder secrets at start.",
     )
     database_url: str = Field(
-        "sqlite:///./swarmgrad.db",
+        default="sqlite:///./swarmgrad.db",
         description="SQLAlchemy URL: a SQLite file (default) or postgresql+psycopg://...",
     )
     secret_key: SecretStr = Field(
-        SecretStr(DEVELOPMENT_SECRET_KEY),
+        default=SecretStr(DEVELOPMENT_SECRET_KEY),
         description="Encrypts run signing keys at rest. Changing it makes existing runs unusable.",
     )
     admin_token: SecretStr | None = Field(
-        None,
+        default=None,
         description="Optional organizer token accepted in addition to those in the database.",
     )
     public_url: str = Field(
-        "http://127.0.0.1:8000", description="Where volunteers reach this coordinator."
+        default="http://127.0.0.1:8000", description="Where volunteers reach this coordinator."
     )
-    migrate_on_start: bool = Field(True, description="Apply Alembic migrations at start.")
+    migrate_on_start: bool = Field(default=True, description="Apply Alembic migrations at start.")
 
     # Limits and timings.
-    peer_online_ttl_s: float = Field(60.0, gt=0, description="A peer seen this recently is online.")
-    certificate_ttl_s: float = Field(
-        24 * 3600.0, gt=0, description="Lifetime of a peer certificate issued at join."
+    peer_online_ttl_s: float = Field(
+        default=60.0, gt=0, description="A peer seen this recently is online."
     )
-    join_token_default_ttl_s: float = Field(7 * 24 * 3600.0, gt=0)
-    bootstrap_peers: int = Field(8, ge=1, le=100, description="Peers handed out per bootstrap.")
-    history_points: int = Field(200, ge=2, le=5000, description="Points of chart history.")
+    certificate_ttl_s: float = Field(
+        default=24 * 3600.0, gt=0, description="Lifetime of a peer certificate issued at join."
+    )
+    join_token_default_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    bootstrap_peers: int = Field(
+        default=8, ge=1, le=100, description="Peers handed out per bootstrap."
+    )
+    history_points: int = Field(default=200, ge=2, le=5000, description="Points of chart history.")
     snapshot_interval_s: float = Field(
-        5.0, gt=0, description="Minimum time between two progress snapshots of one run."
+        default=5.0, gt=0, description="Minimum time between two progress snapshots of one run."
     )
     report_flush_interval_s: float = Field(
-        0.05,
+        default=0.05,
         ge=0,
         description="Reports acknowledged with 202 are written within this time; 0 writes "
         "each report before answering.",
     )
     report_buffer_max: int = Field(
-        2000, ge=1, description="Flush earlier once this many reports are waiting."
+        default=2000, ge=1, description="Flush earlier once this many reports are waiting."
     )
     peer_auth_cache_ttl_s: float = Field(
-        30.0,
+        default=30.0,
         ge=0,
         description="How long a worker may reuse a verified peer token on the report path "
         "without asking the database: revoking it, or finishing its run, takes effect on "
         "reports within this time. 0 checks the database on every report.",
     )
-    max_config_bytes: int = Field(64 * 1024, ge=2, description="Largest run config accepted.")
-    db_pool_size: int = Field(10, ge=1)
+    max_config_bytes: int = Field(
+        default=64 * 1024, ge=2, description="Largest run config accepted."
+    )
+    db_pool_size: int = Field(default=10, ge=1)
 
     @model_validator(mode="after")
     def _check_secrets(self) -> Self:

@@ -12,7 +12,9 @@ import contextlib
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -46,7 +48,7 @@ def make_engine(settings: Settings) -> Engine:
     )
 
 
-def _sqlite_on_connect(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
@@ -59,10 +61,8 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
-def alembic_config(url: str | None = None):  # type: ignore[no-untyped-def]
+def alembic_config(url: str | None = None) -> Config:
     """An Alembic config for ``migrations/``; ``url`` overrides ``SWARMGRAD_DATABASE_URL``."""
-    from alembic.config import Config
-
     config = Config(str(ALEMBIC_INI))
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     if url is not None:

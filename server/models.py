@@ -71,7 +71,8 @@ class RunStatus(enum.StrEnum):
     finished = "finished"
 
 
-class TokenScope(enum.StrEnum):
+class TokenScope(enum.Enum):
+    # A plain Enum: a str-based one would let the member ``join`` shadow ``str.join``.
     organizer = "organizer"
     join = "join"
     peer = "peer"

@@ -25,8 +25,9 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
-from sqlalchemy import Connection, bindparam, case, func, insert, select, update
+from sqlalchemy import BigInteger, Connection, Table, bindparam, case, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -89,9 +90,9 @@ def _update_peers(connection: Connection, reports: Sequence[PendingReport]) -> N
         known = latest.get(r.peer_pk)
         if known is None or known.reported_ms <= r.reported_ms:
             latest[r.peer_pk] = r
-    table = Peer.__table__
-    t = bindparam("b_t")
-    samples = bindparam("b_samples")
+    table = cast(Table, Peer.__table__)
+    t = bindparam("b_t", type_=BigInteger())
+    samples = bindparam("b_samples", type_=BigInteger())
     statement = (
         update(table)
         .where(
@@ -156,7 +157,7 @@ def _upsert_epoch_summaries(connection: Connection, reports: Sequence[PendingRep
         if r.group_size is not None:
             known = row["max_group_size"]
             row["max_group_size"] = r.group_size if known is None else max(known, r.group_size)  # type: ignore[call-overload]
-    table = EpochSummary.__table__
+    table = cast(Table, EpochSummary.__table__)
     dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
     statement = dialect.insert(table)
     new = statement.excluded
@@ -195,12 +196,10 @@ def take_snapshot_if_due(
     sees a row updated and writes the snapshot.
     """
     now = now_ms()
+    runs = cast(Table, Run.__table__)
     claimed = connection.execute(
-        update(Run.__table__)
-        .where(
-            Run.__table__.c.id == run_id,
-            Run.__table__.c.last_snapshot_ms <= now - int(interval_s * 1000),
-        )
+        update(runs)
+        .where(runs.c.id == run_id, runs.c.last_snapshot_ms <= now - int(interval_s * 1000))
         .values(last_snapshot_ms=now)
     )
     if claimed.rowcount != 1:
