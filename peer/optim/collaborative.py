@@ -565,9 +565,11 @@ class Optimizer:
         self._samples = 0
         if self.scheduler is not None:
             self.scheduler.step()
-        self.tracker.report_local_progress(self.local_epoch, 0)
         if self.use_local_updates or self.local_epoch % self.average_state_every == 0:
             self._average_state()
+        # Announced only now: a peer that sees the new epoch before joining this epoch's rounds
+        # would load state instead of averaging, and leave the others waiting for it.
+        self.tracker.report_local_progress(self.local_epoch, 0)
 
     def _average_state(self) -> None:
         if self.auxiliary and not self.use_local_updates:
