@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.api.fast_reports import ReportFastPath
 from server.api.routes import health, peers, progress, runs, tokens
 from server.config import Settings
 from server.db import make_engine, make_session_factory, upgrade_database
@@ -119,6 +120,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
 
     # Our own limit rather than FastAPI's max_body_size: that one answers in plain text.
+    app.add_middleware(ReportFastPath)
     app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
