@@ -84,7 +84,7 @@ class Scalar(Spec):
             raise MalformedFrame(f"{path}: expected {_name(self.kind)}, got bool")
         if not isinstance(value, self.kind):
             raise MalformedFrame(f"{path}: expected {_name(self.kind)}, got {type(value).__name__}")
-        if self.min_value is not None and value < self.min_value:
+        if self.min_value is not None and isinstance(value, int | float) and value < self.min_value:
             raise MalformedFrame(f"{path}: {value!r} is below {self.min_value}")
         if isinstance(value, str | bytes):
             max_length = (
@@ -163,10 +163,10 @@ class Schema:
         for name, value in fields.items():
             if name in self.required:
                 continue
-            spec = self.optional.get(name)
-            if spec is None:
+            optional_spec = self.optional.get(name)
+            if optional_spec is None:
                 raise MalformedFrame(f"{message_type}: unknown field {name!r}")
-            out[name] = spec.check(value, f"{message_type}.{name}", limits)
+            out[name] = optional_spec.check(value, f"{message_type}.{name}", limits)
         return out
 
 

@@ -237,7 +237,7 @@ class GossipStore:
         )
 
     def compare(
-        self, remote_digest: bytes | memoryview, now: float
+        self, remote_digest: bytes | bytearray | memoryview, now: float
     ) -> tuple[list[Record], list[bytes]]:
         """Given the other side's digest: the records it lacks or holds older copies of, and
         the ids of records it holds that are missing or older here.
@@ -278,7 +278,8 @@ def take_within_budget(records: list[Record], max_bytes: int, rng: random.Random
     go in a later round. Membership records go first: they are how the swarm finds itself."""
     rng.shuffle(records)
     records.sort(key=lambda r: r.key != MEMBERS_KEY)
-    out, size = [], 0
+    out: list[Record] = []
+    size = 0
     for record in records:
         cost = len(record.value) + len(record.key) + 128
         if size + cost > max_bytes and out:

@@ -340,7 +340,8 @@ class Optimizer:
             raise ValueError(
                 "parameters off the CPU need offload_optimizer=True (averaging runs on host memory)"
             )
-        self.scheduler = (
+        # A scheduler instance has step(); anything else callable is a factory of one.
+        self.scheduler: Any = (
             scheduler(self.opt)
             if callable(scheduler) and not hasattr(scheduler, "step")
             else scheduler
@@ -526,7 +527,8 @@ class Optimizer:
                     if self.reuse_grad_buffers:
                         # .grad holds the sum of per-step mean gradients, each over batch_size_per_step
                         g.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
-                        g.mul_(self.batch_size_per_step / weight if weight else 0.0)
+                        per_step = float(self.batch_size_per_step or 0)
+                        g.mul_(per_step / weight if weight else 0.0)
                     elif weight:
                         g.div_(weight)
             if self._epoch_in_group_bits:
@@ -537,7 +539,7 @@ class Optimizer:
                     timeout=self.averaging_timeout,
                     gather={"epoch": epoch, "samples": int(weight)},
                 )
-                if self.verbose or logger.isEnabledFor(logging.DEBUG):
+                if self.verbose and isinstance(group, dict):
                     logger.info("epoch %d: averaged gradients with %d peers", epoch, len(group))
             except StepFailed as exc:
                 logger.warning(
@@ -592,7 +594,7 @@ class Optimizer:
     def load_state_from_peers(self) -> bool:
         """Download parameters, optimizer state and epoch from the best peer; True if done."""
         found = self.state_averager.load_state_from_peers(timeout=self.load_state_timeout)
-        if not found:
+        if not isinstance(found, tuple):
             return False
         metadata, tensors = found
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
