@@ -23,6 +23,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy peer server
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .
