@@ -98,7 +98,7 @@ def _free_port() -> int:
 
 
 def start_server(
-    database_url: str, workers: int, flush_interval: float
+    database_url: str, workers: int, flush_interval: float, auth_cache_ttl: float
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMGRAD_")}
@@ -108,6 +108,7 @@ def start_server(
         SWARMGRAD_ADMIN_TOKEN=ADMIN,
         SWARMGRAD_REPORT_FLUSH_INTERVAL_S=str(flush_interval),
         SWARMGRAD_DB_POOL_SIZE="20",
+        SWARMGRAD_PEER_AUTH_CACHE_TTL_S=str(auth_cache_ttl),
     )
     process = subprocess.Popen(
         [
@@ -340,7 +341,7 @@ def bench_backend(backend: str, args: argparse.Namespace) -> None:
             .update_query_dict({"options": f"-csearch_path={schema}"})
             .render_as_string(hide_password=False)
         )
-    process, base = start_server(url, args.workers, args.flush_interval)
+    process, base = start_server(url, args.workers, args.flush_interval, args.auth_cache_ttl)
     try:
         run_id, tokens = asyncio.run(setup_run(base, args.peers))
         cpu_before = process_tree_cpu_seconds(process.pid)
@@ -382,6 +383,7 @@ def bench_backend(backend: str, args: argparse.Namespace) -> None:
         )
     print(
         f"{backend:<10} workers={args.workers} peers={args.peers} concurrency={args.concurrency} "
+        f"auth-cache={args.auth_cache_ttl:g}s "
         f"client={args.client} x{args.client_processes}\n"
         f"  reports : {reports.rate:8.0f}/s  p50 {reports.quantile(0.5):6.1f} ms  p99 {reports.quantile(0.99):6.1f} ms  "
         f"errors {reports.errors}  accepted {reports.ok}  stored {stored}"
@@ -417,6 +419,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--flush-interval", type=float, default=0.05, help="SWARMGRAD_REPORT_FLUSH_INTERVAL_S"
+    )
+    parser.add_argument(
+        "--auth-cache-ttl",
+        type=float,
+        default=30.0,
+        help="SWARMGRAD_PEER_AUTH_CACHE_TTL_S (0: every report is checked in the database)",
     )
     parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES)
     args = parser.parse_args()
