@@ -104,12 +104,16 @@ def main(argv: list[str] | None = None) -> None:
         node.shutdown()
 
 
-class NodeProcess:
-    """A node in a child process (``python -m peer.testing``), driven from the parent."""
+class ChildProcess:
+    """A peer in a child process that speaks the JSON-line protocol: it prints one line
+    ``{"peer_id": ..., "addresses": [...]}`` when ready, then answers one JSON line per
+    command. Subclasses add typed helpers around :meth:`call`."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    what = "peer"
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "peer.testing", *args],
+            argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -119,19 +123,61 @@ class NodeProcess:
         first = self.proc.stdout.readline() if self.proc.stdout else ""
         if not first:
             err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise RuntimeError(f"node process failed to start:\n{err}")
+            raise RuntimeError(f"{self.what} process failed to start:\n{err}")
         info = json.loads(first)
         self.peer_id: str = info["peer_id"]
         self.addresses: list[str] = info["addresses"]
 
-    def call(self, **command: Any) -> Any:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+    def send(self, **command: Any) -> None:
+        assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
+
+    def receive(self) -> Any:
+        assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"node process {self.peer_id} exited")
+            raise RuntimeError(f"{self.what} process {self.peer_id} exited")
         return json.loads(line)
+
+    def call(self, **command: Any) -> Any:
+        self.send(**command)
+        return self.receive()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> str:
+        """SIGKILL (no goodbye, no close handshake) if still running, release the pipes, and
+        return what it had logged."""
+        if self.alive:
+            self.proc.kill()
+        _, err = self.proc.communicate()
+        return err or ""
+
+    def quit(self, timeout: float = 10.0) -> str:
+        """Ask it to shut down cleanly; returns what it logged to standard error."""
+        if self.alive:
+            try:
+                self.call(cmd="quit")
+            except (RuntimeError, BrokenPipeError, OSError):
+                pass
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        return err or ""
+
+
+class NodeProcess(ChildProcess):
+    """A node in a child process (``python -m peer.testing``), driven from the parent."""
+
+    what = "node"
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        super().__init__([sys.executable, "-m", "peer.testing", *args], env)
 
     def store(self, key: str, value: Any, ttl: float, subkey: Any = None) -> bool:
         return bool(self.call(cmd="store", key=key, value=value, ttl=ttl, subkey=subkey)["ok"])
@@ -141,27 +187,6 @@ class NodeProcess:
 
     def members(self) -> list[str]:
         return self.call(cmd="members")["members"]
-
-    def kill(self) -> str:
-        """SIGKILL (no goodbye, no close handshake); returns what it had logged."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        _, err = self.proc.communicate()
-        return err or ""
-
-    def quit(self, timeout: float = 10.0) -> str:
-        """Ask the node to shut down cleanly; returns what it logged to standard error."""
-        if self.proc.poll() is None:
-            try:
-                self.call(cmd="quit")
-            except (RuntimeError, BrokenPipeError):
-                pass
-        try:
-            _, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            _, err = self.proc.communicate()
-        return err or ""
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> bool:

@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 from typing import Any
 
@@ -36,6 +35,7 @@ import torch
 
 from peer.averaging.allreduce import AllreduceRunner
 from peer.averaging.state import StateServer
+from peer.testing import ChildProcess
 
 FAULTS = (
     "kill_after_first_part",
@@ -171,8 +171,10 @@ def main(argv: list[str] | None = None) -> None:
         node.shutdown()
 
 
-class AveragerProcess:
+class AveragerProcess(ChildProcess):
     """An averager in a child process (``python -m peer.averaging.testing``)."""
+
+    what = "averager"
 
     def __init__(
         self,
@@ -191,59 +193,7 @@ class AveragerProcess:
             args += ["--fault", fault]
         if client_mode:
             args.append("--client-mode")
-        self.proc = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        first = self.proc.stdout.readline() if self.proc.stdout else ""
-        if not first:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise RuntimeError(f"averager process failed to start:\n{err}")
-        info = json.loads(first)
-        self.peer_id: str = info["peer_id"]
-        self.addresses: list[str] = info["addresses"]
-
-    def send(self, **command: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-
-    def receive(self) -> Any:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"averager process {self.peer_id} exited")
-        return json.loads(line)
-
-    def call(self, **command: Any) -> Any:
-        self.send(**command)
-        return self.receive()
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        """SIGKILL (if still running) and release the pipes."""
-        if self.alive:
-            self.proc.kill()
-        self.proc.communicate()
-
-    def quit(self, timeout: float = 10.0) -> str:
-        if self.alive:
-            try:
-                self.call(cmd="quit")
-            except (RuntimeError, BrokenPipeError, OSError):
-                pass
-        try:
-            _, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            _, err = self.proc.communicate()
-        return err or ""
+        super().__init__(args)
 
 
 if __name__ == "__main__":

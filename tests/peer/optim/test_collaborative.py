@@ -68,44 +68,18 @@ def _reference(sizes: list[int], epochs: int, optimizer: str) -> list[torch.Tens
 
 
 def _run_swarm(tmp_path: Path, sizes: list[int], epochs: int, optimizer: str) -> list[dict]:
-    done = tmp_path / "done"
-    done.mkdir()
-    procs: list[subprocess.Popen] = []
-    outs = [tmp_path / f"rank{r}.pt" for r in range(len(sizes))]
-    first_address = None
-    try:
-        for rank in range(len(sizes)):
-            cmd = [
-                sys.executable,
-                str(WORKER),
-                "--rank",
-                str(rank),
-                "--batch-sizes",
-                ",".join(map(str, sizes)),
-                "--epochs",
-                str(epochs),
-                "--optimizer",
-                optimizer,
-                "--out",
-                str(outs[rank]),
-                "--done-dir",
-                str(done),
-            ]
-            if first_address:
-                cmd += ["--initial-peer", first_address]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            procs.append(proc)
-            info = json.loads(proc.stdout.readline())
-            first_address = first_address or info["addresses"][0]
-        for proc in procs:
-            _, err = proc.communicate(timeout=400)
-            assert proc.returncode == 0, err
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return [torch.load(out) for out in outs]
+    """One worker per batch size, each doing one batch per epoch; their final states."""
+    (tmp_path / "done").mkdir()
+    opts = ("--optimizer", optimizer)
+    procs = [_start(tmp_path, 0, sizes, epochs, None, *opts, continuous=False)]
+    first = json.loads(procs[0].stdout.readline())["addresses"][0]
+    procs += [
+        _start(tmp_path, r, sizes, epochs, first, *opts, continuous=False)
+        for r in range(1, len(sizes))
+    ]
+    for proc, log in zip(procs, _finish(procs), strict=True):
+        assert proc.returncode == 0, log
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(sizes))]
 
 
 @pytest.mark.slow
@@ -143,7 +117,13 @@ def test_uneven_peers_average_the_sample_weighted_gradient(tmp_path: Path) -> No
 
 
 def _start(
-    tmp_path: Path, rank: int, sizes: list[int], epochs: int, first: str | None, *extra: str
+    tmp_path: Path,
+    rank: int,
+    sizes: list[int],
+    epochs: int,
+    first: str | None,
+    *extra: str,
+    continuous: bool = True,
 ) -> subprocess.Popen:
     cmd = [
         sys.executable,
@@ -158,7 +138,7 @@ def _start(
         str(tmp_path / f"rank{rank}.pt"),
         "--done-dir",
         str(tmp_path / "done"),
-        "--continuous",
+        *(["--continuous"] if continuous else []),
         *extra,
     ]
     if first:
