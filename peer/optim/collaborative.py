@@ -462,12 +462,21 @@ class Optimizer:
             )
         self.opt.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        batch_size: int | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> Any:
         """Account for this call's gradients; when the swarm has processed
         ``target_batch_size`` samples, average and take one optimizer step.
 
         ``batch_size`` (default ``batch_size_per_step``) is the number of samples behind the
-        current ``.grad``. Returns the closure's loss, if a closure was given."""
+        current ``.grad``. With mixed precision, pass the ``torch.amp.GradScaler`` that scaled
+        the loss: gradients are unscaled before they are accumulated, a batch whose gradients
+        overflowed is dropped (its samples do not count), and the scaler is updated — call
+        neither ``scaler.step`` nor ``scaler.update`` yourself. Returns the closure's loss,
+        if a closure was given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -480,6 +489,10 @@ class Optimizer:
             raise ValueError("batch_size must be non-negative")
         if self.auxiliary and batch_size:
             raise ValueError("an auxiliary peer contributes no samples: use batch_size=0")
+        if grad_scaler is not None and self.reuse_grad_buffers:
+            raise ValueError(
+                "grad_scaler with reuse_grad_buffers would unscale gradients accumulated earlier again"
+            )
         if self.reuse_grad_buffers and batch_size not in (0, self.batch_size_per_step):
             raise ValueError(
                 "with reuse_grad_buffers every step must have batch_size_per_step samples"
@@ -495,6 +508,13 @@ class Optimizer:
             self.load_state_from_peers()
             return loss
 
+        if batch_size and grad_scaler is not None and not self._unscale(grad_scaler):
+            logger.debug(
+                "gradients overflowed at scale %s: dropping this batch", grad_scaler.get_scale()
+            )
+            for p in self.params:
+                p.grad = None
+            batch_size = 0
         if batch_size:
             self._accumulate(batch_size)
         if self.use_local_updates and batch_size:
@@ -504,6 +524,13 @@ class Optimizer:
         if progress.ready and progress.epoch == self.local_epoch:
             self._finish_epoch()
         return loss
+
+    def _unscale(self, grad_scaler: torch.amp.GradScaler) -> bool:
+        """Unscale ``.grad`` in place and update the scaler; False if any gradient overflowed."""
+        grad_scaler.unscale_(self.opt)
+        finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in self.params)
+        grad_scaler.update()  # lowers the scale after an overflow, raises it after a clean run
+        return finite
 
     def _accumulate(self, batch_size: int) -> None:
         # Σ batch_size · grad over local steps: divided by Σ batch_size before averaging, it is

@@ -51,6 +51,8 @@ def test_invalid_combinations_raise_with_the_reason(nodes: list[Node]) -> None:
         ({"target_batch_size": 0}, "positive integer"),
         ({"run_id": ""}, "non-empty"),
         ({"auxiliary": True, "client_mode": True}, "cannot be in client mode"),
+        ({"delay_optimizer_step": True}, "not implemented yet"),
+        ({"delay_state_averaging": True}, "not implemented yet"),
     ):
         with pytest.raises(ValueError, match=reason):
             Optimizer(**{**common, **kwargs})
@@ -58,7 +60,9 @@ def test_invalid_combinations_raise_with_the_reason(nodes: list[Node]) -> None:
         Optimizer(**{**common, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)})
 
 
-def _train(nodes: list[Node], epochs: int, **options: object) -> list[list[torch.Tensor]]:
+def _train(
+    nodes: list[Node], epochs: int, *, scaler: bool = False, **options: object
+) -> list[list[torch.Tensor]]:
     models = [_model(), _model()]
     opts = [
         Optimizer(
@@ -75,6 +79,7 @@ def _train(nodes: list[Node], epochs: int, **options: object) -> list[list[torch
         for node, model in zip(nodes, models, strict=True)
     ]
     errors: list[BaseException] = []
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**12) for _ in range(2)]
 
     def run(rank: int) -> None:
         model, opt = models[rank], opts[rank]
@@ -83,8 +88,14 @@ def _train(nodes: list[Node], epochs: int, **options: object) -> list[list[torch
             while opt.local_epoch < epochs and time.monotonic() < deadline:
                 epoch = opt.local_epoch
                 x, y = _batch(rank, epoch)
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                opt.step()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                if scaler:
+                    grad_scaler = scalers[rank]
+                    grad_scaler.scale(loss).backward()
+                    opt.step(grad_scaler=grad_scaler)
+                else:
+                    loss.backward()
+                    opt.step()
                 if not options.get("reuse_grad_buffers"):
                     opt.zero_grad()
                 while opt.local_epoch == epoch and time.monotonic() < deadline:
@@ -124,3 +135,36 @@ def test_local_updates_keep_peers_in_step(nodes: list[Node]) -> None:
     assert any(not torch.equal(a, b) for a, b in zip(final[0], start, strict=True)), (
         "training moved the model"
     )
+
+
+def test_grad_scaler_unscales_before_accumulating(nodes: list[Node]) -> None:
+    plain = _train(nodes, 2)
+    scaled_run = _train(nodes, 2, scaler=True)
+    for a, b in zip(plain[0], scaled_run[0], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_grad_scaler_overflow_drops_the_batch(nodes: list[Node]) -> None:
+    model = _model()
+    opt = Optimizer(
+        node=nodes[0],
+        run_id="overflow",
+        target_batch_size=1000,
+        batch_size_per_step=4,
+        optimizer=partial(torch.optim.SGD, lr=0.1),
+        params=model.parameters(),
+    )
+    try:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        x, y = _batch(0, 0)
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y) * float("inf")).backward()
+        opt.step(grad_scaler=scaler)
+        assert opt._samples == 0, "an overflowed batch adds no samples"
+        assert scaler.get_scale() < 2.0**12, "the scaler backs off after an overflow"
+        assert all(p.grad is None for p in model.parameters())
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        opt.step(grad_scaler=scaler)
+        assert opt._samples == 4
+        assert all(torch.isfinite(g).all() for g in opt._grads)
+    finally:
+        opt.shutdown()
