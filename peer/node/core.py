@@ -69,6 +69,7 @@ class NodeConfig:
     member_ttl: float = 30.0  # a silent peer leaves membership after this long
     request_timeout: float = 5.0
     max_links: int = 64  # idle links beyond this are closed, least recently used first
+    link_idle_grace: float = 10.0  # a link used this recently is never closed as idle
     max_exchange_bytes: int = 512 * 1024  # records sent per exchange; the rest wait a round
     max_record_ttl: float = 7 * 24 * 3600.0
     retry_backoff: float = 5.0  # seconds before dialing a peer that just failed again
@@ -421,7 +422,13 @@ class AsyncNode:
         excess = len(self._all_links) - self.config.max_links
         if excess <= 0:
             return
-        idle = sorted((lk for lk in self._all_links if not lk.busy), key=lambda lk: lk.last_used)
+        # Only links silent for a while: one carrying a stream of one-way messages (tensor
+        # parts) has no pending request, yet closing it would break the stream.
+        cutoff = asyncio.get_running_loop().time() - self.config.link_idle_grace
+        idle = sorted(
+            (lk for lk in self._all_links if not lk.busy and lk.last_used < cutoff),
+            key=lambda lk: lk.last_used,
+        )
         for link in idle[:excess]:
             self._all_links.discard(link)
             if self._links.get(link.peer_id) is link:

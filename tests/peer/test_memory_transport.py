@@ -146,3 +146,46 @@ def test_five_hundred_nodes_in_one_process() -> None:
     # Push-pull needs O(log N) rounds; log2(500) ≈ 9. Generous: well under N/10.
     assert result.rounds < 20
     assert result.messages_per_node_per_round < 30
+
+
+def test_only_links_silent_for_a_while_are_evicted(vloop: VirtualTimeLoop) -> None:
+    async def main():
+        loop = asyncio.get_running_loop()
+        net = MemoryNetwork(latency=0.01)
+        config = NodeConfig(gossip_period=60.0, member_ttl=600.0, max_links=2, link_idle_grace=5.0)
+        hub = AsyncNode(
+            [], transport=net.transport("hub"), config=config, clock=lambda: EPOCH + loop.time()
+        )
+        await hub.start()
+        spokes = []
+        for i in range(4):
+            spoke = AsyncNode(
+                hub.visible_addresses,
+                transport=net.transport(f"s{i}"),
+                config=config,
+                clock=lambda: EPOCH + loop.time(),
+                seed=i,
+            )
+            await spoke.start()
+            spokes.append(spoke)
+        busy_now = len(hub._all_links)  # all four just exchanged: none may be closed yet
+        await asyncio.sleep(6.0)
+        # Use one link afresh (a gossip exchange over it); then a new link triggers eviction.
+        await hub._exchange(await hub.link(spokes[0].peer_id))
+        extra = AsyncNode(
+            hub.visible_addresses,
+            transport=net.transport("late"),
+            config=config,
+            clock=lambda: EPOCH + loop.time(),
+            seed=9,
+        )
+        await extra.start()
+        await asyncio.sleep(0.1)
+        remaining = {lk.peer_id for lk in hub._all_links}
+        for node in (*spokes, extra, hub):
+            await node.shutdown()
+        return busy_now, remaining, spokes[0].peer_id, extra.peer_id
+
+    busy_now, remaining, recent, late = vloop.run_until_complete(main())
+    assert busy_now == 4, "recently used links stay open beyond max_links"
+    assert remaining == {recent, late}, "the silent ones went, least recently used first"
