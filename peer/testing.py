@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from peer.node.gossip import ValueWithExpiration
@@ -67,41 +68,45 @@ def main(argv: list[str] | None = None) -> None:
         client_mode=args.client_mode,
         auth=auth,
     )
+
+    def store(command: dict[str, Any]) -> Any:
+        ttl = node.get_time() + float(command["ttl"])
+        return {"ok": node.store(command["key"], command["value"], ttl, command.get("subkey"))}
+
+    try:
+        serve_json_lines(
+            node,
+            {
+                "store": store,
+                "get": lambda c: _jsonable(node.get(c["key"], latest=bool(c.get("latest", False)))),
+                "members": lambda c: {"members": sorted(node.members())},
+                "stats": lambda c: {"rounds": node.core.rounds, "exchanges": node.core.exchanges},
+            },
+        )
+    finally:
+        node.shutdown()
+
+
+def serve_json_lines(node: Any, handlers: dict[str, Callable[[dict[str, Any]], Any]]) -> None:
+    """The child side of the JSON-line protocol: announce ``node``'s peer id and addresses,
+    then answer each command on standard input with ``handlers[cmd](command)`` until
+    ``{"cmd": "quit"}`` or end of input."""
     out = sys.stdout
     out.write(json.dumps({"peer_id": node.peer_id, "addresses": node.visible_addresses}) + "\n")
     out.flush()
-    try:
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            command = json.loads(line)
-            cmd = command.get("cmd")
-            if cmd == "store":
-                ok = node.store(
-                    command["key"],
-                    command["value"],
-                    node.get_time() + float(command["ttl"]),
-                    command.get("subkey"),
-                )
-                reply: Any = {"ok": ok}
-            elif cmd == "get":
-                reply = _jsonable(
-                    node.get(command["key"], latest=bool(command.get("latest", False)))
-                )
-            elif cmd == "members":
-                reply = {"members": sorted(node.members())}
-            elif cmd == "stats":
-                reply = {"rounds": node.core.rounds, "exchanges": node.core.exchanges}
-            elif cmd == "quit":
-                out.write(json.dumps({"ok": True}) + "\n")
-                out.flush()
-                break
-            else:
-                reply = {"error": f"unknown command {cmd!r}"}
-            out.write(json.dumps(reply) + "\n")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        command = json.loads(line)
+        cmd = command.get("cmd")
+        if cmd == "quit":
+            out.write(json.dumps({"ok": True}) + "\n")
             out.flush()
-    finally:
-        node.shutdown()
+            return
+        handler = handlers.get(cmd)
+        reply = handler(command) if handler else {"error": f"unknown command {cmd!r}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
 
 
 class ChildProcess:

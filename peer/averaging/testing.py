@@ -35,7 +35,7 @@ import torch
 
 from peer.averaging.allreduce import AllreduceRunner
 from peer.averaging.state import StateServer
-from peer.testing import ChildProcess
+from peer.testing import ChildProcess, serve_json_lines
 
 FAULTS = (
     "kill_after_first_part",
@@ -120,52 +120,47 @@ def main(argv: list[str] | None = None) -> None:
     elif args.fault:
         averager._runner_cls = type("Faulty", (FaultyRunner,), {"fault": args.fault})
     averager.run()
-    out = sys.stdout
-    out.write(json.dumps({"peer_id": node.peer_id, "addresses": node.visible_addresses}) + "\n")
-    out.flush()
-    try:
-        for line in sys.stdin:
-            if not line.strip():
-                continue
-            command = json.loads(line)
-            cmd = command.get("cmd")
-            reply: Any
-            if cmd == "members":
-                reply = {"members": len(node.members())}
-            elif cmd == "step":
-                try:
-                    gathered = averager.step(**command.get("kw", {}))
-                    reply = {"ok": True, "gathered": gathered}
-                except Exception as exc:
-                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                if command.get("out"):
-                    with averager.get_tensors() as current:
-                        torch.save([t.clone() for t in current], command["out"])
-            elif cmd == "load_state":
-                loaded = averager.load_state_from_peers(timeout=command.get("timeout"))
-                if loaded is None:
-                    reply = {"ok": False}
-                else:
-                    metadata, state = loaded  # type: ignore[misc]
-                    torch.save(state, command["out"])
-                    reply = {"ok": True, "metadata": metadata, "donor": averager.last_state_donor}
-            elif cmd == "donors":
-                from peer.averaging.state import list_donors
 
-                donors = node.run_coroutine(list_donors(node.core, averager.config.prefix))
-                reply = {"donors": [peer_id for _, peer_id in donors]}
-            elif cmd == "sharing":
-                averager.allow_state_sharing = bool(command["allow"])
-                averager.state_sharing_priority = float(command.get("priority", 0.0))
-                reply = {"ok": True}
-            elif cmd == "quit":
-                out.write(json.dumps({"ok": True}) + "\n")
-                out.flush()
-                break
-            else:
-                reply = {"error": f"unknown command {cmd!r}"}
-            out.write(json.dumps(reply) + "\n")
-            out.flush()
+    def step(command: dict[str, Any]) -> Any:
+        try:
+            reply: dict[str, Any] = {"ok": True, "gathered": averager.step(**command.get("kw", {}))}
+        except Exception as exc:
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if command.get("out"):
+            with averager.get_tensors() as current:
+                torch.save([t.clone() for t in current], command["out"])
+        return reply
+
+    def load_state(command: dict[str, Any]) -> Any:
+        loaded = averager.load_state_from_peers(timeout=command.get("timeout"))
+        if loaded is None:
+            return {"ok": False}
+        metadata, state = loaded  # type: ignore[misc]
+        torch.save(state, command["out"])
+        return {"ok": True, "metadata": metadata, "donor": averager.last_state_donor}
+
+    def donors(command: dict[str, Any]) -> Any:
+        from peer.averaging.state import list_donors
+
+        found = node.run_coroutine(list_donors(node.core, averager.config.prefix))
+        return {"donors": [peer_id for _, peer_id in found]}
+
+    def sharing(command: dict[str, Any]) -> Any:
+        averager.allow_state_sharing = bool(command["allow"])
+        averager.state_sharing_priority = float(command.get("priority", 0.0))
+        return {"ok": True}
+
+    try:
+        serve_json_lines(
+            node,
+            {
+                "members": lambda c: {"members": len(node.members())},
+                "step": step,
+                "load_state": load_state,
+                "donors": donors,
+                "sharing": sharing,
+            },
+        )
     finally:
         averager.shutdown()
         node.shutdown()
