@@ -20,40 +20,63 @@ Rules that keep the swarm moving:
   (it receives the average and steps in sync) rather than stalling the others;
 * the gradient round's group key carries the epoch, so peers at different epochs never
   average together;
+* a new epoch is announced only once the epoch's rounds have ended (in the background too),
+  so a peer slow to notice the target still finds the others in the round;
 * if the gradient round fails (a peer died mid-round, a timeout), the peer logs it and steps
   with the gradients it has — the round's partial average or its own — and periodic state
   averaging (``average_state_every`` epochs) pulls diverged parameters back together.
 
-Locking: the training thread owns parameters and optimizer state; averaging runs on the
-node's event loop only inside :meth:`Optimizer.step`, which waits for it, so nothing reads
-parameters half-updated. (The ``delay_*`` options, which would overlap averaging with
-compute, are not implemented yet and are refused with a ``ValueError``.)
+Each epoch runs three phases: the gradient round, the optimizer step (with the scheduler
+step), the state round (every ``average_state_every`` epochs). ``delay_grad_averaging``,
+``delay_optimizer_step`` and ``delay_state_averaging`` move a phase — and so every phase
+after it — to one background thread, and ``step()`` returns at once; the next epoch's
+gradients accumulate meanwhile (in a second host-memory buffer when the gradient round is
+delayed). A finished background epoch is applied to the model at the start of the next
+``step()`` call; :meth:`Optimizer.wait_for_pending` waits for it and applies it (e.g. after
+the last step, before evaluating or saving).
+
+Delayed results are **one step stale** by design (delayed parameter updates,
+arXiv:2101.06840): the gradients of epoch ``k`` are computed on parameters that do not yet
+include the update of epoch ``k - 1``. In a loop that computes one batch per epoch, that is
+exactly ``θ[k+1] = step(θ[k], ∇L_k(θ[k-1]))`` with ``θ[-1] = θ[0]``.
+
+Locking: the model's parameters are read by forward and backward passes in the training
+thread, so only the training thread writes them (copying the optimizer's parameters in at a
+``step()`` call). A delayed optimizer step therefore needs ``offload_optimizer``: the wrapped
+optimizer steps host-memory copies of the parameters, each with its own ``.grad``. Those
+copies and the optimizer state — the *live state* — are written and read under one lock,
+the state averager's (``state_averager.get_tensors()``), which also guards the snapshot
+served to newcomers, so nobody reads them half-updated.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 
 from peer.averaging.averager import DecentralizedAverager
+from peer.averaging.control import StepControl
 from peer.averaging.exceptions import StepFailed
 from peer.compression import Compression, NoCompression
 
 logger = logging.getLogger("peer.optim.collaborative")
 
 __all__ = [
+    "CollaborativeOptions",
     "CollaborativeReport",
     "GlobalProgress",
     "Optimizer",
     "ProgressTracker",
     "compute_global_progress",
+    "resolve_options",
 ]
 
 
@@ -224,6 +247,96 @@ class ProgressTracker:
                 self._pending.result(timeout)
 
 
+# --------------------------------------------------------------------------- options (pure)
+
+
+@dataclass(frozen=True)
+class CollaborativeOptions:
+    """How an :class:`Optimizer` runs its epochs, once defaults are resolved and checked."""
+
+    offload_optimizer: bool
+    delay_grad_averaging: bool
+    delay_optimizer_step: bool
+    delay_state_averaging: bool
+    reuse_grad_buffers: bool
+    use_local_updates: bool
+
+    @property
+    def delays_anything(self) -> bool:
+        return self.delay_grad_averaging or self.delay_optimizer_step or self.delay_state_averaging
+
+
+def resolve_options(
+    *,
+    offload_optimizer: bool | None,
+    delay_grad_averaging: bool,
+    delay_optimizer_step: bool | None,
+    delay_state_averaging: bool | None,
+    reuse_grad_buffers: bool,
+    use_local_updates: bool,
+    optimizer_is_factory: bool,
+) -> CollaborativeOptions:
+    """Fill in the defaults (as hivemind: ``delay_optimizer_step`` follows
+    ``delay_grad_averaging``; ``offload_optimizer`` and ``delay_state_averaging`` follow
+    ``delay_optimizer_step``) and refuse combinations that cannot work, naming the reason."""
+    if use_local_updates and reuse_grad_buffers:
+        raise ValueError(
+            "use_local_updates steps on every call, so there is no gradient accumulation to reuse"
+        )
+    if use_local_updates and delay_grad_averaging:
+        raise ValueError(
+            "use_local_updates averages parameters, not gradients: there is no gradient round "
+            "to delay (delay_grad_averaging)"
+        )
+    if use_local_updates and delay_optimizer_step:
+        raise ValueError(
+            "use_local_updates steps on every call with that call's gradients; "
+            "delay_optimizer_step is not supported with it (delay_state_averaging overlaps "
+            "the epoch's parameter averaging instead)"
+        )
+    if delay_optimizer_step is None:
+        delay_optimizer_step = delay_grad_averaging
+    if delay_grad_averaging and not delay_optimizer_step:
+        raise ValueError(
+            "delay_grad_averaging needs delay_optimizer_step: the optimizer step waits for the "
+            "background round's gradients, so it must run in the background too"
+        )
+    if reuse_grad_buffers and delay_grad_averaging:
+        raise ValueError(
+            "reuse_grad_buffers cannot be combined with delay_grad_averaging (hivemind refuses "
+            "it too): a delayed round needs its own copy of the gradients, the very buffer "
+            "reuse_grad_buffers exists to save"
+        )
+    if offload_optimizer is None:
+        offload_optimizer = delay_optimizer_step
+    if delay_optimizer_step and not offload_optimizer:
+        raise ValueError(
+            "delay_optimizer_step needs offload_optimizer: the background step must update "
+            "host-memory copies of the parameters, not the ones forward and backward passes read"
+        )
+    if delay_state_averaging is None:
+        delay_state_averaging = delay_optimizer_step
+    if delay_optimizer_step and not delay_state_averaging:
+        raise ValueError(
+            "state averaging follows the optimizer step, so with delay_optimizer_step it runs "
+            "in the background too: leave delay_state_averaging unset or True"
+        )
+    if offload_optimizer and not optimizer_is_factory:
+        raise ValueError(
+            "offload_optimizer builds the optimizer on host-memory copies of the parameters: "
+            "pass optimizer= as a factory (e.g. functools.partial(torch.optim.Adam, lr=1e-3)) "
+            "and params="
+        )
+    return CollaborativeOptions(
+        offload_optimizer=bool(offload_optimizer),
+        delay_grad_averaging=bool(delay_grad_averaging),
+        delay_optimizer_step=bool(delay_optimizer_step),
+        delay_state_averaging=bool(delay_state_averaging),
+        reuse_grad_buffers=bool(reuse_grad_buffers),
+        use_local_updates=bool(use_local_updates),
+    )
+
+
 # --------------------------------------------------------------------------- state averager
 
 
@@ -237,14 +350,42 @@ class _StateAverager(DecentralizedAverager):
         super().__init__(tensors, node, **kwargs)
 
     def get_current_state(self) -> tuple[Any, list[torch.Tensor]]:
+        # called with this averager's lock held, which guards the live state
         with torch.no_grad():
             tensors = [t.detach().clone() for t in self._owner._state_tensors()]
-        return {"epoch": self._owner.local_epoch}, tensors
+        return {"epoch": self._owner._state_epoch}, tensors
+
+
+class _ModelGradients:
+    """The model's parameters as ``GradScaler.unscale_`` sees an optimizer: with
+    ``offload_optimizer`` the wrapped optimizer holds the host-memory copies instead."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.param_groups = [{"params": params}]
+
+
+@dataclass(eq=False)
+class _Epoch:
+    """The end of one epoch: what to run, and what the background part produced."""
+
+    epoch: int
+    samples: int
+    grad_round: bool
+    optimizer_step: bool
+    state_round: bool
+    cancelled: bool = False
+    stepped: bool = False  # the optimizer's parameters changed (copy them to the model)
+    state_version: int = -1  # live-state version when the state round took its snapshot
+    state_snapshot: list[torch.Tensor] | None = None
+    state_averaged: list[torch.Tensor] | None = None
+    future: concurrent.futures.Future[None] | None = None
+    holds_announcement: bool = False  # the next epoch is announced once this is applied
+    phases: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- the optimizer
 
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
@@ -260,9 +401,32 @@ class Optimizer:
             loss(model, batch).backward()
             opt.step()        # accumulates; every target_batch_size swarm samples: averages + steps
             opt.zero_grad()
+        opt.wait_for_pending()  # with delay_* options: apply the last background epoch
+        opt.shutdown()
 
     ``step(batch_size=0)`` with no new gradients takes part in the swarm's progress without
     contributing samples (e.g. while waiting for the epoch to advance).
+
+    Options (hivemind's names and meanings):
+
+    * ``offload_optimizer`` — the wrapped optimizer is built (``optimizer`` must be a factory)
+      on host-memory copies of the parameters, with their own ``.grad``; after each step the
+      new values are copied into the model. Default: on when ``delay_optimizer_step`` is.
+    * ``delay_optimizer_step`` — the optimizer step (and the scheduler step, and the state
+      round after it) runs in a background thread; the model gets the new parameters at the
+      start of a later ``step()`` call. Needs ``offload_optimizer``. Default: follows
+      ``delay_grad_averaging``.
+    * ``delay_grad_averaging`` — the gradient round runs in the background as well, while the
+      next epoch accumulates into a second buffer. Needs ``delay_optimizer_step``.
+    * ``delay_state_averaging`` — state rounds run in the background; a result is applied
+      at a later ``step()`` (local steps taken meanwhile are kept: the round's change is
+      added). Default: follows ``delay_optimizer_step``.
+    * ``reuse_grad_buffers`` — accumulate in ``.grad`` itself (needs ``batch_size_per_step``;
+      never call ``zero_grad``). ``use_local_updates`` — step on every call with local
+      gradients; average parameters and optimizer state every epoch.
+
+    Combinations that cannot work raise ``ValueError`` naming the reason (see
+    :func:`resolve_options`). Call :meth:`shutdown` when done (the node is not shut down).
     """
 
     def __init__(
@@ -273,14 +437,14 @@ class Optimizer:
         target_batch_size: int,
         batch_size_per_step: int | None = None,
         optimizer: torch.optim.Optimizer | OptimizerFactory,
-        params: Iterable[torch.nn.Parameter] | None = None,
+        params: Iterable[Any] | None = None,
         scheduler: Any | SchedulerFactory | None = None,
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 30.0,
         load_state_timeout: float = 600.0,
         average_state_every: int = 1,
-        delay_state_averaging: bool = False,
-        delay_optimizer_step: bool = False,
+        delay_state_averaging: bool | None = None,
+        delay_optimizer_step: bool | None = None,
         delay_grad_averaging: bool = False,
         offload_optimizer: bool | None = None,
         reuse_grad_buffers: bool = False,
@@ -300,19 +464,16 @@ class Optimizer:
             raise ValueError("batch_size_per_step must be positive")
         if average_state_every < 1:
             raise ValueError("average_state_every must be at least 1")
-        for name, value in (
-            ("delay_state_averaging", delay_state_averaging),
-            ("delay_optimizer_step", delay_optimizer_step),
-            ("delay_grad_averaging", delay_grad_averaging),
-        ):
-            if value:
-                raise ValueError(
-                    f"{name}=True is not implemented yet: averaging runs inside step()"
-                )
-        if use_local_updates and reuse_grad_buffers:
-            raise ValueError(
-                "use_local_updates steps on every call, so there is no gradient accumulation to reuse"
-            )
+        is_factory = callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)
+        self.options = resolve_options(
+            offload_optimizer=offload_optimizer,
+            delay_grad_averaging=delay_grad_averaging,
+            delay_optimizer_step=delay_optimizer_step,
+            delay_state_averaging=delay_state_averaging,
+            reuse_grad_buffers=reuse_grad_buffers,
+            use_local_updates=use_local_updates,
+            optimizer_is_factory=is_factory,
+        )
         if reuse_grad_buffers and batch_size_per_step is None:
             raise ValueError(
                 "reuse_grad_buffers sums per-step mean gradients in .grad; it needs a fixed batch_size_per_step to weight them"
@@ -321,22 +482,14 @@ class Optimizer:
             client_mode = bool(node.client_mode)
         if auxiliary and client_mode:
             raise ValueError("an auxiliary peer reduces for others, so it cannot be in client mode")
-        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-            if params is None:
-                raise ValueError("pass params= when optimizer is a factory")
-            optimizer = optimizer(list(params))
-        elif params is not None:
-            raise ValueError(
-                "params= is only for an optimizer factory; this optimizer already has its params"
-            )
-        assert isinstance(optimizer, torch.optim.Optimizer)
-        self.opt = optimizer
-        self.params: list[torch.nn.Parameter] = [
-            p for g in optimizer.param_groups for p in g["params"]
+        self.opt, self.params = self._build_optimizer(optimizer, params)
+        # the tensors the wrapped optimizer steps: host-memory copies with offload_optimizer
+        self._opt_params: list[torch.Tensor] = [
+            p for g in self.opt.param_groups for p in g["params"]
         ]
         if not self.params:
             raise ValueError("the optimizer has no parameters")
-        if any(p.device.type != "cpu" for p in self.params) and not offload_optimizer:
+        if any(p.device.type != "cpu" for p in self.params) and not self.options.offload_optimizer:
             raise ValueError(
                 "parameters off the CPU need offload_optimizer=True (averaging runs on host memory)"
             )
@@ -359,17 +512,32 @@ class Optimizer:
         self.client_mode = client_mode
         self.verbose = verbose
         self.local_epoch = 0
+        self._state_epoch = (
+            0  # the epoch the live state belongs to (behind while a step is pending)
+        )
+        self._state_version = 0  # bumped by every write to the live state outside a state round
         self._samples = 0
+        self._pending: _Epoch | None = None
+        self._round: StepControl | None = None  # the round in flight, for cancellation
+        self._closed = False
+        self._model_grads = _ModelGradients(self.params)
         self._initialize_optimizer_state()
 
         opts = dict(averager_opts or {})
         opts.setdefault("min_matchmaking_time", matchmaking_time)
         opts.setdefault("allreduce_timeout", averaging_timeout)
         self._epoch_in_group_bits = opts.get("target_group_size") is None
-        # Gradient buffers: the averaged tensors of the gradient averager (host memory).
-        self._grads = [torch.zeros_like(p, device="cpu") for p in self.params]
+        # The gradient averager's tensors (host memory). They also accumulate gradients, except
+        # with delay_grad_averaging: then the next epoch accumulates in a second buffer while
+        # a background round averages these.
+        self._averaged_grads = [torch.zeros_like(p, device="cpu") for p in self.params]
+        self._acc = (
+            [torch.zeros_like(g) for g in self._averaged_grads]
+            if self.options.delay_grad_averaging
+            else self._averaged_grads
+        )
         self.grad_averager = DecentralizedAverager(
-            self._grads,
+            self._averaged_grads,
             node,
             start=True,
             prefix=f"{run_id}_grad_averager",
@@ -391,6 +559,13 @@ class Optimizer:
             auxiliary=auxiliary,
             **opts,
         )
+        self._executor = (
+            concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"swarmgrad-collab-{run_id}"
+            )
+            if self.options.delays_anything
+            else None
+        )
         self.tracker = ProgressTracker(node, run_id, target_batch_size, client_mode=client_mode)
         self.tracker.report_local_progress(self.local_epoch, 0)
         if not auxiliary:
@@ -398,18 +573,50 @@ class Optimizer:
 
     # ---------------------------------------------------------------- optimizer state
 
+    def _build_optimizer(
+        self, optimizer: torch.optim.Optimizer | OptimizerFactory, params: Iterable[Any] | None
+    ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+        """The wrapped optimizer and the model's parameters, in the optimizer's order."""
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if params is not None:
+                raise ValueError(
+                    "params= is only for an optimizer factory; this optimizer already has its params"
+                )
+            model = [p for g in optimizer.param_groups for p in g["params"]]
+            return optimizer, model
+        if params is None:
+            raise ValueError("pass params= when optimizer is a factory")
+        given = list(params)
+        if not self.options.offload_optimizer:
+            opt = optimizer(given)
+            return opt, [p for g in opt.param_groups for p in g["params"]]
+        if all(isinstance(g, dict) for g in given):
+            groups = [dict(g, params=list(g["params"])) for g in given]
+        else:
+            groups = [{"params": given}]
+        model = [p for g in groups for p in g["params"]]
+        copies = {
+            id(p): torch.nn.Parameter(p.detach().to("cpu", copy=True), p.requires_grad)
+            for p in model
+        }
+        opt = optimizer([dict(g, params=[copies[id(p)] for p in g["params"]]) for g in groups])
+        offloaded = [p for g in opt.param_groups for p in g["params"]]
+        if [id(p) for p in offloaded] != [id(copies[id(p)]) for p in model]:
+            raise ValueError("the optimizer factory must keep the parameters it is given, in order")
+        return opt, model
+
     def _initialize_optimizer_state(self) -> None:
         """Create the optimizer's state tensors now (one step on zero gradients, undone), so
         their set is fixed for averaging and state download. For SGD (momentum buffer 0) and
         Adam-style optimizers (moments 0, step count reset to 0) the first real step then
         behaves exactly as on a fresh optimizer."""
-        saved = [p.detach().clone() for p in self.params]
-        grads = [p.grad for p in self.params]
-        for p in self.params:
+        saved = [p.detach().clone() for p in self._opt_params]
+        grads = [p.grad for p in self._opt_params]
+        for p in self._opt_params:
             p.grad = torch.zeros_like(p)
         self.opt.step()
         with torch.no_grad():
-            for p, s, g in zip(self.params, saved, grads, strict=True):
+            for p, s, g in zip(self._opt_params, saved, grads, strict=True):
                 p.copy_(s)
                 p.grad = g
         for state in self.opt.state.values():
@@ -420,10 +627,10 @@ class Optimizer:
                     value.zero_()
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        """Parameters, then every optimizer state tensor in a fixed order (float scalars like
-        Adam's step are included as 0-d tensors)."""
-        tensors: list[torch.Tensor] = [p.data for p in self.params]
-        for p in self.params:
+        """The live state: the optimizer's parameters, then every optimizer state tensor in a
+        fixed order (integer ones, e.g. a step count, as float copies)."""
+        tensors: list[torch.Tensor] = [p.data for p in self._opt_params]
+        for p in self._opt_params:
             state = self.opt.state.get(p, {})
             for key in sorted(state):
                 value = state[key]
@@ -431,23 +638,38 @@ class Optimizer:
                     tensors.append(value if value.is_floating_point() else value.float())
         return tensors
 
-    def _load_state_tensors(self, tensors: list[torch.Tensor]) -> None:
+    def _load_state_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Write the live state (live-state lock held), then the model's parameters."""
         own = self._state_tensors()
         if len(own) != len(tensors) or any(
             a.shape != b.shape for a, b in zip(own, tensors, strict=True)
         ):
             raise ValueError("the downloaded state does not match this model and optimizer")
         with torch.no_grad():
-            for p, t in zip(self.params, tensors, strict=False):
+            for p, t in zip(self._opt_params, tensors, strict=False):
                 p.copy_(t)
-            i = len(self.params)
-            for p in self.params:
+            i = len(self._opt_params)
+            for p in self._opt_params:
                 state = self.opt.state.get(p, {})
                 for key in sorted(state):
                     value = state[key]
                     if isinstance(value, torch.Tensor):
                         value.copy_(tensors[i].to(value.dtype))
                         i += 1
+        self._state_version += 1
+        self._copy_to_model()
+
+    def _live_state(self) -> contextlib.AbstractContextManager[Any]:
+        """The lock on the live state (the state averager's, which its snapshots also take)."""
+        return self.state_averager.get_tensors()
+
+    def _copy_to_model(self) -> None:
+        """Offloaded parameters → model parameters. Training thread, live-state lock held."""
+        if not self.options.offload_optimizer:
+            return
+        with torch.no_grad():
+            for p, op in zip(self.params, self._opt_params, strict=True):
+                p.copy_(op.to(p.device))
 
     # ----------------------------------------------------------------------- API
 
@@ -455,12 +677,25 @@ class Optimizer:
     def global_progress(self) -> GlobalProgress:
         return self.tracker.global_progress
 
+    @property
+    def pending_update(self) -> bool:
+        """True while a background epoch (round, optimizer step) has not been applied yet."""
+        return self._pending is not None
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the model's gradients."""
         if self.reuse_grad_buffers:
             raise ValueError(
                 "with reuse_grad_buffers=True gradients accumulate in .grad: do not zero them"
             )
-        self.opt.zero_grad(set_to_none=set_to_none)
+        for p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                with torch.no_grad():
+                    p.grad.zero_()
 
     def step(
         self,
@@ -471,12 +706,15 @@ class Optimizer:
         """Account for this call's gradients; when the swarm has processed
         ``target_batch_size`` samples, average and take one optimizer step.
 
+        First applies a background epoch that has finished (with ``delay_*`` options).
         ``batch_size`` (default ``batch_size_per_step``) is the number of samples behind the
         current ``.grad``. With mixed precision, pass the ``torch.amp.GradScaler`` that scaled
         the loss: gradients are unscaled before they are accumulated, a batch whose gradients
         overflowed is dropped (its samples do not count), and the scaler is updated — call
         neither ``scaler.step`` nor ``scaler.update`` yourself. Returns the closure's loss,
         if a closure was given."""
+        if self._closed:
+            raise RuntimeError("this optimizer was shut down")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -497,6 +735,9 @@ class Optimizer:
             raise ValueError(
                 "with reuse_grad_buffers every step must have batch_size_per_step samples"
             )
+        pending = self._pending
+        if pending is not None and pending.future is not None and pending.future.done():
+            self._settle_pending()
 
         progress = self.tracker.global_progress
         if progress.epoch > self.local_epoch:
@@ -518,16 +759,25 @@ class Optimizer:
         if batch_size:
             self._accumulate(batch_size)
         if self.use_local_updates and batch_size:
-            self.opt.step()
-        self.tracker.report_local_progress(self.local_epoch, self._samples, batch_size)
+            self._local_step()
+        self._report(batch_size)
         progress = self.tracker.global_progress
         if progress.ready and progress.epoch == self.local_epoch:
             self._finish_epoch()
         return loss
 
+    def _report(self, new_samples: int = 0) -> None:
+        pending = self._pending
+        if pending is not None and pending.holds_announcement:
+            # the epoch's rounds still run: keep inviting slower peers into them
+            self.tracker.report_local_progress(pending.epoch, pending.samples, new_samples)
+        else:
+            self.tracker.report_local_progress(self.local_epoch, self._samples, new_samples)
+
     def _unscale(self, grad_scaler: torch.amp.GradScaler) -> bool:
-        """Unscale ``.grad`` in place and update the scaler; False if any gradient overflowed."""
-        grad_scaler.unscale_(self.opt)
+        """Unscale the model's ``.grad`` in place and update the scaler; False if any gradient
+        overflowed."""
+        grad_scaler.unscale_(cast(torch.optim.Optimizer, self._model_grads))
         finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in self.params)
         grad_scaler.update()  # lowers the scale after an overflow, raises it after a clean run
         return finite
@@ -536,90 +786,256 @@ class Optimizer:
         # Σ batch_size · grad over local steps: divided by Σ batch_size before averaging, it is
         # this peer's mean gradient per sample; averaging with weight Σ batch_size then gives
         # the mean over every sample the swarm processed.
-        with torch.no_grad():
-            for p, acc in zip(self.params, self._grads, strict=True):
-                if p.grad is None:
-                    continue
-                if self.reuse_grad_buffers:
-                    continue  # .grad itself accumulates (backward adds to it)
-                acc.add_(p.grad.to(acc.device), alpha=float(batch_size))
+        if not (self.reuse_grad_buffers or self.use_local_updates):
+            # (with reuse_grad_buffers .grad itself accumulates: backward adds to it)
+            with torch.no_grad():
+                for p, acc in zip(self.params, self._acc, strict=True):
+                    if p.grad is not None:
+                        acc.add_(p.grad.to(acc.device), alpha=float(batch_size))
         self._samples += batch_size
 
+    def _local_step(self) -> None:
+        """use_local_updates: step with this call's gradients."""
+        with self._live_state(), torch.no_grad():
+            if self.options.offload_optimizer:
+                self._set_optimizer_grads([p.grad for p in self.params])
+            self.opt.step()
+            self._state_version += 1
+            self._copy_to_model()
+
+    def _set_optimizer_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Put ``grads`` in the optimizer's parameters' ``.grad`` (its own buffers with
+        offload_optimizer; fresh tensors otherwise, as the user's backward would add to
+        anything left there)."""
+        with torch.no_grad():
+            for op, g in zip(self._opt_params, grads, strict=True):
+                if g is None:
+                    op.grad = None
+                elif self.options.offload_optimizer and op.grad is not None:
+                    op.grad.copy_(g)
+                else:
+                    op.grad = g.to(op.device, copy=True)
+
+    # ------------------------------------------------------------------ epochs
+
     def _finish_epoch(self) -> None:
+        """Average, step, advance the epoch: the phases before the first delayed one run
+        here, the rest in the background thread."""
+        self._settle_pending()  # one background epoch at a time; it also frees the buffers
         epoch = self.local_epoch
-        weight = float(self._samples)
-        if not self.use_local_updates:
-            with self.grad_averager.get_tensors() as grads, torch.no_grad():
-                for g, p in zip(grads, self.params, strict=True):
-                    if self.reuse_grad_buffers:
-                        # .grad holds the sum of per-step mean gradients, each over batch_size_per_step
-                        g.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
-                        per_step = float(self.batch_size_per_step or 0)
-                        g.mul_(per_step / weight if weight else 0.0)
-                    elif weight:
-                        g.div_(weight)
-            if self._epoch_in_group_bits:
-                self.grad_averager.set_group_bits(format(epoch % (1 << 16), "016b"))
-            try:
-                group = self.grad_averager.step(
-                    weight=0.0 if self.auxiliary else weight,
-                    timeout=self.averaging_timeout,
-                    gather={"epoch": epoch, "samples": int(weight)},
-                )
-                if self.verbose and isinstance(group, dict):
-                    logger.info("epoch %d: averaged gradients with %d peers", epoch, len(group))
-            except StepFailed as exc:
-                logger.warning(
-                    "epoch %d: gradient averaging failed (%s); stepping with local gradients",
-                    epoch,
-                    exc,
-                )
-            if not self.auxiliary:
-                with self.grad_averager.get_tensors() as grads, torch.no_grad():
-                    for p, g in zip(self.params, grads, strict=True):
-                        p.grad = g.to(p.device).clone()
-                self.opt.step()
-            with torch.no_grad():
-                for g in self._grads:
-                    g.zero_()
-                for p in self.params:
-                    # The gradients are consumed: they were accumulated before this round. Left
-                    # in .grad, the next backward would add to them (the epoch may end in a
-                    # later step() call, after the user's zero_grad()).
-                    if self.reuse_grad_buffers and p.grad is not None:
-                        p.grad.zero_()
-                    else:
-                        p.grad = None
+        averaging = not self.use_local_updates
+        job = _Epoch(
+            epoch=epoch,
+            samples=self._samples,
+            grad_round=averaging,
+            optimizer_step=averaging and not self.auxiliary,
+            state_round=(self.use_local_updates or (epoch + 1) % self.average_state_every == 0)
+            and not (self.auxiliary and not self.use_local_updates),
+        )
+        if averaging:
+            self._load_round_gradients(float(self._samples))
+        phases = [
+            ("grad", job.grad_round, self.options.delay_grad_averaging),
+            ("step", True, self.options.delay_optimizer_step),
+            ("state", job.state_round, self.options.delay_state_averaging),
+        ]
+        inline = []
+        for name, wanted, delayed in phases:
+            if delayed:
+                break
+            if wanted:
+                inline.append(name)
+        job.phases = [n for n, wanted, _ in phases if wanted and n not in inline]
+        self._run_phases(job, inline)
+        self._consume_model_gradients()
         self.local_epoch = epoch + 1
         self._samples = 0
-        if self.scheduler is not None:
-            self.scheduler.step()
-        if self.use_local_updates or self.local_epoch % self.average_state_every == 0:
-            self._average_state()
-        # Announced only now: a peer that sees the new epoch before joining this epoch's rounds
-        # would load state instead of averaging, and leave the others waiting for it.
-        self.tracker.report_local_progress(self.local_epoch, 0)
+        if job.phases:
+            assert self._executor is not None
+            job.holds_announcement = any(n in ("grad", "state") for n in job.phases)
+            self._pending = job
+            job.future = self._executor.submit(self._run_phases, job, job.phases)
+        else:
+            self._apply(job)
+        # Announced only now (or, while a background round runs, once it ended): a peer that
+        # sees the new epoch before joining this epoch's rounds would load state instead of
+        # averaging, and leave the others waiting for it.
+        self._report()
 
-    def _average_state(self) -> None:
-        if self.auxiliary and not self.use_local_updates:
+    def _load_round_gradients(self, weight: float) -> None:
+        """This peer's mean gradient into the gradient averager's tensors; the accumulators
+        are emptied for the next epoch. Training thread; no round is in flight."""
+        with self.grad_averager.get_tensors() as grads, torch.no_grad():
+            for g, acc, p in zip(grads, self._acc, self.params, strict=True):
+                if self.reuse_grad_buffers:
+                    # .grad holds the sum of per-step mean gradients, each over batch_size_per_step
+                    g.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+                    per_step = float(self.batch_size_per_step or 0)
+                    g.mul_(per_step / weight if weight else 0.0)
+                elif acc is not g:
+                    g.copy_(acc).div_(weight) if weight else g.zero_()
+                    acc.zero_()
+                elif weight:
+                    g.div_(weight)
+
+    def _consume_model_gradients(self) -> None:
+        # The gradients are consumed: they were accumulated before this round. Left in .grad,
+        # the next backward would add to them (the epoch may end in a later step() call, after
+        # the user's zero_grad()).
+        if self.use_local_updates:
             return
-        with self.state_averager.get_tensors() as tensors, torch.no_grad():
-            for mine, shared in zip(self._state_tensors(), tensors, strict=True):
-                shared.copy_(mine)
+        for p in self.params:
+            if self.reuse_grad_buffers and p.grad is not None:
+                p.grad.zero_()
+            else:
+                p.grad = None
+
+    def _run_phases(self, job: _Epoch, phases: Sequence[str]) -> None:
+        """Run some of an epoch's phases, in order: here or in the background thread."""
+        for name in phases:
+            if job.cancelled:
+                return
+            if name == "grad":
+                self._average_gradients(job)
+            elif name == "step":
+                self._optimizer_step(job)
+            else:
+                self._average_state(job)
+
+    def _average_gradients(self, job: _Epoch) -> None:
         if self._epoch_in_group_bits:
-            self.state_averager.set_group_bits(format(self.local_epoch % (1 << 16), "016b"))
+            self.grad_averager.set_group_bits(format(job.epoch % (1 << 16), "016b"))
+        group = self._run_round(
+            self.grad_averager,
+            weight=0.0 if self.auxiliary else float(job.samples),
+            gather={"epoch": job.epoch, "samples": job.samples},
+            what=f"epoch {job.epoch}: gradient averaging",
+            fallback="stepping with local gradients",
+        )
+        if self.verbose and group is not None:
+            logger.info("epoch %d: averaged gradients with %d peers", job.epoch, len(group))
+        with self.grad_averager.get_tensors() as grads, torch.no_grad():
+            if job.optimizer_step:
+                with self._live_state():
+                    self._set_optimizer_grads(list(grads))
+            for g in grads:
+                g.zero_()  # without delay_grad_averaging they accumulate the next epoch
+
+    def _optimizer_step(self, job: _Epoch) -> None:
+        with self._live_state():
+            if job.optimizer_step:
+                self.opt.step()
+                job.stepped = True
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self._state_epoch = job.epoch + 1
+
+    def _average_state(self, job: _Epoch) -> None:
+        with self._live_state(), self.state_averager.get_tensors() as shared, torch.no_grad():
+            for mine, s in zip(self._state_tensors(), shared, strict=True):
+                s.copy_(mine)
+            job.state_version = self._state_version
+            job.state_snapshot = [s.clone() for s in shared]
+        if self._epoch_in_group_bits:
+            self.state_averager.set_group_bits(format((job.epoch + 1) % (1 << 16), "016b"))
+        group = self._run_round(
+            self.state_averager,
+            weight=0.0 if self.auxiliary else 1.0,
+            gather=None,
+            what=f"epoch {job.epoch}: state averaging",
+            fallback="skipped",
+            level=logging.DEBUG,
+        )
+        if group is not None:
+            with self.state_averager.get_tensors() as shared:
+                job.state_averaged = [s.clone() for s in shared]
+
+    def _run_round(
+        self,
+        averager: DecentralizedAverager,
+        *,
+        weight: float,
+        gather: Any,
+        what: str,
+        fallback: str,
+        level: int = logging.WARNING,
+    ) -> dict[str, Any] | None:
+        """One averaging round; None (logged) if it failed or was cancelled."""
         try:
-            self.state_averager.step(
-                timeout=self.averaging_timeout, weight=0.0 if self.auxiliary else 1.0
+            control = averager.step(
+                weight=weight, timeout=self.averaging_timeout, gather=gather, wait=False
             )
+            assert isinstance(control, StepControl)  # wait=False always returns one
+            self._round = control
+            result = control.result()
         except StepFailed as exc:
-            logger.debug("state averaging skipped this epoch: %s", exc)
-            return
-        with self.state_averager.get_tensors() as tensors:
-            self._load_state_tensors([t.clone() for t in tensors])
+            if not self._closed:
+                logger.log(level, "%s failed (%s); %s", what, exc, fallback)
+            return None
+        except RuntimeError:
+            if self._closed:  # the averager shut down under us
+                return None
+            raise
+        finally:
+            self._round = None
+        return cast(dict[str, Any], result)
+
+    def _apply(self, job: _Epoch) -> None:
+        """Bring a finished epoch's results to the model. Training thread."""
+        with self._live_state():
+            if job.state_averaged is not None and job.state_snapshot is not None:
+                if self._state_version == job.state_version:
+                    self._load_state_tensors(job.state_averaged)
+                else:
+                    # local steps were taken during the round: keep them, add the round's change
+                    live = self._state_tensors()
+                    self._load_state_tensors(
+                        [
+                            t + (a - s)
+                            for t, a, s in zip(
+                                live, job.state_averaged, job.state_snapshot, strict=True
+                            )
+                        ]
+                    )
+            elif job.stepped:
+                self._copy_to_model()
+
+    def _settle_pending(self, *, cancel: bool = False, timeout: float | None = None) -> bool:
+        """Wait for the background epoch and apply what it finished (with ``cancel``, it
+        stops at the next phase and a round in matchmaking is called off). False if it is
+        still running after ``timeout``."""
+        job = self._pending
+        if job is None:
+            return True
+        if cancel:
+            job.cancelled = True
+            control = self._round
+            if control is not None:
+                control.cancel()
+        assert job.future is not None
+        try:
+            job.future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        finally:
+            if job.future.done():
+                self._pending = None
+        self._apply(job)  # even a cancelled one: its optimizer step may have run
+        if job.holds_announcement:
+            self._report()
+        return True
+
+    def wait_for_pending(self, timeout: float | None = None) -> bool:
+        """Wait until background work (a delayed round or optimizer step) has finished, and
+        apply its result to the model's parameters — e.g. after the last ``step()``, before
+        evaluating or saving. Returns False if it still runs after ``timeout`` seconds.
+        Without ``delay_*`` options there is never anything pending."""
+        return self._settle_pending(timeout=timeout)
 
     def load_state_from_peers(self) -> bool:
-        """Download parameters, optimizer state and epoch from the best peer; True if done."""
+        """Download parameters, optimizer state and epoch from the best peer; True if done.
+        A background epoch still in progress is abandoned first (the state replaces it)."""
+        self._settle_pending(cancel=True)
         found = self.state_averager.load_state_from_peers(timeout=self.load_state_timeout)
         if not isinstance(found, tuple):
             return False
@@ -628,23 +1044,29 @@ class Optimizer:
         if not isinstance(epoch, int) or epoch < self.local_epoch:
             return False
         try:
-            self._load_state_tensors(tensors)
+            with self._live_state():
+                self._load_state_tensors(tensors)
+                if self.scheduler is not None:
+                    for _ in range(epoch - self._state_epoch):
+                        self.scheduler.step()
+                self._state_epoch = epoch
         except ValueError as exc:
             logger.warning("could not load state from peers: %s", exc)
             return False
         with torch.no_grad():
-            for g in self._grads:
-                g.zero_()
+            for buffer in (self._acc, self._averaged_grads):
+                for g in buffer:
+                    g.zero_()
         self._samples = 0
-        if self.scheduler is not None:
-            for _ in range(epoch - self.local_epoch):
-                self.scheduler.step()
         self.local_epoch = epoch
-        self.tracker.report_local_progress(self.local_epoch, 0)
+        self._report()
         logger.info("loaded state from %s at epoch %d", self.state_averager.last_state_donor, epoch)
         return True
 
     def state_dict(self) -> dict[str, Any]:
+        """Optimizer, scheduler and epoch; waits for pending background work first, so the
+        state is the newest."""
+        self.wait_for_pending()
         return {
             "optimizer": self.opt.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -652,17 +1074,33 @@ class Optimizer:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.opt.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.local_epoch = int(state["local_epoch"])
-        self.tracker.report_local_progress(self.local_epoch, self._samples)
+        self._settle_pending(cancel=True)
+        with self._live_state():
+            self.opt.load_state_dict(state["optimizer"])
+            if self.scheduler is not None and state.get("scheduler") is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            self._state_version += 1
+            self.local_epoch = self._state_epoch = int(state["local_epoch"])
+        self._report()
 
     def shutdown(self) -> None:
-        """Stop both averagers (the node is not shut down)."""
+        """Stop background work at once (a round in flight is cancelled, a pending update is
+        dropped: call :meth:`wait_for_pending` first to keep it), then both averagers. The
+        node is not shut down. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pending is not None:
+            self._pending.cancelled = True
+        control = self._round
+        if control is not None:
+            control.cancel()
         self.tracker.wait_published()
-        self.grad_averager.shutdown()
+        self.grad_averager.shutdown()  # cancels its steps: a background round ends now
         self.state_averager.shutdown()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self._pending = None
 
     def __enter__(self) -> Optimizer:
         return self

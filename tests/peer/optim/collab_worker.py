@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument(
         "--continuous", action="store_true", help="train new batches until the epoch advances"
     )
+    parser.add_argument("--delay-grad-averaging", action="store_true")
+    parser.add_argument("--delay-optimizer-step", action="store_true")
     parser.add_argument(
         "--die-in-round", type=int, default=-1, help="SIGKILL itself during this epoch's averaging"
     )
@@ -96,6 +98,8 @@ def main() -> None:
         load_state_timeout=30.0,
         verbose=args.verbose,
         average_state_every=args.average_state_every,
+        delay_grad_averaging=args.delay_grad_averaging,
+        delay_optimizer_step=args.delay_optimizer_step or None,
     )
     joined_at = opt.local_epoch
     if args.die_in_round >= 0:
@@ -112,10 +116,12 @@ def main() -> None:
         opt.grad_averager.step = step_then_die  # type: ignore[method-assign]
     trace: list = []
     counter = 0
+    overlapped = 0  # batches accumulated while a background epoch was still pending
     while opt.local_epoch < args.epochs and time.monotonic() < deadline:
         epoch = opt.local_epoch
         x, y = batch(args.rank, counter if args.continuous else epoch, sizes[args.rank])
         counter += 1
+        overlapped += opt.pending_update
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step(batch_size=sizes[args.rank])
         opt.zero_grad()
@@ -125,11 +131,14 @@ def main() -> None:
             time.sleep(0.05)
         if opt.local_epoch != epoch:
             trace.append([p.detach().clone() for p in model.parameters()])
+    if not opt.wait_for_pending(timeout=120):  # the last epoch's delayed update, if any
+        raise SystemExit("the last background epoch did not finish")
     result = {
         "params": [p.detach() for p in model.parameters()],
         "epoch": opt.local_epoch,
         "joined_at": joined_at,
         "trace": trace,
+        "overlapped": overlapped,
     }
     torch.save(result, args.out)
     Path(args.done_dir, f"{args.rank}.done").touch()

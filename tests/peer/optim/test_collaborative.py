@@ -55,22 +55,36 @@ def test_malformed_reports_are_ignored(value: object) -> None:
     assert CollaborativeReport.from_wire("x", value) is None
 
 
-def _reference(sizes: list[int], epochs: int, optimizer: str) -> list[torch.Tensor]:
-    """One process, one step per epoch on the concatenated batches of every rank."""
-    model = make_model()
+def _reference(
+    sizes: list[int], epochs: int, optimizer: str, *, stale: bool = False
+) -> list[torch.Tensor]:
+    """One process, one step per epoch on the concatenated batches of every rank. ``stale``:
+    the gradients of epoch k are taken at the parameters from before epoch k-1's update
+    (delayed updates, θ[k+1] = step(θ[k], ∇L_k(θ[k-1])))."""
+    model, probe = make_model(), make_model()
     opt = make_optimizer(optimizer)(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
     for epoch in range(epochs):
+        at = before if stale else [p.detach().clone() for p in model.parameters()]
+        before = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for q, value in zip(probe.parameters(), at, strict=True):
+                q.copy_(value)
         xs, ys = zip(*(batch(rank, epoch, size) for rank, size in enumerate(sizes)), strict=True)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        probe.zero_grad()
+        torch.nn.functional.mse_loss(probe(torch.cat(xs)), torch.cat(ys)).backward()
+        for p, q in zip(model.parameters(), probe.parameters(), strict=True):
+            p.grad = q.grad
         opt.step()
     return [p.detach() for p in model.parameters()]
 
 
-def _run_swarm(tmp_path: Path, sizes: list[int], epochs: int, optimizer: str) -> list[dict]:
+def _run_swarm(
+    tmp_path: Path, sizes: list[int], epochs: int, optimizer: str, *extra: str
+) -> list[dict]:
     """One worker per batch size, each doing one batch per epoch; their final states."""
     (tmp_path / "done").mkdir()
-    opts = ("--optimizer", optimizer)
+    opts = ("--optimizer", optimizer, *extra)
     procs = [_start(tmp_path, 0, sizes, epochs, None, *opts, continuous=False)]
     first = json.loads(procs[0].stdout.readline())["addresses"][0]
     procs += [
@@ -92,6 +106,24 @@ def test_four_peers_equal_single_process_training(tmp_path: Path, optimizer: str
         assert result["epoch"] == epochs
         for mine, expected in zip(result["params"], reference, strict=True):
             torch.testing.assert_close(mine, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_delayed_gradient_averaging_across_processes(tmp_path: Path) -> None:
+    """delay_grad_averaging (so a delayed optimizer step on offloaded parameters, and state
+    rounds in the background): three processes, Adam, uneven batches. Every peer ends on
+    single-process training with one-step-stale gradients, while batches were accumulated
+    during background rounds (double-buffered: none lost or counted twice)."""
+    sizes, epochs = [8, 16, 8], 4
+    results = _run_swarm(tmp_path, sizes, epochs, "adam", "--delay-grad-averaging")
+    stale = _reference(sizes, epochs, "adam", stale=True)
+    synchronous = _reference(sizes, epochs, "adam")
+    assert any((a - b).abs().max() > 1e-4 for a, b in zip(stale, synchronous, strict=True))
+    for result in results:
+        assert result["epoch"] == epochs
+        for mine, expected in zip(result["params"], stale, strict=True):
+            torch.testing.assert_close(mine, expected, atol=1e-5, rtol=0)
+    assert sum(r["overlapped"] for r in results) > 0, "compute overlapped a background round"
 
 
 @pytest.mark.slow
