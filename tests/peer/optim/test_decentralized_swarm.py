@@ -273,3 +273,53 @@ def test_bad_arguments(make_nodes) -> None:
             average_opt_statistics="exp_avg_sq",
             **base,
         )
+
+
+def test_gradient_averaging_adds_the_group_mean_at_the_next_step(make_nodes) -> None:
+    """average_gradients=True: a round averages the gradients each peer had at its last
+    step; at the next step, ``.grad`` (what the optimizer uses) is the fresh local gradient
+    plus that round's correction, ``mean over the group - own``, and SGD moves by it."""
+    nodes = make_nodes(3)
+    nets = [model(i) for i in range(3)]
+    opts = [
+        DecentralizedOptimizer(
+            torch.optim.SGD(net.parameters(), lr=0.1),
+            node,
+            prefix="gradavg",
+            target_group_size=3,
+            average_parameters=False,
+            average_gradients=True,
+            averaging_steps_period=1,
+            max_allowed_epoch_difference=1,
+            total_steps_in_epoch=1000,
+            timeout=scaled(30),
+            **{**FAST, "min_matchmaking_time": 2.0},
+        )
+        for net, node in zip(nets, nodes, strict=True)
+    ]
+    make_nodes.optimizers.extend(opts)
+    first = []
+    for i in range(3):
+        local_step(opts[i], nets[i], seed=i)  # asks for a round of these gradients
+        first.append([p.grad.clone() for p in nets[i].parameters()])
+    assert not torch.equal(first[0][0], first[1][0])
+    for opt in opts:
+        assert opt.wait_for_rounds(1, timeout=scaled(60)), opt.failed_rounds
+    index = {opt.node.peer_id: i for i, opt in enumerate(opts)}
+    for i, (opt, net) in enumerate(zip(opts, nets, strict=True)):
+        group = [index[p] for p in opt.last_group]
+        assert i in group and len(group) >= 2
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(100 + i)
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        fresh = [p.grad.clone() for p in net.parameters()]
+        before = [p.detach().clone() for p in net.parameters()]
+        opt.step()
+        for j, p in enumerate(net.parameters()):
+            mean = sum(first[k][j] for k in group) / len(group)
+            want = fresh[j] + mean - first[i][j]
+            torch.testing.assert_close(p.grad, want, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(p.detach(), before[j] - 0.1 * want, atol=1e-6, rtol=1e-5)
+            assert not torch.allclose(want, fresh[j], atol=1e-4), "the correction is not zero"
+    assert all(len(opt.last_group) == 3 for opt in opts)
