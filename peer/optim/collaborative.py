@@ -935,7 +935,8 @@ class Optimizer:
             for mine, s in zip(self._state_tensors(), shared, strict=True):
                 s.copy_(mine)
             job.state_version = self._state_version
-            job.state_snapshot = [s.clone() for s in shared]
+            if self.use_local_updates:  # local steps may change the live state meanwhile
+                job.state_snapshot = [s.clone() for s in shared]
         if self._epoch_in_group_bits:
             self.state_averager.set_group_bits(format((job.epoch + 1) % (1 << 16), "016b"))
         group = self._run_round(
@@ -983,8 +984,8 @@ class Optimizer:
     def _apply(self, job: _Epoch) -> None:
         """Bring a finished epoch's results to the model. Training thread."""
         with self._live_state():
-            if job.state_averaged is not None and job.state_snapshot is not None:
-                if self._state_version == job.state_version:
+            if job.state_averaged is not None:
+                if self._state_version == job.state_version or job.state_snapshot is None:
                     self._load_state_tensors(job.state_averaged)
                 else:
                     # local steps were taken during the round: keep them, add the round's change
