@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from peer import Node
-from peer.optim.collaborative import Optimizer
+from peer.optim.collaborative import Optimizer, resolve_options
 from tests.conftest import scaled
 
 
@@ -328,3 +328,33 @@ def test_shutdown_stops_a_background_round_promptly(nodes: list[Node]) -> None:
     opt.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         opt.step()
+
+
+def test_option_defaults_follow_hivemind() -> None:
+    """No I/O: delay_optimizer_step follows delay_grad_averaging; offload_optimizer and
+    delay_state_averaging follow delay_optimizer_step; explicit values are kept."""
+    base = dict(
+        offload_optimizer=None,
+        delay_grad_averaging=False,
+        delay_optimizer_step=None,
+        delay_state_averaging=None,
+        reuse_grad_buffers=False,
+        use_local_updates=False,
+        optimizer_is_factory=True,
+    )
+    plain = resolve_options(**base)  # type: ignore[arg-type]
+    assert not (plain.offload_optimizer or plain.delays_anything)
+    grad = resolve_options(**{**base, "delay_grad_averaging": True})  # type: ignore[arg-type]
+    assert grad.delay_optimizer_step and grad.offload_optimizer and grad.delay_state_averaging
+    state = resolve_options(**{**base, "delay_state_averaging": True})  # type: ignore[arg-type]
+    assert state.delay_state_averaging and not state.delay_optimizer_step
+    assert not state.offload_optimizer, "delaying state rounds alone needs no offloading"
+    local = resolve_options(
+        **{
+            **base,
+            "use_local_updates": True,
+            "delay_state_averaging": True,
+            "optimizer_is_factory": False,
+        }  # type: ignore[arg-type]
+    )
+    assert local.use_local_updates and local.delay_state_averaging
