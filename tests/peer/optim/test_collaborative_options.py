@@ -342,11 +342,11 @@ def test_option_defaults_follow_hivemind() -> None:
         use_local_updates=False,
         optimizer_is_factory=True,
     )
-    plain = resolve_options(**base)  # type: ignore[arg-type]
+    plain = resolve_options(**base)
     assert not (plain.offload_optimizer or plain.delays_anything)
-    grad = resolve_options(**{**base, "delay_grad_averaging": True})  # type: ignore[arg-type]
+    grad = resolve_options(**{**base, "delay_grad_averaging": True})
     assert grad.delay_optimizer_step and grad.offload_optimizer and grad.delay_state_averaging
-    state = resolve_options(**{**base, "delay_state_averaging": True})  # type: ignore[arg-type]
+    state = resolve_options(**{**base, "delay_state_averaging": True})
     assert state.delay_state_averaging and not state.delay_optimizer_step
     assert not state.offload_optimizer, "delaying state rounds alone needs no offloading"
     local = resolve_options(
@@ -355,6 +355,6 @@ def test_option_defaults_follow_hivemind() -> None:
             "use_local_updates": True,
             "delay_state_averaging": True,
             "optimizer_is_factory": False,
-        }  # type: ignore[arg-type]
+        }
     )
     assert local.use_local_updates and local.delay_state_averaging
