@@ -3,18 +3,20 @@
     .venv/bin/python bench/allreduce.py [--peers 2 4 8] [--mb 64] [--reps 5]
 
 For each peer count, starts that many worker processes on loopback; each holds ``--mb`` MB of
-fp32 and runs, in the same processes and the same run:
+fp32 and runs, in the same processes and the same run, ``--reps`` times after a warm-up and
+alternating so that both see the same machine:
 
-1. ``torch.distributed.all_reduce`` (gloo) of the tensor, ``--reps`` times after a warm-up;
-2. ``DecentralizedAverager.step()`` (no compression, one group of all peers), ``--reps``
-   times after a warm-up, recording the all-reduce time (snapshot → write-back) and the full
-   step time including matchmaking.
+1. ``torch.distributed.all_reduce`` (gloo) of a copy of the tensor;
+2. ``DecentralizedAverager.step()`` (no compression, one group of all peers), recording the
+   all-reduce time (first part sent to last average written) and the full step time
+   including matchmaking.
 
 Per repetition the slowest peer's time counts (a collective is done when the last peer is);
-the table shows medians, the ratio Swarmgrad / gloo, and peak extra resident memory per peer
-(high-water mark during the steps minus the resident size before them) relative to the
-tensor size (the averager keeps a flat snapshot and an accumulator between rounds, so
-they are included). Absolute times on a shared machine are noise; the ratio is the figure.
+the table shows medians, the ratio Swarmgrad / gloo, the CPU time (user + system, all
+threads) per peer and round of each, and peak extra resident memory per peer (high-water
+mark during the steps minus the resident size before them, so buffers the averager keeps
+between rounds count) relative to the tensor size. Absolute times on a shared machine are
+noise; the ratios are the figures.
 """
 
 from __future__ import annotations
@@ -75,16 +77,19 @@ def worker(args: argparse.Namespace) -> None:
     numel = args.mb * (1 << 20) // 4
     tensor = torch.randn(numel)
 
-    gloo = []
+    gloo: list[float] = []
+    gloo_cpu: list[float] = []
     work = tensor.clone()
-    for rep in range(args.reps + 1):
+
+    def run_gloo(record: bool) -> None:
         dist.barrier()
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         dist.all_reduce(work)
-        elapsed = time.perf_counter() - start
-        if rep:
-            gloo.append(elapsed)
-    del work
+        if record:
+            gloo.append(time.perf_counter() - start)
+            gloo_cpu.append(time.process_time() - cpu)
+
+    run_gloo(False)
 
     averager = DecentralizedAverager(
         [tensor],
@@ -98,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
         part_size_bytes=args.part_size,
         sender_timeout=30.0,
     )
-    steps, allreduce = [], []
+    steps, allreduce, cpu_times = [], [], []
     peak_extra = 0
     profiler = None
     if os.environ.get("SWARMGRAD_BENCH_PROFILE") and args.rank == 0:
@@ -114,14 +119,18 @@ def worker(args: argparse.Namespace) -> None:
     _reset_peak()
     baseline = _rss_kib("VmRSS")
     for rep in range(args.reps + 1):
+        if rep:
+            run_gloo(True)
         dist.barrier()
-        start = time.perf_counter()
+        cpu, start = time.process_time(), time.perf_counter()
         averager.step(timeout=120)
         elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu
         peak_extra = max(peak_extra, _rss_kib("VmHWM") - baseline)
         if rep:
             steps.append(elapsed)
             allreduce.append(averager.last_allreduce_seconds)
+            cpu_times.append(cpu)
     if profiler is not None:
         import pstats
 
@@ -139,6 +148,8 @@ def worker(args: argparse.Namespace) -> None:
             {
                 "rank": args.rank,
                 "gloo": gloo,
+                "gloo_cpu": gloo_cpu,
+                "cpu": cpu_times,
                 "step": steps,
                 "allreduce": allreduce,
                 "peak_extra_bytes": peak_extra * 1024,
@@ -199,7 +210,13 @@ def run(peers: int, args: argparse.Namespace) -> dict[str, float]:
     ours = statistics.median(slowest("allreduce"))
     step = statistics.median(slowest("step"))
     memory = max(r["peak_extra_bytes"] for r in results) / results[0]["tensor_bytes"]
+
+    def mean_cpu(key: str) -> float:
+        return statistics.median(statistics.mean(r[key]) for r in results)
+
     return {
+        "cpu": mean_cpu("cpu"),
+        "gloo_cpu": mean_cpu("gloo_cpu"),
         "peers": peers,
         "gloo": gloo,
         "swarmgrad": ours,
@@ -230,13 +247,13 @@ def main() -> None:
     )
     print(
         f"{'peers':>5} {'gloo s':>8} {'swarmgrad s':>12} {'ratio':>6} {'step() s':>9} "
-        f"{'peak extra mem':>15}"
+        f"{'cpu gloo/ours s':>16} {'peak extra mem':>15}"
     )
     for peers in args.peers:
         r = run(peers, args)
         print(
             f"{r['peers']:>5} {r['gloo']:>8.3f} {r['swarmgrad']:>12.3f} {r['ratio']:>6.2f} "
-            f"{r['step']:>9.3f} {r['memory']:>14.2f}x",
+            f"{r['step']:>9.3f} {r['gloo_cpu']:>7.3f}/{r['cpu']:<8.3f} {r['memory']:>14.2f}x",
             flush=True,
         )
 

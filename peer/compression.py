@@ -117,7 +117,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 # ------------------------------------------------------------------ info and result

@@ -266,16 +266,52 @@ def decode_frame(
     view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
     if len(view) < _LENGTH.size:
         raise MalformedFrame(f"frame of {len(view)} bytes is shorter than its length prefix")
-    (header_length,) = _LENGTH.unpack_from(view, 0)
+    header_length = decode_length(view[: _LENGTH.size], limits)
+    if _LENGTH.size + header_length > len(view):
+        raise MalformedFrame("frame is truncated inside its header")
+    start = _LENGTH.size + header_length
+    head = decode_header(view[_LENGTH.size : start], registry, limits)
+    if len(view) - start != head.payload_length:
+        raise MalformedFrame(
+            f"payload is {len(view) - start} bytes but the header says {head.payload_length}"
+        )
+    return Frame(head.type, head.fields, view[start:], head.request_id, head.reply_to)
+
+
+LENGTH_BYTES = _LENGTH.size
+
+
+def decode_length(prefix: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> int:
+    """The header length from a frame's 4-byte prefix, checked against ``limits``."""
+    (header_length,) = _LENGTH.unpack_from(prefix, 0)
     if header_length > limits.max_header_bytes:
         raise FrameTooLarge(
             f"header of {header_length} bytes is over the limit of {limits.max_header_bytes}"
         )
-    if _LENGTH.size + header_length > len(view):
-        raise MalformedFrame("frame is truncated inside its header")
+    return int(header_length)
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A validated frame header; the payload (``payload_length`` bytes) follows it."""
+
+    type: str
+    fields: Mapping[str, Any]
+    request_id: int
+    reply_to: int
+    payload_length: int
+
+
+def decode_header(
+    data: bytes | bytearray | memoryview,
+    registry: MessageRegistry,
+    limits: Limits = DEFAULT_LIMITS,
+) -> Header:
+    """Parse and validate a frame's msgpack header (without its length prefix), so that a
+    stream reader can size the payload's buffer before reading it."""
     try:
         header = msgpack.unpackb(
-            view[_LENGTH.size : _LENGTH.size + header_length],
+            data,
             raw=False,
             strict_map_key=True,
             max_str_len=limits.max_header_bytes,
@@ -304,12 +340,7 @@ def decode_frame(
         raise FrameTooLarge(
             f"payload of {payload_length} bytes is over the limit of {limits.max_payload_bytes}"
         )
-    start = _LENGTH.size + header_length
-    if len(view) - start != payload_length:
-        raise MalformedFrame(
-            f"payload is {len(view) - start} bytes but the header says {payload_length}"
-        )
     if payload_length and not schema.payload:
         raise MalformedFrame(f"{message_type} carries no payload")
     fields = schema.check(header.get("f", {}), message_type, limits)
-    return Frame(message_type, fields, view[start:], request_id, reply_to)
+    return Header(message_type, fields, request_id, reply_to, payload_length)

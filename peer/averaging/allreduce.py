@@ -16,10 +16,18 @@ buffer or of the accumulator (``NoCompression`` is zero-copy); received ``none``
 decoded with one copy (the transport hands out read-only ``bytes``).
 
 In-place result: when the average of a part arrives, the part's slot in the flat buffer is
-turned into the *delta* ``average - local`` (the local values were already sent, or are no
-longer needed by anyone: the reducer only finalises a part once it has them or has excluded
-this peer). The caller adds ``alpha · delta`` to the tensors, so a failed reducer's span
-(delta 0) keeps the local values and concurrent local updates are preserved.
+rewritten (the local values were already sent, or are no longer needed by anyone: the
+reducer only finalises a part once it has them or has excluded this peer). Two modes:
+
+* ``in_place=False`` (*delta*): the slot becomes ``average - local``; the caller adds
+  ``alpha · delta`` to the tensors, so a failed reducer's span (delta 0) keeps the local
+  values and updates made to the tensors during the round are preserved.
+* ``in_place=True``: ``flat`` is the averaged tensors' memory (or a copy the caller writes
+  back) and the slot becomes ``local + alpha · (average - local)``: at once for this peer's
+  own span, and at the end of the round for averages received from other reducers (their
+  payload buffers are kept until then), so that a reducer found bad later in the round
+  leaves its whole span at the local values, as in delta mode. Two passes over the
+  tensors fewer than delta mode, and no snapshot.
 
 Faults (each decision is local; survivors always finish):
 
@@ -112,6 +120,8 @@ class AllreduceRunner:
         roles: Sequence[TensorRole] | None,
         config: AllreduceConfig,
         scratch: Any = None,
+        in_place: bool = False,
+        alpha: float = 1.0,
     ) -> None:
         self.core = core
         self.prefix = prefix
@@ -121,7 +131,11 @@ class AllreduceRunner:
         self.index = group.index_of(self.me)
         self.peer_index = {m.peer_id: i for i, m in enumerate(self.members)}
         self.layout = layout
-        self.flat = flat  # [total], layout.dtype; local values, turned into deltas
+        self.flat = flat  # [total], layout.dtype; local values, turned into results
+        self.in_place = in_place
+        self.alpha = float(alpha)
+        # in place: reducer index → (slot, average) received, written when the round ends
+        self._deferred: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.weight = float(weight)
         self.config = config
         bandwidths = [0.0 if m.client_mode else m.bandwidth for m in self.members]
@@ -179,7 +193,7 @@ class AllreduceRunner:
         my_parts = self.partition.parts_of(self.index)
         if self.reducer is None:
             for part in my_parts:  # nobody contributes: everyone keeps local values
-                part.view(self.flat).zero_()
+                self._keep_local(part.view(self.flat))
         elif self.is_sender:
             for i, part in enumerate(my_parts):
                 if self.reducer.is_final(i) or self.me in self.reducer.excluded:
@@ -203,6 +217,10 @@ class AllreduceRunner:
                 task.cancel()
             await asyncio.gather(watchdog, *self._tasks, return_exceptions=True)
             self._wire_cache.clear()
+            deferred, self._deferred = self._deferred, {}
+            for writes in deferred.values():
+                for view, average in writes:
+                    self._write_average(view, average)
 
     async def abort(self, reason: str) -> None:
         """Tell every member this peer leaves the round (best effort, bounded)."""
@@ -247,7 +265,10 @@ class AllreduceRunner:
                 await self._before_send(peer_id, kind, index)
                 frame = self._frame(kind, r, index)
                 async with asyncio.timeout(self.config.sender_timeout):
-                    await link.send(frame)
+                    if self.core.bulk is not None:
+                        await self.core.bulk.send(peer_id, frame)  # a TCP lane if possible
+                    else:
+                        await link.send(frame)
                 if kind == "avg":
                     self._release_wire(index)
                 else:
@@ -342,7 +363,7 @@ class AllreduceRunner:
         part = self.partition.part(r, index)
         view = part.view(self.flat)
         if "c" not in frame.fields:
-            view.zero_()  # no contributor with positive weight: keep local values
+            self._keep_local(view)  # no contributor with positive weight
         else:
             try:
                 average = extract(CompressedTensor.from_wire(frame.fields["c"], frame.payload))
@@ -355,7 +376,10 @@ class AllreduceRunner:
             except (CompressionError, ValueError, RuntimeError) as exc:
                 self._bad(sender, f"bad average: {exc}")
                 return
-            torch.sub(average, view, out=view)  # delta = average - local, one pass
+            if self.in_place:
+                self._deferred.setdefault(r, []).append((view, average))
+            else:
+                self._write_average(view, average)
         pending.discard(index)
         self.last_progress[r] = asyncio.get_running_loop().time()
         if not pending:
@@ -366,10 +390,10 @@ class AllreduceRunner:
         for done in finished:
             view = self.partition.part(self.index, done.index).view(self.flat)
             if done.average is None:
-                view.zero_()
+                self._keep_local(view)
                 self._wire_cache[done.index] = (None, b"", len(self._outboxes))
             else:
-                torch.sub(done.average.to(view.dtype), view, out=view)
+                self._write_average(view, done.average.to(view.dtype))
                 part = self.partition.part(self.index, done.index)
                 header, payload = part.codec.compress(done.average.to(self.flat.dtype)).to_wire()
                 self._wire_cache[done.index] = (header, payload, len(self._outboxes))
@@ -386,6 +410,21 @@ class AllreduceRunner:
                     box.event.set()
             self._check_done()
 
+    # ----------------------------------------------------------------- results
+
+    def _write_average(self, view: torch.Tensor, average: torch.Tensor) -> None:
+        """The part's local values in ``view`` are no longer needed: write the result."""
+        if not self.in_place:
+            torch.sub(average, view, out=view)  # delta = average - local, one pass
+        elif self.alpha == 1.0:
+            view.copy_(average)
+        elif self.alpha:
+            view.lerp_(average, self.alpha)
+
+    def _keep_local(self, view: torch.Tensor) -> None:
+        if not self.in_place:
+            view.zero_()  # delta 0
+
     # ----------------------------------------------------------------- faults
 
     def _bad(self, sender: str, reason: str) -> None:
@@ -401,7 +440,10 @@ class AllreduceRunner:
         if r != self.index and sender not in self.failed:
             # distrust everything it reduced, too: its whole span keeps the local values
             start, stop = self.partition.spans[r]
-            self.flat[start:stop].zero_()
+            if self.in_place:
+                self._deferred.pop(r, None)
+            else:
+                self.flat[start:stop].zero_()
             self.unresolved[r].clear()
         self._peer_failed(sender, reason, log=False)
 
@@ -432,7 +474,7 @@ class AllreduceRunner:
                 len(pending),
             )
         for index in pending:
-            self.partition.part(r, index).view(self.flat).zero_()
+            self._keep_local(self.partition.part(r, index).view(self.flat))
         pending.clear()
         self._outboxes[self.members[r].peer_id].event.set()
         self._check_done()

@@ -12,7 +12,19 @@ Failure contract: :meth:`DecentralizedAverager.step` either returns a dict peer 
 gathered data (every member of the group, this peer included) with the averaged tensors
 updated in place, or raises a :class:`~peer.averaging.exceptions.StepFailed` subclass —
 ``MatchmakingFailed``, ``AllreduceFailed`` (``AllreduceTimeout``) or ``StepCancelled`` —
-and leaves the tensors unchanged. It never returns ``None``.
+and leaves the tensors unchanged — except that in the default in-place mode a round that
+fails after its all-reduce began (``allreduce_timeout``) keeps the parts it finished: each
+element then holds either its local value or its group's average. It never returns ``None``.
+
+Tensor access: by default (as in hivemind) a round holds the tensors' lock from the start
+of its all-reduce to the end and averages them in place, reading and writing their memory
+directly when they are laid out back to back (one tensor, or views of one flat buffer) and
+through one flat copy otherwise; :meth:`DecentralizedAverager.get_tensors` waits for the
+round. With ``concurrent_updates=True`` a round instead averages a snapshot and adds
+``average - snapshot`` back at the end, so the lock is held only for two copies and
+updates made to the tensors during the round are kept (the optimizers use this to train
+while averaging in the background); it costs two more passes over the tensors and a
+snapshot's memory.
 """
 
 from __future__ import annotations
@@ -82,6 +94,7 @@ class AveragerConfig:
     declare_state_period: float = 30.0
     shutdown_timeout: float = 5.0
     poll_interval: float = 0.1
+    concurrent_updates: bool = False
 
     def __post_init__(self) -> None:
         if not self.prefix or not isinstance(self.prefix, str):
@@ -110,7 +123,9 @@ class DecentralizedAverager:
     * ``bandwidth`` (relative; 0 reduces nothing), ``client_mode`` (dial out only),
       ``auxiliary`` (reduces, contributes weight 0);
     * ``allow_state_sharing`` (default: not client and not auxiliary),
-      ``declare_state_period``.
+      ``declare_state_period``;
+    * ``concurrent_updates`` (not in hivemind): average a snapshot so that the tensors may
+      be updated during a round (see the module docstring).
 
     ``start=False`` defers registration on the node until :meth:`run`. Call
     :meth:`shutdown` when done (or use as a context manager); the node is not shut down.
@@ -144,6 +159,7 @@ class DecentralizedAverager:
         declare_state_period: float = 30,
         client_mode: bool | None = None,
         shutdown_timeout: float = 5,
+        concurrent_updates: bool = False,
     ) -> None:
         tensors = tuple(averaged_tensors)
         for t in tensors:
@@ -169,6 +185,7 @@ class DecentralizedAverager:
             client_mode=client_mode,
             declare_state_period=float(declare_state_period),
             shutdown_timeout=float(shutdown_timeout),
+            concurrent_updates=bool(concurrent_updates),
         )
         self.matchmaking_config = MatchmakingConfig(
             target_group_size=target_group_size,
@@ -491,24 +508,58 @@ class DecentralizedAverager:
             await self._leave_group(group, "cancelled before all-reduce")
             raise StepCancelled("step cancelled before all-reduce")
         began = asyncio.get_running_loop().time()
+        if self.config.concurrent_updates:
+            async with self._locked():
+                # [total], a copy into a buffer reused across rounds
+                flat = self.layout.flatten(self._averaged_tensors, out=self._flat_buffer())
+            await self._run_allreduce(group, members, control.weight, flat)
+        else:
+            async with self._locked():  # for the whole round
+                await self._run_allreduce(group, members, control.weight, None)
+        self._advance_group_bits(group)
+        self.last_allreduce_seconds = asyncio.get_running_loop().time() - began
+        return gathered
+
+    def _flat_buffer(self) -> torch.Tensor:
         if self._flat is None:
             self._flat = torch.empty(self.layout.total, dtype=self.layout.dtype)
-        async with self._locked():
-            # [total], a copy into a buffer reused across rounds
-            flat = self.layout.flatten(self._averaged_tensors, out=self._flat)
+        return self._flat
+
+    async def _run_allreduce(
+        self,
+        group: GroupInfo,
+        members: list[MemberInfo],
+        weight: float,
+        snapshot: torch.Tensor | None,
+    ) -> None:
+        """The all-reduce of a round: on ``snapshot`` (then add ``average - snapshot`` to the
+        tensors) or, when it is None, in place with the tensors' lock held."""
+        in_place = snapshot is None
+        copy_back = False
+        if snapshot is not None:
+            flat = snapshot
+        else:
+            alias = self.layout.alias(self._averaged_tensors)
+            copy_back = alias is None
+            if alias is None:
+                flat = self.layout.flatten(self._averaged_tensors, out=self._flat_buffer())
+            else:
+                flat = alias
         try:
             runner = self._runner_cls(
-                core,
+                self._core,
                 self.config.prefix,
                 group,
                 members,
                 self.layout,
                 flat,
-                weight=control.weight,
+                weight=weight,
                 compression=self.compression,
                 roles=self.roles,
                 config=self.allreduce_config,
                 scratch=self._accumulator,
+                in_place=in_place,
+                alpha=self.config.averaging_alpha,
             )
         except ValueError as exc:
             await self._leave_group(group, str(exc))
@@ -527,21 +578,27 @@ class DecentralizedAverager:
                 raise AllreduceTimeout(
                     f"all-reduce did not finish within allreduce_timeout={timeout} s"
                 ) from None
+            finally:
+                if copy_back:  # parts that finished are kept, as with an alias
+                    with torch.no_grad():
+                        for tensor, view in zip(
+                            self._averaged_tensors, self.layout.views(flat), strict=True
+                        ):
+                            tensor.copy_(view)
         finally:
             del self._runners[group.group_id]
             self._finished_groups[group.group_id] = None
             while len(self._finished_groups) > 64:
                 del self._finished_groups[next(iter(self._finished_groups))]
-        async with self._locked():
-            with torch.no_grad():
-                alpha = self.config.averaging_alpha
-                for tensor, delta in zip(
-                    self._averaged_tensors, self.layout.views(flat), strict=True
-                ):
-                    if alpha:
-                        tensor.add_(delta.to(tensor.dtype), alpha=alpha)
-        self._advance_group_bits(group)
-        self.last_allreduce_seconds = asyncio.get_running_loop().time() - began
+        if not in_place:
+            async with self._locked():
+                with torch.no_grad():
+                    alpha = self.config.averaging_alpha
+                    for tensor, delta in zip(
+                        self._averaged_tensors, self.layout.views(flat), strict=True
+                    ):
+                        if alpha:
+                            tensor.add_(delta.to(tensor.dtype), alpha=alpha)
         if runner.failed:
             logger.info(
                 "averaged with %d of %d peers (%d left the round)",
@@ -549,7 +606,6 @@ class DecentralizedAverager:
                 group.size,
                 len(runner.failed),
             )
-        return gathered
 
     def _accumulator(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The reducer's accumulator, reused across rounds while large enough."""

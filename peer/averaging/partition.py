@@ -94,6 +94,33 @@ class FlatLayout:
             view.copy_(t.detach())
         return out
 
+    def alias(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """A flat ``[total]`` view of the tensors' own memory, or None if they are not laid
+        out back to back (in order, contiguous, one dtype, one storage): a single tensor,
+        or views of one flat buffer. Writing the view writes the tensors (no autograd)."""
+        self._check(tensors)
+        sized = [(t, start) for t, start in zip(tensors, self.offsets, strict=False) if t.numel()]
+        if not sized:
+            return None
+        first, first_start = sized[0]
+        storage = first.untyped_storage()
+        itemsize = self.dtype.itemsize
+        base = first.data_ptr() - first_start * itemsize
+        for t, start in sized:
+            if (
+                t.dtype != self.dtype
+                or t.device.type != "cpu"
+                or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != storage.data_ptr()
+                or t.data_ptr() != base + start * itemsize
+            ):
+                return None
+        offset = first.storage_offset() - first_start
+        if offset < 0:
+            return None
+        flat = torch.empty(0, dtype=self.dtype)
+        return flat.set_(storage, offset, (self.total,), (1,))
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat`` shaped like the tensors (no copies)."""
         return [

@@ -93,6 +93,8 @@ class Router:
             core.registry.register(message_type, schema)
         for message_type, schema in HANDLED.items():
             core.register_handler(message_type, schema, self._dispatch)
+        for message_type in (PART, AVERAGE):  # tensor payloads: bulk lanes where possible
+            core.accept_bulk(message_type)
 
     @classmethod
     def of(cls, core: Any) -> Router:

@@ -26,6 +26,7 @@ from peer.exceptions import (
     TransportError,
 )
 from peer.identity import Authenticator, Identity, OpenAuth
+from peer.node.bulk import BULK_TICKET, BulkLanes, BulkSender
 from peer.node.gossip import (
     MEMBERS_KEY,
     RECORD_ID_BYTES,
@@ -73,6 +74,7 @@ class NodeConfig:
     max_exchange_bytes: int = 512 * 1024  # records sent per exchange; the rest wait a round
     max_record_ttl: float = 7 * 24 * 3600.0
     retry_backoff: float = 5.0  # seconds before dialing a peer that just failed again
+    bulk_lanes: bool = True  # TCP side lanes for tensor parts (peer.node.bulk), if TCP
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -125,6 +127,7 @@ class AsyncNode:
         self._bootstrapped: set[str] = set()  # initial peers reached at least once
         self._listener: Listener | None = None
         self._addresses: list[str] = []
+        self.bulk: BulkLanes | None = None
         self._started = False
         self._stopping = False
         self.rounds = 0
@@ -151,6 +154,16 @@ class AsyncNode:
         if not cfg.client_mode:
             self._listener = await self.transport.listen(cfg.host, cfg.port, self._on_inbound)
             self._addresses = list(cfg.announce_addresses or self._listener.addresses)
+        if cfg.bulk_lanes and self.transport.supports_bulk_lanes:
+            self.bulk = BulkLanes(
+                self,
+                self.registry,
+                cfg.limits,
+                host=None if cfg.client_mode else cfg.host,
+                deliver=self._deliver_bulk,
+            )
+            self.handlers[BULK_TICKET] = self.bulk.on_ticket
+            await self.bulk.start()
         self._publish_membership()
         self._spawn(self._gossip_loop(), "gossip")
         self._spawn(self._maintenance_loop(), "maintenance")
@@ -171,6 +184,8 @@ class AsyncNode:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._listener is not None:
             await self._listener.close()
+        if self.bulk is not None:
+            await self.bulk.close()
         for future in self._dialing.values():
             future.cancel()
         links = list(self._all_links)
@@ -293,6 +308,27 @@ class AsyncNode:
     async def send(self, peer_id: str, frame: Frame) -> None:
         link = await self.link(peer_id)
         await link.send(frame)
+
+    def accept_bulk(self, message_type: str) -> None:
+        """Let one-way frames of ``message_type`` (registered with a handler) arrive over
+        bulk lanes too."""
+        if self.bulk is not None:
+            self.bulk.accept(message_type)
+
+    async def send_bulk(self, peer_id: str, frame: Frame) -> None:
+        """Send a large one-way frame: over a bulk lane when the transport has them (no
+        copies in user space), else over the link. Same delivery as :meth:`send`; frames
+        sent this way may overtake frames sent with :meth:`send`."""
+        self._check_running()
+        if self.bulk is None:
+            await self.send(peer_id, frame)
+        else:
+            await self.bulk.send(peer_id, frame)
+
+    async def _deliver_bulk(self, sender: BulkSender, frame: Frame) -> None:
+        handler = self.handlers.get(frame.type)
+        if handler is not None and not self._stopping:
+            await handler(sender, frame)  # type: ignore[arg-type]  # a link's peer_id only
 
     async def link(self, peer_id: str, addresses: Sequence[str] | None = None) -> PeerLink:
         """An authenticated link to ``peer_id``, reusing an open one or dialing its known

@@ -557,6 +557,8 @@ class Optimizer:
             state_compression=state_averaging_compression,
             client_mode=client_mode,
             auxiliary=auxiliary,
+            # its lock is also the live state's: a round must not hold it while it runs
+            concurrent_updates=True,
             **opts,
         )
         self._executor = (

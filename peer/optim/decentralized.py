@@ -9,9 +9,9 @@ are counted across the swarm through progress reports (:mod:`peer.optim.progress
 
 Locking — one lock, the averager's (``averager.get_tensors()``):
 
-* the averager holds it while it copies the averaged tensors into its flat buffer at the
-  start of a round and while it adds ``average - copy`` back at the end (see
-  :mod:`peer.averaging.averager`); a state donor holds it while it snapshots;
+* the averager (``concurrent_updates=True``) holds it while it copies the averaged tensors
+  into its flat buffer at the start of a round and while it adds ``average - copy`` back at
+  the end (see :mod:`peer.averaging.averager`); a state donor holds it while it snapshots;
 * ``step()`` holds it while the wrapped optimizer updates parameters and statistics in place,
   and while a downloaded state is copied in; ``zero_grad()`` while it applies a round's
   result to the parameters (below).
@@ -195,6 +195,8 @@ class DecentralizedOptimizer:
             start=True,
             prefix=prefix,
             target_group_size=target_group_size,
+            # rounds run in the background while step() updates the tensors
+            concurrent_updates=True,
             **averager_kwargs,
         )
         self.scheduler = scheduler_cls(opt) if scheduler_cls is not None else None

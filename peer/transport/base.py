@@ -69,3 +69,7 @@ class Transport(abc.ABC):
     @property
     @abc.abstractmethod
     def max_message_bytes(self) -> int: ...
+
+    #: whether peers on this transport are TCP hosts that can also open bulk lanes
+    #: (:mod:`peer.node.bulk`) for large one-way frames
+    supports_bulk_lanes: bool = False

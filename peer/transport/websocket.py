@@ -85,6 +85,8 @@ class WebSocketTransport(Transport):
         self._max = max_message_bytes
         self._open_timeout = open_timeout
 
+    supports_bulk_lanes = True
+
     @property
     def max_message_bytes(self) -> int:
         return self._max
