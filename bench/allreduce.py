@@ -12,7 +12,8 @@ alternating so that both see the same machine:
    including matchmaking.
 
 Per repetition the slowest peer's time counts (a collective is done when the last peer is);
-the table shows medians, the ratio Swarmgrad / gloo, the CPU time (user + system, all
+the table shows medians, the ratio Swarmgrad / gloo (median over repetitions of the ratio
+within each, gloo having run just before), the CPU time (user + system, all
 threads) per peer and round of each, and peak extra resident memory per peer (high-water
 mark during the steps minus the resident size before them, so buffers the averager keeps
 between rounds count) relative to the tensor size. Absolute times on a shared machine are
@@ -116,12 +117,12 @@ def worker(args: argparse.Namespace) -> None:
 
         node.run_coroutine(enable())
     # baseline before the first step: the averager's reused buffers count as extra memory
-    _reset_peak()
     baseline = _rss_kib("VmRSS")
     for rep in range(args.reps + 1):
         if rep:
             run_gloo(True)
         dist.barrier()
+        _reset_peak()  # gloo's transient buffers are not ours
         cpu, start = time.process_time(), time.perf_counter()
         averager.step(timeout=120)
         elapsed = time.perf_counter() - start
@@ -206,8 +207,12 @@ def run(peers: int, args: argparse.Namespace) -> dict[str, float]:
     def slowest(key: str) -> list[float]:
         return [max(r[key][i] for r in results) for i in range(args.reps)]
 
-    gloo = statistics.median(slowest("gloo"))
-    ours = statistics.median(slowest("allreduce"))
+    gloo_times, our_times = slowest("gloo"), slowest("allreduce")
+    gloo = statistics.median(gloo_times)
+    ours = statistics.median(our_times)
+    # each repetition runs gloo right before ours: the median of the paired ratios is less
+    # sensitive to the machine's drifts than the ratio of the medians
+    paired = statistics.median(o / g for o, g in zip(our_times, gloo_times, strict=True))
     step = statistics.median(slowest("step"))
     memory = max(r["peak_extra_bytes"] for r in results) / results[0]["tensor_bytes"]
 
@@ -220,7 +225,7 @@ def run(peers: int, args: argparse.Namespace) -> dict[str, float]:
         "peers": peers,
         "gloo": gloo,
         "swarmgrad": ours,
-        "ratio": ours / gloo,
+        "ratio": paired,
         "step": step,
         "memory": memory,
     }

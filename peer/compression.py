@@ -186,6 +186,7 @@ class CompressedTensor:
     shape: tuple[int, ...]
     meta: Mapping[str, MetaValue] = field(default_factory=dict)
     data: bytes | bytearray | memoryview = b""
+    _checked: bool = field(default=False, repr=False, compare=False, kw_only=True)
 
     @property
     def numel(self) -> int:
@@ -253,7 +254,7 @@ class CompressedTensor:
                 f"payload of {view.nbytes} bytes for {codec_name} {dtype_str}{list(shape)}, "
                 f"expected {expected}"
             )
-        return cls(codec_name, dtype_str, tuple(shape), dict(meta), payload)
+        return cls(codec_name, dtype_str, tuple(shape), dict(meta), payload, _checked=True)
 
 
 # ------------------------------------------------------------------------- helpers
@@ -709,7 +710,10 @@ def extract(compressed: CompressedTensor, *, check_finite: bool = True) -> torch
     by hand is checked too) and, with ``check_finite``, that a floating result has no NaN/Inf.
     Raises :class:`CompressionError` on any problem. The result may alias a writable payload.
     """
-    checked = CompressedTensor.from_wire(*compressed.to_wire())
+    # built by from_wire: already validated (the flag cannot survive a change: frozen)
+    checked = (
+        compressed if compressed._checked else CompressedTensor.from_wire(*compressed.to_wire())
+    )
     codec = _LEAF_CODECS[checked.codec]
     dtype = _DTYPES[checked.dtype]
     flat = codec._decode(checked, dtype)  # [numel]

@@ -9,8 +9,8 @@ sender's part into a preallocated accumulator as it arrives
 (:class:`~peer.averaging.reducer.WeightedMeanReducer`) and, as soon as a part has every
 sender's values, sends its weighted mean back to every member.
 
-Pipeline: one sender task per destination streams from an outbox (averages first, then
-contributions), while the link readers reduce incoming parts inline and queue finished
+Pipeline: one sender task per destination streams from an outbox (contributions first,
+then averages as they are ready), while the link readers reduce incoming parts inline and queue finished
 averages — so sending, reducing and returning overlap. Payloads are views of the flat
 buffer or of the accumulator (``NoCompression`` is zero-copy); received ``none`` payloads are
 decoded with one copy (the transport hands out read-only ``bytes``).
@@ -23,11 +23,18 @@ reducer only finalises a part once it has them or has excluded this peer). Two m
   ``alpha · delta`` to the tensors, so a failed reducer's span (delta 0) keeps the local
   values and updates made to the tensors during the round are preserved.
 * ``in_place=True``: ``flat`` is the averaged tensors' memory (or a copy the caller writes
-  back) and the slot becomes ``local + alpha · (average - local)``: at once for this peer's
-  own span, and at the end of the round for averages received from other reducers (their
-  payload buffers are kept until then), so that a reducer found bad later in the round
-  leaves its whole span at the local values, as in delta mode. Two passes over the
-  tensors fewer than delta mode, and no snapshot.
+  back) and the slot becomes ``local + alpha · (average - local)`` as soon as the average is
+  known — except that averages from a reducer whose own contributions to this peer's span
+  have not all arrived yet are held until they have (a reducer found bad meanwhile then
+  leaves its whole span at the local values, as in delta mode; once they are all in and
+  valid, its held averages are written). Two passes over the tensors fewer than delta
+  mode, and no snapshot.
+
+Batching: consecutive uncompressed parts that are ready for the same member at once (all
+of a member's contributions are, at the start) go out as one frame of up to
+:attr:`AllreduceRunner.max_batch_bytes` (field ``k``: how many parts, from ``i`` on): the
+receiver handles them part by part, but per-frame costs (system calls, wake-ups, headers)
+are paid once per batch. Parts stay the unit of reduction, exclusion and fault handling.
 
 Faults (each decision is local; survivors always finish):
 
@@ -58,7 +65,14 @@ from peer.averaging.matchmaking import GroupInfo
 from peer.averaging.partition import FlatLayout, Partition
 from peer.averaging.protocol import ABORT, AVERAGE, PART
 from peer.averaging.reducer import FinishedPart, WeightedMeanReducer
-from peer.compression import CompressedTensor, Compression, CompressionError, TensorRole, extract
+from peer.compression import (
+    CompressedTensor,
+    Compression,
+    CompressionError,
+    NoCompression,
+    TensorRole,
+    extract,
+)
 from peer.exceptions import SwarmgradError, TransportError
 from peer.wire import Frame
 
@@ -103,8 +117,11 @@ class _Outbox:
 
 
 class AllreduceRunner:
-    """Run one round: ``await run()``; afterwards ``flat`` holds ``average - local`` for
-    every part that got an average and 0 elsewhere (see the module docstring)."""
+    """Run one round: ``await run()``; afterwards ``flat`` holds the round's result (see the
+    module docstring for the two modes)."""
+
+    #: consecutive uncompressed parts sent as one frame, up to this many bytes (0: never)
+    max_batch_bytes = 2 << 20
 
     def __init__(
         self,
@@ -134,8 +151,10 @@ class AllreduceRunner:
         self.flat = flat  # [total], layout.dtype; local values, turned into results
         self.in_place = in_place
         self.alpha = float(alpha)
-        # in place: reducer index → (slot, average) received, written when the round ends
+        # in place: reducer index → (slot, average) held until that reducer's contributions
+        # to this peer's span are all in (see the module docstring)
         self._deferred: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._accepted: collections.Counter[str] = collections.Counter()  # parts per sender
         self.weight = float(weight)
         self.config = config
         bandwidths = [0.0 if m.client_mode else m.bandwidth for m in self.members]
@@ -151,8 +170,18 @@ class AllreduceRunner:
                 torch.float32 if layout.dtype in (torch.float16, torch.bfloat16) else layout.dtype
             )
             out = scratch(numel, acc_dtype) if scratch is not None else None
-            self.reducer = WeightedMeanReducer(my_sizes, senders, dtype=layout.dtype, out=out)
+            destination = None
+            if in_place and alpha == 1.0 and acc_dtype == layout.dtype:
+                # averages go straight into their slots (already the result, in place)
+                start, stop = self.partition.spans[self.index]
+                destination = flat[start:stop]
+            self.reducer = WeightedMeanReducer(
+                my_sizes, senders, dtype=layout.dtype, out=out, destination=destination
+            )
         self.finished: dict[int, FinishedPart] = {}
+        sending_to_me = set(senders) if self.reducer is not None else set()
+        # reducers whose averages this peer writes at once: nothing (more) to check of them
+        self._trusted = {r for r, m in enumerate(self.members) if m.peer_id not in sending_to_me}
         self._wire_cache: dict[int, tuple[dict[str, Any] | None, Any, int]] = {}
         # other reducers' parts still waiting for their average
         self.unresolved: dict[int, set[int]] = {
@@ -262,15 +291,17 @@ class AllreduceRunner:
                     # lazily: two client-mode members never exchange anything (nor can they)
                     link = await self._link_to(peer_id)
                 kind, index = item
+                count = self._batch(kind, r, index, box)
                 await self._before_send(peer_id, kind, index)
-                frame = self._frame(kind, r, index)
+                frame = self._frame(kind, r, index, count)
                 async with asyncio.timeout(self.config.sender_timeout):
                     if self.core.bulk is not None:
                         await self.core.bulk.send(peer_id, frame)  # a TCP lane if possible
                     else:
                         await link.send(frame)
                 if kind == "avg":
-                    self._release_wire(index)
+                    for i in range(index, index + count):
+                        self._release_wire(i)
                 else:
                     self.last_progress[r] = asyncio.get_running_loop().time()
         except (SwarmgradError, TimeoutError, OSError) as exc:
@@ -280,21 +311,80 @@ class AllreduceRunner:
         while True:
             if peer_id in self.failed:
                 return None
-            if box.averages:
-                return "avg", box.averages.popleft()
+            # contributions first: the member can then reduce (and trust this peer's
+            # averages, see the module docstring) as early as possible
             pending = self.unresolved.get(r, set())
             while box.contributions and r not in self.failed_reducers:
                 index = box.contributions.popleft()
                 if index in pending:
                     return "part", index
             box.contributions.clear()
+            if box.averages:
+                return "avg", box.averages.popleft()
             if self.reducer is None or self.reducer.is_finished:
                 return None
             box.event.clear()
             await box.event.wait()
 
-    def _frame(self, kind: str, r: int, index: int) -> Frame:
+    def _batch(self, kind: str, r: int, index: int, box: _Outbox) -> int:
+        """How many parts from ``index`` on go in this frame: take from the outbox the
+        consecutive uncompressed parts that are ready, contiguous in memory, and fit in
+        :attr:`max_batch_bytes` together."""
+        if not self.max_batch_bytes:
+            return 1
+        parts = self.partition.parts_of(r if kind == "part" else self.index)
+        if not isinstance(parts[index].codec, NoCompression):
+            return 1
+        queue = box.contributions if kind == "part" else box.averages
+        pending = self.unresolved.get(r, set())
+        itemsize = self.flat.element_size()
+        size, count = parts[index].numel * itemsize, 1
+        while queue and queue[0] == index + count:
+            nxt = parts[index + count]
+            if not isinstance(nxt.codec, NoCompression):
+                break
+            if size + nxt.numel * itemsize > self.max_batch_bytes:
+                break
+            if kind == "part" and nxt.index not in pending:
+                break
+            if kind == "avg" and self._average_source(index + count - 1, index + count) is None:
+                break
+            queue.popleft()
+            size += nxt.numel * itemsize
+            count += 1
+        return count
+
+    def _average_source(self, first: int, last: int) -> torch.Tensor | None:
+        """The finished averages of own parts ``first..last`` as one view, if they are
+        contiguous in memory and in the flat vector's dtype (else None)."""
+        averages = [self.finished[i].average for i in range(first, last + 1)]
+        head = averages[0]
+        if head is None or head.dtype != self.flat.dtype:
+            return None
+        end = head.data_ptr()
+        total = 0
+        for average in averages:
+            if average is None or average.dtype != head.dtype or average.data_ptr() != end:
+                return None
+            end += average.numel() * average.element_size()
+            total += average.numel()
+        base = head if head._base is None else head._base
+        offset = (head.data_ptr() - base.data_ptr()) // head.element_size()
+        return base.reshape(-1)[offset : offset + total]
+
+    def _frame(self, kind: str, r: int, index: int, count: int = 1) -> Frame:
         base = {"p": self.prefix, "g": self.group.group_id, "l": self.group.leader, "i": index}
+        if count > 1:
+            base["k"] = count
+            if kind == "part":
+                parts = self.partition.parts_of(r)
+                source = self.flat[parts[index].start : parts[index + count - 1].stop]
+            else:
+                source = self._average_source(index, index + count - 1)  # type: ignore[assignment]
+            header, payload = NoCompression().compress(source).to_wire()
+            if kind == "part":
+                return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
+            return Frame(AVERAGE, {**base, "c": header}, payload)
         if kind == "part":
             header, payload = self._contribution_wire(r, index)
             return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
@@ -338,18 +428,40 @@ class AllreduceRunner:
             return
         if sender in reducer.excluded:
             return
-        index = frame.fields["i"]
+        index, count = frame.fields["i"], frame.fields.get("k", 1)
         try:
+            sizes = self._batch_sizes(reducer.part_sizes, index, count)
             compressed = CompressedTensor.from_wire(frame.fields["c"], frame.payload)
             # the reducer checks finiteness itself: skip extract's (second) pass
             values = extract(compressed, check_finite=False).reshape(-1)
-            finished = reducer.accumulate(sender, index, values, frame.fields["w"])
+            if count > 1 and values.numel() != sum(sizes):
+                raise ValueError(f"batch of {values.numel()} values, expected {sum(sizes)}")
+            finished = reducer.accumulate_range(sender, index, count, values, frame.fields["w"])
+            for i in range(index, index + count):
+                self._on_received_part(sender, i)
         except (BadContribution, CompressionError, ValueError, RuntimeError) as exc:
             self._bad(sender, str(exc))
             return
         self.last_from[sender] = asyncio.get_running_loop().time()
-        self._on_received_part(sender, index)
+        self._accepted[sender] += count
+        if self._accepted[sender] == reducer.num_parts:
+            self._trust(self.peer_index[sender])
         self._on_finished(finished)
+
+    def _trust(self, r: int) -> None:
+        """Reducer ``r`` sent all its contributions to this peer, all valid: write the
+        averages held from it, and any later ones at once."""
+        self._trusted.add(r)
+        for view, average in self._deferred.pop(r, []):
+            self._write_average(view, average)
+
+    @staticmethod
+    def _batch_sizes(part_sizes: Sequence[int], index: Any, count: Any) -> Sequence[int]:
+        if type(count) is not int or count < 1 or type(index) is not int or index < 0:
+            raise ValueError(f"bad part range {index!r} + {count!r}")
+        if index + count > len(part_sizes):
+            raise ValueError(f"parts {index}..{index + count - 1} of {len(part_sizes)}")
+        return part_sizes[index : index + count]
 
     def _on_received_part(self, sender: str, index: int) -> None:
         """Hook for fault-injection tests; does nothing here."""
@@ -357,30 +469,42 @@ class AllreduceRunner:
     def _on_average(self, sender: str, frame: Frame) -> None:
         r = self.peer_index[sender]
         pending = self.unresolved.get(r)
-        index = frame.fields["i"]
-        if pending is None or index not in pending:
-            return  # late, duplicate, or the reducer already failed
-        part = self.partition.part(r, index)
-        view = part.view(self.flat)
-        if "c" not in frame.fields:
-            self._keep_local(view)  # no contributor with positive weight
-        else:
-            try:
+        if pending is None:
+            return  # the reducer already failed
+        parts = self.partition.parts_of(r)
+        index, count = frame.fields["i"], frame.fields.get("k", 1)
+        try:
+            sizes = self._batch_sizes([p.numel for p in parts], index, count)
+            if count > 1 and "c" not in frame.fields:
+                raise ValueError("a batch of parts without averages")
+            average = None
+            if "c" in frame.fields:
                 average = extract(CompressedTensor.from_wire(frame.fields["c"], frame.payload))
                 average = average.reshape(-1)
-                if average.numel() != part.numel or average.dtype != self.flat.dtype:
+                if average.numel() != sum(sizes) or average.dtype != self.flat.dtype:
                     raise ValueError(
                         f"average of {average.numel()} {average.dtype}, expected "
-                        f"{part.numel} {self.flat.dtype}"
+                        f"{sum(sizes)} {self.flat.dtype}"
                     )
-            except (CompressionError, ValueError, RuntimeError) as exc:
-                self._bad(sender, f"bad average: {exc}")
-                return
-            if self.in_place:
-                self._deferred.setdefault(r, []).append((view, average))
+        except (CompressionError, ValueError, RuntimeError) as exc:
+            self._bad(sender, f"bad average: {exc}")
+            return
+        offset = 0
+        for i, size in enumerate(sizes, start=index):
+            if i not in pending:
+                offset += size
+                continue  # late or duplicate
+            view = parts[i].view(self.flat)
+            if average is None:
+                self._keep_local(view)  # no contributor with positive weight
             else:
-                self._write_average(view, average)
-        pending.discard(index)
+                values = average[offset : offset + size]
+                if self.in_place and r not in self._trusted:
+                    self._deferred.setdefault(r, []).append((view, values))
+                else:
+                    self._write_average(view, values)
+            offset += size
+            pending.discard(i)
         self.last_progress[r] = asyncio.get_running_loop().time()
         if not pending:
             self._outboxes[sender].event.set()
@@ -417,7 +541,8 @@ class AllreduceRunner:
         if not self.in_place:
             torch.sub(average, view, out=view)  # delta = average - local, one pass
         elif self.alpha == 1.0:
-            view.copy_(average)
+            if average.data_ptr() != view.data_ptr():  # else: the reducer wrote it there
+                view.copy_(average)
         elif self.alpha:
             view.lerp_(average, self.alpha)
 

@@ -62,11 +62,12 @@ HANDLED: dict[str, Schema] = {
     ),
     PART: Schema(
         required={"p": PREFIX, "g": GROUP_ID, "l": STR, "i": INT, "w": FLOAT, "c": AnyValue()},
+        optional={"k": INT},  # parts i..i+k-1 in one frame (default 1)
         payload=True,
     ),
     AVERAGE: Schema(
         required={"p": PREFIX, "g": GROUP_ID, "l": STR, "i": INT},
-        optional={"c": AnyValue()},
+        optional={"c": AnyValue(), "k": INT},
         payload=True,
     ),
     ABORT: Schema(required={"p": PREFIX, "g": GROUP_ID}, optional={"why": STR}),

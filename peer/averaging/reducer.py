@@ -8,7 +8,10 @@ one event at a time, sans-I/O style: :meth:`~WeightedMeanReducer.accumulate` and
 sends back.
 
 Memory: one preallocated accumulator ``[span numel]`` in the accumulation dtype, written in
-place (``acc += w·x``) as contributions arrive, so reducing overlaps receiving. To drop an
+place as contributions arrive (the first as ``acc = w·x``, no zeroing pass; the rest as
+``acc += w·x``), so reducing overlaps receiving. With ``destination``, a final average is
+divided straight into the caller's buffer (one pass fewer). :meth:`accumulate_range` takes
+several consecutive parts of one sender at once (one arithmetic call per run of parts). To drop an
 excluded sender's contribution *exactly* (no floating-point subtraction), the reducer keeps
 a reference to each contribution of a part until that part is final and rebuilds the
 affected accumulators from the survivors'; references are released at finalisation, so
@@ -33,7 +36,8 @@ __all__ = ["FinishedPart", "WeightedMeanReducer", "apply_averaging_alpha"]
 class FinishedPart:
     """A part whose average is final.
 
-    ``average`` is a view of the reducer's accumulator (shape ``[numel]``), valid until the
+    ``average`` is a view of the reducer's accumulator or the part's destination (shape
+    ``[numel]``), valid until the
     reducer is dropped; ``None`` when no surviving sender had positive weight (everyone was
     excluded or auxiliary): members then keep their local values for that part.
     ``senders`` are the senders whose values are in the average.
@@ -65,6 +69,7 @@ class WeightedMeanReducer:
         dtype: torch.dtype = torch.float32,
         accumulate_dtype: torch.dtype | None = None,
         out: torch.Tensor | None = None,
+        destination: torch.Tensor | None = None,
     ) -> None:
         self.part_sizes = tuple(part_sizes)
         if any(size < 0 for size in self.part_sizes):
@@ -85,7 +90,12 @@ class WeightedMeanReducer:
             # a caller-owned accumulator reused across rounds (no fresh pages to fault in)
             if out.shape != (self.offsets[-1],) or out.dtype != accumulate_dtype:
                 raise ValueError(f"out must be a {accumulate_dtype}[{self.offsets[-1]}] tensor")
-            self.buffer = out.zero_()
+            self.buffer = out  # no zeroing: a part's first contribution overwrites it
+        if destination is not None and destination.shape != (self.offsets[-1],):
+            raise ValueError(f"destination must be a [{self.offsets[-1]}] tensor")
+        # part i's average is written to its slice of destination (which may hold a retained
+        # contribution: that is released when the part becomes final, before the write)
+        self.destination = destination
         self._weights: dict[Hashable, float] = {}
         self._total_weight = [0.0] * len(self.part_sizes)
         # part index → sender → (weight, values) still needed to rebuild after an exclusion
@@ -124,6 +134,57 @@ class WeightedMeanReducer:
 
     # ----------------------------------------------------------------- events
 
+    def accumulate_range(
+        self, sender: Hashable, index: int, count: int, values: torch.Tensor, weight: float = 1.0
+    ) -> list[FinishedPart]:
+        """:meth:`accumulate` for parts ``index .. index+count-1`` of ``sender`` at once;
+        ``values`` is their concatenation. Validated as a whole first: on a
+        :class:`BadContribution` nothing changed."""
+        if count == 1:
+            return self.accumulate(sender, index, values, weight)
+        if sender not in self.senders:
+            raise UnexpectedSender(sender, index, "not a sender of this reducer")
+        if sender in self.excluded:
+            return []
+        if (
+            type(index) is not int
+            or type(count) is not int
+            or count < 1
+            or not 0 <= index <= len(self.part_sizes) - count
+        ):
+            raise BadContribution(sender, None, f"no parts {index!r}+{count!r} in this span")
+        stop = index + count
+        for i in range(index, stop):
+            pending = self._pending[i]
+            if pending is None or sender in pending:
+                raise BadContribution(sender, i, "duplicate contribution")
+        weight = self._check_weight(sender, index, weight)
+        start_at, stop_at = self.offsets[index], self.offsets[stop]
+        if not isinstance(values, torch.Tensor) or values.shape != (stop_at - start_at,):
+            shape = list(values.shape) if isinstance(values, torch.Tensor) else None
+            raise BadContribution(sender, index, f"shape {shape}, expected [{stop_at - start_at}]")
+        if values.dtype != self.dtype:
+            raise BadContribution(sender, index, f"dtype {values.dtype}, expected {self.dtype}")
+        if weight > 0 and not all_finite(values):
+            raise BadContribution(sender, index, "NaN or Inf values")
+        first = index  # runs of parts alike (first positive contribution or not): one call
+        for i in range(index, stop + 1):
+            if i < stop and (self._total_weight[i] == 0) == (self._total_weight[first] == 0):
+                continue
+            if weight > 0:
+                region = self.buffer[self.offsets[first] : self.offsets[i]]
+                chunk = values[self.offsets[first] - start_at : self.offsets[i] - start_at]
+                if self._total_weight[first] == 0:
+                    torch.mul(chunk, weight, out=region)
+                else:
+                    region.add_(chunk, alpha=weight)
+            first = i
+        for i in range(index, stop):
+            part = values[self.offsets[i] - start_at : self.offsets[i + 1] - start_at]
+            self._pending[i][sender] = (weight, part)  # type: ignore[index]
+            self._total_weight[i] += weight
+        return self._finalise_ready(range(index, stop))
+
     def accumulate(
         self, sender: Hashable, index: int, values: torch.Tensor | None, weight: float = 1.0
     ) -> list[FinishedPart]:
@@ -148,7 +209,11 @@ class WeightedMeanReducer:
             self._check_values(sender, index, values)
         pending[sender] = (weight, values)
         if weight > 0:
-            self.part_view(index).add_(values, alpha=weight)  # type: ignore[arg-type]
+            view = self.part_view(index)
+            if self._total_weight[index] == 0:  # the first: overwrite whatever is there
+                torch.mul(values, weight, out=view)  # type: ignore[arg-type]
+            else:
+                view.add_(values, alpha=weight)  # type: ignore[arg-type]
             self._total_weight[index] += weight
         return self._finalise_ready([index])
 
@@ -188,16 +253,36 @@ class WeightedMeanReducer:
         self._total_weight[index] = total
 
     def _finalise_ready(self, indices: Iterable[int]) -> list[FinishedPart]:
-        done = []
+        ready = []
         active = self.active_senders
         for index in indices:
             pending = self._pending[index]
-            if pending is None or not active <= pending.keys():
+            if pending is not None and active <= pending.keys():
+                ready.append(index)
+        # divide runs of consecutive parts with the same total weight in one call each
+        start = 0
+        for end in range(1, len(ready) + 1):
+            if (
+                end < len(ready)
+                and ready[end] == ready[end - 1] + 1
+                and self._total_weight[ready[end]] == self._total_weight[ready[start]]
+            ):
                 continue
-            total = self._total_weight[index]
-            average: torch.Tensor | None = None
+            total = self._total_weight[ready[start]]
             if total > 0:
-                average = self.part_view(index).div_(total)
+                lo, hi = self.offsets[ready[start]], self.offsets[ready[end - 1] + 1]
+                if self.destination is not None:
+                    torch.div(self.buffer[lo:hi], total, out=self.destination[lo:hi])
+                else:
+                    self.buffer[lo:hi].div_(total)
+            start = end
+        done = []
+        results = self.destination if self.destination is not None else self.buffer
+        for index in ready:
+            pending = self._pending[index]
+            assert pending is not None
+            total = self._total_weight[index]
+            average = results[self.offsets[index] : self.offsets[index + 1]] if total > 0 else None
             contributors = frozenset(s for s, (w, _) in pending.items() if w > 0)
             self._pending[index] = None  # releases the retained contributions
             done.append(FinishedPart(index, average, total, contributors))

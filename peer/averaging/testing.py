@@ -56,6 +56,7 @@ class FaultyRunner(AllreduceRunner):
     """An all-reduce runner that misbehaves as ``fault`` says."""
 
     fault = ""
+    max_batch_bytes = 0  # one part per frame: faults land between parts
     _parts_sent = 0
     _stalled: asyncio.Event | None = None
 

@@ -107,9 +107,17 @@ class _Lane:
             if self.closed:
                 raise ConnectionError(f"bulk lane to {self.peer_id} is closed")
             try:
-                await loop.sock_sendall(self.sock, header)
-                if payload.nbytes:
-                    await loop.sock_sendall(self.sock, payload)
+                # header and payload in one system call (one TCP push, not a tiny segment
+                # first); whatever the socket buffer did not take goes out as it drains
+                try:
+                    sent = self.sock.sendmsg([header, payload] if payload.nbytes else [header])
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                if sent < len(header):
+                    await loop.sock_sendall(self.sock, memoryview(header)[sent:])
+                    sent = len(header)
+                if sent < len(header) + payload.nbytes:
+                    await loop.sock_sendall(self.sock, payload[sent - len(header) :])
             except asyncio.CancelledError:
                 self.close()  # a frame abandoned midway leaves the stream unusable
                 raise
@@ -142,7 +150,7 @@ class _Lane:
                     view.release()
                     staging, view = grown, memoryview(grown)
                 while have < need:
-                    have += await fill(view, have, len(view))
+                    have += await fill(view, have, need)
                 head = decode_header(view[LENGTH_BYTES:need], owner.registry, limits)
                 if head.type not in owner.accepted or head.request_id or head.reply_to:
                     raise ProtocolError(f"{head.type!r} is not accepted on a bulk lane")
