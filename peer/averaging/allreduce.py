@@ -107,6 +107,9 @@ class MemberInfo:
     auxiliary: bool
 
 
+_NOT_YET: dict[str, Any] = {}  # a wire cache entry whose average is not compressed yet
+
+
 class _Outbox:
     __slots__ = ("averages", "contributions", "event")
 
@@ -388,7 +391,13 @@ class AllreduceRunner:
         if kind == "part":
             header, payload = self._contribution_wire(r, index)
             return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
-        cached, payload, _ = self._wire_cache[index]
+        cached, payload, remaining = self._wire_cache[index]
+        if cached is _NOT_YET:
+            average = self.finished[index].average
+            assert average is not None
+            part = self.partition.part(self.index, index)
+            cached, payload = part.codec.compress(average.to(self.flat.dtype)).to_wire()
+            self._wire_cache[index] = (cached, payload, remaining)
         if cached is None:
             return Frame(AVERAGE, base)
         return Frame(AVERAGE, {**base, "c": cached}, payload)
@@ -489,38 +498,45 @@ class AllreduceRunner:
         except (CompressionError, ValueError, RuntimeError) as exc:
             self._bad(sender, f"bad average: {exc}")
             return
-        offset = 0
-        for i, size in enumerate(sizes, start=index):
-            if i not in pending:
-                offset += size
-                continue  # late or duplicate
-            view = parts[i].view(self.flat)
-            if average is None:
-                self._keep_local(view)  # no contributor with positive weight
-            else:
-                values = average[offset : offset + size]
-                if self.in_place and r not in self._trusted:
-                    self._deferred.setdefault(r, []).append((view, values))
+        # runs of consecutive parts still pending (late or duplicate ones are skipped): one
+        # write each
+        base = parts[index].start
+        run_start: int | None = None
+        for i in range(index, index + count + 1):
+            if i < index + count and i in pending:
+                pending.discard(i)
+                if run_start is None:
+                    run_start = i
+                continue
+            if run_start is not None:
+                lo, hi = parts[run_start].start, parts[i - 1].stop
+                view = self.flat[lo:hi]
+                if average is None:
+                    self._keep_local(view)  # no contributor with positive weight
                 else:
-                    self._write_average(view, values)
-            offset += size
-            pending.discard(i)
+                    values = average[lo - base : hi - base]
+                    if self.in_place and r not in self._trusted:
+                        self._deferred.setdefault(r, []).append((view, values))
+                    else:
+                        self._write_average(view, values)
+                run_start = None
         self.last_progress[r] = asyncio.get_running_loop().time()
         if not pending:
             self._outboxes[sender].event.set()
         self._check_done()
 
     def _on_finished(self, finished: list[FinishedPart]) -> None:
+        in_place_already = self.reducer is not None and self.reducer.destination is not None
         for done in finished:
-            view = self.partition.part(self.index, done.index).view(self.flat)
             if done.average is None:
-                self._keep_local(view)
+                self._keep_local(self.partition.part(self.index, done.index).view(self.flat))
                 self._wire_cache[done.index] = (None, b"", len(self._outboxes))
             else:
-                self._write_average(view, done.average.to(view.dtype))
-                part = self.partition.part(self.index, done.index)
-                header, payload = part.codec.compress(done.average.to(self.flat.dtype)).to_wire()
-                self._wire_cache[done.index] = (header, payload, len(self._outboxes))
+                if not in_place_already:  # else the reducer divided it into place
+                    view = self.partition.part(self.index, done.index).view(self.flat)
+                    self._write_average(view, done.average.to(view.dtype))
+                # compressed when first sent alone (a batch sends the averages as they are)
+                self._wire_cache[done.index] = (_NOT_YET, None, len(self._outboxes))
             self.finished[done.index] = done
             for peer_id, box in self._outboxes.items():
                 if peer_id in self.failed:

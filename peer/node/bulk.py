@@ -61,6 +61,7 @@ MAGIC = b"SWGB"  # "swarmgrad bulk", version 1 of the lane preamble
 TICKET_BYTES = 16
 TICKET_TTL = 30.0
 _SOCKET_BUFFER = 4 << 20  # bytes; loopback and LAN lanes stream far more per round trip
+_PAYLOAD_LOWAT = 512 << 10  # bytes of a payload worth waking up for (at most)
 _RETRY_AFTER = 10.0  # seconds before trying a lane to a peer that refused one again
 
 
@@ -132,7 +133,17 @@ class _Lane:
         view = memoryview(staging)
         have = 0  # bytes at the start of ``staging`` not yet consumed
 
-        async def fill(target: memoryview, start: int, stop: int) -> int:
+        lowat = 1
+
+        async def fill(target: memoryview, start: int, stop: int, payload: bool = False) -> int:
+            # In a payload, wake up only once a good stretch of it is there (SO_RCVLOWAT):
+            # fewer wake-ups and larger reads than one per arriving segment.
+            nonlocal lowat
+            want = min(stop - start, _PAYLOAD_LOWAT) if payload else 1
+            if want != lowat:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                lowat = want
             n = await loop.sock_recv_into(sock, target[start:stop])
             if n == 0:
                 raise ConnectionError("lane closed by the remote")
@@ -164,7 +175,7 @@ class _Lane:
                     payload[:spilled] = view[need : need + spilled]
                     got = spilled
                     while got < size:  # straight from the socket into the payload
-                        got += await fill(payload, got, size)
+                        got += await fill(payload, got, size, payload=True)
                 rest = have - need - spilled
                 if rest:
                     view[:rest] = view[need + spilled : have]

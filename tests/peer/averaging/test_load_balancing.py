@@ -44,7 +44,9 @@ def test_water_filling_is_optimal(bws: list[float], seed: int) -> None:
         split[0] += n_elements - sum(split)
         assert max_transfer_time(split, bws) >= best * (1 - 1e-6)
     spans = load_balance(n_elements, bws)
-    slack = (len(bws) - 2) / min(bws) + 1e-6 * best
+    # both the reference and load_balance round the optimal fractions to whole elements,
+    # each moving a reducer's time by up to (n - 2) / bandwidth per element, in either sense
+    slack = 2 * (len(bws) - 2) / min(bws) + 1e-6 * best
     assert max_transfer_time(spans, bws) <= best + slack
 
 
