@@ -36,6 +36,7 @@ import torch
 from peer.averaging.allreduce import AllreduceRunner
 from peer.averaging.state import StateServer
 from peer.testing import ChildProcess, serve_json_lines
+from peer.wire import Frame
 
 FAULTS = (
     "kill_after_first_part",
@@ -88,6 +89,14 @@ class FaultyRunner(AllreduceRunner):
             header = {**header, "shape": [numel]}
             return header, torch.ones(numel, dtype=self.flat.dtype).numpy().tobytes()
         return header, payload
+
+    def _frame(self, kind: str, r: int, index: int, count: int = 1) -> Frame:
+        frame = super()._frame(kind, r, index, count)
+        if kind == "part" and self.fault == "bad_range":
+            # claims more parts than the span has (the payload is one part's)
+            fields = {**frame.fields, "k": len(self.partition.parts_of(r)) + 1}
+            return Frame(frame.type, fields, frame.payload)
+        return frame
 
 
 class FaultyStateServer(StateServer):

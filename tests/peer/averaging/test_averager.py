@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 
 import pytest
 import torch
 
 from peer import AveragingStage, DecentralizedAverager
+from peer.averaging.allreduce import AllreduceRunner
 from peer.averaging.exceptions import MatchmakingFailed, StepCancelled
 from peer.averaging.group_bits import grid_bits
 from tests.conftest import scaled
@@ -200,3 +203,48 @@ def test_back_to_back_steps_with_the_same_key(make_swarm) -> None:
         results = step_all(averagers, [{"timeout": scaled(3.5)}] * 2)
         assert all(isinstance(r, dict) for r in results), results
     assert torch.allclose(tensors[0][0], torch.full((5,), 0.5))
+
+
+class _GatedRunner(AllreduceRunner):
+    """Holds every send until ``gate`` opens: the round stays in its all-reduce."""
+
+    gate = threading.Event()
+
+    async def _before_send(self, peer_id: str, kind: str, index: int) -> None:
+        await asyncio.to_thread(self.gate.wait)
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_tensor_lock_during_a_round(make_swarm, concurrent: bool) -> None:
+    """In place (the default, as in hivemind) a round holds the tensors' lock from its
+    all-reduce to its end: get_tensors() waits. With concurrent_updates=True it does not,
+    and an update made during the round is kept on top of the average."""
+    swarm = make_swarm(2)
+    tensors = [[torch.zeros(1000)], [torch.ones(1000)]]
+    a, b = swarm.add_averagers(tensors, concurrent_updates=concurrent)
+    gate = threading.Event()
+    b._runner_cls = type("Gated", (_GatedRunner,), {"gate": gate})
+    try:
+        ca, cb = (x.step(wait=False, timeout=scaled(30)) for x in (a, b))
+        assert wait_for(lambda: ca.stage is AveragingStage.RUNNING_ALLREDUCE, 15)
+        got_lock = threading.Event()
+        seen_when_locked: list[float] = []
+
+        def update() -> None:
+            with a.get_tensors() as mine:
+                seen_when_locked.append(float(mine[0][1]))  # averaged yet?
+                got_lock.set()
+                mine[0].add_(10.0)
+
+        worker = threading.Thread(target=update)
+        worker.start()
+        # in place the lock is the round's until it ends; else it is free within moments
+        assert got_lock.wait(scaled(5) if concurrent else 1.0) is concurrent
+    finally:
+        gate.set()
+    assert set(ca.result(scaled(30))) == {a.peer_id, b.peer_id}
+    cb.result(scaled(30))
+    worker.join(scaled(10))
+    assert seen_when_locked == [0.0 if concurrent else 0.5]
+    assert torch.equal(tensors[1][0], torch.full((1000,), 0.5))
+    assert torch.equal(tensors[0][0], torch.full((1000,), 10.5))  # average + own update

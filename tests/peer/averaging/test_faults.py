@@ -110,9 +110,10 @@ def _round_tasks(node) -> list[str]:
     return node.run_coroutine(names())
 
 
-@pytest.mark.parametrize("fault", ["nan", "wrong_length", "oversized"])
+@pytest.mark.parametrize("fault", ["nan", "wrong_length", "oversized", "bad_range"])
 def test_bad_parts_exclude_the_sender(make_swarm, caplog, fault: str) -> None:
-    """Point 9: a sender of NaN, wrong-length or oversized parts is excluded and logged once
+    """Point 9: a sender of NaN, wrong-length or oversized parts (or of a batch of parts past
+    the end of the span) is excluded and logged once
     by each honest reducer; honest peers get exactly the mean over honest peers."""
     swarm = make_swarm(4)
     tensors = [[torch.randn(5000), torch.randn(3, 3)] for _ in range(4)]

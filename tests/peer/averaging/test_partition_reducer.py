@@ -257,3 +257,89 @@ def test_butterfly_round_without_io(part_bytes: int) -> None:
         torch.testing.assert_close(flat, expected, rtol=0, atol=1e-6)
         layout.unflatten_into(flat, tensors)
         assert tensors[1].shape == (0,) and tensors[2].shape == ()
+
+
+def test_accumulate_range_equals_part_by_part() -> None:
+    """A range of parts at once (as batched frames deliver them) gives bit-identical
+    averages, whatever the order, even into a buffer full of garbage (no zeroing pass)."""
+    sizes = [3, 2, 4, 1]
+    g = torch.Generator().manual_seed(3)
+    xs = {p: torch.randn(10, generator=g) for p in "abc"}
+    ws = {"a": 1.0, "b": 2.5, "c": 0.75}
+    one = WeightedMeanReducer(sizes, "abc")
+    offsets = [0, 3, 5, 9, 10]
+    for p in "abc":
+        for i in range(4):
+            one.accumulate(p, i, xs[p][offsets[i] : offsets[i + 1]], ws[p])
+    many = WeightedMeanReducer(sizes, "abc", out=torch.full((10,), math.nan))
+    # per part the same order (a, b, c) as above, in ranges cut differently per sender
+    done = many.accumulate_range("a", 0, 4, xs["a"], ws["a"])
+    done += many.accumulate_range("b", 1, 2, xs["b"][3:9], ws["b"])
+    done += many.accumulate_range("b", 0, 1, xs["b"][:3], ws["b"])
+    done += many.accumulate_range("b", 3, 1, xs["b"][9:], ws["b"])
+    done += many.accumulate_range("c", 2, 2, xs["c"][5:], ws["c"])
+    assert sorted(d.index for d in done) == [2, 3]
+    done += many.accumulate_range("c", 0, 2, xs["c"][:5], ws["c"])
+    assert sorted(d.index for d in done) == [0, 1, 2, 3] and many.is_finished
+    assert torch.equal(many.buffer, one.buffer)
+    expected = sum(ws[p] * xs[p] for p in "abc") / sum(ws.values())
+    torch.testing.assert_close(many.buffer, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("index", "count", "values", "match"),
+    [
+        (2, 3, torch.zeros(4), "no parts"),  # past the end
+        (-1, 2, torch.zeros(5), "no parts"),
+        (0, 2, torch.zeros(4), "shape"),
+        (0, 2, torch.zeros(5).double(), "dtype"),
+        (0, 2, torch.tensor([0.0, 1.0, math.nan, 0.0, 0.0]), "NaN"),
+        (2, 2, torch.zeros(4), "duplicate"),  # part 3 came already
+    ],
+)
+def test_accumulate_range_rejects_and_changes_nothing(index, count, values, match) -> None:
+    r = WeightedMeanReducer([3, 2, 3, 1], ["a", "b"])
+    r.accumulate("a", 3, torch.ones(1))
+    before = r.buffer.clone()
+    with pytest.raises(BadContribution, match=match) as info:
+        r.accumulate_range("a", index, count, values)
+    assert info.value.sender == "a"
+    assert torch.equal(r.buffer, before)
+    assert [r.waiting_for(i) for i in range(4)] == [{"a", "b"}] * 3 + [{"b"}]
+
+
+def test_destination_receives_the_averages() -> None:
+    """With a destination (the in-place round's own span), averages are divided straight
+    into it, and a part's retained contribution may live there until the part is final."""
+    dest = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])  # this peer's own local values
+    r = WeightedMeanReducer([3, 2], ["me", "b"], destination=dest)
+    r.accumulate_range("me", 0, 2, dest, 1.0)
+    (first,) = r.accumulate("b", 0, torch.tensor([3.0, 4.0, 5.0]))
+    assert torch.equal(dest[:3], torch.tensor([2.0, 3.0, 4.0]))
+    assert first.average is not None and first.average.data_ptr() == dest.data_ptr()
+    r.exclude("b")  # part 1 is rebuilt from this peer's values, still intact in dest
+    assert torch.equal(dest[3:], torch.tensor([4.0, 5.0])) and r.is_finished
+    with pytest.raises(ValueError, match="destination"):
+        WeightedMeanReducer([3, 2], ["a"], destination=torch.zeros(4))
+
+
+def test_alias_is_the_tensors_own_memory() -> None:
+    buffer = torch.arange(10.0)
+    tensors = [buffer[:3], buffer[3:3], buffer[3:9].view(2, 3), buffer[9:].view(())]
+    flat = FlatLayout.from_tensors(tensors).alias(tensors)
+    assert flat is not None and flat.data_ptr() == buffer.data_ptr() and flat.shape == (10,)
+    flat[4] = 100.0
+    assert tensors[2][0, 1] == 100.0
+    param = torch.nn.Parameter(torch.randn(4))
+    alias = FlatLayout.from_tensors([param]).alias([param])
+    assert alias is not None
+    alias.mul_(0)  # no autograd complaint about a leaf that requires grad
+    assert not param.detach().any()
+    for others in (
+        [buffer[1:4], buffer[0:1]],  # out of order
+        [buffer[0:2], buffer[3:5]],  # a gap
+        [torch.randn(2, 3).t()],  # not contiguous
+        [torch.randn(2), torch.randn(2)],  # separate storages
+        [buffer[0:2], buffer[2:4].double()],  # mixed dtypes
+    ):
+        assert FlatLayout.from_tensors(others).alias(others) is None
