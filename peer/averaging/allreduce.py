@@ -338,6 +338,8 @@ class AllreduceRunner:
         parts = self.partition.parts_of(r if kind == "part" else self.index)
         if not isinstance(parts[index].codec, NoCompression):
             return 1
+        if kind == "avg" and self._average_source(index, index) is None:
+            return 1
         queue = box.contributions if kind == "part" else box.averages
         pending = self.unresolved.get(r, set())
         itemsize = self.flat.element_size()
@@ -350,7 +352,7 @@ class AllreduceRunner:
                 break
             if kind == "part" and nxt.index not in pending:
                 break
-            if kind == "avg" and self._average_source(index + count - 1, index + count) is None:
+            if kind == "avg" and self.finished[index + count].average is None:
                 break
             queue.popleft()
             size += nxt.numel * itemsize
@@ -358,22 +360,19 @@ class AllreduceRunner:
         return count
 
     def _average_source(self, first: int, last: int) -> torch.Tensor | None:
-        """The finished averages of own parts ``first..last`` as one view, if they are
-        contiguous in memory and in the flat vector's dtype (else None)."""
-        averages = [self.finished[i].average for i in range(first, last + 1)]
-        head = averages[0]
-        if head is None or head.dtype != self.flat.dtype:
+        """The finished averages of own parts ``first..last`` as one view of the memory
+        they were reduced into (consecutive parts are adjacent there), if they are all
+        averages in the flat vector's dtype (else None)."""
+        reducer = self.reducer
+        if reducer is None:
             return None
-        end = head.data_ptr()
-        total = 0
-        for average in averages:
-            if average is None or average.dtype != head.dtype or average.data_ptr() != end:
+        results = reducer.destination if reducer.destination is not None else reducer.buffer
+        if results.dtype != self.flat.dtype:
+            return None
+        for i in range(first, last + 1):
+            if self.finished[i].average is None:
                 return None
-            end += average.numel() * average.element_size()
-            total += average.numel()
-        base = head if head._base is None else head._base
-        offset = (head.data_ptr() - base.data_ptr()) // head.element_size()
-        return base.reshape(-1)[offset : offset + total]
+        return results[reducer.offsets[first] : reducer.offsets[last + 1]]
 
     def _frame(self, kind: str, r: int, index: int, count: int = 1) -> Frame:
         base = {"p": self.prefix, "g": self.group.group_id, "l": self.group.leader, "i": index}

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from peer.exceptions import ProtocolError, SwarmgradError
+from peer.exceptions import FrameTooLarge, ProtocolError, SwarmgradError
 from peer.wire import (
     BYTES,
     INT,
@@ -60,7 +60,6 @@ BULK_TICKET_OK = "bulk.ticket_ok"
 MAGIC = b"SWGB"  # "swarmgrad bulk", version 1 of the lane preamble
 TICKET_BYTES = 16
 TICKET_TTL = 30.0
-_SOCKET_BUFFER = 4 << 20  # bytes; loopback and LAN lanes stream far more per round trip
 _PAYLOAD_LOWAT = 512 << 10  # bytes of a payload worth waking up for (at most)
 _RETRY_AFTER = 10.0  # seconds before trying a lane to a peer that refused one again
 
@@ -78,9 +77,7 @@ class BulkSender:
 def _tune(sock: socket.socket) -> None:
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+    # socket buffers are left to the kernel's autotuning (a fixed size would turn it off)
 
 
 class _Lane:
@@ -101,8 +98,19 @@ class _Lane:
         self._reader = owner.loop.create_task(self._read_loop(), name=f"bulk-{peer_id[:8]}")
 
     async def send(self, frame: Frame) -> None:
+        """Send one frame. Raises FrameTooLarge, before sending anything, for a frame the
+        other side would refuse (it would close the lane and the frame would be lost)."""
         header = encode_header(frame)
         payload = memoryview(frame.payload).cast("B")
+        limits = self.owner.limits
+        if payload.nbytes > limits.max_payload_bytes:
+            raise FrameTooLarge(
+                f"{frame.type}: payload over the limit of {limits.max_payload_bytes} bytes"
+            )
+        if len(header) - LENGTH_BYTES > limits.max_header_bytes:
+            raise FrameTooLarge(
+                f"{frame.type}: header over the limit of {limits.max_header_bytes} bytes"
+            )
         loop = self.owner.loop
         async with self._send_lock:
             if self.closed:
@@ -247,6 +255,7 @@ class BulkLanes:
         self._refused_at: dict[str, float] = {}
         self._tickets: dict[bytes, tuple[str, float]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._opening: set[asyncio.Task[Any]] = set()  # admissions and dials: close() cancels
         self.closing = False
         registry.register(BULK_TICKET, Schema())
         registry.register(BULK_TICKET_OK, Schema(required={"port": INT, "ticket": BYTES}))
@@ -255,6 +264,16 @@ class BulkLanes:
         """Accept one-way frames of ``message_type`` on lanes (the type must be registered
         on the node with a handler)."""
         self.accepted.add(message_type)
+
+    def has_lane(self, peer_id: str) -> bool:
+        """Whether an open lane with ``peer_id`` exists (dialed by either side)."""
+        lane = self._lanes.get(peer_id)
+        return lane is not None and not lane.closed
+
+    @property
+    def open_lanes(self) -> int:
+        """How many lanes are open, with any peer (two with one peer if both dialed at once)."""
+        return sum(not lane.closed for lane in self._all)
 
     # ----------------------------------------------------------------- listening
 
@@ -282,7 +301,7 @@ class BulkLanes:
                 logger.debug("bulk accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            self._spawn(self._admit(conn))
+            self._spawn(self._admit(conn), opening=True)
 
     async def _admit(self, conn: socket.socket) -> None:
         """Read the preamble (magic and ticket) and turn the connection into a lane."""
@@ -299,6 +318,9 @@ class BulkLanes:
             logger.debug("bulk lane preamble failed: %s", exc)
             conn.close()
             return
+        except BaseException:  # cancelled by close()
+            conn.close()
+            raise
         claim = self._tickets.pop(bytes(preamble[len(MAGIC) :]), None)
         if preamble[: len(MAGIC)] != MAGIC or claim is None or claim[1] < time.monotonic():
             logger.warning("refusing a bulk lane without a valid ticket")
@@ -349,8 +371,12 @@ class BulkLanes:
         pending = self._dialing.get(peer_id)
         if pending is None:
             pending = self._dialing[peer_id] = self.loop.create_future()
-            self._spawn(self._dial(peer_id, pending))
-        return await asyncio.shield(pending)
+            self._spawn(self._dial(peer_id, pending), opening=True)
+        dialed = await asyncio.shield(pending)
+        # If the peer dialed too, its lane may have become the one in use first: keep to it,
+        # so that frames sent one after another are not split over two lanes (and reordered).
+        lane = self._lanes.get(peer_id)
+        return lane if lane is not None and not lane.closed else dialed
 
     async def _dial(self, peer_id: str, result: asyncio.Future[_Lane | None]) -> None:
         lane: _Lane | None = None
@@ -364,7 +390,7 @@ class BulkLanes:
             try:
                 async with asyncio.timeout(self.core.config.request_timeout):
                     await self.loop.sock_sendall(sock, MAGIC + reply.fields["ticket"])
-            except (OSError, TimeoutError):
+            except BaseException:  # a failure, or cancelled by close()
                 sock.close()
                 raise
             if self.closing:
@@ -417,10 +443,13 @@ class BulkLanes:
         if not self.closing:
             self._spawn(lane.join())
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+    def _spawn(self, coro: Any, *, opening: bool = False) -> asyncio.Task[Any]:
         task = self.loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if opening:  # not lane joins: one cancelled before it ran would leave a socket open
+            self._opening.add(task)
+            task.add_done_callback(self._opening.discard)
         return task
 
     async def close(self) -> None:

@@ -128,6 +128,7 @@ class AsyncNode:
         self._listener: Listener | None = None
         self._addresses: list[str] = []
         self.bulk: BulkLanes | None = None
+        self._bulk_types: set[str] = set()  # accepted on lanes, also when set before start()
         self._started = False
         self._stopping = False
         self.rounds = 0
@@ -163,6 +164,8 @@ class AsyncNode:
                 deliver=self._deliver_bulk,
             )
             self.handlers[BULK_TICKET] = self.bulk.on_ticket
+            for message_type in self._bulk_types:
+                self.bulk.accept(message_type)
             await self.bulk.start()
         self._publish_membership()
         self._spawn(self._gossip_loop(), "gossip")
@@ -311,7 +314,8 @@ class AsyncNode:
 
     def accept_bulk(self, message_type: str) -> None:
         """Let one-way frames of ``message_type`` (registered with a handler) arrive over
-        bulk lanes too."""
+        bulk lanes too. May be called before :meth:`start`."""
+        self._bulk_types.add(message_type)
         if self.bulk is not None:
             self.bulk.accept(message_type)
 
