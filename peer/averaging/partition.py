@@ -147,6 +147,20 @@ class FlatLayout:
                 apply_averaging_alpha(t, view, alpha)
 
 
+def zeros_back_to_back(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Zero CPU tensors shaped like ``tensors``, as views of one flat buffer when they share
+    a dtype: an in-place round then averages that buffer directly (``FlatLayout.alias``)
+    instead of through a flat copy."""
+    if len({t.dtype for t in tensors}) != 1:
+        return [torch.zeros(t.shape, dtype=t.dtype) for t in tensors]
+    flat = torch.zeros(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[start : start + t.numel()].view(t.shape))
+        start += t.numel()
+    return out
+
+
 @dataclass(frozen=True)
 class Part:
     """One part of one reducer's span: elements ``[start, stop)`` of the flat vector."""

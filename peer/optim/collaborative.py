@@ -65,6 +65,7 @@ import torch
 from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.control import StepControl
 from peer.averaging.exceptions import StepFailed
+from peer.averaging.partition import zeros_back_to_back
 from peer.compression import Compression, NoCompression
 
 logger = logging.getLogger("peer.optim.collaborative")
@@ -530,7 +531,8 @@ class Optimizer:
         # The gradient averager's tensors (host memory). They also accumulate gradients, except
         # with delay_grad_averaging: then the next epoch accumulates in a second buffer while
         # a background round averages these.
-        self._averaged_grads = [torch.zeros_like(p, device="cpu") for p in self.params]
+        # one flat buffer: in-place rounds average it without a copy
+        self._averaged_grads = zeros_back_to_back(self.params)
         self._acc = (
             [torch.zeros_like(g) for g in self._averaged_grads]
             if self.options.delay_grad_averaging

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.averaging.exceptions import BadContribution, UnexpectedSender
-from peer.averaging.partition import FlatLayout, Partition, schema_hash
+from peer.averaging.partition import FlatLayout, Partition, schema_hash, zeros_back_to_back
 from peer.averaging.reducer import WeightedMeanReducer, apply_averaging_alpha
 from peer.compression import (
     CompressedTensor,
@@ -343,3 +343,14 @@ def test_alias_is_the_tensors_own_memory() -> None:
         [buffer[0:2], buffer[2:4].double()],  # mixed dtypes
     ):
         assert FlatLayout.from_tensors(others).alias(others) is None
+
+
+def test_zeros_back_to_back_alias_one_buffer() -> None:
+    shapes = [torch.empty(3, 2), torch.empty(0), torch.empty(()), torch.empty(5)]
+    zeros = zeros_back_to_back(shapes)
+    assert [z.shape for z in zeros] == [s.shape for s in shapes]
+    flat = FlatLayout.from_tensors(zeros).alias(zeros)
+    assert flat is not None and flat.numel() == 12 and not flat.any()
+    mixed = zeros_back_to_back([torch.empty(2), torch.empty(2, dtype=torch.float64)])
+    assert [z.dtype for z in mixed] == [torch.float32, torch.float64]
+    assert FlatLayout.from_tensors(mixed).alias(mixed) is None
