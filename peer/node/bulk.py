@@ -457,6 +457,8 @@ class BulkLanes:
         self.closing = True
         if self._accept_task is not None:
             self._accept_task.cancel()
+        for task in self._opening:  # a silent dialer or listener must not hold shutdown up
+            task.cancel()
         if self._listener is not None:
             self._listener.close()
         lanes = list(self._all)
