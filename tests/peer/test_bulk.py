@@ -420,7 +420,7 @@ async def test_shutdown_does_not_wait_for_a_silent_connection(make_peer: MakePee
         await _eventually(lambda: a.core.bulk is not None and len(a.core.bulk._tasks) == 1)
         started = time.monotonic()
         await a.core.shutdown()
-        assert time.monotonic() - started < scaled(1), "shutdown waited for the preamble"
+        assert time.monotonic() - started < scaled(2.5), "shutdown waited for the preamble (5 s)"
         assert await _closed_by_remote(reader)
 
 
@@ -441,7 +441,7 @@ async def test_shutdown_does_not_wait_for_a_peer_that_never_hands_out_a_ticket(
         await asked.wait()
     started = time.monotonic()
     await a.core.shutdown()
-    assert time.monotonic() - started < scaled(1), "shutdown waited for the ticket"
+    assert time.monotonic() - started < scaled(2.5), "shutdown waited for the ticket"
     with pytest.raises(NodeShutdown):
         await sending
 
