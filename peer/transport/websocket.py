@@ -115,7 +115,10 @@ class WebSocketTransport(Transport):
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
         async def on_connection(ws: ServerConnection) -> None:
             remote = ws.remote_address
-            label = f"ws://{remote[0]}:{remote[1]}" if remote else "ws://?"
+            label = "ws://?"
+            if remote:  # an IPv6 host goes in brackets, as in any URL
+                host = f"[{remote[0]}]" if ":" in remote[0] else remote[0]
+                label = f"ws://{host}:{remote[1]}"
             await handler(WebSocketConnection(ws, label))
 
         server = await ws_serve(
