@@ -55,15 +55,7 @@ def worker(args: argparse.Namespace) -> None:
     from peer import DecentralizedAverager, Node
 
     torch.set_num_threads(1)
-    write_limit = os.environ.get("SWARMGRAD_BENCH_WRITE_LIMIT")
-    if write_limit:  # experiment: a larger websockets write buffer (a transport knob)
-        import functools
-
-        import peer.transport.websocket as ws
-
-        ws.ws_connect = functools.partial(ws.ws_connect, write_limit=int(write_limit))
-        ws.ws_serve = functools.partial(ws.ws_serve, write_limit=int(write_limit))
-    node = Node(args.initial_peer, gossip_period=0.2)
+    node = Node(args.initial_peer, gossip_period=0.2, bulk_lanes=not args.no_lanes)
     if args.rank == 0:
         print(json.dumps({"addresses": node.visible_addresses}), flush=True)
     dist.init_process_group(
@@ -183,6 +175,7 @@ def run(peers: int, args: argparse.Namespace) -> dict[str, float]:
         str(args.reps),
         "--part-size",
         str(args.part_size),
+        *(["--no-lanes"] if args.no_lanes else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen([*base, "--rank", "0"], stdout=subprocess.PIPE, text=True, env=env)
@@ -237,6 +230,9 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--part-size", type=int, default=2**19)
+    parser.add_argument(
+        "--no-lanes", action="store_true", help="tensor frames over WebSocket links, no lanes"
+    )
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)
@@ -248,6 +244,7 @@ def main() -> None:
         return
     print(
         f"{args.mb} MB fp32 per peer, no compression, parts of {args.part_size} bytes, "
+        f"{'WebSocket links' if args.no_lanes else 'bulk lanes'}, "
         f"median of {args.reps} (slowest peer per repetition)"
     )
     print(

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from peer.exceptions import FrameTooLarge, ProtocolError, SwarmgradError
+from peer.exceptions import FrameTooLarge, ProtocolError, SwarmgradError, TransportError
 from peer.wire import (
     BYTES,
     INT,
@@ -61,7 +61,8 @@ MAGIC = b"SWGB"  # "swarmgrad bulk", version 1 of the lane preamble
 TICKET_BYTES = 16
 TICKET_TTL = 30.0
 _PAYLOAD_LOWAT = 512 << 10  # bytes of a payload worth waking up for (at most)
-_RETRY_AFTER = 10.0  # seconds before trying a lane to a peer that refused one again
+_RETRY_AFTER = 60.0  # seconds before trying again a lane to a peer that could not get one
+_CONNECT_TIMEOUT = 3.0  # a lane port behind a firewall: fall back to the link soon
 
 
 class BulkSender:
@@ -237,12 +238,14 @@ class BulkLanes:
         limits: Limits,
         *,
         host: str | None,
+        port: int = 0,
         deliver: Callable[[BulkSender, Frame], Coroutine[Any, Any, None]],
     ) -> None:
         self.core = core
         self.registry = registry
         self.limits = limits
         self.host = host  # None: client mode, no listener
+        self._listen_port = port
         self.deliver = deliver
         self.accepted: set[str] = set()
         self.loop = asyncio.get_running_loop()
@@ -282,10 +285,17 @@ class BulkLanes:
             return
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, 0))
-        sock.listen(64)
-        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self._listen_port))
+            sock.listen(64)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            raise TransportError(
+                f"cannot listen for bulk lanes on {self.host}:{self._listen_port}: {exc}"
+                " (choose another bulk_port, or 0 for any free one)"
+            ) from None
         self._listener = sock
         self.port = sock.getsockname()[1]
         self._accept_task = self.loop.create_task(self._accept_loop(), name="bulk-accept")
@@ -414,7 +424,7 @@ class BulkLanes:
         sock = socket.socket(family, kind, proto)
         try:
             _tune(sock)
-            async with asyncio.timeout(self.core.config.request_timeout):
+            async with asyncio.timeout(min(_CONNECT_TIMEOUT, self.core.config.request_timeout)):
                 await self.loop.sock_connect(sock, address)
         except BaseException:
             sock.close()

@@ -75,6 +75,7 @@ class NodeConfig:
     max_record_ttl: float = 7 * 24 * 3600.0
     retry_backoff: float = 5.0  # seconds before dialing a peer that just failed again
     bulk_lanes: bool = True  # TCP side lanes for tensor parts (peer.node.bulk), if TCP
+    bulk_port: int = 0  # the lanes' listening port (0: any free one; set it behind a firewall)
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -151,6 +152,23 @@ class AsyncNode:
         if self._started:
             return
         self._started = True
+        try:
+            await self._listen()
+        except BaseException:
+            # nothing half-open is left behind (a taken port, say)
+            if self._listener is not None:
+                await self._listener.close()
+            if self.bulk is not None:
+                await self.bulk.close()
+            self._stopping = True
+            raise
+        self._publish_membership()
+        self._spawn(self._gossip_loop(), "gossip")
+        self._spawn(self._maintenance_loop(), "maintenance")
+        if bootstrap and self.initial_peers:
+            await self.bootstrap()
+
+    async def _listen(self) -> None:
         cfg = self.config
         if not cfg.client_mode:
             self._listener = await self.transport.listen(cfg.host, cfg.port, self._on_inbound)
@@ -161,17 +179,13 @@ class AsyncNode:
                 self.registry,
                 cfg.limits,
                 host=None if cfg.client_mode else cfg.host,
+                port=cfg.bulk_port,
                 deliver=self._deliver_bulk,
             )
             self.handlers[BULK_TICKET] = self.bulk.on_ticket
             for message_type in self._bulk_types:
                 self.bulk.accept(message_type)
             await self.bulk.start()
-        self._publish_membership()
-        self._spawn(self._gossip_loop(), "gossip")
-        self._spawn(self._maintenance_loop(), "maintenance")
-        if bootstrap and self.initial_peers:
-            await self.bootstrap()
 
     async def shutdown(self) -> None:
         """Tell connected peers this node is leaving, then stop every task, close every link

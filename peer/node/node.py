@@ -95,6 +95,8 @@ class Node:
         request_timeout: float = 5.0,
         limits: Limits | None = None,
         loop_thread: LoopThread | None = None,
+        bulk_lanes: bool = True,
+        bulk_port: int = 0,
     ) -> None:
         if isinstance(initial_peers, str):
             raise TypeError('initial_peers is a list of addresses, e.g. ["ws://127.0.0.1:4000"]')
@@ -108,6 +110,8 @@ class Node:
             member_ttl=member_ttl,
             request_timeout=request_timeout,
             limits=limits or Limits(),
+            bulk_lanes=bulk_lanes,
+            bulk_port=bulk_port,
         )
         self._transport = transport or WebSocketTransport(
             max_message_bytes=self.config.limits.max_frame_bytes

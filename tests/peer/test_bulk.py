@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,7 +20,7 @@ import torch
 
 import peer.node.bulk as bulk_module
 from peer import Node
-from peer.exceptions import FrameTooLarge, NodeShutdown
+from peer.exceptions import FrameTooLarge, NodeShutdown, TransportError
 from peer.node.bulk import MAGIC, BulkSender
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.links import PeerLink
@@ -487,3 +488,45 @@ def test_shutdown_with_open_lanes_leaves_no_task_thread_or_socket() -> None:
         node.shutdown()
     assert set(threading.enumerate()) == threads_before
     assert {fd for fd in _open_fds() if fd.startswith("socket:")} <= sockets_before
+
+
+async def test_a_fixed_lane_port_is_used(make_peer: MakePeer) -> None:
+    with socket.socket() as probe:  # a port free right now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    a = await make_peer(bulk_port=port)
+    b = await make_peer(a.core.visible_addresses)
+    assert _lane_port(a) == port
+    await b.core.send_bulk(a.peer_id, Frame(BLOB, {"seq": 1}, b"p" * 1000))
+    [(sender, _)] = await a.wait_for(1)
+    assert _over_lane(sender, b)
+    # the port is taken now: a node asked for it says so, and leaves nothing open
+    with pytest.raises(TransportError, match=f"bulk lanes on 127.0.0.1:{port}"):
+        await make_peer(bulk_port=port)
+
+
+async def test_a_lane_port_that_does_not_answer_falls_back_to_the_link(
+    make_peer: MakePeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A firewalled lane port: the frame goes over the link, and no new lane is tried for a
+    while (each try would hold the sender up to the connect timeout)."""
+    a, b = await _pair(make_peer)
+    with socket.socket() as dead:  # bound, not listening: connections are refused
+        dead.bind(("127.0.0.1", 0))
+        assert a.core.bulk is not None
+        monkeypatch.setattr(a.core.bulk, "port", dead.getsockname()[1])
+        await b.core.send_bulk(a.peer_id, Frame(BLOB, {"seq": 1}, b"f" * 1000))
+        [(sender, frame)] = await a.wait_for(1)
+        assert isinstance(sender, PeerLink) and bytes(frame.payload) == b"f" * 1000
+        assert b.core.bulk is not None and not b.core.bulk.has_lane(a.peer_id)
+        asked = []
+        original = b.core.bulk._dial
+
+        async def dial(*args: Any) -> None:
+            asked.append(args)
+            await original(*args)
+
+        monkeypatch.setattr(b.core.bulk, "_dial", dial)
+        await b.core.send_bulk(a.peer_id, Frame(BLOB, {"seq": 2}, b"g" * 10))
+        await a.wait_for(2)
+        assert asked == []  # within the retry delay: straight to the link
