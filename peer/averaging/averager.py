@@ -218,6 +218,7 @@ class DecentralizedAverager:
             raise ValueError("a client-mode averager cannot share state (nobody can dial it)")
         self._state_sharing_priority = 0.0
         self._lock = threading.RLock()
+        self._round_holds_lock = False  # an in-place round holds _lock (loop thread)
         self._running = False
         self._shut = False
         self._step_futures: set[concurrent.futures.Future[Any]] = set()
@@ -327,8 +328,10 @@ class DecentralizedAverager:
 
     @contextlib.asynccontextmanager
     async def _locked(self) -> AsyncIterator[None]:
-        # never block the event loop on a lock a training thread holds
-        while not self._lock.acquire(blocking=False):  # noqa: ASYNC110 - a threading lock
+        # never block the event loop on a lock a training thread holds; and the lock is
+        # reentrant, so code on the loop (a state donor's snapshot) must also wait for an
+        # in-place round that holds it, rather than read half-averaged tensors
+        while self._round_holds_lock or not self._lock.acquire(blocking=False):  # noqa: ASYNC110
             await asyncio.sleep(0.001)
         try:
             yield
@@ -515,7 +518,11 @@ class DecentralizedAverager:
             await self._run_allreduce(group, members, control.weight, flat)
         else:
             async with self._locked():  # for the whole round
-                await self._run_allreduce(group, members, control.weight, None)
+                self._round_holds_lock = True
+                try:
+                    await self._run_allreduce(group, members, control.weight, None)
+                finally:
+                    self._round_holds_lock = False
         self._advance_group_bits(group)
         self.last_allreduce_seconds = asyncio.get_running_loop().time() - began
         return gathered

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -248,3 +249,46 @@ def test_tensor_lock_during_a_round(make_swarm, concurrent: bool) -> None:
     assert seen_when_locked == [0.0 if concurrent else 0.5]
     assert torch.equal(tensors[1][0], torch.full((1000,), 0.5))
     assert torch.equal(tensors[0][0], torch.full((1000,), 10.5))  # average + own update
+
+
+def test_state_download_waits_for_an_in_place_round(make_swarm) -> None:
+    """A donor's snapshot is taken on the event loop, where the in-place round holds the
+    (reentrant) tensor lock: it must wait for the round, not read half-averaged tensors."""
+    swarm = make_swarm(3)
+    tensors = [[torch.zeros(1000)], [torch.ones(1000)], [torch.full((1000,), 7.0)]]
+    a, b = swarm.add_averagers(tensors[:2], allow_state_sharing=True)
+    newcomer = DecentralizedAverager(
+        tensors[2], swarm.nodes[2], start=True, prefix="test", allow_state_sharing=False
+    )
+    swarm.averagers.append(newcomer)
+    assert wait_for(lambda: newcomer_sees_donors(newcomer), 15)
+    gate = threading.Event()
+    for x in (a, b):
+        x._runner_cls = type("Gated", (_GatedRunner,), {"gate": gate})
+    try:
+        ca, cb = (x.step(wait=False, timeout=scaled(30)) for x in (a, b))
+        assert wait_for(
+            lambda: all(c.stage is AveragingStage.RUNNING_ALLREDUCE for c in (ca, cb)), 15
+        )
+        downloaded: list[Any] = []
+        worker = threading.Thread(
+            target=lambda: downloaded.append(newcomer.load_state_from_peers(timeout=scaled(30)))
+        )
+        worker.start()
+        worker.join(1.0)
+        assert worker.is_alive(), "the snapshot did not wait for the round"
+    finally:
+        gate.set()
+    ca.result(scaled(30))
+    cb.result(scaled(30))
+    worker.join(scaled(30))
+    assert downloaded and downloaded[0] is not None
+    _, state = downloaded[0]
+    assert torch.equal(state[0], torch.full((1000,), 0.5))  # after the round, whole
+
+
+def newcomer_sees_donors(averager: DecentralizedAverager) -> bool:
+    from peer.averaging.state import state_key
+
+    record = averager.node.get(state_key("test"))
+    return record is not None and len(record.value) >= 2
