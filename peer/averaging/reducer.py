@@ -160,13 +160,7 @@ class WeightedMeanReducer:
                 raise BadContribution(sender, i, "duplicate contribution")
         weight = self._check_weight(sender, index, weight)
         start_at, stop_at = self.offsets[index], self.offsets[stop]
-        if not isinstance(values, torch.Tensor) or values.shape != (stop_at - start_at,):
-            shape = list(values.shape) if isinstance(values, torch.Tensor) else None
-            raise BadContribution(sender, index, f"shape {shape}, expected [{stop_at - start_at}]")
-        if values.dtype != self.dtype:
-            raise BadContribution(sender, index, f"dtype {values.dtype}, expected {self.dtype}")
-        if weight > 0 and not all_finite(values):
-            raise BadContribution(sender, index, "NaN or Inf values")
+        self._check_values(sender, index, values, stop_at - start_at, finite=weight > 0)
         first = index  # runs of parts alike (first positive contribution or not): one call
         for i in range(index, stop + 1):
             if i < stop and (self._total_weight[i] == 0) == (self._total_weight[first] == 0):
@@ -206,7 +200,7 @@ class WeightedMeanReducer:
             raise BadContribution(sender, index, "duplicate contribution")
         weight = self._check_weight(sender, index, weight)
         if values is not None or weight > 0:
-            self._check_values(sender, index, values)
+            self._check_values(sender, index, values, self.part_sizes[index])
         pending[sender] = (weight, values)
         if weight > 0:
             view = self.part_view(index)
@@ -300,16 +294,23 @@ class WeightedMeanReducer:
             raise BadContribution(sender, index, f"weight {weight} differs from earlier {previous}")
         return weight
 
-    def _check_values(self, sender: Hashable, index: int, values: torch.Tensor | None) -> None:
+    def _check_values(
+        self,
+        sender: Hashable,
+        index: int,
+        values: torch.Tensor | None,
+        numel: int,
+        *,
+        finite: bool = True,
+    ) -> None:
+        """``values`` must be a ``[numel]`` tensor of :attr:`dtype` (all finite, if asked)."""
         if not isinstance(values, torch.Tensor):
             raise BadContribution(sender, index, "values missing")
-        if values.shape != (self.part_sizes[index],):
-            raise BadContribution(
-                sender, index, f"shape {list(values.shape)}, expected [{self.part_sizes[index]}]"
-            )
+        if values.shape != (numel,):
+            raise BadContribution(sender, index, f"shape {list(values.shape)}, expected [{numel}]")
         if values.dtype != self.dtype:
             raise BadContribution(sender, index, f"dtype {values.dtype}, expected {self.dtype}")
-        if not all_finite(values):
+        if finite and not all_finite(values):
             raise BadContribution(sender, index, "NaN or Inf values")
 
 
