@@ -3,21 +3,22 @@
     .venv/bin/python bench/allreduce.py [--peers 2 4 8] [--mb 64] [--reps 5]
 
 For each peer count, starts that many worker processes on loopback; each holds ``--mb`` MB of
-fp32 and runs, in the same processes and the same run, ``--reps`` times after a warm-up and
-alternating so that both see the same machine:
+fp32. In the same processes and the same run:
 
-1. ``torch.distributed.all_reduce`` (gloo) of a copy of the tensor;
-2. ``DecentralizedAverager.step()`` (no compression, one group of all peers), recording the
-   all-reduce time (first part sent to last average written) and the full step time
-   including matchmaking.
+1. a memory pass: a few ``DecentralizedAverager.step()`` rounds (no compression, one group of
+   all peers; the first is also the warm-up), peak extra resident memory per peer being the
+   high-water mark during them minus the resident size before the first, so buffers the
+   averager keeps between rounds count (gloo does not run in this pass: the buffers it keeps
+   would count as ours);
+2. ``--reps`` repetitions of: ``torch.distributed.all_reduce`` (gloo) of a copy of the
+   tensor, then ``step()``, recording the all-reduce time (first part sent to last average
+   written) and the full step time including matchmaking.
 
 Per repetition the slowest peer's time counts (a collective is done when the last peer is);
 the table shows medians, the ratio Swarmgrad / gloo (median over repetitions of the ratio
-within each, gloo having run just before), the CPU time (user + system, all
-threads) per peer and round of each, and peak extra resident memory per peer (high-water
-mark during the steps minus the resident size before them, so buffers the averager keeps
-between rounds count) relative to the tensor size. Absolute times on a shared machine are
-noise; the ratios are the figures.
+within each, gloo having run just before), the CPU time (user + system, all threads) per
+peer and round of each (ours includes matchmaking), and the peak extra memory relative to
+the tensor size. Absolute times on a shared machine are noise; the ratios are the figures.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+MEMORY_ROUNDS = 3  # rounds of the memory pass (the first one is also the warm-up)
 
 
 def _rss_kib(field: str) -> int:
@@ -97,7 +101,6 @@ def worker(args: argparse.Namespace) -> None:
         sender_timeout=30.0,
     )
     steps, allreduce, cpu_times = [], [], []
-    peak_extra = 0
     profiler = None
     if os.environ.get("SWARMGRAD_BENCH_PROFILE") and args.rank == 0:
         import cProfile
@@ -108,22 +111,26 @@ def worker(args: argparse.Namespace) -> None:
             profiler.enable()
 
         node.run_coroutine(enable())
-    # baseline before the first step: the averager's reused buffers count as extra memory
+    # Memory pass first, with no gloo call in between (gloo keeps buffers of its own that
+    # would count as ours): the baseline is taken before the first step, so the buffers the
+    # averager keeps between rounds count as extra memory.
     baseline = _rss_kib("VmRSS")
-    for rep in range(args.reps + 1):
-        if rep:
-            run_gloo(True)
+    _reset_peak()
+    for _ in range(MEMORY_ROUNDS):
         dist.barrier()
-        _reset_peak()  # gloo's transient buffers are not ours
+        averager.step(timeout=120)
+    peak_extra = _rss_kib("VmHWM") - baseline
+    # timing pass: gloo right before ours in each repetition
+    for _ in range(args.reps):
+        run_gloo(True)
+        dist.barrier()
         cpu, start = time.process_time(), time.perf_counter()
         averager.step(timeout=120)
         elapsed = time.perf_counter() - start
         cpu = time.process_time() - cpu
-        peak_extra = max(peak_extra, _rss_kib("VmHWM") - baseline)
-        if rep:
-            steps.append(elapsed)
-            allreduce.append(averager.last_allreduce_seconds)
-            cpu_times.append(cpu)
+        steps.append(elapsed)
+        allreduce.append(averager.last_allreduce_seconds)
+        cpu_times.append(cpu)
     if profiler is not None:
         import pstats
 

@@ -6,8 +6,8 @@ peer each round, so those copies, not the network, bounded all-reduce throughput
 links. A bulk lane carries the *same frames* (the :mod:`peer.wire` layout: u32 header
 length, msgpack header, raw payload) over a plain non-blocking TCP socket driven by the
 event loop (``sock_recv_into`` / ``sock_sendall``): the payload goes from the socket
-straight into a buffer of the payload's size, and out of the sender's tensor memory, with
-no copy in user space on either side. (Threads with blocking calls were tried first: on a
+straight into a buffer of the payload's size (reused: :mod:`peer.node.buffers`), and out of
+the sender's tensor memory, with no copy in user space on either side. (Threads with blocking calls were tried first: on a
 2-core machine their wake-ups cost more CPU than the copies.)
 
 Trust: a lane is only opened after an authenticated link (:mod:`peer.node.links`) exists.
@@ -35,9 +35,8 @@ import urllib.parse
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import torch
-
 from peer.exceptions import FrameTooLarge, ProtocolError, SwarmgradError, TransportError
+from peer.node.buffers import BufferPool
 from peer.wire import (
     BYTES,
     INT,
@@ -178,9 +177,8 @@ class _Lane:
                 spilled = min(have - need, size)
                 payload: Any = b""
                 if size:
-                    # torch.empty: no zero-fill; the frame's payload is a writable view
-                    buffer = torch.empty(size, dtype=torch.uint8)
-                    payload = memoryview(buffer.numpy())  # type: ignore[arg-type]
+                    # a writable buffer from the pool (no zero-fill, pages reused)
+                    payload = owner.buffers.take(size)
                     payload[:spilled] = view[need : need + spilled]
                     got = spilled
                     while got < size:  # straight from the socket into the payload
@@ -190,8 +188,12 @@ class _Lane:
                     view[:rest] = view[need + spilled : have]
                 have = rest
                 frame = Frame(head.type, head.fields, payload)
+                # the handler owns the payload now: no reference here may keep its pooled
+                # buffer from going back while the lane waits for the next frame
+                payload = None
                 if not owner.closing:
                     await owner.deliver(BulkSender(self.peer_id), frame)
+                del frame
         except ProtocolError as exc:
             reason = f"protocol error: {exc}"
             logger.warning("closing bulk lane from %s: %s", self.peer_id, exc)
@@ -260,6 +262,7 @@ class BulkLanes:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._opening: set[asyncio.Task[Any]] = set()  # admissions and dials: close() cancels
         self.closing = False
+        self.buffers = BufferPool()  # payloads received on lanes
         registry.register(BULK_TICKET, Schema())
         registry.register(BULK_TICKET_OK, Schema(required={"port": INT, "ticket": BYTES}))
 
@@ -484,6 +487,7 @@ class BulkLanes:
         await asyncio.gather(*(lane.join() for lane in lanes), return_exceptions=True)
         self._lanes.clear()
         self._all.clear()
+        self.buffers.clear()
 
 
 def _host_of(address: str) -> str | None:

@@ -171,6 +171,21 @@ async def test_large_frame_arrives_intact_over_a_lane_into_a_writable_buffer(
     assert torch.equal(received, tensor + 1)
 
 
+async def test_received_payloads_reuse_pooled_buffers(make_peer: MakePeer) -> None:
+    a, b = await _pair(make_peer)
+    assert b.core.bulk is not None
+    pool = b.core.bulk.buffers
+    tensor = torch.randn(2**20 // 4)  # 1 MiB: one slab of the pool
+    for seq in range(5):
+        await a.core.send_bulk(b.peer_id, Frame(BLOB, {"seq": seq}, memoryview(tensor.numpy())))
+        [(_, frame)] = await b.wait_for(1)
+        assert torch.equal(torch.frombuffer(frame.payload, dtype=torch.float32), tensor)
+        b.received.clear()  # the handler's reference was the last one: the slab goes back
+        del frame
+        assert pool.idle_bytes == 2**20
+    assert pool.slabs_allocated == 1, "each payload reused the slab of the one before"
+
+
 async def test_many_frames_of_varied_sizes_arrive_complete_and_in_order(
     make_peer: MakePeer,
 ) -> None:
