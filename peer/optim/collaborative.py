@@ -15,7 +15,10 @@ is pure and tested without I/O.
 Rules that keep the swarm moving:
 
 * a peer whose ``local_epoch`` is behind the swarm's loads state (parameters, optimizer
-  state, epoch) from a peer instead of stepping; a newcomer does so on start;
+  state, epoch) from a peer instead of stepping; a newcomer does so on start. Donors declare
+  the epoch of the state they serve as their ``state_sharing_priority`` (as hivemind does),
+  so the newest state is downloaded, not a straggler's; while no donor has given a state as
+  new as the swarm's epoch, the download is retried (bounded by ``load_state_timeout``);
 * a peer that has nothing accumulated when the swarm is ready joins the round with weight 0
   (it receives the average and steps in sync) rather than stalling the others;
 * the gradient round's group key carries the epoch, so peers at different epochs never
@@ -55,6 +58,7 @@ import concurrent.futures
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -167,7 +171,8 @@ def compute_global_progress(
 
 
 class ProgressTracker:
-    """Publishes this peer's progress and reads the swarm's from the node's gossip store."""
+    """Publishes this peer's progress and reads the swarm's from the node's gossip store.
+    :meth:`shutdown` retracts this peer's report, so the swarm stops counting it."""
 
     def __init__(
         self,
@@ -190,6 +195,8 @@ class ProgressTracker:
         self.samples_per_second = 0.0
         self._last_published: tuple[int, int] | None = None
         self._pending: Any = None
+        self._stored_until = 0.0  # expiration of this peer's last report
+        self._shut = False
 
     def report_local_progress(
         self, epoch: int, samples_accumulated: int, new_samples: int = 0
@@ -206,16 +213,17 @@ class ProgressTracker:
     def publish(self, *, force: bool = False) -> None:
         """Store this peer's report (without waiting; a store still in flight is not doubled)."""
         state = (self.local_epoch, self.samples_accumulated)
-        if not force and state == self._last_published:
+        if self._shut or (not force and state == self._last_published):
             return
         if self._pending is not None and not self._pending.done():
             return
         own = self._own()
         self._last_published = state
+        # a store needs a strictly later expiration than this peer's previous record
+        until = max(own.time + self.expiration, self._stored_until + 1e-6)
+        self._stored_until = until
         self._pending = self.node.run_coroutine(
-            self.node.core.store(
-                self.key, own.to_wire(), own.time + self.expiration, subkey=self.node.peer_id
-            ),
+            self.node.core.store(self.key, own.to_wire(), until, subkey=self.node.peer_id),
             wait=False,
         )
 
@@ -246,6 +254,24 @@ class ProgressTracker:
         if self._pending is not None:
             with contextlib.suppress(Exception):
                 self._pending.result(timeout)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop publishing and retract this peer's report: peers (and a newcomer deciding
+        whether the swarm is ahead of it) stop counting it at once rather than when it
+        expires. Idempotent; the node may already be gone."""
+        if self._shut:
+            return
+        self._shut = True
+        self.wait_published(timeout)
+        if not self._stored_until:
+            return
+        with contextlib.suppress(Exception):
+            self.node.run_coroutine(
+                self.node.core.store(
+                    self.key, None, self._stored_until + 1e-3, subkey=self.node.peer_id
+                ),
+                wait=False,
+            ).result(timeout)
 
 
 # --------------------------------------------------------------------------- options (pure)
@@ -521,6 +547,7 @@ class Optimizer:
         self._pending: _Epoch | None = None
         self._round: StepControl | None = None  # the round in flight, for cancellation
         self._closed = False
+        self._closing = threading.Event()  # set by shutdown(): ends a state-download retry
         self._model_grads = _ModelGradients(self.params)
         self._initialize_optimizer_state()
 
@@ -932,7 +959,7 @@ class Optimizer:
                 job.stepped = True
             if self.scheduler is not None:
                 self.scheduler.step()
-            self._state_epoch = job.epoch + 1
+            self._set_state_epoch(job.epoch + 1)
 
     def _average_state(self, job: _Epoch) -> None:
         with self._live_state(), self.state_averager.get_tensors() as shared, torch.no_grad():
@@ -1038,13 +1065,58 @@ class Optimizer:
         return self._settle_pending(timeout=timeout)
 
     def load_state_from_peers(self) -> bool:
-        """Download parameters, optimizer state and epoch from the best peer; True if done.
-        A background epoch still in progress is abandoned first (the state replaces it)."""
+        """Download parameters, optimizer state and epoch from the peer with the newest state;
+        True if a state was loaded. A background epoch still in progress is abandoned first
+        (the state replaces it).
+
+        Donors are tried newest state first (their priority is their state's epoch). While
+        this peer is still behind the swarm's epoch as it stood when the download began —
+        no donor answered (none visible yet, all busy or timing out) or only a straggler
+        did — the download is retried with backoff, for ``load_state_timeout`` seconds in
+        all: a newcomer joining a running swarm starts from the swarm's state, not from
+        scratch. A peer that finds no one ahead of it (the first peer) does not wait."""
         self._settle_pending(cancel=True)
-        found = self.state_averager.load_state_from_peers(timeout=self.load_state_timeout)
-        if not isinstance(found, tuple):
-            return False
-        metadata, tensors = found
+        deadline = time.monotonic() + self.load_state_timeout
+        # The swarm's epoch now, from a fresh pull (a newcomer's replica may still be empty);
+        # a donor at that epoch snapshots later, so its state is at least that new.
+        self.node.get(self.tracker.key, latest=True)
+        target = self.tracker.global_progress.epoch
+        loaded = False
+        backoff = 0.1
+        while True:
+            found = self.state_averager.load_state_from_peers(
+                timeout=max(0.0, deadline - time.monotonic())
+            )
+            if isinstance(found, tuple) and self._load_downloaded_state(*found):
+                loaded = True
+            # never chase a swarm that moves on meanwhile; but stop waiting for an epoch
+            # whose reports went away (peers that left retract theirs; a dead one's expire)
+            target = min(target, self.tracker.global_progress.epoch)
+            if self.local_epoch >= target or self._closed:
+                return loaded
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                logger.warning(
+                    "no peer provided the swarm's state at epoch %d within %s s; "
+                    "continuing at epoch %d",
+                    target,
+                    self.load_state_timeout,
+                    self.local_epoch,
+                )
+                return loaded
+            logger.info(
+                "no donor provided the swarm's state at epoch %d yet (this peer is at %d); "
+                "retrying in %.1f s",
+                target,
+                self.local_epoch,
+                min(backoff, remaining),
+            )
+            if self._closing.wait(min(backoff, remaining)):
+                return loaded
+            backoff = min(2 * backoff, 2.0)
+
+    def _load_downloaded_state(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> bool:
+        """Adopt a downloaded ``(metadata, tensors)`` unless it is older than this peer's."""
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
         if not isinstance(epoch, int) or epoch < self.local_epoch:
             return False
@@ -1054,7 +1126,7 @@ class Optimizer:
                 if self.scheduler is not None:
                     for _ in range(epoch - self._state_epoch):
                         self.scheduler.step()
-                self._state_epoch = epoch
+                self._set_state_epoch(epoch)
         except ValueError as exc:
             logger.warning("could not load state from peers: %s", exc)
             return False
@@ -1067,6 +1139,13 @@ class Optimizer:
         self._report()
         logger.info("loaded state from %s at epoch %d", self.state_averager.last_state_donor, epoch)
         return True
+
+    def _set_state_epoch(self, epoch: int) -> None:
+        """The live state now belongs to ``epoch``. It is also the state's sharing priority, so
+        newcomers download the newest state rather than a straggler's (hivemind does the
+        same). Live-state lock held; any thread."""
+        self._state_epoch = epoch
+        self.state_averager.state_sharing_priority = float(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer, scheduler and epoch; waits for pending background work first, so the
@@ -1085,22 +1164,24 @@ class Optimizer:
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
             self._state_version += 1
-            self.local_epoch = self._state_epoch = int(state["local_epoch"])
+            self.local_epoch = int(state["local_epoch"])
+            self._set_state_epoch(self.local_epoch)
         self._report()
 
     def shutdown(self) -> None:
         """Stop background work at once (a round in flight is cancelled, a pending update is
-        dropped: call :meth:`wait_for_pending` first to keep it), then both averagers. The
-        node is not shut down. Idempotent."""
+        dropped: call :meth:`wait_for_pending` first to keep it), then both averagers; the
+        progress report is retracted. The node is not shut down. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        self._closing.set()
         if self._pending is not None:
             self._pending.cancelled = True
         control = self._round
         if control is not None:
             control.cancel()
-        self.tracker.wait_published()
+        self.tracker.shutdown()
         self.grad_averager.shutdown()  # cancels its steps: a background round ends now
         self.state_averager.shutdown()
         if self._executor is not None:

@@ -75,10 +75,11 @@ def main() -> None:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         stream=sys.stderr,
-        format="%(levelname)s %(name)s %(message)s",
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     node = Node([args.initial_peer] if args.initial_peer else None, gossip_period=0.2)
+    logging.getLogger("collab_worker").info("rank %d is peer %s", args.rank, node.peer_id)
     print(json.dumps({"addresses": node.visible_addresses, "peer_id": node.peer_id}), flush=True)
     deadline = time.monotonic() + 300
     if args.start_epoch_wait:

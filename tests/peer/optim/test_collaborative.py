@@ -178,6 +178,11 @@ def _start(
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _all_logs(logs: list[str]) -> str:
+    """The workers' stderr, for a failure message."""
+    return "\n".join(f"--- rank {rank} ---\n{log}" for rank, log in enumerate(logs))
+
+
 def _finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
     logs = []
     try:
@@ -196,22 +201,25 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
 def test_latecomer_downloads_state_and_ends_in_step(tmp_path: Path) -> None:
     (tmp_path / "done").mkdir()
     sizes, epochs = [8, 8, 8, 8], 10
-    procs = [_start(tmp_path, 0, sizes, epochs, None)]
+    # --verbose: each worker logs its peer id, its rounds and where it loaded state from
+    procs = [_start(tmp_path, 0, sizes, epochs, None, "--verbose")]
     first = json.loads(procs[0].stdout.readline())["addresses"][0]
-    procs += [_start(tmp_path, r, sizes, epochs, first) for r in (1, 2)]
-    procs.append(_start(tmp_path, 3, sizes, epochs, first, "--start-epoch-wait", "5"))
+    procs += [_start(tmp_path, r, sizes, epochs, first, "--verbose") for r in (1, 2)]
+    procs.append(_start(tmp_path, 3, sizes, epochs, first, "--start-epoch-wait", "5", "--verbose"))
     logs = _finish(procs)
-    for proc, log in zip(procs, logs, strict=True):
-        assert proc.returncode == 0, log
+    for proc in procs:
+        assert proc.returncode == 0, _all_logs(logs)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     assert results[3]["joined_at"] >= 5, (
-        "the latecomer starts from the swarm's state, not from scratch"
+        "the latecomer starts from the swarm's state, not from scratch\n" + _all_logs(logs)
     )
-    assert [r["epoch"] for r in results] == [epochs] * 4
+    assert [r["epoch"] for r in results] == [epochs] * 4, _all_logs(logs)
     # Everyone ends on the same model: the latecomer's state is the swarm's, not its own.
     for result in results[1:]:
         for mine, first_peer in zip(result["params"], results[0]["params"], strict=True):
-            torch.testing.assert_close(mine, first_peer, atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                mine, first_peer, atol=1e-5, rtol=0, msg=lambda m: m + "\n" + _all_logs(logs)
+            )
 
 
 @pytest.mark.slow
