@@ -105,7 +105,7 @@ def worker(args: argparse.Namespace) -> None:
     if os.environ.get("SWARMGRAD_BENCH_PROFILE") and args.rank == 0:
         import cProfile
 
-        profiler = cProfile.Profile()
+        profiler = cProfile.Profile(time.thread_time)  # CPU time of the node's loop thread
 
         async def enable() -> None:
             profiler.enable()
@@ -138,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
             profiler.disable()
 
         node.run_coroutine(disable())
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(40)
     dist.barrier()
     averager.shutdown()
     node.shutdown()

@@ -70,6 +70,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "extract",
+    "raw_wire",
 ]
 
 
@@ -218,7 +219,8 @@ class CompressedTensor:
         payload length matches the shape. Raises :class:`CompressionError` otherwise.
         NaN/Inf in the values themselves are caught by :func:`extract`.
         """
-        if not isinstance(header, Mapping):
+        # (``type(...) is dict`` first: the ABC check is slow, and received headers are dicts)
+        if type(header) is not dict and not isinstance(header, Mapping):
             raise CompressionError("compressed tensor header must be a map")
         if set(header) != {"codec", "dtype", "shape", "meta"}:
             raise CompressionError(
@@ -240,7 +242,7 @@ class CompressedTensor:
             # bool is an int subclass; a shape of True/False is malformed, not 1/0
             if type(dim) is not int or dim < 0:
                 raise CompressionError(f"bad shape {shape!r}")
-        if not isinstance(meta, Mapping):
+        if type(meta) is not dict and not isinstance(meta, Mapping):
             raise CompressionError("meta must be a map")
         codec._validate_meta(meta, dtype)
         try:
@@ -258,6 +260,19 @@ class CompressedTensor:
 
 
 # ------------------------------------------------------------------------- helpers
+
+
+def raw_wire(tensor: torch.Tensor) -> tuple[dict[str, Any], memoryview]:
+    """``NoCompression().compress(tensor).to_wire()`` for a contiguous 1-d CPU tensor of a
+    supported dtype, without the general path's checks and conversions (the all-reduce
+    sends many such views of its flat buffer per round)."""
+    header = {
+        "codec": NoCompression.name,
+        "dtype": dtype_name(tensor.dtype),
+        "shape": [tensor.numel()],
+        "meta": {},
+    }
+    return header, _byte_view(tensor)
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:

@@ -77,8 +77,28 @@ class Scalar(Spec):
     kind: type | tuple[type, ...]
     min_value: float | None = None
     max_length: int | None = None
+    # the accepted types themselves: values of exactly these take the short path below
+    _exact: frozenset[type] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_exact", frozenset(_as_tuple(self.kind)))
 
     def check(self, value: Any, path: str, limits: Limits) -> Any:
+        kind = type(value)
+        if kind in self._exact:  # every frame has several of these: no isinstance chain
+            if kind is int or kind is float:
+                if self.min_value is not None and value < self.min_value:
+                    raise MalformedFrame(f"{path}: {value!r} is below {self.min_value}")
+                if value != value:
+                    raise MalformedFrame(f"{path}: NaN is not allowed")
+                return value
+            if kind is str or kind is bytes:
+                max_length = (
+                    self.max_length if self.max_length is not None else limits.max_string_length
+                )
+                if len(value) > max_length:
+                    raise MalformedFrame(f"{path}: longer than {max_length}")
+            return value
         # bool is an int in Python; never accept it where a number is asked for.
         if isinstance(value, bool) and bool not in _as_tuple(self.kind):
             raise MalformedFrame(f"{path}: expected {_name(self.kind)}, got bool")

@@ -72,6 +72,7 @@ from peer.compression import (
     NoCompression,
     TensorRole,
     extract,
+    raw_wire,
 )
 from peer.exceptions import SwarmgradError, TransportError
 from peer.wire import Frame
@@ -163,6 +164,12 @@ class AllreduceRunner:
         bandwidths = [0.0 if m.client_mode else m.bandwidth for m in self.members]
         spans = load_balance(layout.total, bandwidths, config.min_vector_size)
         self.partition = Partition(layout, spans, config.part_size_bytes, compression, roles)
+        # per reducer: its parts' element counts, and whether each travels uncompressed
+        self._sizes = [self.partition.part_sizes(r) for r in range(len(self.members))]
+        self._plain = [
+            [isinstance(p.codec, NoCompression) for p in self.partition.parts_of(r)]
+            for r in range(len(self.members))
+        ]
         self.is_sender = not self.members[self.index].auxiliary
         senders = [m.peer_id for m in self.members if not m.auxiliary]
         my_sizes = self.partition.part_sizes(self.index)
@@ -226,13 +233,15 @@ class AllreduceRunner:
         if self.reducer is None:
             for part in my_parts:  # nobody contributes: everyone keeps local values
                 self._keep_local(part.view(self.flat))
-        elif self.is_sender:
-            for i, part in enumerate(my_parts):
-                if self.reducer.is_final(i) or self.me in self.reducer.excluded:
-                    continue
-                self._on_finished(
-                    self.reducer.accumulate(self.me, i, part.view(self.flat), self.weight)
+        elif self.is_sender and my_parts:
+            # this peer's own contribution to its span: every part at once (nothing has
+            # arrived yet: frames that came early are handled below)
+            start, stop = self.partition.spans[self.index]
+            self._on_finished(
+                self.reducer.accumulate_range(
+                    self.me, 0, len(my_parts), self.flat[start:stop], self.weight
                 )
+            )
         early, self.early = self.early, []
         for sender, frame in early:
             self.on_frame(sender, frame)
@@ -335,27 +344,26 @@ class AllreduceRunner:
         :attr:`max_batch_bytes` together."""
         if not self.max_batch_bytes:
             return 1
-        parts = self.partition.parts_of(r if kind == "part" else self.index)
-        if not isinstance(parts[index].codec, NoCompression):
+        owner = r if kind == "part" else self.index
+        plain, sizes = self._plain[owner], self._sizes[owner]
+        if not plain[index]:
             return 1
         if kind == "avg" and self._average_source(index, index) is None:
             return 1
         queue = box.contributions if kind == "part" else box.averages
         pending = self.unresolved.get(r, set())
-        itemsize = self.flat.element_size()
-        size, count = parts[index].numel * itemsize, 1
+        limit = self.max_batch_bytes // self.flat.element_size()  # in elements
+        numel, count = sizes[index], 1
         while queue and queue[0] == index + count:
-            nxt = parts[index + count]
-            if not isinstance(nxt.codec, NoCompression):
+            nxt = index + count
+            if not plain[nxt] or numel + sizes[nxt] > limit:
                 break
-            if size + nxt.numel * itemsize > self.max_batch_bytes:
+            if kind == "part" and nxt not in pending:
                 break
-            if kind == "part" and nxt.index not in pending:
-                break
-            if kind == "avg" and self.finished[index + count].average is None:
+            if kind == "avg" and self.finished[nxt].average is None:
                 break
             queue.popleft()
-            size += nxt.numel * itemsize
+            numel += sizes[nxt]
             count += 1
         return count
 
@@ -376,6 +384,7 @@ class AllreduceRunner:
 
     def _frame(self, kind: str, r: int, index: int, count: int = 1) -> Frame:
         base = {"p": self.prefix, "g": self.group.group_id, "l": self.group.leader, "i": index}
+        payload: Any
         if count > 1:
             base["k"] = count
             if kind == "part":
@@ -383,7 +392,7 @@ class AllreduceRunner:
                 source = self.flat[parts[index].start : parts[index + count - 1].stop]
             else:
                 source = self._average_source(index, index + count - 1)  # type: ignore[assignment]
-            header, payload = NoCompression().compress(source).to_wire()
+            header, payload = raw_wire(source)
             if kind == "part":
                 return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
             return Frame(AVERAGE, {**base, "c": header}, payload)
@@ -394,8 +403,12 @@ class AllreduceRunner:
         if cached is _NOT_YET:
             average = self.finished[index].average
             assert average is not None
-            part = self.partition.part(self.index, index)
-            cached, payload = part.codec.compress(average.to(self.flat.dtype)).to_wire()
+            average = average.to(self.flat.dtype)
+            if self._plain[self.index][index]:
+                cached, payload = raw_wire(average)
+            else:
+                part = self.partition.part(self.index, index)
+                cached, payload = part.codec.compress(average).to_wire()
             self._wire_cache[index] = (cached, payload, remaining)
         if cached is None:
             return Frame(AVERAGE, base)
@@ -403,6 +416,8 @@ class AllreduceRunner:
 
     def _contribution_wire(self, r: int, index: int) -> tuple[dict[str, Any], Any]:
         part = self.partition.part(r, index)
+        if self._plain[r][index]:
+            return raw_wire(part.view(self.flat))
         return part.codec.compress(part.view(self.flat)).to_wire()
 
     def _release_wire(self, index: int) -> None:
@@ -445,8 +460,7 @@ class AllreduceRunner:
             if count > 1 and values.numel() != sum(sizes):
                 raise ValueError(f"batch of {values.numel()} values, expected {sum(sizes)}")
             finished = reducer.accumulate_range(sender, index, count, values, frame.fields["w"])
-            for i in range(index, index + count):
-                self._on_received_part(sender, i)
+            self._on_received_parts(sender, index, count)
         except (BadContribution, CompressionError, ValueError, RuntimeError) as exc:
             self._bad(sender, str(exc))
             return
@@ -471,7 +485,7 @@ class AllreduceRunner:
             raise ValueError(f"parts {index}..{index + count - 1} of {len(part_sizes)}")
         return part_sizes[index : index + count]
 
-    def _on_received_part(self, sender: str, index: int) -> None:
+    def _on_received_parts(self, sender: str, index: int, count: int) -> None:
         """Hook for fault-injection tests; does nothing here."""
 
     def _on_average(self, sender: str, frame: Frame) -> None:
@@ -482,7 +496,7 @@ class AllreduceRunner:
         parts = self.partition.parts_of(r)
         index, count = frame.fields["i"], frame.fields.get("k", 1)
         try:
-            sizes = self._batch_sizes([p.numel for p in parts], index, count)
+            sizes = self._batch_sizes(self._sizes[r], index, count)
             if count > 1 and "c" not in frame.fields:
                 raise ValueError("a batch of parts without averages")
             average = None
@@ -525,29 +539,33 @@ class AllreduceRunner:
         self._check_done()
 
     def _on_finished(self, finished: list[FinishedPart]) -> None:
+        if not finished:
+            return
         in_place_already = self.reducer is not None and self.reducer.destination is not None
+        readers = len(self._outboxes)
         for done in finished:
             if done.average is None:
                 self._keep_local(self.partition.part(self.index, done.index).view(self.flat))
-                self._wire_cache[done.index] = (None, b"", len(self._outboxes))
+                self._wire_cache[done.index] = (None, b"", readers)
             else:
                 if not in_place_already:  # else the reducer divided it into place
                     view = self.partition.part(self.index, done.index).view(self.flat)
                     self._write_average(view, done.average.to(view.dtype))
                 # compressed when first sent alone (a batch sends the averages as they are)
-                self._wire_cache[done.index] = (_NOT_YET, None, len(self._outboxes))
+                self._wire_cache[done.index] = (_NOT_YET, None, readers)
             self.finished[done.index] = done
-            for peer_id, box in self._outboxes.items():
-                if peer_id in self.failed:
-                    self._release_wire(done.index)
-                    continue
-                box.averages.append(done.index)
+        indices = [done.index for done in finished]
+        for peer_id, box in self._outboxes.items():
+            if peer_id in self.failed:
+                for index in indices:
+                    self._release_wire(index)
+                continue
+            box.averages.extend(indices)
+            box.event.set()
+        if self.reducer is not None and self.reducer.is_finished:
+            for box in self._outboxes.values():
                 box.event.set()
-        if finished:
-            if self.reducer is not None and self.reducer.is_finished:
-                for box in self._outboxes.values():
-                    box.event.set()
-            self._check_done()
+        self._check_done()
 
     # ----------------------------------------------------------------- results
 

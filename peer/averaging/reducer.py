@@ -103,6 +103,12 @@ class WeightedMeanReducer:
             {} for _ in self.part_sizes
         ]
         self.excluded: set[Hashable] = set()
+        self._open_parts = len(self.part_sizes)  # parts not final yet
+        # part index → the part's only positive contribution so far, not yet written to the
+        # accumulator: (weight, values of the batch it came in, the part's offset there).
+        # The second contribution is then written together with it in one pass
+        # (acc = w₁·x₁ + w₂·x₂), and a part with a single contributor needs no arithmetic.
+        self._lone: list[tuple[float, torch.Tensor, int] | None] = [None] * len(self.part_sizes)
 
     # ---------------------------------------------------------------- queries
 
@@ -120,7 +126,7 @@ class WeightedMeanReducer:
     @property
     def is_finished(self) -> bool:
         """Every part is final."""
-        return all(p is None for p in self._pending)
+        return not self._open_parts
 
     def waiting_for(self, index: int) -> frozenset[Hashable]:
         """Senders whose contribution to part ``index`` is still missing."""
@@ -161,18 +167,8 @@ class WeightedMeanReducer:
         weight = self._check_weight(sender, index, weight)
         start_at, stop_at = self.offsets[index], self.offsets[stop]
         self._check_values(sender, index, values, stop_at - start_at, finite=weight > 0)
-        first = index  # runs of parts alike (first positive contribution or not): one call
-        for i in range(index, stop + 1):
-            if i < stop and (self._total_weight[i] == 0) == (self._total_weight[first] == 0):
-                continue
-            if weight > 0:
-                region = self.buffer[self.offsets[first] : self.offsets[i]]
-                chunk = values[self.offsets[first] - start_at : self.offsets[i] - start_at]
-                if self._total_weight[first] == 0:
-                    torch.mul(chunk, weight, out=region)
-                else:
-                    region.add_(chunk, alpha=weight)
-            first = i
+        if weight > 0:
+            self._add(index, stop, values, weight)
         for i in range(index, stop):
             part = values[self.offsets[i] - start_at : self.offsets[i + 1] - start_at]
             self._pending[i][sender] = (weight, part)  # type: ignore[index]
@@ -203,11 +199,8 @@ class WeightedMeanReducer:
             self._check_values(sender, index, values, self.part_sizes[index])
         pending[sender] = (weight, values)
         if weight > 0:
-            view = self.part_view(index)
-            if self._total_weight[index] == 0:  # the first: overwrite whatever is there
-                torch.mul(values, weight, out=view)  # type: ignore[arg-type]
-            else:
-                view.add_(values, alpha=weight)  # type: ignore[arg-type]
+            assert values is not None
+            self._add(index, index + 1, values, weight)
             self._total_weight[index] += weight
         return self._finalise_ready([index])
 
@@ -234,17 +227,65 @@ class WeightedMeanReducer:
 
     # -------------------------------------------------------------- internals
 
+    def _add(self, index: int, stop: int, values: torch.Tensor, weight: float) -> None:
+        """Take ``weight · values`` (parts ``index..stop-1``, concatenated) into the
+        accumulator. Per part: the first positive contribution is only remembered; the
+        second is written together with it; later ones are added. Runs of parts in the same
+        situation take one call each."""
+        offsets, lone = self.offsets, self._lone
+        base = offsets[index]
+        i = index
+        while i < stop:
+            j = i + 1
+            if self._total_weight[i] == 0:  # the first: remember it
+                while j < stop and self._total_weight[j] == 0:
+                    j += 1
+                for k in range(i, j):
+                    lone[k] = (weight, values, offsets[k] - base)
+            elif lone[i] is not None:  # the second: acc = w₁·x₁ + w·x, one pass
+                w1, x1, at = lone[i]  # type: ignore[misc]
+                end = at + offsets[j] - offsets[i]
+                while j < stop:  # a run whose first contributions are adjacent in one batch
+                    nxt = lone[j]
+                    if nxt is None or nxt[0] != w1 or nxt[1] is not x1 or nxt[2] != end:
+                        break
+                    end += offsets[j + 1] - offsets[j]
+                    j += 1
+                region = self.buffer[offsets[i] : offsets[j]]
+                first = x1[at:end]
+                mine = values[offsets[i] - base : offsets[j] - base]
+                if w1 == 1.0:
+                    torch.add(first, mine, alpha=weight, out=region)
+                elif weight == 1.0:
+                    torch.add(mine, first, alpha=w1, out=region)
+                else:
+                    torch.mul(first, w1, out=region)
+                    region.add_(mine, alpha=weight)
+                for k in range(i, j):
+                    lone[k] = None
+            else:  # later ones
+                while j < stop and self._total_weight[j] != 0 and lone[j] is None:
+                    j += 1
+                region = self.buffer[offsets[i] : offsets[j]]
+                region.add_(values[offsets[i] - base : offsets[j] - base], alpha=weight)
+            i = j
+
     def _rebuild(
         self, index: int, pending: dict[Hashable, tuple[float, torch.Tensor | None]]
     ) -> None:
         # recompute from the survivors instead of subtracting: exact, and cheap (one part)
-        view = self.part_view(index).zero_()
-        total = 0.0
-        for weight, values in pending.values():
-            if weight > 0:
-                view.add_(values, alpha=weight)  # type: ignore[arg-type]
-                total += weight
-        self._total_weight[index] = total
+        survivors = [(w, v) for w, v in pending.values() if w > 0 and v is not None]
+        self._total_weight[index] = sum(w for w, _ in survivors)
+        self._lone[index] = None
+        if len(survivors) == 1:
+            weight, values = survivors[0]
+            self._lone[index] = (weight, values, 0)
+        elif survivors:
+            view = self.part_view(index)
+            (w1, x1), *rest = survivors
+            torch.mul(x1, w1, out=view)
+            for weight, values in rest:
+                view.add_(values, alpha=weight)
 
     def _finalise_ready(self, indices: Iterable[int]) -> list[FinishedPart]:
         ready = []
@@ -253,25 +294,38 @@ class WeightedMeanReducer:
             pending = self._pending[index]
             if pending is not None and active <= pending.keys():
                 ready.append(index)
+        results = self.destination if self.destination is not None else self.buffer
+        # a part with a single contributor: its values are the average, exactly
+        divided = []
+        for index in ready:
+            lone = self._lone[index]
+            if lone is None:
+                divided.append(index)
+                continue
+            self._lone[index] = None
+            _, values, offset = lone
+            source = values[offset : offset + self.part_sizes[index]]
+            target = results[self.offsets[index] : self.offsets[index + 1]]
+            if source.data_ptr() != target.data_ptr():
+                target.copy_(source)
         # divide runs of consecutive parts with the same total weight in one call each
         start = 0
-        for end in range(1, len(ready) + 1):
+        for end in range(1, len(divided) + 1):
             if (
-                end < len(ready)
-                and ready[end] == ready[end - 1] + 1
-                and self._total_weight[ready[end]] == self._total_weight[ready[start]]
+                end < len(divided)
+                and divided[end] == divided[end - 1] + 1
+                and self._total_weight[divided[end]] == self._total_weight[divided[start]]
             ):
                 continue
-            total = self._total_weight[ready[start]]
+            total = self._total_weight[divided[start]]
             if total > 0:
-                lo, hi = self.offsets[ready[start]], self.offsets[ready[end - 1] + 1]
+                lo, hi = self.offsets[divided[start]], self.offsets[divided[end - 1] + 1]
                 if self.destination is not None:
                     torch.div(self.buffer[lo:hi], total, out=self.destination[lo:hi])
                 else:
                     self.buffer[lo:hi].div_(total)
             start = end
         done = []
-        results = self.destination if self.destination is not None else self.buffer
         for index in ready:
             pending = self._pending[index]
             assert pending is not None
@@ -279,6 +333,7 @@ class WeightedMeanReducer:
             average = results[self.offsets[index] : self.offsets[index + 1]] if total > 0 else None
             contributors = frozenset(s for s, (w, _) in pending.items() if w > 0)
             self._pending[index] = None  # releases the retained contributions
+            self._open_parts -= 1
             done.append(FinishedPart(index, average, total, contributors))
         return done
 

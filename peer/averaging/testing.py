@@ -74,7 +74,7 @@ class FaultyRunner(AllreduceRunner):
                     await asyncio.Event().wait()
             cls._parts_sent += 1
 
-    def _on_received_part(self, sender: str, index: int) -> None:
+    def _on_received_parts(self, sender: str, index: int, count: int) -> None:
         if self.fault == "kill_while_reducing":
             _kill_self()
 

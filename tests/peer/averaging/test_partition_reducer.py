@@ -354,3 +354,58 @@ def test_zeros_back_to_back_alias_one_buffer() -> None:
     mixed = zeros_back_to_back([torch.empty(2), torch.empty(2, dtype=torch.float64)])
     assert [z.dtype for z in mixed] == [torch.float32, torch.float64]
     assert FlatLayout.from_tensors(mixed).alias(mixed) is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    weights=st.lists(st.sampled_from([0.0, 1.0, 0.5, 2.0, 3.25]), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_any_arrival_order_cut_and_exclusion_gives_the_weighted_mean(sizes, weights, data) -> None:
+    """Against a float64 reference: whatever batches the senders cut, in whatever order
+    they arrive, with a sender excluded at any moment, every final part is the weighted mean
+    of the contributions it names (a single contributor's values exactly), and parts with
+    no positive weight have no average."""
+    senders = [f"s{i}" for i in range(len(weights))]
+    offsets = [0, *itertools.accumulate(sizes)]
+    total = offsets[-1]
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    xs = {s: torch.randn(total, generator=g) for s in senders}
+    reference = {s: x.clone() for s, x in xs.items()}
+    # the own contribution may live in the destination, overwritten by averages as it goes
+    destination = xs[senders[0]] if data.draw(st.booleans()) else None
+    reducer = WeightedMeanReducer(
+        sizes, senders, out=torch.full((total,), math.nan), destination=destination
+    )
+    batches = []  # each sender's parts cut into consecutive batches
+    for s in senders:
+        cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(sizes) - 1)))))
+        bounds = sorted({0, *(c for c in cuts if c < len(sizes)), len(sizes)})
+        batches += [(s, a, b) for a, b in itertools.pairwise(bounds)]
+    order = data.draw(st.permutations(batches))
+    exclude_at = data.draw(st.integers(0, len(order)))
+    excluded = data.draw(st.sampled_from(senders))
+    done = {}
+    for step, (s, a, b) in enumerate([*order, (None, 0, 0)]):
+        if step == exclude_at:
+            done.update({d.index: d for d in reducer.exclude(excluded)})
+        if s is None:
+            break
+        values = xs[s][offsets[a] : offsets[b]]
+        weight = weights[senders.index(s)]
+        done.update({d.index: d for d in reducer.accumulate_range(s, a, b - a, values, weight)})
+    assert sorted(done) == list(range(len(sizes))) and reducer.is_finished
+    for index, part in done.items():
+        lo, hi = offsets[index], offsets[index + 1]
+        ws = {s: weights[senders.index(s)] for s in part.senders}
+        assert all(w > 0 for w in ws.values())
+        if not ws:
+            assert part.average is None
+            continue
+        assert part.average is not None and part.total_weight == pytest.approx(sum(ws.values()))
+        if len(ws) == 1:
+            assert torch.equal(part.average, reference[next(iter(ws))][lo:hi])
+            continue
+        expected = sum(w * reference[s][lo:hi].double() for s, w in ws.items()) / sum(ws.values())
+        torch.testing.assert_close(part.average.double(), expected, rtol=0, atol=1e-6)
