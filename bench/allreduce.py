@@ -1,6 +1,6 @@
 """All-reduce throughput: Swarmgrad's butterfly all-reduce against torch.distributed (gloo).
 
-    .venv/bin/python bench/allreduce.py [--peers 2 4 8] [--mb 64] [--reps 5]
+    .venv/bin/python bench/allreduce.py [--peers 2 4 8] [--mb 64] [--reps 9]
 
 For each peer count, starts that many worker processes on loopback; each holds ``--mb`` MB of
 fp32. In the same processes and the same run:
@@ -59,7 +59,7 @@ def worker(args: argparse.Namespace) -> None:
     from peer import DecentralizedAverager, Node
 
     torch.set_num_threads(1)
-    node = Node(args.initial_peer, gossip_period=0.2, bulk_lanes=not args.no_lanes)
+    node = Node(args.initial_peer, bulk_lanes=not args.no_lanes)  # default gossip period
     if args.rank == 0:
         print(json.dumps({"addresses": node.visible_addresses}), flush=True)
     dist.init_process_group(
@@ -235,7 +235,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--mb", type=int, default=64)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--part-size", type=int, default=2**19)
     parser.add_argument(
         "--no-lanes", action="store_true", help="tensor frames over WebSocket links, no lanes"

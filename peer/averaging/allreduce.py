@@ -294,28 +294,33 @@ class AllreduceRunner:
         box = self._outboxes[peer_id]
         r = self.peer_index[peer_id]
         link = None
+        loop = asyncio.get_running_loop()
+        bulk = self.core.bulk
+        deadline = asyncio.timeout(None)  # armed for each send only (one object per task)
         try:
-            while True:
-                item = await self._next_item(peer_id, box, r)
-                if item is None:
-                    return
-                if link is None or link.closed:
-                    # lazily: two client-mode members never exchange anything (nor can they)
-                    link = await self._link_to(peer_id)
-                kind, index = item
-                count = self._batch(kind, r, index, box)
-                await self._before_send(peer_id, kind, index)
-                frame = self._frame(kind, r, index, count)
-                async with asyncio.timeout(self.config.sender_timeout):
-                    if self.core.bulk is not None:
-                        await self.core.bulk.send(peer_id, frame)  # a TCP lane if possible
+            async with deadline:
+                while True:
+                    item = await self._next_item(peer_id, box, r)
+                    if item is None:
+                        return
+                    if link is None or link.closed:
+                        # lazily: two client-mode members never exchange anything (nor can)
+                        link = await self._link_to(peer_id)
+                    kind, index = item
+                    count = self._batch(kind, r, index, box)
+                    await self._before_send(peer_id, kind, index)
+                    frame = self._frame(kind, r, index, count)
+                    deadline.reschedule(loop.time() + self.config.sender_timeout)
+                    if bulk is not None:
+                        await bulk.send(peer_id, frame)  # a TCP lane if possible
                     else:
                         await link.send(frame)
-                if kind == "avg":
-                    for i in range(index, index + count):
-                        self._release_wire(i)
-                else:
-                    self.last_progress[r] = asyncio.get_running_loop().time()
+                    deadline.reschedule(None)
+                    if kind == "avg":
+                        for i in range(index, index + count):
+                            self._release_wire(i)
+                    else:
+                        self.last_progress[r] = loop.time()
         except (SwarmgradError, TimeoutError, OSError) as exc:
             self._peer_failed(peer_id, f"cannot send to it: {exc or type(exc).__name__}")
 

@@ -149,8 +149,10 @@ class _Lane:
             nonlocal lowat
             want = min(stop - start, _PAYLOAD_LOWAT) if payload else 1
             if want != lowat:
-                with contextlib.suppress(OSError):
+                try:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                except OSError:
+                    pass  # an old kernel: one wake-up per segment, still correct
                 lowat = want
             n = await loop.sock_recv_into(sock, target[start:stop])
             if n == 0:
