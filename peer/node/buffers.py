@@ -65,7 +65,8 @@ class BufferPool:
             slab = np.empty(capacity, dtype=np.uint8)
             self.slabs_allocated += 1
         piece = slab[:size]
-        weakref.finalize(piece, self._give_back, slab)
+        # nothing to give back at interpreter exit: the process's memory goes anyway
+        weakref.finalize(piece, self._give_back, slab).atexit = False
         return memoryview(piece)  # type: ignore[arg-type]
 
     def _give_back(self, slab: np.ndarray) -> None:
