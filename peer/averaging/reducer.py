@@ -8,10 +8,13 @@ one event at a time, sans-I/O style: :meth:`~WeightedMeanReducer.accumulate` and
 sends back.
 
 Memory: one preallocated accumulator ``[span numel]`` in the accumulation dtype, written in
-place as contributions arrive (the first as ``acc = w·x``, no zeroing pass; the rest as
-``acc += w·x``), so reducing overlaps receiving. With ``destination``, a final average is
-divided straight into the caller's buffer (one pass fewer). :meth:`accumulate_range` takes
-several consecutive parts of one sender at once (one arithmetic call per run of parts). To drop an
+place as contributions arrive, so reducing overlaps receiving: a part's first positive
+contribution is only remembered, the second is written together with it
+(``acc = w₁·x₁ + w₂·x₂``, one pass and no zeroing), the rest as ``acc += w·x``; a part with a
+single contributor is that contributor's values, untouched. With ``destination``, a final
+average is divided straight into the caller's buffer (one pass fewer).
+:meth:`accumulate_range` takes several consecutive parts of one sender at once (one
+arithmetic call per run of parts). To drop an
 excluded sender's contribution *exactly* (no floating-point subtraction), the reducer keeps
 a reference to each contribution of a part until that part is final and rebuilds the
 affected accumulators from the survivors'; references are released at finalisation, so
