@@ -29,7 +29,7 @@ from peer.transport.memory import MemoryNetwork
 from peer.transport.websocket import WebSocketTransport
 from peer.wire import BYTES, INT, Frame, Limits, Schema, encode_header
 from tests.conftest import scaled
-from tests.peer.test_node import _open_fds
+from tests.peer.test_node import _open_fds, _shut_down_leaving_nothing
 
 BLOB = "test.blob"  # registered and accepted on lanes
 PLAIN = "test.plain"  # registered with a handler, not accepted on lanes
@@ -386,24 +386,21 @@ async def test_a_frame_over_the_limits_is_refused_before_sending(make_peer: Make
 # --------------------------------------------------------------------------- fallbacks
 
 
-async def test_memory_transport_sends_bulk_frames_over_the_link(make_peer: MakePeer) -> None:
-    net = MemoryNetwork()
-    a = await make_peer(transport=net.transport("a"))
-    b = await make_peer(a.core.visible_addresses, transport=net.transport("b"))
+@pytest.mark.parametrize("without_lanes", ["memory transport", "bulk_lanes=False"])
+async def test_without_lanes_bulk_frames_go_over_the_link(
+    make_peer: MakePeer, without_lanes: str
+) -> None:
+    if without_lanes == "memory transport":
+        net = MemoryNetwork()
+        a = await make_peer(transport=net.transport("a"))
+        b = await make_peer(a.core.visible_addresses, transport=net.transport("b"))
+    else:
+        a, b = await _pair(make_peer, bulk_lanes=False)
     assert a.core.bulk is None and b.core.bulk is None
     await a.core.send_bulk(b.peer_id, Frame(BLOB, {"seq": 1}, b"m" * 100_003))
     [(sender, frame)] = await b.wait_for(1)
     assert isinstance(sender, PeerLink) and sender.peer_id == a.peer_id
     assert bytes(frame.payload) == b"m" * 100_003
-
-
-async def test_bulk_lanes_off_sends_over_the_link(make_peer: MakePeer) -> None:
-    a, b = await _pair(make_peer, bulk_lanes=False)
-    assert a.core.bulk is None and b.core.bulk is None
-    await a.core.send_bulk(b.peer_id, Frame(BLOB, {"seq": 1}, b"w" * 100_003))
-    [(sender, frame)] = await b.wait_for(1)
-    assert isinstance(sender, PeerLink) and sender.peer_id == a.peer_id
-    assert bytes(frame.payload) == b"w" * 100_003
 
 
 async def test_client_mode_peer_dials_a_lane_used_both_ways(make_peer: MakePeer) -> None:
@@ -492,17 +489,8 @@ def test_shutdown_with_open_lanes_leaves_no_task_thread_or_socket() -> None:
     lanes = [n.core.bulk.open_lanes for n in nodes if n.core.bulk is not None]
     assert lanes == [2, 2, 2], lanes
 
-    async def leftover_tasks() -> list[asyncio.Task]:
-        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-
-    for node in (c, b, a):  # a lane's other end may be shut down first or last
-        node.run_coroutine(node.core.shutdown())
-        assert node.run_coroutine(leftover_tasks()) == [], (
-            "core.shutdown() must stop every task it started"
-        )
-        node.shutdown()
-    assert set(threading.enumerate()) == threads_before
-    assert {fd for fd in _open_fds() if fd.startswith("socket:")} <= sockets_before
+    # a lane's other end may be shut down first or last
+    _shut_down_leaving_nothing((c, b, a), threads_before, sockets_before)
 
 
 async def test_a_fixed_lane_port_is_used(make_peer: MakePeer) -> None:

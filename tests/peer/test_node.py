@@ -8,7 +8,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -292,6 +292,25 @@ def _open_fds() -> set[str]:
     }
 
 
+def _shut_down_leaving_nothing(
+    nodes: Sequence[Node], threads_before: set[threading.Thread], sockets_before: set[str]
+) -> None:
+    """Shut ``nodes`` down in order, checking that each core stops every task it started,
+    and that no thread or socket outlives them."""
+
+    async def leftover_tasks() -> list[asyncio.Task]:
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    for node in nodes:
+        node.run_coroutine(node.core.shutdown())
+        assert node.run_coroutine(leftover_tasks()) == [], (
+            "core.shutdown() must stop every task it started"
+        )
+        node.shutdown()
+    assert set(threading.enumerate()) == threads_before
+    assert {fd for fd in _open_fds() if fd.startswith("socket:")} <= sockets_before
+
+
 def test_shutdown_leaves_no_task_thread_or_socket() -> None:
     threads_before = set(threading.enumerate())
     sockets_before = {fd for fd in _open_fds() if fd.startswith("socket:")}
@@ -303,17 +322,7 @@ def test_shutdown_leaves_no_task_thread_or_socket() -> None:
         "nodes hold sockets while running"
     )
 
-    async def leftover_tasks() -> list[asyncio.Task]:
-        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-
-    for node in (c, b, a):
-        node.run_coroutine(node.core.shutdown())
-        assert node.run_coroutine(leftover_tasks()) == [], (
-            "core.shutdown() must stop every task it started"
-        )
-        node.shutdown()
-    assert set(threading.enumerate()) == threads_before
-    assert {fd for fd in _open_fds() if fd.startswith("socket:")} <= sockets_before
+    _shut_down_leaving_nothing((c, b, a), threads_before, sockets_before)
     with pytest.raises(Exception, match="shut down"):
         a.get("k")
 
