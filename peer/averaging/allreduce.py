@@ -25,9 +25,11 @@ reducer only finalises a part once it has them or has excluded this peer). Two m
 * ``in_place=True``: ``flat`` is the averaged tensors' memory (or a copy the caller writes
   back) and the slot becomes ``local + alpha · (average - local)`` as soon as the average is
   known — except that averages from a reducer whose own contributions to this peer's span
-  have not all arrived yet are held until they have (a reducer found bad meanwhile then
-  leaves its whole span at the local values, as in delta mode; once they are all in and
-  valid, its held averages are written). Two passes over the tensors fewer than delta
+  are not all in and checked yet are held until they are (a reducer found bad meanwhile
+  then leaves its whole span at the local values, as in delta mode; once they are all in
+  and valid, its held averages are written). Contributions are checked for NaN/Inf with
+  the sums of the parts they are in (:class:`~peer.averaging.reducer.WeightedMeanReducer`),
+  and a sender's values in parts still open when its last one arrives right then. Two passes over the tensors fewer than delta
   mode, and no snapshot.
 
 Batching: consecutive uncompressed parts that are ready for the same member at once (all
@@ -237,11 +239,11 @@ class AllreduceRunner:
             # this peer's own contribution to its span: every part at once (nothing has
             # arrived yet: frames that came early are handled below)
             start, stop = self.partition.spans[self.index]
-            self._on_finished(
-                self.reducer.accumulate_range(
-                    self.me, 0, len(my_parts), self.flat[start:stop], self.weight
-                )
+            finished = self.reducer.accumulate_range(
+                self.me, 0, len(my_parts), self.flat[start:stop], self.weight
             )
+            self._reject_bad()
+            self._on_finished(finished)
         early, self.early = self.early, []
         for sender, frame in early:
             self.on_frame(sender, frame)
@@ -471,16 +473,32 @@ class AllreduceRunner:
             return
         self.last_from[sender] = asyncio.get_running_loop().time()
         self._accepted[sender] += count
-        if self._accepted[sender] == reducer.num_parts:
+        complete = self._accepted[sender] == reducer.num_parts
+        if complete and self.in_place:
+            # its values in parts still open are checked now rather than when those parts
+            # complete: its averages need not be held until then (see the module docstring)
+            finished += reducer.vouch(sender)
+        self._reject_bad()  # NaN/Inf found in parts this frame completed, or by vouch()
+        if complete and sender not in self.failed:
             self._trust(self.peer_index[sender])
         self._on_finished(finished)
 
+    def _reject_bad(self) -> None:
+        assert self.reducer is not None
+        for offence in self.reducer.take_rejected():
+            sender = offence.sender
+            if sender == self.me:
+                logger.warning("this peer's own values are not finite: left out of its span")
+            else:
+                self._bad(sender, str(offence))  # type: ignore[arg-type]
+
     def _trust(self, r: int) -> None:
-        """Reducer ``r`` sent all its contributions to this peer, all valid: write the
-        averages held from it, and any later ones at once."""
-        self._trusted.add(r)
-        for view, average in self._deferred.pop(r, []):
-            self._write_average(view, average)
+        """Reducer ``r`` sent all its contributions to this peer, all checked and valid:
+        write the averages held from it, and any later ones at once."""
+        if r not in self._trusted:
+            self._trusted.add(r)
+            for view, average in self._deferred.pop(r, []):
+                self._write_average(view, average)
 
     @staticmethod
     def _batch_sizes(part_sizes: Sequence[int], index: Any, count: Any) -> Sequence[int]:
@@ -621,7 +639,9 @@ class AllreduceRunner:
         self.excluded_senders.add(sender)
         logger.info("excluding sender %s: %s", sender, reason)
         if self.reducer is not None and sender in self.reducer.senders:
-            self._on_finished(self.reducer.exclude(sender))
+            finished = self.reducer.exclude(sender)
+            self._reject_bad()
+            self._on_finished(finished)
         self._check_done()
 
     def _fail_reducer(self, r: int, reason: str) -> None:

@@ -265,7 +265,7 @@ class DecentralizedAverager:
         )
         self._step_lock = asyncio.Lock()
         self._declare_wake = asyncio.Event()
-        Router.of(core).add(self.config.prefix, self._endpoint)
+        Router.of(core).add(self.config.prefix, self._endpoint, self._route_round)
         self._declare_task = asyncio.get_running_loop().create_task(self._declare_state_loop())
 
     def shutdown(self) -> None:

@@ -38,7 +38,9 @@ class AveragingError(SwarmgradError):
 class BadContribution(AveragingError, ValueError):
     """A sender's contribution is invalid; exclude ``sender`` from the round.
 
-    The reducer's state is unchanged by the rejected contribution: nothing of it was added.
+    Raised, the reducer's state is unchanged by the rejected contribution: nothing of it
+    was added. Found when a part completes (NaN/Inf), it is queued in the reducer's
+    ``rejected`` list instead, the sender already excluded.
     """
 
     def __init__(self, sender: Hashable, part_index: int | None, reason: str) -> None:

@@ -81,6 +81,7 @@ REPLIES: dict[str, Schema] = {
 }
 
 Endpoint = Callable[[Any, Frame], Awaitable[Frame | None]]
+RoundEndpoint = Callable[[str, Frame], None]  # (sender's peer id, part or average frame)
 
 
 class Router:
@@ -90,12 +91,13 @@ class Router:
 
     def __init__(self, core: Any) -> None:
         self.endpoints: dict[str, Endpoint] = {}
+        self.rounds: dict[str, RoundEndpoint] = {}
         for message_type, schema in REPLIES.items():
             core.registry.register(message_type, schema)
         for message_type, schema in HANDLED.items():
             core.register_handler(message_type, schema, self._dispatch)
         for message_type in (PART, AVERAGE):  # tensor payloads: bulk lanes where possible
-            core.accept_bulk(message_type)
+            core.accept_bulk(message_type, inline=self._dispatch_round)
 
     @classmethod
     def of(cls, core: Any) -> Router:
@@ -104,13 +106,22 @@ class Router:
             router = cls._by_node[core] = cls(core)
         return router
 
-    def add(self, prefix: str, endpoint: Endpoint) -> None:
+    def add(self, prefix: str, endpoint: Endpoint, rounds: RoundEndpoint) -> None:
+        """Route ``prefix``'s messages to ``endpoint``, and its round frames (parts and
+        averages) that arrive on bulk lanes to ``rounds(peer_id, frame)``, called inline."""
         if prefix in self.endpoints:
             raise ValueError(f"an averager with prefix {prefix!r} already runs on this node")
         self.endpoints[prefix] = endpoint
+        self.rounds[prefix] = rounds
 
     def remove(self, prefix: str) -> None:
         self.endpoints.pop(prefix, None)
+        self.rounds.pop(prefix, None)
+
+    def _dispatch_round(self, peer_id: str, frame: Frame) -> None:
+        rounds = self.rounds.get(frame.fields["p"])
+        if rounds is not None:
+            rounds(peer_id, frame)
 
     async def _dispatch(self, link: Any, frame: Frame) -> Frame | None:
         endpoint = self.endpoints.get(frame.fields["p"])

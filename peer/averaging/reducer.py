@@ -60,9 +60,14 @@ class WeightedMeanReducer:
     sender not excluded has contributed to it. A sender with weight 0 (auxiliary) counts as
     having contributed but adds nothing (its values may be ``None``).
 
-    Errors: a malformed contribution raises :class:`BadContribution` (or
-    :class:`UnexpectedSender`) naming the offender and changes nothing; the caller's next
-    step is ``exclude(err.sender)`` and sending back the parts that returns.
+    Errors: a malformed contribution (duplicate, unknown part, bad weight, shape or dtype)
+    raises :class:`BadContribution` (or :class:`UnexpectedSender`) naming the offender and
+    changes nothing; the caller's next step is ``exclude(err.sender)`` and sending back the
+    parts that returns. NaN/Inf values are found when a part is complete, by one check of
+    its sum (not one per contribution): the senders whose values in it are not finite are
+    then excluded as by :meth:`exclude`, the part is rebuilt from the others, and each
+    offence is queued in :attr:`rejected` for the caller to act on (:meth:`take_rejected`).
+    A sender's values count as valid once every part it contributed to is final.
     """
 
     def __init__(
@@ -106,6 +111,8 @@ class WeightedMeanReducer:
             {} for _ in self.part_sizes
         ]
         self.excluded: set[Hashable] = set()
+        # offences found when completing parts (NaN/Inf values), for the caller
+        self.rejected: list[BadContribution] = []
         self._open_parts = len(self.part_sizes)  # parts not final yet
         # part index → the part's only positive contribution so far, not yet written to the
         # accumulator: (weight, values of the batch it came in, the part's offset there).
@@ -141,6 +148,11 @@ class WeightedMeanReducer:
     def part_view(self, index: int) -> torch.Tensor:
         return self.buffer[self.offsets[index] : self.offsets[index + 1]]
 
+    def take_rejected(self) -> list[BadContribution]:
+        """The offences found since the last call (their senders are already excluded)."""
+        rejected, self.rejected = self.rejected, []
+        return rejected
+
     # ----------------------------------------------------------------- events
 
     def accumulate_range(
@@ -169,7 +181,7 @@ class WeightedMeanReducer:
                 raise BadContribution(sender, i, "duplicate contribution")
         weight = self._check_weight(sender, index, weight)
         start_at, stop_at = self.offsets[index], self.offsets[stop]
-        self._check_values(sender, index, values, stop_at - start_at, finite=weight > 0)
+        self._check_values(sender, index, values, stop_at - start_at)
         if weight > 0:
             self._add(index, stop, values, weight)
         for i in range(index, stop):
@@ -183,10 +195,11 @@ class WeightedMeanReducer:
     ) -> list[FinishedPart]:
         """Add ``weight · values`` from ``sender`` to part ``index``; return parts now final.
 
-        ``values`` has shape ``[part_sizes[index]]`` and dtype :attr:`dtype`, all finite.
+        ``values`` has shape ``[part_sizes[index]]`` and dtype :attr:`dtype`.
         A contribution from an excluded sender (late arrival) is ignored. Raises
         :class:`BadContribution` for a duplicate, an unknown part, a bad weight (negative,
-        non-finite or different from the sender's earlier parts), shape, dtype or NaN/Inf.
+        non-finite or different from the sender's earlier parts), shape or dtype; NaN/Inf
+        values are dealt with when the part is complete (see the class docstring).
         """
         if sender not in self.senders:
             raise UnexpectedSender(sender, index, "not a sender of this reducer")
@@ -207,6 +220,23 @@ class WeightedMeanReducer:
             self._total_weight[index] += weight
         return self._finalise_ready([index])
 
+    def vouch(self, sender: Hashable) -> list[FinishedPart]:
+        """Check now ``sender``'s values in the parts not final yet (they are otherwise
+        checked when each part completes), so that it is known valid before the span is:
+        call it once the sender has contributed to every part. A non-finite value excludes
+        the sender as a completed part would (queued in :attr:`rejected`); returns the
+        parts that became final because of that."""
+        if sender in self.excluded:
+            return []
+        for index, pending in enumerate(self._pending):
+            contribution = pending.get(sender) if pending is not None else None
+            if contribution is None or contribution[0] == 0 or contribution[1] is None:
+                continue
+            if not all_finite(contribution[1]):
+                self.rejected.append(BadContribution(sender, index, "NaN or Inf values"))
+                return self._finalise_ready(self._drop(sender))
+        return []
+
     def exclude(self, sender: Hashable) -> list[FinishedPart]:
         """Stop waiting for ``sender``; drop its contributions to parts not yet final.
 
@@ -217,6 +247,10 @@ class WeightedMeanReducer:
             raise ValueError(f"{sender!r} is not a sender of this reducer")
         if sender in self.excluded:
             return []
+        return self._finalise_ready(self._drop(sender))
+
+    def _drop(self, sender: Hashable) -> list[int]:
+        """Exclude ``sender``: rebuild the open parts it contributed to; the open parts."""
         self.excluded.add(sender)
         touched = []
         for index, pending in enumerate(self._pending):
@@ -226,7 +260,7 @@ class WeightedMeanReducer:
             if sender in pending:
                 del pending[sender]
                 self._rebuild(index, pending)
-        return self._finalise_ready(touched)
+        return touched
 
     # -------------------------------------------------------------- internals
 
@@ -297,6 +331,15 @@ class WeightedMeanReducer:
             pending = self._pending[index]
             if pending is not None and active <= pending.keys():
                 ready.append(index)
+        if not ready:
+            return []
+        culprits = self._screen(ready)
+        if culprits:  # excluded now: the parts they were in are rebuilt without them
+            touched: set[int] = set()
+            for sender, index in culprits.items():
+                self.rejected.append(BadContribution(sender, index, "NaN or Inf values"))
+                touched.update(self._drop(sender))
+            return self._finalise_ready(sorted(touched))
         results = self.destination if self.destination is not None else self.buffer
         # a part with a single contributor: its values are the average, exactly
         divided = []
@@ -340,6 +383,41 @@ class WeightedMeanReducer:
             done.append(FinishedPart(index, average, total, contributors))
         return done
 
+    def _screen(self, ready: list[int]) -> dict[Hashable, int]:
+        """Check the sums of complete parts for NaN/Inf (one pass over each run of adjacent
+        accumulated parts); for a part that fails, find the senders with non-finite values
+        in it. Returns them, each with the first such part. Finite values whose sum
+        overflows are not an offence: that part stays as it is."""
+        offsets, lone, buffer = self.offsets, self._lone, self.buffer
+        suspects: list[int] = []
+        summed: list[int] = []  # parts whose sum is in the accumulator, in order
+        for index in ready:
+            first = lone[index]
+            if first is not None:  # a single contributor: its values are the average
+                _, values, at = first
+                if not all_finite(values[at : at + self.part_sizes[index]]):
+                    suspects.append(index)
+            elif self._total_weight[index] > 0:
+                summed.append(index)
+        start = 0
+        for end in range(1, len(summed) + 1):
+            if end < len(summed) and summed[end] == summed[end - 1] + 1:
+                continue  # adjacent in the accumulator: one check for the run
+            run = summed[start:end]
+            if not all_finite(buffer[offsets[run[0]] : offsets[run[-1] + 1]]):
+                suspects.extend(
+                    i for i in run if not all_finite(buffer[offsets[i] : offsets[i + 1]])
+                )
+            start = end
+        culprits: dict[Hashable, int] = {}
+        for index in suspects:
+            pending = self._pending[index]
+            assert pending is not None
+            for sender, (weight, contribution) in pending.items():
+                if weight > 0 and contribution is not None and not all_finite(contribution):
+                    culprits.setdefault(sender, index)
+        return culprits
+
     def _check_weight(self, sender: Hashable, index: int, weight: float) -> float:
         try:
             weight = float(weight)
@@ -358,18 +436,14 @@ class WeightedMeanReducer:
         index: int,
         values: torch.Tensor | None,
         numel: int,
-        *,
-        finite: bool = True,
     ) -> None:
-        """``values`` must be a ``[numel]`` tensor of :attr:`dtype` (all finite, if asked)."""
+        """``values`` must be a ``[numel]`` tensor of :attr:`dtype`."""
         if not isinstance(values, torch.Tensor):
             raise BadContribution(sender, index, "values missing")
         if values.shape != (numel,):
             raise BadContribution(sender, index, f"shape {list(values.shape)}, expected [{numel}]")
         if values.dtype != self.dtype:
             raise BadContribution(sender, index, f"dtype {values.dtype}, expected {self.dtype}")
-        if finite and not all_finite(values):
-            raise BadContribution(sender, index, "NaN or Inf values")
 
 
 def apply_averaging_alpha(

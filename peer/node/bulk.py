@@ -26,6 +26,7 @@ a lane. A client-mode peer still dials lanes to others, and both directions use 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -42,6 +43,7 @@ from peer.wire import (
     INT,
     LENGTH_BYTES,
     Frame,
+    Header,
     Limits,
     MessageRegistry,
     Schema,
@@ -60,6 +62,8 @@ MAGIC = b"SWGB"  # "swarmgrad bulk", version 1 of the lane preamble
 TICKET_BYTES = 16
 TICKET_TTL = 30.0
 _PAYLOAD_LOWAT = 512 << 10  # bytes of a payload worth waking up for (at most)
+_READ_BUDGET = 8 << 20  # bytes read per wake-up of a lane before the loop's other work runs
+_BACKLOG_FRAMES = 4  # frames waiting for an async handler before a lane stops reading
 _RETRY_AFTER = 60.0  # seconds before trying again a lane to a peer that could not get one
 _CONNECT_TIMEOUT = 3.0  # a lane port behind a firewall: fall back to the link soon
 
@@ -81,11 +85,16 @@ def _tune(sock: socket.socket) -> None:
 
 
 class _Lane:
-    """One TCP lane to a peer, served on the event loop: a reader task, and ``send``.
+    """One TCP lane to a peer, served on the event loop: a reader callback, and ``send``.
 
-    The socket is non-blocking and driven by the loop's ``sock_*`` calls, which try the
-    system call first and only wait for readiness when it would block: no thread hand-offs
-    (on a 2-core machine they cost more than the copies they would overlap)."""
+    The socket is non-blocking. Reading: a callback the loop runs whenever the socket is
+    readable (registered once, not per read) receives straight into the frame being read
+    and hands each complete frame to its handler: an *inline* one (a plain function,
+    :meth:`BulkLanes.accept`) is called right there, with no task switch; frames for an
+    async handler queue up for a delivery task, and reading pauses while
+    :data:`_BACKLOG_FRAMES` of them wait (backpressure). Writing: ``send`` tries the system
+    call first and only waits for the socket to drain when it would block. No thread
+    hand-offs: on a 2-core machine they cost more than the copies they would overlap."""
 
     _HEADER_READ = 4096  # bytes read ahead while looking for a header (spill is copied)
 
@@ -95,7 +104,19 @@ class _Lane:
         self.sock = sock
         self.closed = False
         self._send_lock = asyncio.Lock()
-        self._reader = owner.loop.create_task(self._read_loop(), name=f"bulk-{peer_id[:8]}")
+        # reading state: read-ahead buffer for headers, and the payload being filled
+        self._staging = bytearray(self._HEADER_READ)
+        self._view = memoryview(self._staging)
+        self._have = 0  # bytes at the start of the staging buffer not yet consumed
+        self._head: Header | None = None  # header of the frame whose payload is arriving
+        self._payload: memoryview | None = None
+        self._got = 0  # bytes of that payload received
+        self._lowat = 1
+        self._backlog: collections.deque[Frame] = collections.deque()
+        self._delivery: asyncio.Task[None] | None = None
+        self._reading = False
+        self._ended = False
+        self._resume()
 
     async def send(self, frame: Frame) -> None:
         """Send one frame. Raises FrameTooLarge, before sending anything, for a frame the
@@ -134,84 +155,173 @@ class _Lane:
                 self.close()
                 raise ConnectionError(f"bulk lane to {self.peer_id} failed: {exc}") from None
 
-    async def _read_loop(self) -> None:
-        owner = self.owner
-        loop, limits, sock = owner.loop, owner.limits, self.sock
-        staging = bytearray(self._HEADER_READ)
-        view = memoryview(staging)
-        have = 0  # bytes at the start of ``staging`` not yet consumed
+    # ---------------------------------------------------------------- reading
 
-        lowat = 1
+    def _resume(self) -> None:
+        if not self._reading and not self._ended:
+            self.owner.loop.add_reader(self.sock, self._on_readable)
+            self._reading = True
+            if self._have:  # frames read ahead while paused: before waiting for more
+                self.owner.loop.call_soon(self._on_readable, True)
 
-        async def fill(target: memoryview, start: int, stop: int, payload: bool = False) -> int:
-            # In a payload, wake up only once a good stretch of it is there (SO_RCVLOWAT):
-            # fewer wake-ups and larger reads than one per arriving segment.
-            nonlocal lowat
-            want = min(stop - start, _PAYLOAD_LOWAT) if payload else 1
-            if want != lowat:
-                try:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                except OSError:
-                    pass  # an old kernel: one wake-up per segment, still correct
-                lowat = want
-            n = await loop.sock_recv_into(sock, target[start:stop])
-            if n == 0:
-                raise ConnectionError("lane closed by the remote")
-            return n
+    def _pause(self) -> None:
+        if self._reading:
+            self.owner.loop.remove_reader(self.sock)
+            self._reading = False
 
-        reason = "closed by remote"
+    def _on_readable(self, parse_first: bool = False) -> None:
+        """Read what the socket has (up to :data:`_READ_BUDGET` bytes: then the loop's other
+        work goes first), handing out every frame completed."""
+        sock = self.sock
+        budget = _READ_BUDGET
         try:
-            while True:
-                while have < LENGTH_BYTES:
-                    have += await fill(view, have, len(view))
-                need = LENGTH_BYTES + decode_length(view[:LENGTH_BYTES], limits)
-                if need > len(staging):  # a large header: grow the staging buffer
-                    grown = bytearray(need + self._HEADER_READ)
-                    grown[:have] = view[:have]
-                    view.release()
-                    staging, view = grown, memoryview(grown)
-                while have < need:
-                    have += await fill(view, have, need)
-                head = decode_header(view[LENGTH_BYTES:need], owner.registry, limits)
-                if head.type not in owner.accepted or head.request_id or head.reply_to:
-                    raise ProtocolError(f"{head.type!r} is not accepted on a bulk lane")
-                size = head.payload_length
-                spilled = min(have - need, size)
-                payload: Any = b""
-                if size:
-                    # a writable buffer from the pool (no zero-fill, pages reused)
-                    payload = owner.buffers.take(size)
-                    payload[:spilled] = view[need : need + spilled]
-                    got = spilled
-                    while got < size:  # straight from the socket into the payload
-                        got += await fill(payload, got, size, payload=True)
-                rest = have - need - spilled
-                if rest:
-                    view[:rest] = view[need + spilled : have]
-                have = rest
-                frame = Frame(head.type, head.fields, payload)
-                # the handler owns the payload now: no reference here may keep its pooled
-                # buffer from going back while the lane waits for the next frame
-                payload = None
-                if not owner.closing:
-                    await owner.deliver(BulkSender(self.peer_id), frame)
-                del frame
+            if parse_first and self._payload is None and self._reading:
+                self._parse()
+            while budget > 0 and self._reading:
+                payload = self._payload
+                if payload is not None:  # straight from the socket into the payload
+                    size = len(payload)
+                    want = size - self._got
+                    n = sock.recv_into(payload[self._got :])
+                    if not n:
+                        raise ConnectionError("lane closed by the remote")
+                    self._got += n
+                    budget -= n
+                    if n == want:
+                        head, self._head, self._payload = self._head, None, None
+                        assert head is not None
+                        self._deliver(Frame(head.type, head.fields, payload))
+                        del payload  # the handler owns it: nothing here may keep it alive
+                    elif n < want:
+                        break  # drained for now
+                else:
+                    want = len(self._view) - self._have
+                    n = sock.recv_into(self._view[self._have :])
+                    if not n:
+                        raise ConnectionError("lane closed by the remote")
+                    self._have += n
+                    budget -= n
+                    self._parse()
+                    if n < want and self._payload is None:
+                        break  # drained for now
+        except (BlockingIOError, InterruptedError):
+            pass
         except ProtocolError as exc:
-            reason = f"protocol error: {exc}"
             logger.warning("closing bulk lane from %s: %s", self.peer_id, exc)
+            self._end(f"protocol error: {exc}")
+            return
         except (OSError, ValueError) as exc:
-            reason = str(exc) or type(exc).__name__
-        except asyncio.CancelledError:
-            reason = "closed locally"
-            raise
-        except Exception:
-            logger.exception("handling a frame from bulk lane %s failed", self.peer_id)
-            reason = "handler failed"
+            self._end(str(exc) or type(exc).__name__)
+            return
+        if self._ended:
+            return
+        # In a payload, wake up only once a good stretch of it is there (SO_RCVLOWAT):
+        # fewer wake-ups and larger reads than one per arriving segment.
+        lowat = 1
+        if self._payload is not None:
+            lowat = min(len(self._payload) - self._got, _PAYLOAD_LOWAT)
+        if lowat != self._lowat:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+            except OSError:
+                pass  # an old kernel: one wake-up per segment, still correct
+            self._lowat = lowat
+
+    def _parse(self) -> None:
+        """Take the complete frames out of the staging buffer; start the payload of one that
+        is not complete yet."""
+        owner = self.owner
+        limits, view, have = owner.limits, self._view, self._have
+        pos = 0
+        grow_to = 0
+        while self._payload is None and self._reading:
+            if have - pos < LENGTH_BYTES:
+                break
+            need = LENGTH_BYTES + decode_length(view[pos : pos + LENGTH_BYTES], limits)
+            if have - pos < need:
+                grow_to = need  # a large header: the staging buffer must hold it whole
+                break
+            head = decode_header(view[pos + LENGTH_BYTES : pos + need], owner.registry, limits)
+            if head.type not in owner.accepted or head.request_id or head.reply_to:
+                raise ProtocolError(f"{head.type!r} is not accepted on a bulk lane")
+            pos += need
+            size = head.payload_length
+            if not size:
+                self._deliver(Frame(head.type, head.fields, b""))
+                continue
+            # a writable buffer from the pool (no zero-fill, pages reused)
+            payload = owner.buffers.take(size)
+            spilled = min(have - pos, size)
+            payload[:spilled] = view[pos : pos + spilled]
+            pos += spilled
+            if spilled < size:
+                self._head, self._payload, self._got = head, payload, spilled
+            else:
+                self._deliver(Frame(head.type, head.fields, payload))
+            del payload
+        rest = have - pos
+        if pos and rest:
+            view[:rest] = view[pos:have]
+        self._have = rest
+        if grow_to > len(self._staging):
+            grown = bytearray(grow_to + self._HEADER_READ)
+            grown[:rest] = view[:rest]
+            view.release()
+            self._staging, self._view = grown, memoryview(grown)
+
+    def _deliver(self, frame: Frame) -> None:
+        owner = self.owner
+        if owner.closing:
+            return
+        inline = owner.inline.get(frame.type)
+        if inline is not None and not self._backlog:
+            try:
+                inline(self.peer_id, frame)
+            except Exception:  # the frame is lost, not the lane (nor the frames behind it)
+                logger.exception("handling %s from bulk lane %s failed", frame.type, self.peer_id)
+            return
+        self._backlog.append(frame)
+        if self._delivery is None:
+            self._delivery = owner.loop.create_task(
+                self._deliver_backlog(), name=f"bulk-{self.peer_id[:8]}"
+            )
+        if len(self._backlog) >= _BACKLOG_FRAMES:
+            self._pause()  # the handler is behind: let TCP hold the sender back
+
+    async def _deliver_backlog(self) -> None:
+        owner, backlog = self.owner, self._backlog
+        try:
+            while backlog:
+                frame = backlog.popleft()
+                if len(backlog) < _BACKLOG_FRAMES:
+                    self._resume()
+                if owner.closing:
+                    continue
+                try:
+                    inline = owner.inline.get(frame.type)
+                    if inline is not None:
+                        inline(self.peer_id, frame)
+                    else:
+                        await owner.deliver(BulkSender(self.peer_id), frame)
+                except Exception:
+                    logger.exception(
+                        "handling %s from bulk lane %s failed", frame.type, self.peer_id
+                    )
+                del frame
         finally:
-            self.close()
-            owner.forget(self, reason)
+            self._delivery = None
+
+    def _end(self, reason: str) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._pause()
+        self._payload = self._head = None
+        self.close()
+        self.owner.forget(self, reason)
 
     def close(self) -> None:
+        """Stop sending and receiving (the reader then ends the lane: :meth:`BulkLanes.forget`)."""
         if self.closed:
             return
         self.closed = True
@@ -220,9 +330,12 @@ class _Lane:
 
     async def join(self) -> None:
         self.close()
-        if not self._reader.done() and self._reader is not asyncio.current_task():
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        self._end("closed locally")
+        delivery = self._delivery
+        if delivery is not None and delivery is not asyncio.current_task():
+            delivery.cancel()
+            await asyncio.gather(delivery, return_exceptions=True)
+        self._backlog.clear()
         self.sock.close()
 
 
@@ -252,6 +365,7 @@ class BulkLanes:
         self._listen_port = port
         self.deliver = deliver
         self.accepted: set[str] = set()
+        self.inline: dict[str, Callable[[str, Frame], None]] = {}
         self.loop = asyncio.get_running_loop()
         self.port: int | None = None
         self._listener: socket.socket | None = None
@@ -268,10 +382,14 @@ class BulkLanes:
         registry.register(BULK_TICKET, Schema())
         registry.register(BULK_TICKET_OK, Schema(required={"port": INT, "ticket": BYTES}))
 
-    def accept(self, message_type: str) -> None:
+    def accept(self, message_type: str, inline: Callable[[str, Frame], None] | None = None) -> None:
         """Accept one-way frames of ``message_type`` on lanes (the type must be registered
-        on the node with a handler)."""
+        on the node with a handler). With ``inline``, a lane calls ``inline(peer_id, frame)``
+        from its reader instead of the node's async handler: it must not block, and what it
+        raises is logged (the frame is dropped, the lane goes on)."""
         self.accepted.add(message_type)
+        if inline is not None:
+            self.inline[message_type] = inline
 
     def has_lane(self, peer_id: str) -> bool:
         """Whether an open lane with ``peer_id`` exists (dialed by either side)."""

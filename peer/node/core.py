@@ -129,7 +129,8 @@ class AsyncNode:
         self._listener: Listener | None = None
         self._addresses: list[str] = []
         self.bulk: BulkLanes | None = None
-        self._bulk_types: set[str] = set()  # accepted on lanes, also when set before start()
+        # accepted on lanes (also when set before start()), with their inline handlers
+        self._bulk_types: dict[str, Callable[[str, Frame], None] | None] = {}
         self._started = False
         self._stopping = False
         self.rounds = 0
@@ -183,8 +184,8 @@ class AsyncNode:
                 deliver=self._deliver_bulk,
             )
             self.handlers[BULK_TICKET] = self.bulk.on_ticket
-            for message_type in self._bulk_types:
-                self.bulk.accept(message_type)
+            for message_type, inline in self._bulk_types.items():
+                self.bulk.accept(message_type, inline)
             await self.bulk.start()
 
     async def shutdown(self) -> None:
@@ -326,12 +327,28 @@ class AsyncNode:
         link = await self.link(peer_id)
         await link.send(frame)
 
-    def accept_bulk(self, message_type: str) -> None:
+    def accept_bulk(
+        self, message_type: str, inline: Callable[[str, Frame], None] | None = None
+    ) -> None:
         """Let one-way frames of ``message_type`` (registered with a handler) arrive over
-        bulk lanes too. May be called before :meth:`start`."""
-        self._bulk_types.add(message_type)
+        bulk lanes too. May be called before :meth:`start`.
+
+        ``inline(peer_id, frame)``, if given, handles the frames that arrive on lanes, called
+        straight from the lane's reader (no task per frame): a plain function that must not
+        block or await; what it raises is logged and the frame dropped. Frames of the type
+        that arrive over a link still go to the registered handler."""
+        if inline is not None:
+            handler = inline
+
+            def guarded(peer_id: str, frame: Frame) -> None:
+                if not self._stopping:
+                    handler(peer_id, frame)
+
+            inline = guarded
+
+        self._bulk_types[message_type] = inline
         if self.bulk is not None:
-            self.bulk.accept(message_type)
+            self.bulk.accept(message_type, inline)
 
     async def send_bulk(self, peer_id: str, frame: Frame) -> None:
         """Send a large one-way frame: over a bulk lane when the transport has them (no

@@ -221,6 +221,76 @@ async def _send_all(src: Peer, dst: Peer, count: int) -> list[bytes]:
     return payloads
 
 
+INLINE = "test.inline"  # accepted on lanes with an inline handler
+
+
+async def test_inline_handler_gets_lane_frames_in_order_and_link_frames_go_to_the_handler(
+    make_peer: MakePeer,
+) -> None:
+    a, b = await _pair(make_peer)
+    inline: list[tuple[str, int]] = []
+    b.core.register_handler(INLINE, BLOB_SCHEMA, b.handle)
+    b.core.accept_bulk(INLINE, inline=lambda peer_id, f: inline.append((peer_id, f.fields["seq"])))
+    a.core.registry.register(INLINE, BLOB_SCHEMA)
+    for seq in range(50):
+        await a.core.send_bulk(b.peer_id, Frame(INLINE, {"seq": seq}, bytes(seq * 997)))
+    await _eventually(lambda: len(inline) == 50)
+    assert inline == [(a.peer_id, seq) for seq in range(50)] and not b.received
+    await a.core.send(b.peer_id, Frame(INLINE, {"seq": 50}, b"link"))  # not a lane
+    [(sender, frame)] = await b.wait_for(1)
+    assert isinstance(sender, PeerLink) and frame.fields == {"seq": 50}
+
+
+async def test_a_handler_that_raises_loses_its_frame_not_the_lane(
+    make_peer: MakePeer, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = await _pair(make_peer)
+    seen: list[int] = []
+
+    def handler(peer_id: str, frame: Frame) -> None:
+        if frame.fields["seq"] == 1:
+            raise RuntimeError("handler bug")
+        seen.append(frame.fields["seq"])
+
+    b.core.register_handler(INLINE, BLOB_SCHEMA, b.handle)
+    b.core.accept_bulk(INLINE, inline=handler)
+    a.core.registry.register(INLINE, BLOB_SCHEMA)
+    with caplog.at_level(logging.ERROR, logger="peer.node.bulk"):
+        for seq in range(4):
+            await a.core.send_bulk(b.peer_id, Frame(INLINE, {"seq": seq}, b"x" * 100_000))
+        await _eventually(lambda: len(seen) == 3)
+    assert seen == [0, 2, 3]
+    assert any("handler bug" in (r.exc_text or "") for r in caplog.records)
+    assert b.core.bulk is not None and b.core.bulk.open_lanes == 1  # the same lane goes on
+
+
+async def test_a_slow_async_handler_holds_the_lane_back(make_peer: MakePeer) -> None:
+    """Frames for an async handler queue up to a bound; then the lane stops reading (TCP
+    holds the sender back), and everything arrives in order once the handler catches up."""
+    a, b = await _pair(make_peer)
+    release = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def slow(sender: Any, frame: Frame) -> None:
+        entered.set()
+        await release.wait()
+        await b.handle(sender, frame)
+
+    b.core.handlers[BLOB] = slow
+    await a.core.send_bulk(b.peer_id, Frame(BLOB, {"seq": 0}, b"first"))
+    await entered.wait()
+    for seq in range(1, 40):
+        await a.core.send_bulk(b.peer_id, Frame(BLOB, {"seq": seq}, b"y" * 1000))
+    assert b.core.bulk is not None
+    [lane] = b.core.bulk._all
+    await _eventually(lambda: not lane._reading)  # paused, with a bounded backlog
+    assert len(lane._backlog) == bulk_module._BACKLOG_FRAMES
+    release.set()
+    received = await b.wait_for(40)
+    assert [frame.fields["seq"] for _, frame in received] == list(range(40))
+    assert lane._reading and not lane._backlog
+
+
 async def test_both_peers_dialing_at_once_deliver_both_ways(make_peer: MakePeer) -> None:
     a, b = await _pair(make_peer)
     count = 40

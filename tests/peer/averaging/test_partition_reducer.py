@@ -189,8 +189,6 @@ def test_auxiliary_weight_zero_contributes_nothing() -> None:
     [
         (("a", 0, torch.zeros(3)), "shape"),
         (("a", 0, torch.zeros(2).double()), "dtype"),
-        (("a", 0, torch.tensor([1.0, math.nan])), "NaN"),
-        (("a", 0, torch.tensor([1.0, math.inf])), "NaN"),
         (("a", 5, torch.zeros(2)), "no part"),
         (("a", 0, torch.zeros(2), -1.0), "weight"),
         (("a", 0, torch.zeros(2), math.nan), "weight"),
@@ -205,6 +203,55 @@ def test_bad_contributions_name_the_offender_and_change_nothing(args, match: str
     assert not r.buffer.any() and r.waiting_for(0) == {"a", "b"}
     (done,) = r.exclude("a") + r.accumulate("b", 0, torch.ones(2))
     assert torch.equal(done.average, torch.ones(2))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_values_exclude_their_sender_when_the_part_completes(bad: float) -> None:
+    """One check of each complete part's sum: a sender with NaN/Inf in it is excluded (and
+    reported once), the part and the other open parts are rebuilt without it, and parts
+    already final keep its finite values."""
+    r = WeightedMeanReducer([2, 2, 2], ["a", "b", "c"])
+    assert r.accumulate_range("a", 0, 3, torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])) == []
+    assert r.accumulate("c", 0, torch.tensor([3.0, 4.0])) == []
+    (first,) = r.accumulate("b", 0, torch.tensor([5.0, 6.0]))  # b's finite part: kept
+    assert torch.equal(first.average, torch.tensor([3.0, 4.0])) and r.take_rejected() == []
+    assert r.accumulate_range("b", 1, 2, torch.tensor([1.0, bad, 7.0, 8.0]), 1.0) == []
+    assert r.take_rejected() == []  # nothing is checked before the part is complete
+    done = r.accumulate_range("c", 1, 2, torch.tensor([5.0, 6.0, 7.0, 8.0]))
+    (offence,) = r.take_rejected()
+    assert offence.sender == "b" and offence.part_index == 1 and "NaN or Inf" in str(offence)
+    assert r.excluded == {"b"} and r.is_finished and r.take_rejected() == []
+    assert [d.index for d in done] == [1, 2] and all(d.senders == {"a", "c"} for d in done)
+    assert torch.equal(torch.cat([d.average for d in done]), torch.tensor([4.0, 5, 6, 7]))
+
+
+def test_vouch_checks_a_complete_senders_values_in_open_parts() -> None:
+    r = WeightedMeanReducer([2, 2], ["a", "b", "c"])
+    r.accumulate_range("a", 0, 2, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert r.vouch("a") == [] and r.take_rejected() == []  # finite: nothing happens
+    r.accumulate_range("b", 0, 2, torch.tensor([1.0, 2.0, 3.0, math.inf]))
+    r.accumulate("c", 0, torch.tensor([4.0, 5.0]))  # part 0 completes, b's values in it fine
+    assert r.take_rejected() == []
+    assert r.vouch("b") == []  # b's part 1 is open: checked now, b excluded (c still owed)
+    assert [o.part_index for o in r.take_rejected()] == [1] and r.excluded == {"b"}
+    (last,) = r.accumulate("c", 1, torch.tensor([5.0, 6.0]))
+    assert torch.equal(last.average, torch.tensor([4.0, 5.0])) and last.senders == {"a", "c"}
+
+
+def test_non_finite_values_of_a_single_contributor_leave_no_average() -> None:
+    r = WeightedMeanReducer([2], ["a", "aux"])
+    assert r.accumulate("a", 0, torch.tensor([1.0, math.nan])) == []
+    (done,) = r.accumulate("aux", 0, None, weight=0.0)
+    assert done.average is None and [o.sender for o in r.take_rejected()] == ["a"]
+
+
+def test_finite_values_whose_sum_overflows_are_not_an_offence() -> None:
+    big = torch.tensor([3e38, 1.0])
+    r = WeightedMeanReducer([2], ["a", "b"])
+    r.accumulate("a", 0, big)
+    (done,) = r.accumulate("b", 0, big)
+    assert r.take_rejected() == [] and done.senders == {"a", "b"}
+    assert math.isinf(done.average[0]) and done.average[1] == 1.0
 
 
 def test_duplicates_unknown_senders_and_weight_changes() -> None:
@@ -293,7 +340,6 @@ def test_accumulate_range_equals_part_by_part() -> None:
         (-1, 2, torch.zeros(5), "no parts"),
         (0, 2, torch.zeros(4), "shape"),
         (0, 2, torch.zeros(5).double(), "dtype"),
-        (0, 2, torch.tensor([0.0, 1.0, math.nan, 0.0, 0.0]), "NaN"),
         (2, 2, torch.zeros(4), "duplicate"),  # part 3 came already
     ],
 )
@@ -372,6 +418,14 @@ def test_any_arrival_order_cut_and_exclusion_gives_the_weighted_mean(sizes, weig
     total = offsets[-1]
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
     xs = {s: torch.randn(total, generator=g) for s in senders}
+    # one sender may have a NaN/Inf in one part: it must never reach an average
+    poisoned = data.draw(st.sampled_from([None, *senders]))
+    poisoned_part = data.draw(st.integers(0, len(sizes) - 1))
+    if poisoned is not None and sizes[poisoned_part]:
+        at = offsets[poisoned_part] + data.draw(st.integers(0, sizes[poisoned_part] - 1))
+        xs[poisoned][at] = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+    else:
+        poisoned = None
     reference = {s: x.clone() for s, x in xs.items()}
     # the own contribution may live in the destination, overwritten by averages as it goes
     destination = xs[senders[0]] if data.draw(st.booleans()) else None
@@ -396,7 +450,15 @@ def test_any_arrival_order_cut_and_exclusion_gives_the_weighted_mean(sizes, weig
         weight = weights[senders.index(s)]
         done.update({d.index: d for d in reducer.accumulate_range(s, a, b - a, values, weight)})
     assert sorted(done) == list(range(len(sizes))) and reducer.is_finished
+    rejected = [offence.sender for offence in reducer.take_rejected()]
+    assert rejected in ([], [poisoned])
+    if poisoned is not None and weights[senders.index(poisoned)] > 0:
+        assert poisoned in reducer.excluded  # rejected, unless excluded before its part completed
     for index, part in done.items():
+        if index == poisoned_part and poisoned is not None:
+            assert poisoned not in part.senders or weights[senders.index(poisoned)] == 0
+        if part.average is not None:
+            assert torch.isfinite(part.average).all()
         lo, hi = offsets[index], offsets[index + 1]
         ws = {s: weights[senders.index(s)] for s in part.senders}
         assert all(w > 0 for w in ws.values())
