@@ -67,10 +67,10 @@ __all__ = [
     "TensorRole",
     "Uniform8BitQuantization",
     "all_finite",
+    "byte_view",
     "dtype_from_name",
     "dtype_name",
     "extract",
-    "raw_wire",
 ]
 
 
@@ -262,20 +262,7 @@ class CompressedTensor:
 # ------------------------------------------------------------------------- helpers
 
 
-def raw_wire(tensor: torch.Tensor) -> tuple[dict[str, Any], memoryview]:
-    """``NoCompression().compress(tensor).to_wire()`` for a contiguous 1-d CPU tensor of a
-    supported dtype, without the general path's checks and conversions (the all-reduce
-    sends many such views of its flat buffer per round)."""
-    header = {
-        "codec": NoCompression.name,
-        "dtype": dtype_name(tensor.dtype),
-        "shape": [tensor.numel()],
-        "meta": {},
-    }
-    return header, _byte_view(tensor)
-
-
-def _byte_view(tensor: torch.Tensor) -> memoryview:
+def byte_view(tensor: torch.Tensor) -> memoryview:
     """Zero-copy memoryview of a contiguous CPU tensor's bytes (format ``B``)."""
     # shape [numel] of uint8 items; the numpy array keeps the tensor alive
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
@@ -458,7 +445,7 @@ class NoCompression(Compression):
         return True
 
     def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], Any]:
-        return {}, _byte_view(tensor)
+        return {}, byte_view(tensor)
 
     def _decode(self, compressed: CompressedTensor, dtype: torch.dtype) -> torch.Tensor:
         return _from_payload(compressed.data, dtype, compressed.numel)
@@ -477,7 +464,7 @@ class Float16Compression(Compression):
     def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], Any]:
         # clamp after the cast: overflowed values became ±inf and clamp maps them to ±max
         half = tensor.to(torch.float16).clamp_(-_FP16_MAX, _FP16_MAX)
-        return {}, _byte_view(half)
+        return {}, byte_view(half)
 
     def _decode(self, compressed: CompressedTensor, dtype: torch.dtype) -> torch.Tensor:
         return _from_payload(compressed.data, torch.float16, compressed.numel).to(dtype)
@@ -506,7 +493,7 @@ class ScaledFloat16Compression(Compression):
         if not math.isfinite(std) or std == 0.0:
             std = 1.0  # constant tensor: anything works; 1 keeps the maths trivial
         half = ((work - mean) / std).to(torch.float16).clamp_(-_FP16_MAX, _FP16_MAX)
-        return {"mean": mean, "std": std}, _byte_view(half)
+        return {"mean": mean, "std": std}, byte_view(half)
 
     def _decode(self, compressed: CompressedTensor, dtype: torch.dtype) -> torch.Tensor:
         half = _from_payload(compressed.data, torch.float16, compressed.numel)
@@ -527,7 +514,7 @@ class BFloat16Compression(Compression):
     target_dtype = torch.bfloat16
 
     def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], Any]:
-        return {}, _byte_view(tensor.to(torch.bfloat16))
+        return {}, byte_view(tensor.to(torch.bfloat16))
 
     def _decode(self, compressed: CompressedTensor, dtype: torch.dtype) -> torch.Tensor:
         return _from_payload(compressed.data, torch.bfloat16, compressed.numel).to(dtype)
@@ -558,7 +545,7 @@ class Uniform8BitQuantization(Compression):
         else:
             step = 0.0
             codes = torch.zeros(work.shape, dtype=torch.uint8)
-        return {"min": lo, "step": step}, _byte_view(codes)
+        return {"min": lo, "step": step}, byte_view(codes)
 
     def _decode(self, compressed: CompressedTensor, dtype: torch.dtype) -> torch.Tensor:
         codes = _from_payload(compressed.data, torch.uint8, compressed.numel)
@@ -589,7 +576,7 @@ class Quantile8BitQuantization(Compression):
         flat = tensor.reshape(-1).float()  # [numel]
         codebook = torch.zeros(256, dtype=torch.float32)
         if flat.numel() == 0:
-            return {"codebook": _byte_view(codebook).tobytes()}, b""
+            return {"codebook": byte_view(codebook).tobytes()}, b""
         stride = max(1, flat.numel() // self.max_sample)
         sample = flat[::stride].sort().values  # [<= max_sample]
         positions = (torch.arange(1, 256) * sample.numel()) // 256  # [255]
@@ -599,7 +586,7 @@ class Quantile8BitQuantization(Compression):
         counts = torch.bincount(codes, minlength=256).double()
         # empty buckets never occur in the payload; give them a finite placeholder
         codebook = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0).float()
-        return {"codebook": _byte_view(codebook).tobytes()}, _byte_view(codes.to(torch.uint8))
+        return {"codebook": byte_view(codebook).tobytes()}, byte_view(codes.to(torch.uint8))
 
     def _validate_meta(self, meta: Mapping[str, Any], dtype: torch.dtype) -> None:
         super()._validate_meta(meta, dtype)

@@ -73,8 +73,9 @@ from peer.compression import (
     CompressionError,
     NoCompression,
     TensorRole,
+    byte_view,
+    dtype_name,
     extract,
-    raw_wire,
 )
 from peer.exceptions import SwarmgradError, TransportError
 from peer.wire import Frame
@@ -191,6 +192,16 @@ class AllreduceRunner:
                 my_sizes, senders, dtype=layout.dtype, out=out, destination=destination
             )
         self.finished: dict[int, FinishedPart] = {}
+        # uncompressed frames are slices of these byte views (no tensor views per frame)
+        self._itemsize = flat.element_size()
+        self._dtype_name = dtype_name(flat.dtype)
+        self._flat_bytes = byte_view(flat)
+        self._results_bytes: memoryview | None = None  # where own averages end up
+        if self.reducer is not None:
+            reducer = self.reducer
+            results = reducer.destination if reducer.destination is not None else reducer.buffer
+            if results.dtype == flat.dtype:
+                self._results_bytes = byte_view(results)
         sending_to_me = set(senders) if self.reducer is not None else set()
         # reducers whose averages this peer writes at once: nothing (more) to check of them
         self._trusted = {r for r, m in enumerate(self.members) if m.peer_id not in sending_to_me}
@@ -214,7 +225,8 @@ class AllreduceRunner:
                 box.contributions.extend(range(len(self.partition.parts_of(r))))
         self._done = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
-        loop_now = asyncio.get_running_loop().time()
+        self._loop = asyncio.get_running_loop()
+        loop_now = self._loop.time()
         self.last_from: dict[str, float] = dict.fromkeys(senders, loop_now)
         self.last_progress: dict[int, float] = dict.fromkeys(self.unresolved, loop_now)
         self.started = False
@@ -355,7 +367,7 @@ class AllreduceRunner:
         plain, sizes = self._plain[owner], self._sizes[owner]
         if not plain[index]:
             return 1
-        if kind == "avg" and self._average_source(index, index) is None:
+        if kind == "avg" and (self._results_bytes is None or self.finished[index].average is None):
             return 1
         queue = box.contributions if kind == "part" else box.averages
         pending = self.unresolved.get(r, set())
@@ -374,34 +386,22 @@ class AllreduceRunner:
             count += 1
         return count
 
-    def _average_source(self, first: int, last: int) -> torch.Tensor | None:
-        """The finished averages of own parts ``first..last`` as one view of the memory
-        they were reduced into (consecutive parts are adjacent there), if they are all
-        averages in the flat vector's dtype (else None)."""
-        reducer = self.reducer
-        if reducer is None:
-            return None
-        results = reducer.destination if reducer.destination is not None else reducer.buffer
-        if results.dtype != self.flat.dtype:
-            return None
-        for i in range(first, last + 1):
-            if self.finished[i].average is None:
-                return None
-        return results[reducer.offsets[first] : reducer.offsets[last + 1]]
-
     def _frame(self, kind: str, r: int, index: int, count: int = 1) -> Frame:
         base = {"p": self.prefix, "g": self.group.group_id, "l": self.group.leader, "i": index}
         payload: Any
-        if count > 1:
+        if count > 1:  # uncompressed, adjacent parts (see _batch)
             base["k"] = count
             if kind == "part":
                 parts = self.partition.parts_of(r)
-                source = self.flat[parts[index].start : parts[index + count - 1].stop]
-            else:
-                source = self._average_source(index, index + count - 1)  # type: ignore[assignment]
-            header, payload = raw_wire(source)
-            if kind == "part":
+                header, payload = self._plain_wire(
+                    self._flat_bytes, parts[index].start, parts[index + count - 1].stop
+                )
                 return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
+            assert self.reducer is not None and self._results_bytes is not None
+            offsets = self.reducer.offsets
+            header, payload = self._plain_wire(
+                self._results_bytes, offsets[index], offsets[index + count]
+            )
             return Frame(AVERAGE, {**base, "c": header}, payload)
         if kind == "part":
             header, payload = self._contribution_wire(r, index)
@@ -409,11 +409,14 @@ class AllreduceRunner:
         cached, payload, remaining = self._wire_cache[index]
         if cached is _NOT_YET:
             average = self.finished[index].average
-            assert average is not None
-            average = average.to(self.flat.dtype)
-            if self._plain[self.index][index]:
-                cached, payload = raw_wire(average)
+            assert average is not None and self.reducer is not None
+            if self._plain[self.index][index] and self._results_bytes is not None:
+                offsets = self.reducer.offsets
+                cached, payload = self._plain_wire(
+                    self._results_bytes, offsets[index], offsets[index + 1]
+                )
             else:
+                average = average.to(self.flat.dtype)
                 part = self.partition.part(self.index, index)
                 cached, payload = part.codec.compress(average).to_wire()
             self._wire_cache[index] = (cached, payload, remaining)
@@ -424,8 +427,20 @@ class AllreduceRunner:
     def _contribution_wire(self, r: int, index: int) -> tuple[dict[str, Any], Any]:
         part = self.partition.part(r, index)
         if self._plain[r][index]:
-            return raw_wire(part.view(self.flat))
+            return self._plain_wire(self._flat_bytes, part.start, part.stop)
         return part.codec.compress(part.view(self.flat)).to_wire()
+
+    def _plain_wire(self, data: memoryview, start: int, stop: int) -> tuple[dict[str, Any], Any]:
+        """An uncompressed payload: elements ``start..stop`` of ``data`` (a byte view of
+        the flat buffer or of the reducer's results), with its ``none`` codec header."""
+        size = self._itemsize
+        header = {
+            "codec": NoCompression.name,
+            "dtype": self._dtype_name,
+            "shape": [stop - start],
+            "meta": {},
+        }
+        return header, data[start * size : stop * size]
 
     def _release_wire(self, index: int) -> None:
         header, payload, remaining = self._wire_cache[index]
@@ -471,7 +486,7 @@ class AllreduceRunner:
         except (BadContribution, CompressionError, ValueError, RuntimeError) as exc:
             self._bad(sender, str(exc))
             return
-        self.last_from[sender] = asyncio.get_running_loop().time()
+        self.last_from[sender] = self._loop.time()
         self._accepted[sender] += count
         complete = self._accepted[sender] == reducer.num_parts
         if complete and self.in_place:
@@ -556,7 +571,7 @@ class AllreduceRunner:
                     else:
                         self._write_average(view, values)
                 run_start = None
-        self.last_progress[r] = asyncio.get_running_loop().time()
+        self.last_progress[r] = self._loop.time()
         if not pending:
             self._outboxes[sender].event.set()
         self._check_done()
