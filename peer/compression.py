@@ -71,6 +71,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "extract",
+    "plain_values",
 ]
 
 
@@ -266,6 +267,25 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     """Zero-copy memoryview of a contiguous CPU tensor's bytes (format ``B``)."""
     # shape [numel] of uint8 items; the numpy array keeps the tensor alive
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def plain_values(header: Any, payload: Any, dtype: torch.dtype) -> torch.Tensor | None:
+    """The values of a received uncompressed 1-d ``dtype`` tensor (``none`` codec) as a
+    tensor over ``payload``, without a copy, if the header is exactly that and the payload
+    a writable buffer of the right size; else None (then :meth:`CompressedTensor.from_wire`
+    and :func:`extract` decide, with their errors). Values are not checked for NaN/Inf. A
+    shortcut for the frames a round receives most."""
+    if type(header) is not dict or len(header) != 4 or header.get("codec") != "none":
+        return None
+    shape, meta = header.get("shape"), header.get("meta")
+    if header.get("dtype") != dtype_name(dtype) or type(meta) is not dict or meta:
+        return None
+    if type(shape) is not list or len(shape) != 1 or type(shape[0]) is not int:
+        return None
+    view = payload if type(payload) is memoryview else memoryview(payload)
+    if view.readonly or not shape[0] or view.nbytes != shape[0] * dtype.itemsize:
+        return None
+    return torch.frombuffer(view, dtype=dtype)
 
 
 def _from_payload(payload: bytes | bytearray | memoryview, dtype: torch.dtype, numel: int):

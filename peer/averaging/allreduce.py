@@ -73,9 +73,11 @@ from peer.compression import (
     CompressionError,
     NoCompression,
     TensorRole,
+    all_finite,
     byte_view,
     dtype_name,
     extract,
+    plain_values,
 )
 from peer.exceptions import SwarmgradError, TransportError
 from peer.wire import Frame
@@ -476,9 +478,11 @@ class AllreduceRunner:
         index, count = frame.fields["i"], frame.fields.get("k", 1)
         try:
             sizes = self._batch_sizes(reducer.part_sizes, index, count)
-            compressed = CompressedTensor.from_wire(frame.fields["c"], frame.payload)
-            # the reducer checks finiteness itself: skip extract's (second) pass
-            values = extract(compressed, check_finite=False).reshape(-1)
+            values = plain_values(frame.fields["c"], frame.payload, self.flat.dtype)
+            if values is None:
+                compressed = CompressedTensor.from_wire(frame.fields["c"], frame.payload)
+                # the reducer checks finiteness itself: skip extract's (second) pass
+                values = extract(compressed, check_finite=False).reshape(-1)
             if count > 1 and values.numel() != sum(sizes):
                 raise ValueError(f"batch of {values.numel()} values, expected {sum(sizes)}")
             finished = reducer.accumulate_range(sender, index, count, values, frame.fields["w"])
@@ -539,8 +543,12 @@ class AllreduceRunner:
                 raise ValueError("a batch of parts without averages")
             average = None
             if "c" in frame.fields:
-                average = extract(CompressedTensor.from_wire(frame.fields["c"], frame.payload))
-                average = average.reshape(-1)
+                average = plain_values(frame.fields["c"], frame.payload, self.flat.dtype)
+                if average is None:
+                    compressed = CompressedTensor.from_wire(frame.fields["c"], frame.payload)
+                    average = extract(compressed).reshape(-1)
+                elif not all_finite(average):
+                    raise CompressionError("none payload decodes to NaN or Inf")
                 if average.numel() != sum(sizes) or average.dtype != self.flat.dtype:
                     raise ValueError(
                         f"average of {average.numel()} {average.dtype}, expected "

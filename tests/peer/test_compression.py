@@ -23,6 +23,7 @@ from peer.compression import (
     TensorRole,
     Uniform8BitQuantization,
     extract,
+    plain_values,
 )
 
 ALL = [
@@ -187,3 +188,26 @@ def test_extract_from_any_codec_instance() -> None:
     x = torch.randn(8)
     ct = Float16Compression().compress(x)
     torch.testing.assert_close(NoCompression().extract(ct), x, atol=1e-3, rtol=1e-3)
+
+
+def test_plain_values_is_a_zero_copy_shortcut_for_exactly_the_plain_1d_case() -> None:
+    x = torch.randn(10)
+    header, _ = NoCompression().compress(x).to_wire()
+    payload = memoryview(bytearray(x.numpy().tobytes()))  # writable, as lanes deliver
+    values = plain_values(header, payload, torch.float32)
+    assert values is not None and torch.equal(values, x)
+    values[0] = 7.0  # over the payload itself
+    assert payload.cast("f")[0] == 7.0
+    others = {
+        "read-only payload": (header, x.numpy().tobytes(), torch.float32),
+        "other dtype": (header, payload, torch.float64),
+        "short payload": (header, payload[:-4], torch.float32),
+        "2-d shape": ({**header, "shape": [2, 5]}, payload, torch.float32),
+        "bool shape": ({**header, "shape": [True]}, payload[:4], torch.float32),
+        "empty": ({**header, "shape": [0]}, memoryview(bytearray()), torch.float32),
+        "meta": ({**header, "meta": {"x": 1}}, payload, torch.float32),
+        "extra key": ({**header, "k": 1}, payload, torch.float32),
+        "other codec": ({**header, "codec": "float16"}, payload, torch.float32),
+    }
+    for case, (h, p, dtype) in others.items():
+        assert plain_values(h, p, dtype) is None, case
