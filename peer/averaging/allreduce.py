@@ -29,8 +29,8 @@ reducer only finalises a part once it has them or has excluded this peer). Two m
   then leaves its whole span at the local values, as in delta mode; once they are all in
   and valid, its held averages are written). Contributions are checked for NaN/Inf with
   the sums of the parts they are in (:class:`~peer.averaging.reducer.WeightedMeanReducer`),
-  and a sender's values in parts still open when its last one arrives right then. Two passes over the tensors fewer than delta
-  mode, and no snapshot.
+  and a sender's values in parts still open when its last one arrives right then. Two
+  passes over the tensors fewer than delta mode, and no snapshot.
 
 Batching: consecutive uncompressed parts that are ready for the same member at once (all
 of a member's contributions are, at the start) go out as one frame of up to
@@ -253,9 +253,10 @@ class AllreduceRunner:
             # this peer's own contribution to its span: every part at once (nothing has
             # arrived yet: frames that came early are handled below)
             start, stop = self.partition.spans[self.index]
-            finished = self.reducer.accumulate_range(
-                self.me, 0, len(my_parts), self.flat[start:stop], self.weight
-            )
+            own = self.flat[start:stop]
+            if self.weight > 0 and not all_finite(own):  # before anything is sent
+                raise BadContribution(self.me, None, "this peer's own values are not finite")
+            finished = self.reducer.accumulate_range(self.me, 0, len(my_parts), own, self.weight)
             self._reject_bad()
             self._on_finished(finished)
         early, self.early = self.early, []
@@ -505,11 +506,8 @@ class AllreduceRunner:
     def _reject_bad(self) -> None:
         assert self.reducer is not None
         for offence in self.reducer.take_rejected():
-            sender = offence.sender
-            if sender == self.me:
-                logger.warning("this peer's own values are not finite: left out of its span")
-            else:
-                self._bad(sender, str(offence))  # type: ignore[arg-type]
+            if offence.sender != self.me:  # own values are checked before the round
+                self._bad(offence.sender, str(offence))  # type: ignore[arg-type]
 
     def _trust(self, r: int) -> None:
         """Reducer ``r`` sent all its contributions to this peer, all checked and valid:

@@ -46,7 +46,9 @@ from peer.averaging.control import AveragingStage, StepControl
 from peer.averaging.exceptions import (
     AllreduceFailed,
     AllreduceTimeout,
+    BadContribution,
     MatchmakingFailed,
+    NonFiniteTensors,
     StepCancelled,
     StepFailed,
 )
@@ -580,6 +582,11 @@ class DecentralizedAverager:
             try:
                 async with asyncio.timeout(timeout):
                     await runner.run()
+            except BadContribution as exc:  # raised by run() only for this peer's own values
+                await runner.abort("its own values are not finite")
+                raise NonFiniteTensors(
+                    "the averaged tensors hold NaN or Inf values; this peer left the round"
+                ) from exc
             except TimeoutError:
                 await runner.abort("all-reduce timeout")
                 raise AllreduceTimeout(

@@ -14,6 +14,7 @@ Hierarchy (all under :class:`peer.exceptions.SwarmgradError`)::
             ├── MatchmakingFailed        no group of at least min_group_size by the deadline
             ├── AllreduceFailed          the group formed but the all-reduce round failed
             │   └── AllreduceTimeout     ... because it ran past ``allreduce_timeout``
+            ├── NonFiniteTensors         this peer's own values have NaN/Inf (not retried)
             └── StepCancelled            ``StepControl.cancel()`` (or shutdown) before all-reduce
 
 Matchmaking never raises for a remote peer's behaviour: its outcomes are typed values
@@ -69,6 +70,11 @@ class AllreduceFailed(StepFailed):
 
 class AllreduceTimeout(AllreduceFailed):
     """The all-reduce round ran past ``allreduce_timeout``."""
+
+
+class NonFiniteTensors(StepFailed, ValueError):
+    """This peer's averaged tensors hold NaN or Inf: the round was left before anything was
+    sent (the group goes on without it). Not retried: fix the tensors first."""
 
 
 class StepCancelled(StepFailed):

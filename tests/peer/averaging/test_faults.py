@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from peer.averaging.exceptions import NonFiniteTensors
 from peer.averaging.testing import AveragerProcess, FaultyRunner
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import step_all, wait_for
@@ -155,6 +157,29 @@ def test_bad_reducer_span_keeps_local_values(make_swarm) -> None:
     results = step_all(averagers)
     for i in (0, 1):
         assert isinstance(results[i], dict)
+        got = tensors[i][0]
+        mean_ok = torch.isclose(got, expected, atol=1e-6, rtol=0)
+        local_ok = torch.isclose(got, local[i], atol=1e-6, rtol=0)
+        assert (mean_ok | local_ok).all() and torch.isfinite(got).all()
+        assert mean_ok.float().mean() > 0.5
+
+
+def test_a_peer_with_non_finite_tensors_fails_its_step_and_the_others_go_on(make_swarm) -> None:
+    """A peer whose own values hold NaN leaves the round before sending anything
+    (``NonFiniteTensors``, tensors unchanged, no retry); the others average without it
+    (its span keeps their local values)."""
+    swarm = make_swarm(3)
+    tensors = [[torch.randn(3000)] for _ in range(3)]
+    tensors[2][0][::7] = math.nan
+    local = [t[0].clone() for t in tensors]
+    averagers = swarm.add_averagers(tensors, part_size_bytes=2048, sender_timeout=scaled(5.0))
+    results = step_all(averagers)
+    assert isinstance(results[2], NonFiniteTensors), results[2]
+    assert torch.equal(tensors[2][0].isnan(), local[2].isnan())  # unchanged
+    assert torch.equal(tensors[2][0].nan_to_num(), local[2].nan_to_num())
+    expected = (local[0] + local[1]) / 2
+    for i in (0, 1):
+        assert isinstance(results[i], dict), results[i]
         got = tensors[i][0]
         mean_ok = torch.isclose(got, expected, atol=1e-6, rtol=0)
         local_ok = torch.isclose(got, local[i], atol=1e-6, rtol=0)
