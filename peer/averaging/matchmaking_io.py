@@ -2,9 +2,9 @@
 
 The state machine decides; this module only carries its events and commands:
 
-* declarations go to gossip under the group key (subkey = peer id), are polled back every
-  ``poll_interval`` and fed in with ``on_declaration`` (a retracted one — value ``None`` —
-  with ``forget``);
+* declarations go to gossip under the group key (subkey = peer id), are read back when one
+  arrives (``AsyncNode.watch``) and at least every ``poll_interval``, and fed in with
+  ``on_declaration`` (a retracted one — value ``None`` — with ``forget``);
 * ``SendRequest`` becomes an ``avg.join`` request; its reply, failure or timeout becomes
   ``on_join_response`` / ``on_request_failed``;
 * join requests to this peer are answered by the handler with the machine's ``Reply``
@@ -107,6 +107,8 @@ class MatchmakingDriver:
                 client_mode=client_mode,
             )
         )
+        # a declaration arriving under the key wakes the loop now, not at the next poll
+        unwatch = self.core.watch(group_key, self._wake.set)
         try:
             while not result.done():
                 if cancel.is_set():
@@ -140,6 +142,7 @@ class MatchmakingDriver:
                 await self._execute(self.machine.cancel(self.core.now(), "shutting down"))
             raise
         finally:
+            unwatch()
             self._result = None
 
     # ----------------------------------------------------------------- gossip

@@ -125,6 +125,7 @@ class AsyncNode:
         self._lost_warned: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._member_cache: dict[bytes, Member] = {}
+        self._watchers: dict[str, list[Callable[[], None]]] = {}  # key → callbacks (watch)
         self._bootstrapped: set[str] = set()  # initial peers reached at least once
         self._listener: Listener | None = None
         self._addresses: list[str] = []
@@ -251,6 +252,22 @@ class AsyncNode:
             # Push right away to a few peers so a store is visible in about one round trip.
             self._spawn(self._push_now([record]), "push")
         return stored
+
+    def watch(self, key: str, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` on the node's loop whenever a record under ``key`` arrives
+        from a peer and is newer than what the store held (a peer stored or refreshed a
+        value there): a reader can then ``get`` at once instead of polling. Must not block;
+        what it raises is logged. Returns a function that stops the watch."""
+        self._watchers.setdefault(key, []).append(callback)
+
+        def stop() -> None:
+            callbacks = self._watchers.get(key)
+            if callbacks is not None and callback in callbacks:
+                callbacks.remove(callback)
+                if not callbacks:
+                    del self._watchers[key]
+
+        return stop
 
     async def get(self, key: str, latest: bool = False) -> ValueWithExpiration[Any] | None:
         """The freshest value this node knows for ``key``. With ``latest=True``, first pull
@@ -632,7 +649,12 @@ class AsyncNode:
                 if rejected == 1:
                     logger.warning("rejected a record relayed by %s: %s", link.peer_id, exc)
                 continue
-            self.store_.put(record, now)
+            if self.store_.put(record, now) and record.key in self._watchers:
+                for callback in list(self._watchers[record.key]):
+                    try:
+                        callback()
+                    except Exception:
+                        logger.exception("a watcher of %r failed", record.key)
         if rejected:
             # A peer that relays forged records is either malicious or broken: drop the link.
             raise ProtocolError(f"{rejected} invalid record(s) relayed")

@@ -8,7 +8,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -83,6 +83,46 @@ def test_get_latest_pulls_immediately() -> None:
         a.store("k", 1, a.get_time() + 30)
         # With a 60 s period nothing arrives by itself soon; latest=True pulls right away.
         assert b.get("k", latest=True) == (1, pytest.approx(a.get_time() + 30, abs=5))
+
+
+def test_a_watch_fires_when_a_peer_stores_under_its_key(caplog: pytest.LogCaptureFixture) -> None:
+    """``AsyncNode.watch``: a record arriving under the key calls back at once (here with no
+    gossip round for 60 s: the store's push), other keys do not, a failing callback is
+    logged without stopping the others, and a stopped watch stays quiet."""
+    with (
+        Node(gossip_period=60, member_ttl=180) as a,
+        Node(a.visible_addresses, gossip_period=60, member_ttl=180) as b,
+    ):
+        assert wait_until(lambda: len(a.members()) == 2 and len(b.members()) == 2, scaled(10))
+        calls: list[int] = []
+        fired = threading.Event()
+
+        def seen() -> None:
+            calls.append(1)
+            fired.set()
+
+        def broken() -> None:
+            raise RuntimeError("watcher bug")
+
+        async def start() -> Callable[[], None]:
+            b.core.watch("k", broken)
+            return b.core.watch("k", seen)
+
+        stop = b.run_coroutine(start())
+        with caplog.at_level(logging.ERROR, logger="peer.node.core"):
+            a.store("other", 1, a.get_time() + 30)
+            a.store("k", 1, a.get_time() + 30)
+            assert fired.wait(scaled(10))
+            assert wait_until(lambda: b.get("other") is not None, scaled(10))
+        assert calls == [1] and "watcher bug" in caplog.text
+
+        async def unwatch() -> None:
+            stop()
+
+        b.run_coroutine(unwatch())
+        a.store("k", 2, a.get_time() + 31)
+        assert wait_until(lambda: (v := b.get("k")) is not None and v[0] == 2, scaled(10))
+        assert calls == [1]
 
 
 def test_client_mode_node_participates_by_dialing_out() -> None:
