@@ -246,16 +246,20 @@ class AllreduceRunner:
         for r in self.last_progress:
             self.last_progress[r] = start
         my_parts = self.partition.parts_of(self.index)
+        start, stop = self.partition.spans[self.index]
+        if self.is_sender and self.weight > 0:
+            # this peer's own values, before anything is sent: those of its span (the other
+            # reducers check what they receive), or all of them if it reduces nothing
+            mine = self.flat[start:stop] if my_parts else self.flat
+            if not all_finite(mine):
+                raise BadContribution(self.me, None, "this peer's own values are not finite")
         if self.reducer is None:
             for part in my_parts:  # nobody contributes: everyone keeps local values
                 self._keep_local(part.view(self.flat))
         elif self.is_sender and my_parts:
             # this peer's own contribution to its span: every part at once (nothing has
             # arrived yet: frames that came early are handled below)
-            start, stop = self.partition.spans[self.index]
             own = self.flat[start:stop]
-            if self.weight > 0 and not all_finite(own):  # before anything is sent
-                raise BadContribution(self.me, None, "this peer's own values are not finite")
             finished = self.reducer.accumulate_range(self.me, 0, len(my_parts), own, self.weight)
             self._reject_bad()
             self._on_finished(finished)
