@@ -275,7 +275,7 @@ def plain_values(header: Any, payload: Any, dtype: torch.dtype) -> torch.Tensor 
     a writable buffer of the right size; else None (then :meth:`CompressedTensor.from_wire`
     and :func:`extract` decide, with their errors). Values are not checked for NaN/Inf. A
     shortcut for the frames a round receives most."""
-    if type(header) is not dict or len(header) != 4 or header.get("codec") != "none":
+    if type(header) is not dict or len(header) != 4 or header.get("codec") != NoCompression.name:
         return None
     shape, meta = header.get("shape"), header.get("meta")
     if header.get("dtype") != dtype_name(dtype) or type(meta) is not dict or meta:

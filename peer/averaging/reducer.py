@@ -24,7 +24,7 @@ memory beyond the accumulator is bounded by the contributions of parts still in 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -355,22 +355,15 @@ class WeightedMeanReducer:
             if source.data_ptr() != target.data_ptr():
                 target.copy_(source)
         # divide runs of consecutive parts with the same total weight in one call each
-        start = 0
-        for end in range(1, len(divided) + 1):
-            if (
-                end < len(divided)
-                and divided[end] == divided[end - 1] + 1
-                and self._total_weight[divided[end]] == self._total_weight[divided[start]]
-            ):
-                continue
-            total = self._total_weight[divided[start]]
+        weights = self._total_weight
+        for first, last in _runs(divided, lambda a, b: weights[a] == weights[b]):
+            total = weights[first]
             if total > 0:
-                lo, hi = self.offsets[divided[start]], self.offsets[divided[end - 1] + 1]
+                lo, hi = self.offsets[first], self.offsets[last + 1]
                 if self.destination is not None:
                     torch.div(self.buffer[lo:hi], total, out=self.destination[lo:hi])
                 else:
                     self.buffer[lo:hi].div_(total)
-            start = end
         done = []
         for index in ready:
             pending = self._pending[index]
@@ -399,16 +392,13 @@ class WeightedMeanReducer:
                     suspects.append(index)
             elif self._total_weight[index] > 0:
                 summed.append(index)
-        start = 0
-        for end in range(1, len(summed) + 1):
-            if end < len(summed) and summed[end] == summed[end - 1] + 1:
-                continue  # adjacent in the accumulator: one check for the run
-            run = summed[start:end]
-            if not all_finite(buffer[offsets[run[0]] : offsets[run[-1] + 1]]):
+        for low, high in _runs(summed):  # adjacent in the accumulator: one check each
+            if not all_finite(buffer[offsets[low] : offsets[high + 1]]):
                 suspects.extend(
-                    i for i in run if not all_finite(buffer[offsets[i] : offsets[i + 1]])
+                    i
+                    for i in range(low, high + 1)
+                    if not all_finite(buffer[offsets[i] : offsets[i + 1]])
                 )
-            start = end
         culprits: dict[Hashable, int] = {}
         for index in suspects:
             pending = self._pending[index]
@@ -444,6 +434,23 @@ class WeightedMeanReducer:
             raise BadContribution(sender, index, f"shape {list(values.shape)}, expected [{numel}]")
         if values.dtype != self.dtype:
             raise BadContribution(sender, index, f"dtype {values.dtype}, expected {self.dtype}")
+
+
+def _runs(
+    indices: list[int], alike: Callable[[int, int], bool] | None = None
+) -> Iterator[tuple[int, int]]:
+    """``(first, last)`` of each run of consecutive ``indices`` (sorted) whose members are
+    ``alike(first, index)``."""
+    start = 0
+    for end in range(1, len(indices) + 1):
+        if (
+            end < len(indices)
+            and indices[end] == indices[end - 1] + 1
+            and (alike is None or alike(indices[start], indices[end]))
+        ):
+            continue
+        yield indices[start], indices[end - 1]
+        start = end
 
 
 def apply_averaging_alpha(

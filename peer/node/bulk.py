@@ -278,7 +278,7 @@ class _Lane:
             try:
                 inline(self.peer_id, frame)
             except Exception:  # the frame is lost, not the lane (nor the frames behind it)
-                logger.exception("handling %s from bulk lane %s failed", frame.type, self.peer_id)
+                self._handler_failed(frame)
             return
         self._backlog.append(frame)
         if self._delivery is None:
@@ -304,12 +304,13 @@ class _Lane:
                     else:
                         await owner.deliver(BulkSender(self.peer_id), frame)
                 except Exception:
-                    logger.exception(
-                        "handling %s from bulk lane %s failed", frame.type, self.peer_id
-                    )
+                    self._handler_failed(frame)
                 del frame
         finally:
             self._delivery = None
+
+    def _handler_failed(self, frame: Frame) -> None:
+        logger.exception("handling %s from bulk lane %s failed", frame.type, self.peer_id)
 
     def _end(self, reason: str) -> None:
         if self._ended:
