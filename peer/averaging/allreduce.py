@@ -46,6 +46,10 @@ Faults (each decision is local; survivors always finish):
   remaining parts keep the local values;
 * a link that breaks, a bad part (wrong size or dtype, NaN/Inf, undecodable), or an
   ``avg.abort`` from a member excludes that member in both roles; bad input is logged once;
+* this peer's own values with NaN/Inf are never sent: its span is checked before the round,
+  the values for each other member just before they go out; ``run()`` then raises
+  :class:`~peer.averaging.exceptions.BadContribution` naming this peer (the caller leaves
+  the round);
 * the caller bounds the whole round with ``allreduce_timeout``.
 """
 
@@ -233,6 +237,7 @@ class AllreduceRunner:
         self.last_progress: dict[int, float] = dict.fromkeys(self.unresolved, loop_now)
         self.started = False
         self.early: list[tuple[str, Frame]] = []  # frames that arrived before run()
+        self._own_error: BadContribution | None = None  # own values found not finite
         self._background: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ run
@@ -247,12 +252,15 @@ class AllreduceRunner:
             self.last_progress[r] = start
         my_parts = self.partition.parts_of(self.index)
         start, stop = self.partition.spans[self.index]
-        if self.is_sender and self.weight > 0:
-            # this peer's own values, before anything is sent: those of its span (the other
-            # reducers check what they receive), or all of them if it reduces nothing
-            mine = self.flat[start:stop] if my_parts else self.flat
-            if not all_finite(mine):
-                raise BadContribution(self.me, None, "this peer's own values are not finite")
+        # this peer's own values of its span, before they are reduced (the values it sends
+        # to the others are checked frame by frame, just before they go out)
+        if (
+            self.is_sender
+            and self.weight > 0
+            and my_parts
+            and not all_finite(self.flat[start:stop])
+        ):
+            raise BadContribution(self.me, None, "this peer's own values are not finite")
         if self.reducer is None:
             for part in my_parts:  # nobody contributes: everyone keeps local values
                 self._keep_local(part.view(self.flat))
@@ -272,6 +280,8 @@ class AllreduceRunner:
         try:
             self._check_done()
             await self._done.wait()
+            if self._own_error is not None:
+                raise self._own_error
             await asyncio.gather(*self._tasks)
         finally:
             watchdog.cancel()
@@ -330,6 +340,13 @@ class AllreduceRunner:
                     kind, index = item
                     count = self._batch(kind, r, index, box)
                     await self._before_send(peer_id, kind, index)
+                    if kind == "part" and self.weight > 0 and not self._own_finite(r, index, count):
+                        # never sent: the round ends for this peer (run() raises)
+                        self._own_error = BadContribution(
+                            self.me, index, "this peer's own values are not finite"
+                        )
+                        self._done.set()
+                        return
                     frame = self._frame(kind, r, index, count)
                     deadline.reschedule(loop.time() + self.config.sender_timeout)
                     if bulk is not None:
@@ -430,6 +447,13 @@ class AllreduceRunner:
         if cached is None:
             return Frame(AVERAGE, base)
         return Frame(AVERAGE, {**base, "c": cached}, payload)
+
+    def _own_finite(self, r: int, index: int, count: int) -> bool:
+        """Whether this peer's values of parts ``index .. index+count-1`` of reducer ``r``'s
+        span are finite (checked right before they are sent: the pass brings them into the
+        cache the socket then copies them from)."""
+        parts = self.partition.parts_of(r)
+        return all_finite(self.flat[parts[index].start : parts[index + count - 1].stop])
 
     def _contribution_wire(self, r: int, index: int) -> tuple[dict[str, Any], Any]:
         part = self.partition.part(r, index)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from peer.averaging.allreduce import AllreduceRunner
 from peer.averaging.exceptions import NonFiniteTensors
 from peer.averaging.testing import AveragerProcess, FaultyRunner
 from tests.conftest import scaled
@@ -164,28 +165,45 @@ def test_bad_reducer_span_keeps_local_values(make_swarm) -> None:
         assert mean_ok.float().mean() > 0.5
 
 
-@pytest.mark.parametrize("reduces", [True, False])
+class _NanOutsideOwnSpan(AllreduceRunner):
+    """Puts a NaN into this peer's values of the next member's span as the round starts
+    (where it is found is then known: not in this peer's own span)."""
+
+    async def run(self) -> None:
+        _, stop = self.partition.spans[(self.index + 1) % len(self.members)]
+        self.flat[stop - 1] = math.nan
+        await super().run()
+
+
+@pytest.mark.parametrize("where", ["everywhere", "no span", "outside its span"])
 def test_a_peer_with_non_finite_tensors_fails_its_step_and_the_others_go_on(
-    make_swarm, reduces: bool
+    make_swarm, where: str
 ) -> None:
-    """A peer whose own values hold NaN leaves the round before sending anything
-    (``NonFiniteTensors``, tensors unchanged, no retry); the others average without it
-    (its span, if it has one, keeps their local values). A peer that reduces nothing
-    (``bandwidth=0``) checks all its values; one that reduces, those of its span."""
+    """A peer whose own values hold NaN leaves the round (``NonFiniteTensors``, no retry)
+    and never sends them; the others average without it (its span, if it has one, keeps
+    their local values). Values in its own span are checked before the round (the tensors
+    are then unchanged), those it sends to the others just before they go out: a peer that
+    reduces nothing (``bandwidth=0``), or one whose NaN is outside its own span, fails too."""
     swarm = make_swarm(3)
     tensors = [[torch.randn(3000)] for _ in range(3)]
-    tensors[2][0][::7] = math.nan
+    if where != "outside its span":
+        tensors[2][0][::7] = math.nan
     local = [t[0].clone() for t in tensors]
     averagers = swarm.add_averagers(
         tensors,
         part_size_bytes=2048,
         sender_timeout=scaled(5.0),
-        per_peer=[{}, {}, {} if reduces else {"bandwidth": 0.0}],
+        per_peer=[{}, {}, {"bandwidth": 0.0} if where == "no span" else {}],
     )
+    if where == "outside its span":
+        averagers[2]._runner_cls = _NanOutsideOwnSpan
     results = step_all(averagers)
     assert isinstance(results[2], NonFiniteTensors), results[2]
-    assert torch.equal(tensors[2][0].isnan(), local[2].isnan())  # unchanged
-    assert torch.equal(tensors[2][0].nan_to_num(), local[2].nan_to_num())
+    if where == "outside its span":
+        assert int(tensors[2][0].isnan().sum()) == 1  # still there: nothing averaged it away
+    else:
+        assert torch.equal(tensors[2][0].isnan(), local[2].isnan())  # unchanged
+        assert torch.equal(tensors[2][0].nan_to_num(), local[2].nan_to_num())
     expected = (local[0] + local[1]) / 2
     for i in (0, 1):
         assert isinstance(results[i], dict), results[i]
@@ -193,4 +211,4 @@ def test_a_peer_with_non_finite_tensors_fails_its_step_and_the_others_go_on(
         mean_ok = torch.isclose(got, expected, atol=1e-6, rtol=0)
         local_ok = torch.isclose(got, local[i], atol=1e-6, rtol=0)
         assert (mean_ok | local_ok).all() and torch.isfinite(got).all()
-        assert mean_ok.float().mean() > 0.5 if reduces else mean_ok.all()
+        assert mean_ok.float().mean() > 0.5 if where != "no span" else mean_ok.all()
