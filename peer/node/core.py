@@ -42,6 +42,7 @@ from peer.node.links import Handler, PeerLink, RemotePeer, handshake, register_l
 from peer.transport.base import Connection, Listener, Transport
 from peer.wire import (
     BYTES,
+    INT,
     AnyValue,
     Frame,
     Limits,
@@ -67,6 +68,10 @@ class NodeConfig:
     announce_addresses: tuple[str, ...] | None = None
     gossip_period: float = 1.0  # seconds between anti-entropy rounds (±25 % jitter)
     fanout: int = 3  # peers contacted per round
+    # a stored record is pushed at once to ``fanout`` peers, which relay what is new to them
+    # this many times more (each to ``fanout`` others): fresh values reach a swarm of
+    # dozens in milliseconds, not rounds; anti-entropy still brings them to everyone
+    push_relays: int = 2
     member_ttl: float = 30.0  # a silent peer leaves membership after this long
     request_timeout: float = 5.0
     max_links: int = 64  # idle links beyond this are closed, least recently used first
@@ -81,6 +86,8 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if self.gossip_period <= 0 or self.fanout < 1 or self.member_ttl <= self.gossip_period:
             raise ValueError("need gossip_period > 0, fanout >= 1 and member_ttl > gossip_period")
+        if self.push_relays < 0:
+            raise ValueError("push_relays must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +257,7 @@ class AsyncNode:
         stored = self.store_.put(record, self.now())
         if stored:
             # Push right away to a few peers so a store is visible in about one round trip.
-            self._spawn(self._push_now([record]), "push")
+            self._spawn(self._push_now([record], self.config.push_relays), "push")
         return stored
 
     def watch(self, key: str, callback: Callable[[], None]) -> Callable[[], None]:
@@ -532,7 +539,11 @@ class AsyncNode:
         self.registry.register(
             GOSSIP_REPLY, Schema(required={"records": record_list, "want": BYTES})
         )
-        self.register_handler(GOSSIP_PUSH, Schema(required={"records": record_list}), self._on_push)
+        self.register_handler(
+            GOSSIP_PUSH,
+            Schema(required={"records": record_list}, optional={"h": INT}),
+            self._on_push,
+        )
 
     async def bootstrap(self) -> None:
         """Exchange with every initial peer once, right away, so membership is known before
@@ -551,11 +562,11 @@ class AsyncNode:
         await self._exchange(link)
         self._bootstrapped.add(address)
 
-    def _gossip_targets(self) -> list[str]:
+    def _gossip_targets(self, exclude: str | None = None) -> list[str]:
         loop_now = asyncio.get_running_loop().time()
         candidates = []
         for member in self.members().values():
-            if member.peer_id == self.peer_id:
+            if member.peer_id in (self.peer_id, exclude):
                 continue
             failed = self._failed_at.get(member.peer_id)
             if failed is not None and loop_now - failed < self.config.retry_backoff:
@@ -632,12 +643,19 @@ class AsyncNode:
         )
 
     async def _on_push(self, link: PeerLink, frame: Frame) -> None:
-        self._accept_records(frame.fields["records"], link)
+        fresh = self._accept_records(frame.fields["records"], link)
+        # never more relays than this node would ask for itself (no amplification)
+        relays = min(frame.fields.get("h", 0), self.config.push_relays)
+        if fresh and relays > 0:
+            # pass on what was news here (once: a record seen before is not news again)
+            self._spawn(self._push_now(fresh, relays - 1, exclude=link.peer_id), "relay")
         return None
 
-    def _accept_records(self, items: list[Any], link: PeerLink) -> None:
+    def _accept_records(self, items: list[Any], link: PeerLink) -> list[Record]:
+        """Verify and store relayed records; the ones that were news to this node."""
         now = self.now()
         rejected = 0
+        fresh = []
         for item in items:
             try:
                 record = Record.from_wire(item)
@@ -649,19 +667,29 @@ class AsyncNode:
                 if rejected == 1:
                     logger.warning("rejected a record relayed by %s: %s", link.peer_id, exc)
                 continue
-            if self.store_.put(record, now) and record.key in self._watchers:
-                for callback in list(self._watchers[record.key]):
-                    try:
-                        callback()
-                    except Exception:
-                        logger.exception("a watcher of %r failed", record.key)
+            if not self.store_.put(record, now):
+                continue
+            fresh.append(record)
+            for callback in list(self._watchers.get(record.key, ())):
+                try:
+                    callback()
+                except Exception:
+                    logger.exception("a watcher of %r failed", record.key)
         if rejected:
             # A peer that relays forged records is either malicious or broken: drop the link.
             raise ProtocolError(f"{rejected} invalid record(s) relayed")
+        return fresh
 
-    async def _push_now(self, records: list[Record]) -> None:
-        targets = self._gossip_targets()
-        payload = Frame(GOSSIP_PUSH, {"records": [r.to_wire() for r in records]})
+    async def _push_now(
+        self, records: list[Record], relays: int = 0, exclude: str | None = None
+    ) -> None:
+        """Push ``records`` to up to ``fanout`` peers over open links, asking each to relay
+        what is new to it ``relays`` more times."""
+        targets = self._gossip_targets(exclude)
+        fields: dict[str, Any] = {"records": [r.to_wire() for r in records]}
+        if relays:
+            fields["h"] = relays
+        payload = Frame(GOSSIP_PUSH, fields)
         for peer_id in targets:
             link = self._links.get(peer_id)
             if link is None or link.closed:

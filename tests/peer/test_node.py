@@ -125,6 +125,32 @@ def test_a_watch_fires_when_a_peer_stores_under_its_key(caplog: pytest.LogCaptur
         assert calls == [1]
 
 
+def test_a_stored_record_is_relayed_to_peers_its_writer_did_not_push_to() -> None:
+    """A store is pushed at once to ``fanout`` peers, which relay what was news to them
+    (``push_relays`` times, never back to the sender): with a fanout of 1 and no gossip
+    round for 60 s, both other peers still get it at once."""
+    slow = {"gossip_period": 60, "member_ttl": 180, "fanout": 1}
+    with (
+        Node(**slow) as a,
+        Node(a.visible_addresses, **slow) as b,
+        Node(a.visible_addresses, **slow) as c,
+    ):
+        assert wait_until(lambda: len(a.members()) == 3 and len(c.members()) == 3, scaled(10))
+        b.get("anything", latest=True)  # b pulls from a, the only peer it knows: learns c
+        assert len(b.members()) == 3
+        b.run_coroutine(b.core.link(c.peer_id))  # links between all, as in a busy swarm
+        watched = {n.peer_id: threading.Event() for n in (b, c)}
+
+        async def watch(node: Node) -> None:
+            node.core.watch("k", watched[node.peer_id].set)
+
+        for node in (b, c):
+            node.run_coroutine(watch(node))
+        a.store("k", 1, a.get_time() + 30)
+        assert all(event.wait(scaled(5)) for event in watched.values())
+        assert b.get("k") is not None and c.get("k") is not None
+
+
 def test_client_mode_node_participates_by_dialing_out() -> None:
     with Node(**FAST) as server, Node(server.visible_addresses, client_mode=True, **FAST) as client:
         assert client.visible_addresses == []
