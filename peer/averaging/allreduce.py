@@ -46,8 +46,10 @@ Faults (each decision is local; survivors always finish):
   remaining parts keep the local values;
 * a link that breaks, a bad part (wrong size or dtype, NaN/Inf, undecodable), or an
   ``avg.abort`` from a member excludes that member in both roles; bad input is logged once;
-* this peer's own values with NaN/Inf are never sent: its span is checked before the round,
-  the values for each other member just before they go out; ``run()`` then raises
+* this peer's own values with NaN/Inf: its span (all its values if it reduces nothing) is
+  checked before the round; values for another reducer's span are checked by that reducer,
+  which excludes this peer and tells it with ``avg.abort``, upon which this peer checks the
+  values it sent there itself. Either way ``run()`` then raises
   :class:`~peer.averaging.exceptions.BadContribution` naming this peer (the caller leaves
   the round);
 * the caller bounds the whole round with ``allreduce_timeout``.
@@ -252,15 +254,13 @@ class AllreduceRunner:
             self.last_progress[r] = start
         my_parts = self.partition.parts_of(self.index)
         start, stop = self.partition.spans[self.index]
-        # this peer's own values of its span, before they are reduced (the values it sends
-        # to the others are checked frame by frame, just before they go out)
-        if (
-            self.is_sender
-            and self.weight > 0
-            and my_parts
-            and not all_finite(self.flat[start:stop])
-        ):
-            raise BadContribution(self.me, None, "this peer's own values are not finite")
+        if self.is_sender and self.weight > 0:
+            # this peer's own values, before anything is sent: those of its span, or all of
+            # them if it reduces nothing (the other reducers check what they receive, and
+            # a reducer that excludes this peer says so: see _on_abort)
+            mine = self.flat[start:stop] if my_parts else self.flat
+            if not all_finite(mine):
+                raise BadContribution(self.me, None, "this peer's own values are not finite")
         if self.reducer is None:
             for part in my_parts:  # nobody contributes: everyone keeps local values
                 self._keep_local(part.view(self.flat))
@@ -340,13 +340,6 @@ class AllreduceRunner:
                     kind, index = item
                     count = self._batch(kind, r, index, box)
                     await self._before_send(peer_id, kind, index)
-                    if kind == "part" and self.weight > 0 and not self._own_finite(r, index, count):
-                        # never sent: the round ends for this peer (run() raises)
-                        self._own_error = BadContribution(
-                            self.me, index, "this peer's own values are not finite"
-                        )
-                        self._done.set()
-                        return
                     frame = self._frame(kind, r, index, count)
                     deadline.reschedule(loop.time() + self.config.sender_timeout)
                     if bulk is not None:
@@ -448,13 +441,6 @@ class AllreduceRunner:
             return Frame(AVERAGE, base)
         return Frame(AVERAGE, {**base, "c": cached}, payload)
 
-    def _own_finite(self, r: int, index: int, count: int) -> bool:
-        """Whether this peer's values of parts ``index .. index+count-1`` of reducer ``r``'s
-        span are finite (checked right before they are sent: the pass brings them into the
-        cache the socket then copies them from)."""
-        parts = self.partition.parts_of(r)
-        return all_finite(self.flat[parts[index].start : parts[index + count - 1].stop])
-
     def _contribution_wire(self, r: int, index: int) -> tuple[dict[str, Any], Any]:
         part = self.partition.part(r, index)
         if self._plain[r][index]:
@@ -495,7 +481,28 @@ class AllreduceRunner:
         elif frame.type == AVERAGE:
             self._on_average(sender, frame)
         elif frame.type == ABORT:
-            self._peer_failed(sender, f"it left the round ({frame.fields.get('why', '')})")
+            self._on_abort(sender, frame.fields.get("why", ""))
+
+    def _on_abort(self, sender: str, why: str) -> None:
+        """``sender`` left the round, or excluded this peer. If it reduces a span, the values
+        this peer sent it are checked now (on this rare event only, not before every send):
+        non-finite, the round ends for this peer as if its own span held them (``run()``
+        raises); finite, the claim is a remote peer's and only that peer is dropped."""
+        r = self.peer_index[sender]
+        if (
+            self._own_error is None
+            and self.is_sender
+            and self.weight > 0
+            and r not in self.failed_reducers
+            and self.partition.parts_of(r)
+        ):
+            start, stop = self.partition.spans[r]
+            if not all_finite(self.flat[start:stop]):
+                self._own_error = BadContribution(
+                    self.me, None, "this peer's own values are not finite"
+                )
+                self._done.set()
+        self._peer_failed(sender, f"it left the round ({why})")
 
     def _on_part(self, sender: str, frame: Frame) -> None:
         reducer = self.reducer

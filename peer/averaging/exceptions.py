@@ -73,11 +73,11 @@ class AllreduceTimeout(AllreduceFailed):
 
 
 class NonFiniteTensors(StepFailed, ValueError):
-    """This peer's averaged tensors hold NaN or Inf: the round was left without sending them
-    (the group goes on without it). Not retried: fix the tensors first. The non-finite
-    values stay as they were; found in the peer's own span (checked before the round), the
-    tensors are unchanged, found in values about to be sent to a member, parts averaged
-    meanwhile keep their average."""
+    """This peer's averaged tensors hold NaN or Inf: it left the round (the group goes on
+    without it). Not retried: fix the tensors first. The non-finite values stay as they
+    were; found in the peer's own span before the round (all its values, if it reduces
+    nothing), the tensors are unchanged; found by the reducer they were sent to (the peer
+    then checks them itself), parts averaged meanwhile keep their average."""
 
 
 class StepCancelled(StepFailed):
