@@ -563,6 +563,11 @@ class AsyncNode:
         self._bootstrapped.add(address)
 
     def _gossip_targets(self, exclude: str | None = None) -> list[str]:
+        candidates = self._gossip_candidates(exclude)
+        return self.random.sample(candidates, min(self.config.fanout, len(candidates)))
+
+    def _gossip_candidates(self, exclude: str | None = None) -> list[str]:
+        """Peers to gossip with: known, reachable, not failed just now."""
         loop_now = asyncio.get_running_loop().time()
         candidates = []
         for member in self.members().values():
@@ -574,7 +579,7 @@ class AsyncNode:
             link = self._links.get(member.peer_id)
             if member.addresses or (link is not None and not link.closed):
                 candidates.append(member.peer_id)
-        return self.random.sample(candidates, min(self.config.fanout, len(candidates)))
+        return candidates
 
     async def _gossip_round(self) -> None:
         targets = self._gossip_targets()
@@ -685,7 +690,10 @@ class AsyncNode:
     ) -> None:
         """Push ``records`` to up to ``fanout`` peers over open links, asking each to relay
         what is new to it ``relays`` more times."""
-        targets = self._gossip_targets(exclude)
+        candidates = self._gossip_candidates(exclude)
+        if len(candidates) <= self.config.fanout:
+            relays = 0  # this push reaches every peer there is: nothing to relay
+        targets = self.random.sample(candidates, min(self.config.fanout, len(candidates)))
         fields: dict[str, Any] = {"records": [r.to_wire() for r in records]}
         if relays:
             fields["h"] = relays
