@@ -27,7 +27,9 @@ Rules that keep the swarm moving:
   so a peer slow to notice the target still finds the others in the round;
 * if the gradient round fails (a peer died mid-round, a timeout), the peer logs it and steps
   with the gradients it has — the round's partial average or its own — and periodic state
-  averaging (``average_state_every`` epochs) pulls diverged parameters back together.
+  averaging (``average_state_every`` epochs) pulls diverged parameters back together;
+* a peer alone at its epoch (no other live report there) skips the rounds instead of
+  waiting out ``averaging_timeout`` for a group that cannot form.
 
 Each epoch runs three phases: the gradient round, the optimizer step (with the scheduler
 step), the state round (every ``average_state_every`` epochs). ``delay_grad_averaging``,
@@ -938,6 +940,7 @@ class Optimizer:
             self.grad_averager.set_group_bits(format(job.epoch % (1 << 16), "016b"))
         group = self._run_round(
             self.grad_averager,
+            job.epoch,
             weight=0.0 if self.auxiliary else float(job.samples),
             gather={"epoch": job.epoch, "samples": job.samples},
             what=f"epoch {job.epoch}: gradient averaging",
@@ -972,6 +975,7 @@ class Optimizer:
             self.state_averager.set_group_bits(format((job.epoch + 1) % (1 << 16), "016b"))
         group = self._run_round(
             self.state_averager,
+            job.epoch,
             weight=0.0 if self.auxiliary else 1.0,
             gather=None,
             what=f"epoch {job.epoch}: state averaging",
@@ -985,6 +989,7 @@ class Optimizer:
     def _run_round(
         self,
         averager: DecentralizedAverager,
+        epoch: int,
         *,
         weight: float,
         gather: Any,
@@ -992,7 +997,13 @@ class Optimizer:
         fallback: str,
         level: int = logging.WARNING,
     ) -> dict[str, Any] | None:
-        """One averaging round; None (logged) if it failed or was cancelled."""
+        """One averaging round of ``epoch``; None (logged) if it failed or was cancelled, or
+        if no other peer reports that epoch (nobody to average with: a lone peer does not
+        wait out ``averaging_timeout`` every epoch)."""
+        progress = self.tracker.global_progress
+        if progress.epoch == epoch and progress.num_peers <= 1:
+            logger.debug("%s skipped: no other peer at this epoch; %s", what, fallback)
+            return None
         try:
             control = averager.step(
                 weight=weight, timeout=self.averaging_timeout, gather=gather, wait=False

@@ -58,6 +58,13 @@ def main() -> None:
         default=0,
         help="join only after the swarm reaches this epoch",
     )
+    parser.add_argument(
+        "--wait-members",
+        type=int,
+        default=0,
+        help="start training once the swarm has this many members (a peer alone at an epoch "
+        "skips its rounds: one that starts first would otherwise train ahead alone)",
+    )
     parser.add_argument("--matchmaking-time", type=float, default=1.5)
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--average-state-every", type=int, default=1)
@@ -87,6 +94,8 @@ def main() -> None:
         tracker = ProgressTracker(node, "collab-test", sum(sizes), client_mode=False)
         while tracker.global_progress.epoch < args.start_epoch_wait and time.monotonic() < deadline:
             time.sleep(0.1)
+    while len(node.members()) < args.wait_members and time.monotonic() < deadline:
+        time.sleep(0.05)
     model = make_model()
     opt = Optimizer(
         node=node,

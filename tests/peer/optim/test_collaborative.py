@@ -228,10 +228,11 @@ def test_peer_killed_during_gradient_averaging(tmp_path: Path) -> None:
     for rank in range(3):
         (tmp_path / "done" / f"{rank}.expected").touch()  # survivors wait for each other only
     sizes, epochs = [8, 8, 8, 8], 5
-    procs = [_start(tmp_path, 0, sizes, epochs, None)]
+    together = ("--wait-members", "4")  # else the first one trains ahead alone
+    procs = [_start(tmp_path, 0, sizes, epochs, None, *together)]
     first = json.loads(procs[0].stdout.readline())["addresses"][0]
-    procs += [_start(tmp_path, r, sizes, epochs, first) for r in (1, 2)]
-    procs.append(_start(tmp_path, 3, sizes, epochs, first, "--die-in-round", "2"))
+    procs += [_start(tmp_path, r, sizes, epochs, first, *together) for r in (1, 2)]
+    procs.append(_start(tmp_path, 3, sizes, epochs, first, *together, "--die-in-round", "2"))
     logs = _finish(procs)
     assert procs[3].returncode == -9, "the victim was SIGKILLed"
     for proc, log in zip(procs[:3], logs[:3], strict=True):

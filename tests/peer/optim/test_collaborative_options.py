@@ -17,6 +17,7 @@ import torch
 
 from peer import Node
 from peer.optim.collaborative import Optimizer, resolve_options
+from peer.testing import wait_until
 from tests.conftest import scaled
 
 
@@ -38,6 +39,42 @@ def nodes() -> Iterator[list[Node]]:
     yield [a, b]
     b.shutdown()
     a.shutdown()
+
+
+def test_a_lone_peer_trains_without_waiting_for_a_group(caplog: pytest.LogCaptureFixture) -> None:
+    """With nobody else at its epoch, a peer skips the rounds (it would only wait out
+    ``averaging_timeout`` to step with its own gradients anyway): no round fails, and
+    training equals plain local SGD on its batches."""
+    model, reference = _model(), _model()
+    sgd = partial(torch.optim.SGD, lr=0.1, momentum=0.5)
+    local = sgd(reference.parameters())
+    with Node(gossip_period=0.2) as node, caplog.at_level("WARNING", logger="peer.optim"):
+        opt = Optimizer(
+            node=node,
+            run_id="alone",
+            target_batch_size=4,
+            batch_size_per_step=4,
+            optimizer=sgd,
+            params=model.parameters(),
+            average_state_every=1,
+            matchmaking_time=1.0,
+            averaging_timeout=scaled(3),
+        )
+        try:
+            for epoch in range(3):
+                x, y = _batch(0, epoch)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                assert opt.local_epoch == epoch + 1
+                local.zero_grad()
+                torch.nn.functional.mse_loss(reference(x), y).backward()
+                local.step()
+        finally:
+            opt.shutdown()
+    assert "failed" not in caplog.text
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 def test_invalid_combinations_raise_with_the_reason(nodes: list[Node]) -> None:
@@ -299,21 +336,22 @@ def test_delayed_state_averaging_with_local_updates(nodes: list[Node]) -> None:
 
 
 def test_shutdown_stops_a_background_round_promptly(nodes: list[Node]) -> None:
-    """Alone, a delayed gradient round looks for a group until its 60 s timeout: shutdown
-    cancels it at once and leaves no thread behind."""
+    """A delayed gradient round whose only other peer at the epoch never joins looks for a
+    group until its 60 s timeout: shutdown cancels it at once and leaves no thread behind."""
     before = set(threading.enumerate())
     model = _model()
-    opt = Optimizer(
-        node=nodes[0],
-        run_id="alone",
+    common = dict(
+        run_id="stuck",
         target_batch_size=4,
         batch_size_per_step=4,
         optimizer=partial(torch.optim.SGD, lr=0.1),
-        params=model.parameters(),
         matchmaking_time=1.0,
         averaging_timeout=60.0,
         delay_grad_averaging=True,
     )
+    idle = Optimizer(node=nodes[1], params=_model().parameters(), **common)  # never steps
+    opt = Optimizer(node=nodes[0], params=model.parameters(), **common)
+    assert wait_until(lambda: opt.global_progress.num_peers == 2, scaled(10))
     x, y = _batch(0, 0)
     torch.nn.functional.mse_loss(model(x), y).backward()
     opt.step()
@@ -326,6 +364,7 @@ def test_shutdown_stops_a_background_round_promptly(nodes: list[Node]) -> None:
     leftover = [t for t in threading.enumerate() if t not in before]
     assert not leftover, leftover
     opt.shutdown()  # idempotent
+    idle.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         opt.step()
 
