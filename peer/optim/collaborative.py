@@ -28,7 +28,7 @@ Rules that keep the swarm moving:
 * if the gradient round fails (a peer died mid-round, a timeout), the peer logs it and steps
   with the gradients it has — the round's partial average or its own — and periodic state
   averaging (``average_state_every`` epochs) pulls diverged parameters back together;
-* a peer alone at its epoch (no other live report there) skips the rounds instead of
+* a peer alone in the run (no other live progress report) skips the rounds instead of
   waiting out ``averaging_timeout`` for a group that cannot form.
 
 Each epoch runs three phases: the gradient round, the optimizer step (with the scheduler
@@ -241,6 +241,18 @@ class ProgressTracker:
 
     @property
     def global_progress(self) -> GlobalProgress:
+        return compute_global_progress(
+            self._reports(),
+            self._own(),
+            target_batch_size=self.target_batch_size,
+            now=self.node.get_time(),
+        )
+
+    def others_reporting(self) -> int:
+        """How many other peers have a live report, at any epoch."""
+        return sum(r.peer_id != self.node.peer_id for r in self._reports())
+
+    def _reports(self) -> list[CollaborativeReport]:
         record = self.node.get(self.key)
         reports = []
         if record is not None and isinstance(record.value, dict):
@@ -248,9 +260,7 @@ class ProgressTracker:
                 parsed = CollaborativeReport.from_wire(str(peer_id), entry.value)
                 if parsed is not None:
                     reports.append(parsed)
-        return compute_global_progress(
-            reports, self._own(), target_batch_size=self.target_batch_size, now=self.node.get_time()
-        )
+        return reports
 
     def wait_published(self, timeout: float = 5.0) -> None:
         if self._pending is not None:
@@ -940,7 +950,6 @@ class Optimizer:
             self.grad_averager.set_group_bits(format(job.epoch % (1 << 16), "016b"))
         group = self._run_round(
             self.grad_averager,
-            job.epoch,
             weight=0.0 if self.auxiliary else float(job.samples),
             gather={"epoch": job.epoch, "samples": job.samples},
             what=f"epoch {job.epoch}: gradient averaging",
@@ -975,7 +984,6 @@ class Optimizer:
             self.state_averager.set_group_bits(format((job.epoch + 1) % (1 << 16), "016b"))
         group = self._run_round(
             self.state_averager,
-            job.epoch,
             weight=0.0 if self.auxiliary else 1.0,
             gather=None,
             what=f"epoch {job.epoch}: state averaging",
@@ -989,7 +997,6 @@ class Optimizer:
     def _run_round(
         self,
         averager: DecentralizedAverager,
-        epoch: int,
         *,
         weight: float,
         gather: Any,
@@ -997,12 +1004,12 @@ class Optimizer:
         fallback: str,
         level: int = logging.WARNING,
     ) -> dict[str, Any] | None:
-        """One averaging round of ``epoch``; None (logged) if it failed or was cancelled, or
-        if no other peer reports that epoch (nobody to average with: a lone peer does not
-        wait out ``averaging_timeout`` every epoch)."""
-        progress = self.tracker.global_progress
-        if progress.epoch == epoch and progress.num_peers <= 1:
-            logger.debug("%s skipped: no other peer at this epoch; %s", what, fallback)
+        """One averaging round; None (logged) if it failed or was cancelled, or if no other
+        peer of the run has a live progress report (nobody to average with: a lone peer does
+        not wait out ``averaging_timeout`` every epoch). A peer that is there but behind
+        still gets the chance to join: the round looks for a group as usual."""
+        if not self.tracker.others_reporting():
+            logger.debug("%s skipped: no other peer in the run; %s", what, fallback)
             return None
         try:
             control = averager.step(

@@ -59,11 +59,11 @@ def main() -> None:
         help="join only after the swarm reaches this epoch",
     )
     parser.add_argument(
-        "--wait-members",
+        "--wait-peers",
         type=int,
         default=0,
-        help="start training once the swarm has this many members (a peer alone at an epoch "
-        "skips its rounds: one that starts first would otherwise train ahead alone)",
+        help="train once this many peers (this one included) report progress: a peer alone "
+        "in the run skips its rounds, so one that starts first would train ahead alone",
     )
     parser.add_argument("--matchmaking-time", type=float, default=1.5)
     parser.add_argument("--verbose", action="store_true")
@@ -94,8 +94,6 @@ def main() -> None:
         tracker = ProgressTracker(node, "collab-test", sum(sizes), client_mode=False)
         while tracker.global_progress.epoch < args.start_epoch_wait and time.monotonic() < deadline:
             time.sleep(0.1)
-    while len(node.members()) < args.wait_members and time.monotonic() < deadline:
-        time.sleep(0.05)
     model = make_model()
     opt = Optimizer(
         node=node,
@@ -111,6 +109,8 @@ def main() -> None:
         delay_grad_averaging=args.delay_grad_averaging,
         delay_optimizer_step=args.delay_optimizer_step or None,
     )
+    while opt.tracker.others_reporting() < args.wait_peers - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     joined_at = opt.local_epoch
     if args.die_in_round >= 0:
         real_step = opt.grad_averager.step

@@ -202,9 +202,10 @@ def test_latecomer_downloads_state_and_ends_in_step(tmp_path: Path) -> None:
     (tmp_path / "done").mkdir()
     sizes, epochs = [8, 8, 8, 8], 10
     # --verbose: each worker logs its peer id, its rounds and where it loaded state from
-    procs = [_start(tmp_path, 0, sizes, epochs, None, "--verbose")]
+    founders = ("--verbose", "--wait-peers", "3")  # train together from the start
+    procs = [_start(tmp_path, 0, sizes, epochs, None, *founders)]
     first = json.loads(procs[0].stdout.readline())["addresses"][0]
-    procs += [_start(tmp_path, r, sizes, epochs, first, "--verbose") for r in (1, 2)]
+    procs += [_start(tmp_path, r, sizes, epochs, first, *founders) for r in (1, 2)]
     procs.append(_start(tmp_path, 3, sizes, epochs, first, "--start-epoch-wait", "5", "--verbose"))
     logs = _finish(procs)
     for proc in procs:
@@ -228,7 +229,7 @@ def test_peer_killed_during_gradient_averaging(tmp_path: Path) -> None:
     for rank in range(3):
         (tmp_path / "done" / f"{rank}.expected").touch()  # survivors wait for each other only
     sizes, epochs = [8, 8, 8, 8], 5
-    together = ("--wait-members", "4")  # else the first one trains ahead alone
+    together = ("--wait-peers", "4")  # else the first one trains ahead alone
     procs = [_start(tmp_path, 0, sizes, epochs, None, *together)]
     first = json.loads(procs[0].stdout.readline())["addresses"][0]
     procs += [_start(tmp_path, r, sizes, epochs, first, *together) for r in (1, 2)]

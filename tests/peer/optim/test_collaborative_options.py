@@ -42,9 +42,9 @@ def nodes() -> Iterator[list[Node]]:
 
 
 def test_a_lone_peer_trains_without_waiting_for_a_group(caplog: pytest.LogCaptureFixture) -> None:
-    """With nobody else at its epoch, a peer skips the rounds (it would only wait out
-    ``averaging_timeout`` to step with its own gradients anyway): no round fails, and
-    training equals plain local SGD on its batches."""
+    """Alone in the run (no other progress report), a peer skips the rounds (it would only
+    wait out ``averaging_timeout`` to step with its own gradients anyway): no round fails,
+    and training equals plain local SGD on its batches."""
     model, reference = _model(), _model()
     sgd = partial(torch.optim.SGD, lr=0.1, momentum=0.5)
     local = sgd(reference.parameters())
