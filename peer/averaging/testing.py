@@ -15,8 +15,9 @@ answers JSON commands on standard input, one per line::
     {"cmd": "quit"}                             -> {"ok": true}, then exits
 
 ``--fault`` injects one misbehaviour (by subclassing the round runner or the state server):
-``kill_after_first_part`` / ``stall_after_first_part`` (SIGKILL itself, or stop sending
-anything, right after its first part went out), ``kill_while_reducing`` (SIGKILL on the first
+``kill_after_first_part`` / ``stall_after_first_part`` / ``freeze_after_first_part``
+(SIGKILL itself, stop sending anything, or SIGSTOP itself -- no more reading either, its
+connections left open, like a laptop put to sleep -- right after its first part went out), ``kill_while_reducing`` (SIGKILL on the first
 part it receives as a reducer), ``nan`` / ``wrong_length`` / ``oversized`` (corrupt parts),
 ``kill_mid_state`` (SIGKILL while serving the third chunk of a state download).
 """
@@ -41,6 +42,7 @@ from peer.wire import Frame
 FAULTS = (
     "kill_after_first_part",
     "stall_after_first_part",
+    "freeze_after_first_part",
     "kill_while_reducing",
     "nan",
     "wrong_length",
@@ -72,6 +74,8 @@ class FaultyRunner(AllreduceRunner):
                 elif self.fault == "stall_after_first_part":
                     cls._stalled = asyncio.Event()
                     await asyncio.Event().wait()
+                elif self.fault == "freeze_after_first_part":
+                    os.kill(os.getpid(), signal.SIGSTOP)
             cls._parts_sent += 1
 
     def _on_received_parts(self, sender: str, index: int, count: int) -> None:

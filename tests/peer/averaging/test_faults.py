@@ -31,7 +31,13 @@ def _tensors(i: int) -> list[torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "fault", ["kill_after_first_part", "stall_after_first_part", "kill_while_reducing"]
+    "fault",
+    [
+        "kill_after_first_part",
+        "stall_after_first_part",
+        "freeze_after_first_part",
+        "kill_while_reducing",
+    ],
 )
 def test_survivors_finish_with_the_mean_over_survivors(tmp_path: Path, fault: str) -> None:
     config = dict(
@@ -71,6 +77,9 @@ def test_survivors_finish_with_the_mean_over_survivors(tmp_path: Path, fault: st
         if fault.startswith("kill"):
             procs[faulty].proc.wait(timeout=scaled(60))
             assert procs[faulty].proc.returncode == -9  # it really was SIGKILLed mid-round
+        if fault.startswith("freeze"):  # it really is stopped, its connections still open
+            stat = Path(f"/proc/{procs[faulty].proc.pid}/stat").read_text()
+            assert stat.rsplit(")", 1)[1].split()[0] == "T", stat
         survivors = [i for i in range(N) if i != faulty]
         mean_survivors = [sum(local[i][j] for i in survivors) / len(survivors) for j in range(2)]
         mean_all = [sum(local[i][j] for i in range(N)) / N for j in range(2)]
