@@ -17,9 +17,10 @@ answers JSON commands on standard input, one per line::
 ``--fault`` injects one misbehaviour (by subclassing the round runner or the state server):
 ``kill_after_first_part`` / ``stall_after_first_part`` / ``freeze_after_first_part``
 (SIGKILL itself, stop sending anything, or SIGSTOP itself -- no more reading either, its
-connections left open, like a laptop put to sleep -- right after its first part went out), ``kill_while_reducing`` (SIGKILL on the first
-part it receives as a reducer), ``nan`` / ``wrong_length`` / ``oversized`` (corrupt parts),
-``kill_mid_state`` (SIGKILL while serving the third chunk of a state download).
+connections left open, like a laptop put to sleep -- right after its first part went out),
+``kill_while_reducing`` (SIGKILL on the first part it receives as a reducer), ``nan`` /
+``wrong_length`` / ``oversized`` (corrupt parts), ``kill_mid_state`` (SIGKILL while serving
+the third chunk of a state download).
 """
 
 from __future__ import annotations

@@ -657,7 +657,7 @@ class AsyncNode:
         return None
 
     def _accept_records(self, items: list[Any], link: PeerLink) -> list[Record]:
-        """Verify and store relayed records; the ones that were news to this node."""
+        """Verify and store records a peer sent (pushed or pulled); those that were news."""
         now = self.now()
         rejected = 0
         fresh = []
