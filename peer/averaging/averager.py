@@ -251,10 +251,25 @@ class DecentralizedAverager:
         """Register on the node and start declaring state (done by ``start=True``)."""
         if self._running:
             return
+        caller_threads = torch.get_num_threads()
         self.node.run_coroutine(self._start())
+        # torch.set_num_threads, called in the loop thread by _start, also changes the
+        # process-wide default that threads started later take: put that back (the loop
+        # thread keeps its own setting, which is per thread; so does this one)
+        torch.set_num_threads(caller_threads)
         self._running = True
 
     async def _start(self) -> None:
+        # Torch in the node's loop thread runs single-threaded. Its operations are small
+        # (a part or a batch of parts at a time) and the network is slower than one core;
+        # an OpenMP team per operation would compete with the threads that train (or with
+        # other peers' processes) for the same cores, and each of its barriers waits until
+        # every one of its threads has had a core: seen as stalls of seconds per round when
+        # cores are oversubscribed. (A thread takes the process-wide setting on its first
+        # parallel operation, get_num_threads included: done first, so that it does not
+        # undo this one later.)
+        torch.get_num_threads()
+        torch.set_num_threads(1)
         core = self._core = self.node.core
         self._driver = MatchmakingDriver(
             core, self.config.prefix, self.matchmaking_config, self.config.poll_interval

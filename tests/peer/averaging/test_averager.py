@@ -193,6 +193,31 @@ def test_constructor_rejects_bad_settings(make_swarm) -> None:
     averager.shutdown()
 
 
+def test_torch_is_single_threaded_in_the_loop_thread_only(make_swarm) -> None:
+    """The node's loop thread runs torch with one thread (an OpenMP team per small
+    operation stalled rounds for seconds on oversubscribed cores); the thread that made the
+    averager, and threads started later, keep the process's setting."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3)  # a setting of the process's own, whatever the machine's cores
+    try:
+        node = make_swarm(1).nodes[0]
+        averager = DecentralizedAverager([torch.zeros(8)], node, start=True, prefix="t")
+
+        async def loop_threads() -> int:
+            return torch.get_num_threads()
+
+        assert node.run_coroutine(loop_threads()) == 1
+        assert torch.get_num_threads() == 3
+        later: list[int] = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert later == [3]
+        averager.shutdown()
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_back_to_back_steps_with_the_same_key(make_swarm) -> None:
     """A declaration published right after the previous round's retraction must win over
     it in gossip; otherwise the partner cannot see it and the step only succeeds after a
