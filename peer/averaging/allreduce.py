@@ -44,6 +44,11 @@ Faults (each decision is local; survivors always finish):
   reducer's parts not yet final;
 * a reducer silent for ``reducer_timeout`` (no average, no accepted send) fails: its span's
   remaining parts keep the local values;
+* a member that takes nothing of a frame sent to it for ``sender_timeout`` (it stopped
+  reading: a frozen process) is excluded in both roles. Silence is the absence of bytes,
+  not of complete frames: on a bulk lane, the bytes of a frame still under way count
+  (``BulkLanes.heard`` / ``taken``), so a slow link whose frames take longer than the
+  timeouts is not taken for a dead peer;
 * a link that breaks, a bad part (wrong size or dtype, NaN/Inf, undecodable), or an
   ``avg.abort`` from a member excludes that member in both roles; bad input is logged once;
 * this peer's own values with NaN/Inf: its span (all its values if it reduces nothing) is
@@ -327,31 +332,29 @@ class AllreduceRunner:
         link = None
         loop = asyncio.get_running_loop()
         bulk = self.core.bulk
-        deadline = asyncio.timeout(None)  # armed for each send only (one object per task)
+        timeout = self.config.sender_timeout  # of a send that makes no progress
         try:
-            async with deadline:
-                while True:
-                    item = await self._next_item(peer_id, box, r)
-                    if item is None:
-                        return
-                    if link is None or link.closed:
-                        # lazily: two client-mode members never exchange anything (nor can)
-                        link = await self._link_to(peer_id)
-                    kind, index = item
-                    count = self._batch(kind, r, index, box)
-                    await self._before_send(peer_id, kind, index)
-                    frame = self._frame(kind, r, index, count)
-                    deadline.reschedule(loop.time() + self.config.sender_timeout)
-                    if bulk is not None:
-                        await bulk.send(peer_id, frame)  # a TCP lane if possible
-                    else:
+            while True:
+                item = await self._next_item(peer_id, box, r)
+                if item is None:
+                    return
+                if link is None or link.closed:
+                    # lazily: two client-mode members never exchange anything (nor can)
+                    link = await self._link_to(peer_id)
+                kind, index = item
+                count = self._batch(kind, r, index, box)
+                await self._before_send(peer_id, kind, index)
+                frame = self._frame(kind, r, index, count)
+                if bulk is not None:
+                    await bulk.send(peer_id, frame, timeout)  # a TCP lane if possible
+                else:
+                    async with asyncio.timeout(timeout):
                         await link.send(frame)
-                    deadline.reschedule(None)
-                    if kind == "avg":
-                        for i in range(index, index + count):
-                            self._release_wire(i)
-                    else:
-                        self.last_progress[r] = loop.time()
+                if kind == "avg":
+                    for i in range(index, index + count):
+                        self._release_wire(i)
+                else:
+                    self.last_progress[r] = loop.time()
         except (SwarmgradError, TimeoutError, OSError) as exc:
             self._peer_failed(peer_id, f"cannot send to it: {exc or type(exc).__name__}")
 
@@ -737,6 +740,11 @@ class AllreduceRunner:
         cfg = self.config
         tick = min(cfg.sender_timeout, cfg.reducer_timeout) / 4
         loop = asyncio.get_running_loop()
+        bulk = self.core.bulk
+        # bytes of frames still under way count as signs of life (on a slow link one frame
+        # can take longer than the timeouts); without lanes, only complete frames show
+        heard: dict[str, float] = bulk.heard if bulk is not None else {}
+        taken: dict[str, float] = bulk.taken if bulk is not None else {}
         while not self._done.is_set():
             await asyncio.sleep(tick)
             now = loop.time()
@@ -746,10 +754,15 @@ class AllreduceRunner:
                 for i in range(reducer.num_parts):
                     owing |= reducer.waiting_for(i)
                 for sender in owing - {self.me}:
-                    if now - self.last_from[sender] > cfg.sender_timeout:
+                    last = max(self.last_from[sender], heard.get(sender, 0.0))
+                    if now - last > cfg.sender_timeout:
                         self._exclude_sender(sender, f"silent for {cfg.sender_timeout:g} s")
             for r, pending in self.unresolved.items():
-                if pending and now - self.last_progress[r] > cfg.reducer_timeout:
+                if not pending:
+                    continue
+                peer_id = self.members[r].peer_id
+                last = max(self.last_progress[r], heard.get(peer_id, 0.0), taken.get(peer_id, 0.0))
+                if now - last > cfg.reducer_timeout:
                     self._fail_reducer(r, f"silent for {cfg.reducer_timeout:g} s")
 
     def _check_done(self) -> None:

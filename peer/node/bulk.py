@@ -5,10 +5,13 @@ the stream reader's buffer, fragment joins). Averaging moves the model's size th
 peer each round, so those copies, not the network, bounded all-reduce throughput on fast
 links. A bulk lane carries the *same frames* (the :mod:`peer.wire` layout: u32 header
 length, msgpack header, raw payload) over a plain non-blocking TCP socket driven by the
-event loop (``sock_recv_into`` / ``sock_sendall``): the payload goes from the socket
-straight into a buffer of the payload's size (reused: :mod:`peer.node.buffers`), and out of
-the sender's tensor memory, with no copy in user space on either side. (Threads with blocking calls were tried first: on a
-2-core machine their wake-ups cost more CPU than the copies.)
+event loop (a reader callback, and writes as the socket drains): the payload goes from the
+socket straight into a buffer of the payload's size (reused: :mod:`peer.node.buffers`), and
+out of the sender's tensor memory, with no copy in user space on either side. (Threads with
+blocking calls were tried first: on a 2-core machine their wake-ups cost more CPU than the
+copies.) Senders and the averager's watchdog see the progress of frames under way
+(:attr:`BulkLanes.heard`, :attr:`BulkLanes.taken`): a send times out when the socket takes
+nothing for a while, not when a frame takes long.
 
 Trust: a lane is only opened after an authenticated link (:mod:`peer.node.links`) exists.
 The dialer asks the listener over that link for a *ticket* (16 random bytes, single use,
@@ -78,6 +81,16 @@ class BulkSender:
         self.peer_id = peer_id
 
 
+def _after(views: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of ``views`` once their first ``sent`` bytes went out."""
+    while views and sent >= views[0].nbytes:
+        sent -= views[0].nbytes
+        views = views[1:]
+    if sent:
+        views = [views[0][sent:], *views[1:]]
+    return views
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -118,9 +131,12 @@ class _Lane:
         self._ended = False
         self._resume()
 
-    async def send(self, frame: Frame) -> None:
+    async def send(self, frame: Frame, idle_timeout: float | None = None) -> None:
         """Send one frame. Raises FrameTooLarge, before sending anything, for a frame the
-        other side would refuse (it would close the lane and the frame would be lost)."""
+        other side would refuse (it would close the lane and the frame would be lost), and
+        TimeoutError (closing the lane) if the socket takes no byte of it for
+        ``idle_timeout`` seconds: a slow link that keeps moving is waited for, a peer that
+        stopped reading is not."""
         header = encode_header(frame)
         payload = memoryview(frame.payload).cast("B")
         limits = self.owner.limits
@@ -132,28 +148,53 @@ class _Lane:
             raise FrameTooLarge(
                 f"{frame.type}: header over the limit of {limits.max_header_bytes} bytes"
             )
-        loop = self.owner.loop
         async with self._send_lock:
             if self.closed:
                 raise ConnectionError(f"bulk lane to {self.peer_id} is closed")
+            views = [memoryview(header), payload] if payload.nbytes else [memoryview(header)]
             try:
                 # header and payload in one system call (one TCP push, not a tiny segment
                 # first); whatever the socket buffer did not take goes out as it drains
                 try:
-                    sent = self.sock.sendmsg([header, payload] if payload.nbytes else [header])
+                    sent = self.sock.sendmsg(views)
                 except (BlockingIOError, InterruptedError):
                     sent = 0
-                if sent < len(header):
-                    await loop.sock_sendall(self.sock, memoryview(header)[sent:])
-                    sent = len(header)
-                if sent < len(header) + payload.nbytes:
-                    await loop.sock_sendall(self.sock, payload[sent - len(header) :])
+                if sent:
+                    self.owner.taken[self.peer_id] = self.owner.loop.time()
+                    views = _after(views, sent)
+                if views:
+                    await self._send_rest(views, idle_timeout)
             except asyncio.CancelledError:
                 self.close()  # a frame abandoned midway leaves the stream unusable
+                raise
+            except TimeoutError:
+                self.close()
                 raise
             except OSError as exc:
                 self.close()
                 raise ConnectionError(f"bulk lane to {self.peer_id} failed: {exc}") from None
+
+    async def _send_rest(self, views: list[memoryview], idle_timeout: float | None) -> None:
+        """Send ``views`` as the socket drains; TimeoutError once it has taken nothing for
+        ``idle_timeout`` seconds."""
+        loop, sock, owner = self.owner.loop, self.sock, self.owner
+        writable = asyncio.Event()
+        loop.add_writer(sock, writable.set)
+        try:
+            while views:
+                writable.clear()
+                try:
+                    sent = sock.sendmsg(views)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                if sent:
+                    owner.taken[self.peer_id] = loop.time()
+                    views = _after(views, sent)
+                    continue
+                async with asyncio.timeout(idle_timeout):
+                    await writable.wait()
+        finally:
+            loop.remove_writer(sock)
 
     # ---------------------------------------------------------------- reading
 
@@ -215,6 +256,8 @@ class _Lane:
             return
         if self._ended:
             return
+        if budget < _READ_BUDGET:
+            self.owner.heard[self.peer_id] = self.owner.loop.time()
         # In a payload, wake up only once a good stretch of it is there (SO_RCVLOWAT):
         # fewer wake-ups and larger reads than one per arriving segment.
         lowat = 1
@@ -380,6 +423,11 @@ class BulkLanes:
         self._opening: set[asyncio.Task[Any]] = set()  # admissions and dials: close() cancels
         self.closing = False
         self.buffers = BufferPool()  # payloads received on lanes
+        # peer id → loop time at which bytes last came from it on a lane, and at which a
+        # lane's socket last took bytes for it: progress of frames still under way (a
+        # frame on a slow link may take longer than a round's silence timeouts)
+        self.heard: dict[str, float] = {}
+        self.taken: dict[str, float] = {}
         registry.register(BULK_TICKET, Schema())
         registry.register(BULK_TICKET_OK, Schema(required={"port": INT, "ticket": BYTES}))
 
@@ -482,16 +530,24 @@ class BulkLanes:
 
     # ------------------------------------------------------------------- sending
 
-    async def send(self, peer_id: str, frame: Frame) -> None:
-        """Send a one-way frame to ``peer_id``: over a lane if possible, else the link."""
-        lane = await self._lane(peer_id)
+    async def send(self, peer_id: str, frame: Frame, idle_timeout: float | None = None) -> None:
+        """Send a one-way frame to ``peer_id``: over a lane if possible, else the link.
+
+        TimeoutError if a lane's socket takes no byte of the frame for ``idle_timeout``
+        seconds; opening a lane, or a frame sent over the link (whose progress does not
+        show), gets ``idle_timeout`` in all."""
+        lane = self._lanes.get(peer_id)
+        if lane is None or lane.closed:
+            async with asyncio.timeout(idle_timeout):
+                lane = await self._lane(peer_id)
         if lane is not None:
             try:
-                await lane.send(frame)
+                await lane.send(frame, idle_timeout)
                 return
             except ConnectionError as exc:
                 logger.debug("%s; using the link", exc)
-        await self.core.send(peer_id, frame)
+        async with asyncio.timeout(idle_timeout):
+            await self.core.send(peer_id, frame)
 
     async def _lane(self, peer_id: str) -> _Lane | None:
         lane = self._lanes.get(peer_id)
@@ -573,6 +629,9 @@ class BulkLanes:
                 if other.peer_id == lane.peer_id and not other.closed:
                     self._lanes[lane.peer_id] = other
                     break
+            else:
+                self.heard.pop(lane.peer_id, None)
+                self.taken.pop(lane.peer_id, None)
         logger.debug("bulk lane with %s ended: %s", lane.peer_id, reason)
         if not self.closing:
             self._spawn(lane.join())

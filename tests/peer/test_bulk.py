@@ -328,10 +328,10 @@ async def test_a_sender_keeps_to_one_lane_when_the_peer_dialed_too(
     carriers: list[int] = []
     send = bulk_module._Lane.send
 
-    async def spy(lane: Any, frame: Frame) -> None:
+    async def spy(lane: Any, frame: Frame, idle_timeout: float | None = None) -> None:
         if lane.owner is lanes:
             carriers.append(id(lane))
-        await send(lane, frame)
+        await send(lane, frame, idle_timeout)
 
     monkeypatch.setattr(bulk_module._Lane, "send", spy)
     await asyncio.gather(_send_all(a, b, 10), _send_all(b, a, 10))
@@ -451,6 +451,75 @@ async def test_a_frame_over_the_limits_is_refused_before_sending(make_peer: Make
     assert [f.fields["seq"] for _, f in got] == [0, 3]
     assert all(_over_lane(sender, a) for sender, _ in got)
     assert a.core.bulk is not None and a.core.bulk.open_lanes == 1
+
+
+# --------------------------------------------------------------------------- slow peers
+
+SMALL_BUFFER = 64 << 10
+
+
+async def _lane_between(a: Peer, b: Peer) -> tuple[Any, Any]:
+    """Open the lane from ``a`` to ``b`` (one small frame) and shrink the socket buffers of
+    both ends, so that a frame of a few MB waits for ``b`` to read it."""
+    await a.core.send_bulk(b.peer_id, Frame(BLOB, {"seq": 0}, b"open"))
+    await b.wait_for(1)
+    assert a.core.bulk is not None and b.core.bulk is not None
+    [sending] = a.core.bulk._all
+    [receiving] = b.core.bulk._all
+    sending.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUFFER)
+    receiving.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUFFER)
+    return sending, receiving
+
+
+def _read_slowly(lane: Any, monkeypatch: pytest.MonkeyPatch, pause: float) -> None:
+    """Make ``lane`` read at most one small chunk, then nothing for ``pause`` seconds."""
+    monkeypatch.setattr(bulk_module, "_READ_BUDGET", SMALL_BUFFER)
+    read = lane._on_readable
+
+    def then_pause(parse_first: bool = False) -> None:
+        read(parse_first)
+        if lane._reading:
+            lane._pause()
+            lane.owner.loop.call_later(pause, lane._resume)
+
+    lane._pause()
+    lane._on_readable = then_pause
+    lane._resume()
+
+
+async def test_a_send_to_a_slow_reader_outlasts_the_idle_timeout(
+    make_peer: MakePeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timeout of a send is for a socket that takes nothing: a frame that takes far
+    longer than it on a slow link goes through, and both ends record the progress."""
+    a, b = await _pair(make_peer)
+    _, receiving = await _lane_between(a, b)
+    _read_slowly(receiving, monkeypatch, pause=0.05)
+    assert a.core.bulk is not None and b.core.bulk is not None
+    payload = bytes(random.Random(1).randbytes(2 << 20))
+    idle_timeout = 0.2
+    started = time.monotonic()
+    await a.core.bulk.send(b.peer_id, Frame(BLOB, {"seq": 1}, payload), idle_timeout)
+    [_, (sender, frame)] = await b.wait_for(2)
+    elapsed = time.monotonic() - started
+    assert elapsed > 2 * idle_timeout, f"the link was not slow ({elapsed:.2f} s): no test"
+    assert _over_lane(sender, a) and bytes(frame.payload) == payload
+    # progress of the frame while it was under way, as the averager's watchdog sees it
+    now = asyncio.get_running_loop().time()
+    assert b.core.bulk.heard[a.peer_id] > now - elapsed / 2
+    assert a.core.bulk.taken[b.peer_id] > now - elapsed / 2
+
+
+async def test_a_send_to_a_peer_that_stopped_reading_times_out_and_closes_the_lane(
+    make_peer: MakePeer,
+) -> None:
+    a, b = await _pair(make_peer)
+    sending, receiving = await _lane_between(a, b)
+    receiving._pause()  # reads nothing more, its connection open
+    assert a.core.bulk is not None
+    with pytest.raises(TimeoutError):
+        await a.core.bulk.send(b.peer_id, Frame(BLOB, {"seq": 1}, b"x" * (4 << 20)), 0.2)
+    assert sending.closed and not a.core.bulk.has_lane(b.peer_id)
 
 
 # --------------------------------------------------------------------------- fallbacks

@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import socket
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import peer.node.bulk as bulk_module
 from peer.averaging.allreduce import AllreduceRunner
 from peer.averaging.exceptions import NonFiniteTensors
 from peer.averaging.testing import AveragerProcess, FaultyRunner
@@ -131,6 +134,42 @@ def _round_tasks(node) -> list[str]:
         return out
 
     return node.run_coroutine(names())
+
+
+def test_a_slow_link_is_not_taken_for_a_dead_peer(make_swarm, monkeypatch) -> None:
+    """Timeouts are for silence, not for slowness: on links so slow that every frame takes
+    longer than sender_timeout and reducer_timeout, bytes keep moving, and the round ends
+    with the exact mean and nobody excluded."""
+    small = 64 << 10
+    tune = bulk_module._tune
+
+    def small_buffers(sock: socket.socket) -> None:
+        tune(sock)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, small)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, small)
+
+    read = bulk_module._Lane._on_readable
+
+    def read_then_pause(lane, parse_first: bool = False) -> None:  # about 2 MB/s
+        read(lane, parse_first)
+        if lane._reading:
+            lane._pause()
+            lane.owner.loop.call_later(0.05, lane._resume)
+
+    monkeypatch.setattr(bulk_module, "_tune", small_buffers)
+    monkeypatch.setattr(bulk_module, "_READ_BUDGET", small)
+    monkeypatch.setattr(bulk_module._Lane, "_on_readable", read_then_pause)
+    swarm = make_swarm(2)
+    # 2 MB spans: each frame of contributions or averages takes about a second
+    tensors = [[torch.randn(1_000_000)] for _ in range(2)]
+    expected = [(tensors[0][0] + tensors[1][0]) / 2]
+    averagers = swarm.add_averagers(tensors, sender_timeout=0.3, reducer_timeout=0.6)
+    started = time.monotonic()
+    results = step_all(averagers, [{"allow_retries": False}] * 2)
+    assert all(isinstance(r, dict) for r in results), results
+    for t in tensors:
+        assert torch.allclose(t[0], expected[0], atol=1e-6, rtol=0)
+    assert time.monotonic() - started > 4 * 0.6, "the links were not slow: no test"
 
 
 @pytest.mark.parametrize("fault", ["nan", "wrong_length", "oversized", "bad_range"])
