@@ -169,7 +169,9 @@ class _Lane:
                 raise
             except TimeoutError:
                 self.close()
-                raise
+                raise TimeoutError(
+                    f"bulk lane to {self.peer_id} took nothing for {idle_timeout} s"
+                ) from None
             except OSError as exc:
                 self.close()
                 raise ConnectionError(f"bulk lane to {self.peer_id} failed: {exc}") from None
