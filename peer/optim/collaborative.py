@@ -252,6 +252,10 @@ class ProgressTracker:
         """How many other peers have a live report, at any epoch."""
         return sum(r.peer_id != self.node.peer_id for r in self._reports())
 
+    def reports(self) -> list[CollaborativeReport]:
+        """Every live report this peer knows, its own as last gossiped included."""
+        return self._reports()
+
     def _reports(self) -> list[CollaborativeReport]:
         record = self.node.get(self.key)
         reports = []
@@ -558,6 +562,12 @@ class Optimizer:
         self._samples = 0
         self._pending: _Epoch | None = None
         self._round: StepControl | None = None  # the round in flight, for cancellation
+        # Outcomes of the gradient and state rounds, for progress reports: rounds that found
+        # nobody to average with (a lone peer) count as neither.
+        self.rounds_done = 0
+        self.rounds_failed = 0
+        self.last_group_size: int | None = None
+        self.last_failure: str | None = None  # class name of the last failed round's error
         self._closed = False
         self._closing = threading.Event()  # set by shutdown(): ends a state-download retry
         self._model_grads = _ModelGradients(self.params)
@@ -1020,6 +1030,8 @@ class Optimizer:
             result = control.result()
         except StepFailed as exc:
             if not self._closed:
+                self.rounds_failed += 1
+                self.last_failure = type(exc).__name__
                 logger.log(level, "%s failed (%s); %s", what, exc, fallback)
             return None
         except RuntimeError:
@@ -1028,7 +1040,10 @@ class Optimizer:
             raise
         finally:
             self._round = None
-        return cast(dict[str, Any], result)
+        self.rounds_done += 1
+        group = cast(dict[str, Any], result)
+        self.last_group_size = len(group)
+        return group
 
     def _apply(self, job: _Epoch) -> None:
         """Bring a finished epoch's results to the model. Training thread."""
@@ -1074,6 +1089,13 @@ class Optimizer:
         if job.holds_announcement:
             self._report()
         return True
+
+    def interrupt(self) -> None:
+        """Call off the averaging round in flight, if any; safe from any thread (e.g. a
+        signal handler's). The step running it goes on as after a failed round."""
+        control = self._round
+        if control is not None:
+            control.cancel()
 
     def wait_for_pending(self, timeout: float | None = None) -> bool:
         """Wait until background work (a delayed round or optimizer step) has finished, and

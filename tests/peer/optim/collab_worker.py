@@ -149,6 +149,7 @@ def main() -> None:
         "joined_at": joined_at,
         "trace": trace,
         "overlapped": overlapped,
+        "rounds": [opt.rounds_done, opt.rounds_failed, opt.last_group_size],
     }
     torch.save(result, args.out)
     Path(args.done_dir, f"{args.rank}.done").touch()

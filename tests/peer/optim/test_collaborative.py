@@ -106,6 +106,10 @@ def test_four_peers_equal_single_process_training(tmp_path: Path, optimizer: str
         assert result["epoch"] == epochs
         for mine, expected in zip(result["params"], reference, strict=True):
             torch.testing.assert_close(mine, expected, atol=1e-5, rtol=0)
+        # a gradient and a state round per epoch, counted for progress reports
+        done, failed, group_size = result["rounds"]
+        assert (done, failed) == (2 * epochs, 0)
+        assert group_size == 4
 
 
 @pytest.mark.slow
