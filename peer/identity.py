@@ -246,6 +246,20 @@ class CertificateVerifier:
         return cert
 
 
+# --------------------------------------------------------------------------- join proof
+
+JOIN_PROOF_CONTEXT = b"swarmgrad-join-proof-v1\x00"
+
+
+def join_proof_payload(run_id: str, challenge: str, public_key: bytes) -> bytes:
+    """What a volunteer signs with :meth:`Identity.sign` to join a run: it proves to the
+    coordinator that the joiner holds the private key of ``public_key``, for this run and
+    this challenge only (``POST /api/v1/join/challenge`` hands out the challenge)."""
+    return JOIN_PROOF_CONTEXT + msgpack.packb(
+        [run_id, challenge, bytes(public_key)], use_bin_type=True
+    )
+
+
 # --------------------------------------------------------------------------- auth modes
 
 
