@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -19,18 +19,22 @@ from sqlalchemy.exc import OperationalError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.fast_reports import ReportFastPath
-from server.api.routes import health, peers, progress, runs, tokens
+from server.api.routes import checkpoints, health, peers, progress, runs, tokens
 from server.config import Settings
 from server.db import make_engine, make_session_factory, upgrade_database
 from server.exceptions import CoordinatorError
 from server.metrics import Metrics, MetricsMiddleware
 from server.schemas import ErrorPublic
-from server.security import KeyBox, PrincipalCache
+from server.security import JoinChallenges, KeyBox, PrincipalCache
+from server.services.checkpoints import CheckpointStore
 from server.services.reports import ReportBuffer
 
 logger = logging.getLogger("server")
 
 MAX_BODY_BYTES = 1024 * 1024
+# On every answer, so that a client can tell a coordinator from whatever else answers at a
+# URL (a captive portal, a proxy's error page, another service).
+COORDINATOR_HEADER = (b"x-swarmgrad-coordinator", b"1")
 
 ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     status: {"model": ErrorPublic, "description": description}
@@ -81,18 +85,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.session_factory = session_factory
     app.state.keybox = KeyBox(settings.secret_key.get_secret_value())
+    app.state.join_challenges = JoinChallenges(
+        settings.secret_key.get_secret_value(), settings.join_challenge_ttl_s
+    )
+    app.state.checkpoint_store = CheckpointStore(
+        settings.checkpoint_dir,
+        keep=settings.checkpoint_keep,
+        max_bytes=settings.checkpoint_max_bytes,
+    )
     app.state.metrics = metrics
     app.state.principal_cache = PrincipalCache(settings.peer_auth_cache_ttl_s)
 
     # Routes are matched in order: the report route, by far the most called, goes first.
     app.include_router(peers.reports_router)
-    for module in (runs, tokens, peers, progress, health):
+    app.include_router(peers.join_router)
+    for module in (runs, tokens, peers, checkpoints, progress, health):
         app.include_router(module.router)
 
     @app.exception_handler(CoordinatorError)
     async def coordinator_error(_: Request, exc: CoordinatorError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=headers)
+        return JSONResponse(
+            {"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -115,14 +129,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=exc)
+        # Starlette answers this one from its outermost layer, outside CoordinatorHeader.
         return JSONResponse(
-            {"detail": "internal error; the coordinator's log has the details"}, status_code=500
+            {"detail": "internal error; the coordinator's log has the details"},
+            status_code=500,
+            headers={COORDINATOR_HEADER[0].decode(): COORDINATOR_HEADER[1].decode()},
         )
 
     # Our own limit rather than FastAPI's max_body_size: that one answers in plain text.
+    # Checkpoint uploads are larger and enforce their own limit while they stream.
     app.add_middleware(ReportFastPath)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES, exempt=checkpoints.is_upload)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(CoordinatorHeader)  # added last: the outermost, so on every answer
     return app
 
 
@@ -131,15 +150,41 @@ def app_from_env() -> FastAPI:
     return create_app(Settings())
 
 
-class BodyLimitMiddleware:
-    """Refuse request bodies over ``max_bytes`` with 413 before they are read into memory."""
+class CoordinatorHeader:
+    """Adds ``X-Swarmgrad-Coordinator: 1`` to every HTTP response."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), COORDINATOR_HEADER]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over ``max_bytes`` with 413 before they are read into memory,
+    except for requests ``exempt(scope)`` accepts (they enforce a limit of their own)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        exempt: Callable[[Scope], bool] = lambda scope: False,
+    ) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.exempt = exempt
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.exempt(scope):
             await self.app(scope, receive, send)
             return
         for name, value in scope["headers"]:

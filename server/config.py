@@ -7,6 +7,7 @@ Build it once per process (the app factory and the CLI do) and pass it down; not
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Literal, Self
 
 from pydantic import Field, SecretStr, model_validator
@@ -88,6 +89,28 @@ class Settings(BaseSettings):
         default=64 * 1024, ge=2, description="Largest run config accepted."
     )
     db_pool_size: int = Field(default=10, ge=1)
+    join_challenge_ttl_s: float = Field(
+        default=120.0, gt=0, le=3600, description="How long a join challenge can be answered."
+    )
+    reachability_interval_s: float = Field(
+        default=10.0, ge=0, description="Minimum time between two reachability probes of a peer."
+    )
+    reachability_timeout_s: float = Field(
+        default=3.0, gt=0, le=60, description="How long a reachability probe waits to connect."
+    )
+
+    # Checkpoints.
+    checkpoint_dir: Path = Field(
+        default=Path("./swarmgrad-checkpoints"),
+        description="Where uploaded checkpoints are kept, one directory per run. With several "
+        "workers on several machines, a directory they all share.",
+    )
+    checkpoint_keep: int = Field(
+        default=3, ge=1, description="Checkpoints kept per run; older ones are deleted."
+    )
+    checkpoint_max_bytes: int = Field(
+        default=512 * 1024 * 1024, ge=1, description="Largest checkpoint accepted."
+    )
 
     @model_validator(mode="after")
     def _check_secrets(self) -> Self:

@@ -20,9 +20,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from server.config import Settings
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-ALEMBIC_INI = REPO_ROOT / "alembic.ini"
-MIGRATIONS_DIR = REPO_ROOT / "migrations"
+# Shipped inside the package (see [tool.setuptools.package-data]), so an installed
+# coordinator migrates without the repository around it.
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
 # Any constant works; it only has to be the same in every worker.
 _MIGRATION_LOCK_ID = zlib.crc32(b"swarmgrad-migrations")
@@ -62,8 +62,9 @@ def make_session_factory(engine: Engine) -> sessionmaker[Session]:
 
 
 def alembic_config(url: str | None = None) -> Config:
-    """An Alembic config for ``migrations/``; ``url`` overrides ``SWARMGRAD_DATABASE_URL``."""
-    config = Config(str(ALEMBIC_INI))
+    """An Alembic config for the package's migrations, built without an ini file;
+    ``url`` overrides ``SWARMGRAD_DATABASE_URL``."""
+    config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     if url is not None:
         # ConfigParser interpolation treats '%' specially (URL-encoded options contain it).

@@ -167,6 +167,11 @@ class Peer(Base):
     samples_per_second: Mapped[float] = mapped_column(Float, default=0.0)
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     group_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The latest held-out metric the peer reported, and when (reports without one keep it).
+    eval_metric: Mapped[float | None] = mapped_column(Float, nullable=True)
+    eval_metric_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # When the coordinator last probed the peer's ports (rate limit shared by all workers).
+    last_probe_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     volunteer: Mapped[Volunteer] = relationship(lazy="joined")
 
@@ -186,6 +191,11 @@ class ProgressReport(Base):
     samples_per_second: Mapped[float] = mapped_column(Float)
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     group_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Averaging rounds since the peer's previous report, and why the last one failed.
+    rounds_done: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    rounds_failed: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    failure: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    eval_metric: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class EpochSummary(Base):
@@ -201,6 +211,8 @@ class EpochSummary(Base):
     loss_sum: Mapped[float] = mapped_column(Float)
     loss_count: Mapped[int] = mapped_column(BigInteger)
     max_group_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    rounds_done: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    rounds_failed: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class ProgressSnapshot(Base):
@@ -218,3 +230,24 @@ class ProgressSnapshot(Base):
     samples_per_second: Mapped[float] = mapped_column(Float)
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     peers_online: Mapped[int] = mapped_column(Integer)
+
+
+class Checkpoint(Base):
+    """A model checkpoint a peer uploaded; the file is ``<checkpoint_dir>/<run_id>/<filename>``.
+
+    The coordinator never unpickles it: it only checks that it is a zip archive (what
+    ``torch.save`` writes), hashes it and hands it out again.
+    """
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("run_id", "epoch", name="uq_checkpoints_run_id_epoch"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    filename: Mapped[str] = mapped_column(String(200))
+    # The uploader's public peer id, as text: the record stands on its own.
+    peer_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from server.models import RunStatus
+from server.security import MAX_CHALLENGE_LENGTH
 
 MAX_INT = 2**53  # exact in a JSON double (browsers) and far inside a 64-bit column
 
@@ -48,6 +49,18 @@ def decode_public_key(text: str) -> bytes:
         raise ValueError("public_key must be urlsafe base64") from exc
     if len(raw) != 32:
         raise ValueError("public_key must be a 32-byte Ed25519 public key, base64-encoded")
+    return raw
+
+
+SIGNATURE_PATTERN = r"^[A-Za-z0-9_-]{86}(==)?$"
+CHALLENGE_PATTERN = r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$"
+
+
+def decode_signature(text: str) -> bytes:
+    """Raw 64 bytes of a urlsafe-base64 Ed25519 signature (padding optional)."""
+    raw = base64.urlsafe_b64decode(text.rstrip("=").encode("ascii") + b"==")
+    if len(raw) != 64:
+        raise ValueError("signature must be a 64-byte Ed25519 signature, base64-encoded")
     return raw
 
 
@@ -128,13 +141,47 @@ class TokensPublic(BaseModel):
     tokens: list[TokenPublic]
 
 
+# --------------------------------------------------------------------------- checkpoints
+
+
+class CheckpointPublic(BaseModel):
+    epoch: int
+    size: int = Field(description="Bytes.")
+    sha256: str = Field(description="Hex SHA-256 of the file.")
+    created_at: datetime
+    peer_id: str = Field(description="The peer that uploaded it.")
+
+
+class CheckpointsPublic(BaseModel):
+    checkpoints: list[CheckpointPublic] = Field(description="Newest first.")
+
+
 # --------------------------------------------------------------------------- peers
+
+
+class JoinChallengePublic(BaseModel):
+    run_id: str
+    run_name: str
+    task: str
+    status: RunStatus
+    challenge: str = Field(description="Sign join_proof_payload(run_id, challenge, public_key).")
+    expires_at: datetime
 
 
 class JoinRequest(_Body):
     public_key: str = Field(
         pattern=PUBLIC_KEY_PATTERN,
         description="The peer's 32-byte Ed25519 public key, urlsafe base64.",
+    )
+    challenge: str = Field(
+        max_length=MAX_CHALLENGE_LENGTH,
+        pattern=CHALLENGE_PATTERN,
+        description="From POST /api/v1/join/challenge with the same join token.",
+    )
+    signature: str = Field(
+        pattern=SIGNATURE_PATTERN,
+        description="Ed25519 signature by the peer's key of "
+        "peer.identity.join_proof_payload(run_id, challenge, raw public key), urlsafe base64.",
     )
     addresses: list[Address] = Field(default_factory=list, max_length=16)
     client_mode: bool = Field(False, description="True for peers that accept no connections.")
@@ -159,9 +206,14 @@ class JoinResponse(BaseModel):
     certificate: str = Field(description="Run certificate (base64) for the peer library.")
     certificate_expires_at: datetime
     run_public_key: str
+    run_name: str
+    status: RunStatus
     task: str
     config: dict[str, Any]
     bootstrap: list[BootstrapPeer]
+    checkpoint: CheckpointPublic | None = Field(
+        description="The run's newest checkpoint, to start from (GET /runs/{id}/checkpoint)."
+    )
 
 
 class CertificatePublic(BaseModel):
@@ -192,6 +244,23 @@ class BootstrapPublic(BaseModel):
     peers: list[BootstrapPeer]
 
 
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class ReachabilityRequest(_Body):
+    port: Port = Field(description="The peer's WebSocket port.")
+    bulk_port: Port | None = Field(None, description="Its bulk-transfer port, if it has one.")
+
+
+class ReachabilityPublic(BaseModel):
+    reachable: bool
+    address: str | None = Field(description="The address now announced for the peer, if any.")
+    host: str = Field(description="The peer's address as the coordinator sees it.")
+    port: int
+    bulk_port: int | None
+    detail: str = Field(description="One line for the volunteer.")
+
+
 # --------------------------------------------------------------------------- progress
 
 
@@ -203,6 +272,21 @@ class ReportCreate(_Body):
     samples_per_second: float = Field(ge=0, le=1e12, allow_inf_nan=False)
     loss: float | None = Field(None, allow_inf_nan=False, ge=-1e300, le=1e300)
     group_size: int | None = Field(None, ge=1, le=1_000_000)
+    rounds_done: int = Field(0, ge=0, le=MAX_INT, description="Since the previous report.")
+    rounds_failed: int = Field(0, ge=0, le=MAX_INT, description="Since the previous report.")
+    failure: str | None = Field(
+        None,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.:-]*$",
+        description="Why the last failed round failed (the error's class name).",
+    )
+    eval_metric: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        ge=-1e300,
+        le=1e300,
+        description="The task's metric on held-out data, when the peer evaluated.",
+    )
 
 
 class ReportAccepted(BaseModel):
@@ -225,6 +309,8 @@ class EpochPublic(BaseModel):
     reports: int
     mean_loss: float | None
     max_group_size: int | None
+    rounds_done: int
+    rounds_failed: int
 
 
 class ProgressPublic(BaseModel):
@@ -234,6 +320,11 @@ class ProgressPublic(BaseModel):
     samples: int
     samples_per_second: float
     peers_online: int
+    loss: float | None = Field(description="Mean of the online peers' latest losses.")
+    eval_metric: float | None = Field(description="The latest held-out metric reported.")
+    rounds_done: int = Field(description="Averaging rounds completed, summed over peers.")
+    rounds_failed: int = Field(description="Averaging rounds failed, summed over peers.")
+    checkpoint: CheckpointPublic | None = Field(description="The newest checkpoint.")
     recent_group_sizes: list[int]
     epochs: list[EpochPublic] = Field(description="The most recent epochs, newest last.")
     history: list[HistoryPoint] = Field(description="Downsampled history, oldest first.")

@@ -8,6 +8,7 @@ dictionary to attack); only the hash is stored, and the full token is shown exac
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import itertools
@@ -16,11 +17,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cryptography.exceptions import InvalidTag
+import msgpack
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hmac as crypto_hmac
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from server.clock import now_ms
 from server.models import TokenScope
 
 _SCOPE_LETTER = {TokenScope.organizer: "o", TokenScope.join: "j", TokenScope.peer: "p"}
@@ -75,21 +79,23 @@ def constant_time_equals(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode("utf-8"), b.encode("utf-8"))
 
 
+def derive_key(server_secret: str, purpose: bytes) -> bytes:
+    """A 256-bit key for one ``purpose``, derived from the server secret by HKDF-SHA256
+    (RFC 5869); keys for different purposes are independent."""
+    return HKDF(
+        algorithm=hashes.SHA256(), length=32, salt=b"swarmgrad/keybox/v1", info=purpose
+    ).derive(server_secret.encode("utf-8"))
+
+
 class KeyBox:
-    """AES-256-GCM with a key derived from the server secret by HKDF-SHA256 (RFC 5869).
+    """AES-256-GCM with a key derived from the server secret (:func:`derive_key`).
 
     ``associated_data`` binds a ciphertext to its row (the run id), so a key copied onto
     another run does not decrypt.
     """
 
     def __init__(self, server_secret: str) -> None:
-        key = HKDF(
-            algorithm=hashes.SHA256(),
-            length=32,
-            salt=b"swarmgrad/keybox/v1",
-            info=b"run-authority-private-key",
-        ).derive(server_secret.encode("utf-8"))
-        self._aead = AESGCM(key)
+        self._aead = AESGCM(derive_key(server_secret, b"run-authority-private-key"))
 
     def seal(self, plaintext: bytes, associated_data: bytes) -> bytes:
         nonce = secrets.token_bytes(_NONCE_SIZE)
@@ -104,6 +110,89 @@ class KeyBox:
                 "cannot decrypt the run's signing key: SWARMGRAD_SECRET_KEY differs from the "
                 "one the run was created with"
             ) from exc
+
+
+class ChallengeRefused(ValueError):
+    """A join challenge that must not be accepted; ``str()`` says why, for the caller."""
+
+
+@dataclass(frozen=True, slots=True)
+class JoinChallenge:
+    text: str
+    run_id: str
+    token_id: str
+    expires_ms: int
+
+
+_CHALLENGE_CONTEXT = b"swarmgrad-join-challenge-v1\x00"
+_CHALLENGE_VERSION = 1
+_CHALLENGE_NONCE_SIZE = 16
+MAX_CHALLENGE_LENGTH = 256
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode("ascii").rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text.encode("ascii") + b"=" * (-len(text) % 4))
+
+
+class JoinChallenges:
+    """Stateless join challenges, so that any worker can check what another one issued.
+
+    A challenge reads ``<body>.<tag>`` (urlsafe base64): the body is msgpack of
+    ``[version, run id, join token id, expiry in Unix ms, 16 random bytes]``, the tag its
+    HMAC-SHA256 under a key derived from the server secret (:func:`derive_key`). It binds a
+    join to one run, one invite and a short time; the random part makes every challenge,
+    and so every signature over it, different. Nothing is stored: a challenge can be used
+    several times until it expires (each use still needs the joiner's signature).
+    """
+
+    def __init__(self, server_secret: str, ttl_s: float, clock: Callable[[], int] = now_ms) -> None:
+        self._key = derive_key(server_secret, b"join-challenge-mac")
+        self._ttl_ms = int(ttl_s * 1000)
+        self._clock = clock
+
+    def _tag(self, body: bytes) -> crypto_hmac.HMAC:
+        mac = crypto_hmac.HMAC(self._key, hashes.SHA256())
+        mac.update(_CHALLENGE_CONTEXT + body)
+        return mac
+
+    def issue(self, run_id: str, token_id: str) -> JoinChallenge:
+        expires_ms = self._clock() + self._ttl_ms
+        body = msgpack.packb(
+            [
+                _CHALLENGE_VERSION,
+                run_id,
+                token_id,
+                expires_ms,
+                secrets.token_bytes(_CHALLENGE_NONCE_SIZE),
+            ],
+            use_bin_type=True,
+        )
+        text = f"{_b64(body)}.{_b64(self._tag(body).finalize())}"
+        return JoinChallenge(text, run_id, token_id, expires_ms)
+
+    def check(self, text: str, *, run_id: str, token_id: str) -> JoinChallenge:
+        """The challenge if it is genuine, unexpired and for this run and join token;
+        :class:`ChallengeRefused` otherwise."""
+        body_text, _, tag_text = text.partition(".")
+        try:
+            body, tag = _unb64(body_text), _unb64(tag_text)
+            self._tag(body).verify(tag)
+            version, issued_run, issued_token, expires_ms, _nonce = msgpack.unpackb(body)
+        except (ValueError, TypeError, InvalidSignature):  # binascii.Error is a ValueError
+            raise ChallengeRefused(
+                "the join challenge is not one this coordinator issued"
+            ) from None
+        if version != _CHALLENGE_VERSION:
+            raise ChallengeRefused("the join challenge is of an unknown version")
+        if issued_run != run_id or issued_token != token_id:
+            raise ChallengeRefused("the join challenge was issued for another run or invite")
+        if not isinstance(expires_ms, int) or expires_ms <= self._clock():
+            raise ChallengeRefused("the join challenge has expired")
+        return JoinChallenge(text, run_id, token_id, expires_ms)
 
 
 class PrincipalCache:

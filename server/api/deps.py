@@ -21,9 +21,10 @@ from sqlalchemy.orm import Session
 from server.config import Settings
 from server.exceptions import Conflict, Forbidden, Unauthenticated
 from server.models import Run, RunStatus, TokenScope
-from server.security import KeyBox, PrincipalCache, parse_token
+from server.security import JoinChallenges, KeyBox, PrincipalCache, parse_token
 from server.services import runs as run_service
 from server.services import tokens as token_service
+from server.services.checkpoints import CheckpointStore
 from server.services.reports import ReportBuffer
 from server.services.tokens import Principal
 
@@ -52,6 +53,14 @@ async def get_keybox(request: Request) -> KeyBox:
     return request.app.state.keybox
 
 
+async def get_join_challenges(request: Request) -> JoinChallenges:
+    return request.app.state.join_challenges
+
+
+async def get_checkpoint_store(request: Request) -> CheckpointStore:
+    return request.app.state.checkpoint_store
+
+
 async def get_report_buffer(request: Request) -> ReportBuffer:
     buffer = getattr(request.app.state, "report_buffer", None)
     if buffer is None:  # the ASGI server did not run the app's lifespan
@@ -63,6 +72,8 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 KeyBoxDep = Annotated[KeyBox, Depends(get_keybox)]
 ReportBufferDep = Annotated[ReportBuffer, Depends(get_report_buffer)]
+JoinChallengesDep = Annotated[JoinChallenges, Depends(get_join_challenges)]
+CheckpointStoreDep = Annotated[CheckpointStore, Depends(get_checkpoint_store)]
 RunIdPath = Annotated[str, Path(min_length=1, max_length=32, description="The run's id.")]
 
 
@@ -78,6 +89,22 @@ def get_principal(
 
 
 CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
+
+
+def get_join_principal(
+    session: SessionDep,
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    """Like :func:`get_principal`, but a join token that reached its ``max_uses`` passes:
+    the join service decides, since joining again with a known key uses nothing up."""
+    if credentials is None:
+        raise Unauthenticated("missing bearer token: send 'Authorization: Bearer <token>'")
+    admin = settings.admin_token.get_secret_value() if settings.admin_token else None
+    return token_service.authenticate(session, credentials.credentials, admin, allow_used_up=True)
+
+
+JoinPrincipal = Annotated[Principal, Depends(get_join_principal)]
 
 
 def _need(principal: Principal, scope: TokenScope, action: str) -> None:
@@ -102,16 +129,36 @@ def _run_token(principal: Principal, run_id: str, scope: TokenScope, action: str
     return principal
 
 
-async def get_joiner(principal: CurrentPrincipal, run_id: RunIdPath) -> Principal:
+async def get_joiner(principal: JoinPrincipal, run_id: RunIdPath) -> Principal:
     return _run_token(principal, run_id, TokenScope.join, "joining a run")
+
+
+async def get_invitee(principal: JoinPrincipal) -> Principal:
+    """A join token of any run (the run is the token's)."""
+    _need(principal, TokenScope.join, "asking for a join challenge")
+    return principal
 
 
 async def get_peer(principal: CurrentPrincipal, run_id: RunIdPath) -> Principal:
     return _run_token(principal, run_id, TokenScope.peer, "this peer endpoint")
 
 
+async def get_run_reader(principal: CurrentPrincipal, run_id: RunIdPath) -> Principal:
+    """An organizer, or a peer of this run."""
+    if principal.scope is TokenScope.organizer:
+        return principal
+    if principal.scope is TokenScope.peer:
+        return _run_token(principal, run_id, TokenScope.peer, "this endpoint")
+    raise Forbidden(
+        f"this endpoint needs an organizer token or a peer token of the run, not a "
+        f"{principal.scope.value} token"
+    )
+
+
 CurrentJoiner = Annotated[Principal, Depends(get_joiner)]
+CurrentInvitee = Annotated[Principal, Depends(get_invitee)]
 CurrentPeer = Annotated[Principal, Depends(get_peer)]
+CurrentRunReader = Annotated[Principal, Depends(get_run_reader)]
 
 
 def get_run(session: SessionDep, run_id: RunIdPath) -> Run:

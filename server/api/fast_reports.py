@@ -19,11 +19,10 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api import API_PREFIX
-from server.clock import now_ms
 from server.models import TokenScope
 from server.schemas import ReportCreate
 from server.security import parse_token
-from server.services.reports import PendingReport
+from server.services.reports import pending_report
 from server.services.tokens import Principal
 
 _PATH = re.compile(rf"^{re.escape(API_PREFIX)}/runs/([^/]{{1,32}})/reports$")
@@ -75,18 +74,7 @@ class ReportFastPath:
             await self.app(scope, _replay(messages, receive), send)
             return
         assert principal.run_id is not None and principal.peer_pk is not None
-        await buffer.add(
-            PendingReport(
-                run_id=principal.run_id,
-                peer_pk=principal.peer_pk,
-                reported_ms=now_ms(),
-                epoch=report.epoch,
-                samples=report.samples,
-                samples_per_second=report.samples_per_second,
-                loss=report.loss,
-                group_size=report.group_size,
-            )
-        )
+        await buffer.add(pending_report(principal.run_id, principal.peer_pk, report))
         scope["route"] = _ROUTE
         await send({"type": "http.response.start", "status": 202, "headers": _ACCEPTED_HEADERS})
         await send({"type": "http.response.body", "body": _ACCEPTED_BODY})

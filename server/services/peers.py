@@ -1,4 +1,13 @@
-"""Joining a run, renewing certificates and handing out bootstrap peers."""
+"""Joining a run (with proof of holding the peer's key), renewing certificates and handing
+out bootstrap peers.
+
+Joining is two calls. ``POST /join/challenge`` gives a short-lived challenge bound to the run
+and the join token (see :class:`server.security.JoinChallenges`); the volunteer signs
+``peer.identity.join_proof_payload(run_id, challenge, public_key)`` with its identity and
+sends the signature with its public key to ``POST /runs/{run_id}/join``. Without the proof,
+anyone holding an invite could register somebody else's public key (which every peer
+announces) and take over that peer's row, token and addresses.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +18,17 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from peer.identity import Certificate, peer_id_from_public_key
+from peer.identity import (
+    Certificate,
+    join_proof_payload,
+    peer_id_from_public_key,
+    verify_signature,
+)
 from server.clock import ms_to_datetime, now_ms
-from server.exceptions import Conflict
+from server.exceptions import Conflict, Forbidden
 from server.models import Peer, Run, RunStatus, Volunteer, utcnow
-from server.schemas import JoinRequest, decode_public_key
-from server.security import KeyBox
+from server.schemas import JoinRequest, decode_public_key, decode_signature
+from server.security import ChallengeRefused, JoinChallenge, JoinChallenges, KeyBox
 from server.services import runs as run_service
 from server.services import tokens as token_service
 
@@ -53,9 +67,41 @@ def issue_certificate(
     return certificate, ms_to_datetime(expires_ms)
 
 
+def join_challenge(
+    session: Session, challenges: JoinChallenges, run_id: str, join_token_id: str
+) -> tuple[Run, JoinChallenge]:
+    """A challenge for joining the join token's run; refused (409) while the run does not
+    accept joins. A used-up token still gets one: its holder may join again with a key
+    that already joined."""
+    run = run_service.get_run(session, run_id)
+    ensure_accepting(run, "join")
+    return run, challenges.issue(run.id, join_token_id)
+
+
+def check_join_proof(
+    challenges: JoinChallenges, run_id: str, join_token_id: str, data: JoinRequest
+) -> bytes:
+    """The joiner's raw public key, once the challenge is genuine, unexpired and for this
+    run and join token, and the signature is the key's own; :class:`Forbidden` otherwise."""
+    hint = "; ask for a new one with POST /api/v1/join/challenge"
+    try:
+        challenges.check(data.challenge, run_id=run_id, token_id=join_token_id)
+    except ChallengeRefused as exc:
+        raise Forbidden(f"{exc}{hint}") from None
+    public_key = decode_public_key(data.public_key)
+    payload = join_proof_payload(run_id, data.challenge, public_key)
+    if not verify_signature(public_key, decode_signature(data.signature), payload):
+        raise Forbidden(
+            "the signature does not prove possession of public_key's private key: sign "
+            "peer.identity.join_proof_payload(run_id, challenge, public_key) with that key"
+        )
+    return public_key
+
+
 def join(
     session: Session,
     keybox: KeyBox,
+    challenges: JoinChallenges,
     run: Run,
     join_token_id: str,
     data: JoinRequest,
@@ -64,19 +110,26 @@ def join(
     online_ttl_s: float,
     bootstrap_size: int,
 ) -> Joined:
-    """Admit a peer: count a use of the join token, record (or refresh) the peer, rotate
-    its peer token, sign its certificate and pick bootstrap peers for it.
+    """Admit a peer that proved it holds its key (:func:`check_join_proof`, 403 otherwise):
+    record (or refresh) the peer, rotate its peer token, sign its certificate and pick
+    bootstrap peers for it.
 
-    Joining again with the same public key updates the peer and revokes its old token.
+    A new key counts one use of the join token (401 once it is used up). Joining again with
+    a key that already joined uses nothing up (the token must still be unrevoked and
+    unexpired); it updates the peer and revokes its old peer token. Nothing is written
+    before the proof is checked.
     """
     ensure_accepting(run, "join")
-    token_service.consume_join_token(session, join_token_id)
-    public_key = decode_public_key(data.public_key)
+    public_key = check_join_proof(challenges, run.id, join_token_id, data)
     peer_id = peer_id_from_public_key(public_key)
     now = now_ms()
     peer = session.scalars(
         select(Peer).where(Peer.run_id == run.id, Peer.peer_id == peer_id)
     ).one_or_none()
+    if peer is None:
+        token_service.consume_join_token(session, join_token_id)
+    else:
+        token_service.ensure_join_token_valid(session, join_token_id)
     try:
         if peer is None:
             volunteer = Volunteer(

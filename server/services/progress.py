@@ -7,8 +7,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from server.clock import ms_to_datetime, now_ms
-from server.models import EpochSummary, ProgressReport, ProgressSnapshot, Run
+from server.models import EpochSummary, Peer, ProgressReport, ProgressSnapshot, Run
 from server.schemas import EpochPublic, HistoryPoint, ProgressPublic
+from server.services import checkpoints as checkpoint_service
 from server.services.reports import run_totals
 
 RECENT_GROUP_SIZES = 20
@@ -31,6 +32,19 @@ def progress(
         .order_by(EpochSummary.epoch.desc())
         .limit(RECENT_EPOCHS)
     ).all()
+    rounds_done, rounds_failed = session.execute(
+        select(
+            func.coalesce(func.sum(EpochSummary.rounds_done), 0),
+            func.coalesce(func.sum(EpochSummary.rounds_failed), 0),
+        ).where(EpochSummary.run_id == run.id)
+    ).one()
+    eval_metric = session.scalars(
+        select(Peer.eval_metric)
+        .where(Peer.run_id == run.id, Peer.eval_metric_ms.is_not(None))
+        .order_by(Peer.eval_metric_ms.desc(), Peer.id.desc())
+        .limit(1)
+    ).first()
+    checkpoint = checkpoint_service.newest(session, run.id)
     return ProgressPublic(
         run_id=run.id,
         status=run.status,
@@ -38,6 +52,11 @@ def progress(
         samples=totals.samples,
         samples_per_second=totals.samples_per_second,
         peers_online=totals.peers_online,
+        loss=totals.loss,
+        eval_metric=eval_metric,
+        rounds_done=int(rounds_done),
+        rounds_failed=int(rounds_failed),
+        checkpoint=None if checkpoint is None else checkpoint_service.public(checkpoint),
         recent_group_sizes=[int(g) for g in reversed(group_sizes) if g is not None],
         epochs=[
             EpochPublic(
@@ -47,6 +66,8 @@ def progress(
                 reports=e.reports,
                 mean_loss=e.loss_sum / e.loss_count if e.loss_count else None,
                 max_group_size=e.max_group_size,
+                rounds_done=e.rounds_done,
+                rounds_failed=e.rounds_failed,
             )
             for e in reversed(epochs)
         ],

@@ -10,8 +10,9 @@ Why this is safe with several workers: each worker process has its own buffer an
 through its own transaction; nothing is shared between them but the database. Every
 statement of a batch is written so that concurrent batches from other workers compose:
 reports are plain inserts, a peer's latest state only moves forward in time
-(``last_report_ms <= :t``), epoch summaries are upserts with additive updates, and a progress
-snapshot is claimed by a conditional update of ``runs.last_snapshot_ms``.
+(``last_report_ms <= :t``, and likewise its latest held-out metric, ``eval_metric_ms <= :t``),
+epoch summaries (with the averaging rounds done and failed) are upserts with additive updates,
+and a progress snapshot is claimed by a conditional update of ``runs.last_snapshot_ms``.
 
 What can be lost: on a clean shutdown (SIGTERM/SIGINT, uvicorn's lifespan shutdown) the
 buffer is flushed before the process exits, so no acknowledged report is lost; if the process
@@ -33,6 +34,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from server.clock import now_ms
 from server.models import EpochSummary, Peer, ProgressReport, ProgressSnapshot, Run
+from server.schemas import ReportCreate
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,28 @@ class PendingReport:
     samples_per_second: float
     loss: float | None
     group_size: int | None
+    rounds_done: int = 0
+    rounds_failed: int = 0
+    failure: str | None = None
+    eval_metric: float | None = None
+
+
+def pending_report(run_id: str, peer_pk: int, body: ReportCreate) -> PendingReport:
+    """A validated report body, stamped now: what the route and the fast path queue."""
+    return PendingReport(
+        run_id=run_id,
+        peer_pk=peer_pk,
+        reported_ms=now_ms(),
+        epoch=body.epoch,
+        samples=body.samples,
+        samples_per_second=body.samples_per_second,
+        loss=body.loss,
+        group_size=body.group_size,
+        rounds_done=body.rounds_done,
+        rounds_failed=body.rounds_failed,
+        failure=body.failure,
+        eval_metric=body.eval_metric,
+    )
 
 
 def write_reports(
@@ -74,11 +98,16 @@ def write_reports(
                 "samples_per_second": r.samples_per_second,
                 "loss": r.loss,
                 "group_size": r.group_size,
+                "rounds_done": r.rounds_done,
+                "rounds_failed": r.rounds_failed,
+                "failure": r.failure,
+                "eval_metric": r.eval_metric,
             }
             for r in reports
         ],
     )
     _update_peers(connection, reports)
+    _update_eval_metrics(connection, reports)
     _upsert_epoch_summaries(connection, reports)
     for run_id in sorted({r.run_id for r in reports}):
         take_snapshot_if_due(connection, run_id, snapshot_interval_s, online_ttl_s)
@@ -132,6 +161,34 @@ def _update_peers(connection: Connection, reports: Sequence[PendingReport]) -> N
     )
 
 
+def _update_eval_metrics(connection: Connection, reports: Sequence[PendingReport]) -> None:
+    """Each peer's latest held-out metric. Apart from :func:`_update_peers` because most
+    reports carry none, and one without must not hide an older one that has."""
+    latest: dict[int, PendingReport] = {}
+    for r in reports:
+        if r.eval_metric is None:
+            continue
+        known = latest.get(r.peer_pk)
+        if known is None or known.reported_ms <= r.reported_ms:
+            latest[r.peer_pk] = r
+    if not latest:
+        return
+    table = cast(Table, Peer.__table__)
+    t = bindparam("b_t", type_=BigInteger())
+    connection.execute(
+        update(table)
+        .where(
+            table.c.id == bindparam("b_id"),
+            (table.c.eval_metric_ms.is_(None)) | (table.c.eval_metric_ms <= t),
+        )
+        .values(eval_metric=bindparam("b_metric"), eval_metric_ms=t),
+        [
+            {"b_id": r.peer_pk, "b_t": r.reported_ms, "b_metric": r.eval_metric}
+            for r in sorted(latest.values(), key=lambda r: r.peer_pk)
+        ],
+    )
+
+
 def _upsert_epoch_summaries(connection: Connection, reports: Sequence[PendingReport]) -> None:
     rows: dict[tuple[str, int], dict[str, object]] = {}
     for r in reports:
@@ -146,11 +203,15 @@ def _upsert_epoch_summaries(connection: Connection, reports: Sequence[PendingRep
                 "loss_sum": 0.0,
                 "loss_count": 0,
                 "max_group_size": None,
+                "rounds_done": 0,
+                "rounds_failed": 0,
             },
         )
         row["first_report_ms"] = min(row["first_report_ms"], r.reported_ms)  # type: ignore[call-overload]
         row["last_report_ms"] = max(row["last_report_ms"], r.reported_ms)  # type: ignore[call-overload]
         row["reports"] += 1  # type: ignore[operator]
+        row["rounds_done"] += r.rounds_done  # type: ignore[operator]
+        row["rounds_failed"] += r.rounds_failed  # type: ignore[operator]
         if r.loss is not None:
             row["loss_sum"] += r.loss  # type: ignore[operator]
             row["loss_count"] += 1  # type: ignore[operator]
@@ -175,6 +236,8 @@ def _upsert_epoch_summaries(connection: Connection, reports: Sequence[PendingRep
             "reports": table.c.reports + new.reports,
             "loss_sum": table.c.loss_sum + new.loss_sum,
             "loss_count": table.c.loss_count + new.loss_count,
+            "rounds_done": table.c.rounds_done + new.rounds_done,
+            "rounds_failed": table.c.rounds_failed + new.rounds_failed,
             "max_group_size": case(
                 (table.c.max_group_size.is_(None), new.max_group_size),
                 (new.max_group_size > table.c.max_group_size, new.max_group_size),

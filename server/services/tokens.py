@@ -118,22 +118,26 @@ def is_active(token: Token, now: datetime | None = None) -> bool:
     )
 
 
-def _why_inactive(token: Token, now: datetime) -> str | None:
+def _why_inactive(token: Token, now: datetime, *, count_uses: bool = True) -> str | None:
     kind = f"{token.scope.value} token"
     if token.revoked_at is not None:
         return f"this {kind} was revoked"
     if token.expires_at is not None and token.expires_at <= now:
         return f"this {kind} expired at {token.expires_at.isoformat()}"
-    if token.max_uses is not None and token.uses >= token.max_uses:
+    if count_uses and token.max_uses is not None and token.uses >= token.max_uses:
         return f"this {kind} has been used its maximum of {token.max_uses} times"
     return None
 
 
-def authenticate(session: Session, presented: str, admin_token: str | None) -> Principal:
+def authenticate(
+    session: Session, presented: str, admin_token: str | None, *, allow_used_up: bool = False
+) -> Principal:
     """The principal behind a bearer token, or :class:`Unauthenticated` with the reason.
 
     The token's id selects the row; its secret is compared in constant time with the
     stored SHA-256 (an unknown id and a wrong secret give the same answer).
+    ``allow_used_up`` accepts a token that has reached its ``max_uses`` (joining again
+    with a known key uses nothing up; see :func:`server.services.peers.join`).
     """
     if admin_token is not None and constant_time_equals(presented, admin_token):
         return Principal(TokenScope.organizer, ADMIN_TOKEN_ID)
@@ -147,7 +151,7 @@ def authenticate(session: Session, presented: str, admin_token: str | None) -> P
         or not secret_matches(parsed.secret, token.secret_hash)
     ):
         raise Unauthenticated("unknown or invalid bearer token")
-    reason = _why_inactive(token, utcnow())
+    reason = _why_inactive(token, utcnow(), count_uses=not allow_used_up)
     if reason is not None:
         hint = (
             "; ask the organizer for a new invite"
@@ -158,6 +162,18 @@ def authenticate(session: Session, presented: str, admin_token: str | None) -> P
         )
         raise Unauthenticated(reason + hint)
     return Principal(token.scope, token.id, token.run_id, token.peer_id)
+
+
+def ensure_join_token_valid(session: Session, token_id: str) -> None:
+    """:class:`Unauthenticated` unless the join token is unrevoked and unexpired (its uses
+    are not counted: for joins that use nothing up)."""
+    token = session.get(Token, token_id)
+    reason = _why_inactive(token, utcnow(), count_uses=False) if token is not None else None
+    if token is None or reason is not None:
+        raise Unauthenticated(
+            (reason or "this join token is no longer valid")
+            + "; ask the organizer for a new invite"
+        )
 
 
 def consume_join_token(session: Session, token_id: str) -> None:

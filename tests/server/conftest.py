@@ -13,6 +13,7 @@ import contextlib
 import functools
 import os
 import secrets
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +25,11 @@ from fastapi import FastAPI
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from peer.identity import Identity
+from peer.identity import Identity, join_proof_payload
 from server.app import create_app
 from server.config import Settings
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 POSTGRES_URL = os.environ.get(
     "SWARMGRAD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
@@ -96,14 +98,16 @@ def make_settings(database_url: str, **overrides: Any) -> Settings:
         "db_pool_size": 4,
         # Exact answers in tests; the cache has its own tests (test_operations.py).
         "peer_auth_cache_ttl_s": 0,
+        # Created only by an upload; tests that upload pass a directory of their own.
+        "checkpoint_dir": Path(tempfile.gettempdir()) / f"swarmgrad-test-checkpoints-{os.getpid()}",
     }
     values.update(overrides)
     return Settings(**values)
 
 
 @pytest.fixture
-def settings(database_url: str) -> Settings:
-    return make_settings(database_url)
+def settings(database_url: str, tmp_path: Path) -> Settings:
+    return make_settings(database_url, checkpoint_dir=tmp_path / "checkpoints")
 
 
 @contextlib.asynccontextmanager
@@ -138,6 +142,17 @@ ORGANIZER = bearer(ADMIN_TOKEN)
 
 def b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).decode("ascii")
+
+
+def join_proof(run_id: str, challenge: str, identity: Identity) -> dict[str, str]:
+    """The fields of a join body that prove ``identity`` holds its key, for a challenge from
+    ``POST /api/v1/join/challenge``."""
+    signature = identity.sign(join_proof_payload(run_id, challenge, identity.public_key))
+    return {
+        "public_key": b64(identity.public_key),
+        "challenge": challenge,
+        "signature": b64(signature),
+    }
 
 
 @dataclass
@@ -181,9 +196,15 @@ class Api:
         display_name: str | None = None,
         expect: int = 200,
     ) -> JoinedPeer:
+        """Ask for a challenge and join with its proof. A refused challenge (the run does
+        not accept joins, the token is invalid) is returned as the join's answer."""
         identity = identity or Identity()
+        challenge = await self.client.post("/api/v1/join/challenge", headers=bearer(join_token))
+        if challenge.status_code != 200:
+            assert challenge.status_code == expect, challenge.text
+            return JoinedPeer(identity, challenge.json())
         body: dict[str, Any] = {
-            "public_key": b64(identity.public_key),
+            **join_proof(run_id, challenge.json()["challenge"], identity),
             "addresses": addresses
             if addresses is not None
             else [f"ws://127.0.0.1:{secrets.randbelow(50000) + 10000}"],

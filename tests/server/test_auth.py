@@ -4,7 +4,6 @@ wrong-scope tokens with the right status; tokens are stored hashed and never log
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable
 from datetime import timedelta
 from typing import Any
 
@@ -17,7 +16,7 @@ from peer.identity import Identity
 from server.models import Token, TokenScope, utcnow
 from server.security import hash_secret, mint_token, parse_token
 from server.services import tokens as token_service
-from tests.server.conftest import ORGANIZER, Api, JoinedPeer, b64, bearer
+from tests.server.conftest import ORGANIZER, Api, JoinedPeer, bearer, join_proof
 
 REPORT = {"epoch": 1, "samples": 10, "samples_per_second": 1.0}
 
@@ -39,6 +38,8 @@ class World:
         return self
 
 
+CHECKPOINT = b"PK\x03\x04" + bytes(100)
+
 # (name, scope needed, method, path template, body)
 ENDPOINTS: list[tuple[str, str, str, str, dict[str, Any] | None]] = [
     ("create run", "organizer", "POST", "/api/v1/runs", {"name": "n", "task": "t"}),
@@ -48,22 +49,30 @@ ENDPOINTS: list[tuple[str, str, str, str, dict[str, Any] | None]] = [
     ("list tokens", "organizer", "GET", "/api/v1/runs/{run}/tokens", None),
     ("revoke token", "organizer", "DELETE", "/api/v1/runs/{run}/tokens/{token_id}", None),
     ("list peers", "organizer", "GET", "/api/v1/runs/{run}/peers", None),
+    ("list checkpoints", "organizer", "GET", "/api/v1/runs/{run}/checkpoints", None),
+    ("join challenge", "join", "POST", "/api/v1/join/challenge", None),
     ("join", "join", "POST", "/api/v1/runs/{run}/join", None),
     ("bootstrap", "peer", "GET", "/api/v1/runs/{run}/bootstrap", None),
     ("certificate", "peer", "POST", "/api/v1/runs/{run}/certificate", None),
     ("report", "peer", "POST", "/api/v1/runs/{run}/reports", REPORT),
+    ("reachability", "peer", "POST", "/api/v1/runs/{run}/reachability", {"port": 1}),
+    ("upload checkpoint", "peer", "PUT", "/api/v1/runs/{run}/checkpoint?epoch=1", None),
 ]
-SUCCESS = {"POST": {201, 200, 202}, "PATCH": {200}, "DELETE": {204}, "GET": {200}}
+SUCCESS = {"POST": {201, 200, 202}, "PATCH": {200}, "DELETE": {204}, "GET": {200}, "PUT": {201}}
 
 
-def _call(
+async def _call(
     client: httpx.AsyncClient, world: World, endpoint: tuple[Any, ...], headers: dict[str, str]
-) -> Awaitable[httpx.Response]:
+) -> httpx.Response:
     name, _, method, template, body = endpoint
     path = template.format(run=world.run["id"], token_id=world.token_id)
-    if name == "join":
-        body = {"public_key": b64(Identity().public_key), "addresses": ["ws://127.0.0.1:1"]}
-    return client.request(method, path, json=body, headers=headers)
+    if name == "upload checkpoint":
+        return await client.put(path, content=CHECKPOINT, headers=headers)
+    if name == "join":  # a well-formed proof for the run and its invite
+        answer = await client.post("/api/v1/join/challenge", headers=bearer(world.join))
+        proof = join_proof(world.run["id"], answer.json()["challenge"], Identity())
+        body = {**proof, "addresses": ["ws://127.0.0.1:1"]}
+    return await client.request(method, path, json=body, headers=headers)
 
 
 def _credentials(world: World) -> dict[str, str]:
@@ -119,7 +128,10 @@ async def test_wrong_scope_is_403_and_right_scope_succeeds(
 
 
 @pytest.mark.parametrize(
-    "endpoint", [e for e in ENDPOINTS if e[1] != "organizer"], ids=lambda e: e[0]
+    "endpoint",
+    # The join challenge is for the token's own run: there is no other run to name.
+    [e for e in ENDPOINTS if e[1] != "organizer" and e[0] != "join challenge"],
+    ids=lambda e: e[0],
 )
 async def test_token_of_another_run_is_403(
     client: httpx.AsyncClient, world: World, endpoint: tuple[Any, ...]

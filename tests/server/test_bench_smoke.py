@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from server.db import REPO_ROOT
+from tests.server.conftest import REPO_ROOT
 
 
 @pytest.mark.slow

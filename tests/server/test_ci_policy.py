@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from server.db import REPO_ROOT
+from tests.server.conftest import REPO_ROOT
 
 
 def _closed_port() -> int:

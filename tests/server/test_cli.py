@@ -21,7 +21,14 @@ from peer.identity import Identity
 from server.app import create_app
 from server.cli import app as cli
 from server.models import ProgressReport
-from tests.server.conftest import SECRET_KEY, b64, bearer, client_for, make_settings, running
+from tests.server.conftest import (
+    SECRET_KEY,
+    bearer,
+    client_for,
+    join_proof,
+    make_settings,
+    running,
+)
 
 STARTUP_DEADLINE_S = 30.0
 
@@ -80,8 +87,7 @@ def coordinator(database_url: str, tmp_path: Path) -> Iterator[tuple[str, subpro
         [
             sys.executable,
             "-c",
-            "from peer.cli import app; app()",
-            "coordinator",
+            "from server.cli import app; app()",
             "--port",
             str(port),
             "--log-level",
@@ -131,9 +137,13 @@ def test_sigterm_flushes_acknowledged_reports(
     with httpx.Client(base_url=f"{base}/api/v1", timeout=10) as http:
         run = http.post("/runs", json={"name": "n", "task": "t"}, headers=bearer(organizer)).json()
         invite = http.post(f"/runs/{run['id']}/tokens", json={}, headers=bearer(organizer)).json()
+        challenge = http.post("/join/challenge", headers=bearer(invite["token"])).json()
         joined = http.post(
             f"/runs/{run['id']}/join",
-            json={"public_key": b64(Identity().public_key), "addresses": ["ws://127.0.0.1:9"]},
+            json={
+                **join_proof(run["id"], challenge["challenge"], Identity()),
+                "addresses": ["ws://127.0.0.1:9"],
+            },
             headers=bearer(invite["token"]),
         ).json()
         for samples in range(1, 51):

@@ -52,14 +52,18 @@ async def test_valid_reports_are_taken_and_stored(cached_app: FastAPI, setup: An
         response = await _post(
             client,
             url,
-            b'{"epoch": 3, "samples": %d, "samples_per_second": 2.5, "loss": 0.25, "group_size": 4}'
-            % samples,
+            b'{"epoch": 3, "samples": %d, "samples_per_second": 2.5, "loss": 0.25, "group_size": 4,'
+            b' "rounds_done": 2, "rounds_failed": 1, "failure": "AllreduceTimeout",'
+            b' "eval_metric": %d}' % (samples, samples),
             peer.headers,
         )
         assert response.status_code == 202 and response.json() == {"status": "accepted"}
+        assert response.headers["X-Swarmgrad-Coordinator"] == "1"
     await cached_app.state.report_buffer.flush()
     progress = (await client.get(f"/api/v1/runs/{run['id']}/progress")).json()
     assert progress["samples"] == 30 and progress["epoch"] == 3
+    assert (progress["rounds_done"], progress["rounds_failed"]) == (6, 3)
+    assert progress["eval_metric"] == 30 and progress["loss"] == 0.25
     assert progress["recent_group_sizes"] == [4, 4, 4]
     assert progress["epochs"][-1]["reports"] == 3
     metrics = (await client.get("/metrics")).text
@@ -72,6 +76,8 @@ async def test_valid_reports_are_taken_and_stored(cached_app: FastAPI, setup: An
         b'{"epoch": -1, "samples": 0, "samples_per_second": 0}',
         b'{"epoch": 0, "samples": 0, "samples_per_second": 0, "loss": NaN}',
         b'{"epoch": 0, "samples": 0, "samples_per_second": 0, "extra": 1}',
+        b'{"epoch": 0, "samples": 0, "samples_per_second": 0, "failure": "a b"}',
+        b'{"epoch": 0, "samples": 0, "samples_per_second": 0, "rounds_done": -1}',
         b'{"epoch": 0, "samples": 0',
         b"[]",
     ],

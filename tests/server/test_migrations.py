@@ -11,8 +11,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
-from server.db import REPO_ROOT, alembic_config
+from server.db import alembic_config
 from server.models import Base
+from tests.server.conftest import REPO_ROOT
 
 TABLES = {
     "runs",
@@ -22,6 +23,7 @@ TABLES = {
     "progress_reports",
     "epoch_summaries",
     "progress_snapshots",
+    "checkpoints",
 }
 
 

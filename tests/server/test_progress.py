@@ -39,6 +39,11 @@ async def test_progress_of_a_new_run_is_empty(
         "samples": 0,
         "samples_per_second": 0.0,
         "peers_online": 0,
+        "loss": None,
+        "eval_metric": None,
+        "rounds_done": 0,
+        "rounds_failed": 0,
+        "checkpoint": None,
         "recent_group_sizes": [],
         "epochs": [],
         "history": [],
@@ -107,6 +112,11 @@ async def test_a_peer_restarting_its_counter_does_not_shrink_the_total(
         {"epoch": 2**63, "samples": 0, "samples_per_second": 0},
         {"epoch": 0, "samples": 0},
         {"epoch": "one", "samples": 0, "samples_per_second": 0},
+        {"epoch": 0, "samples": 0, "samples_per_second": 0, "rounds_done": -1},
+        {"epoch": 0, "samples": 0, "samples_per_second": 0, "rounds_failed": -1},
+        {"epoch": 0, "samples": 0, "samples_per_second": 0, "failure": "Timeout; DROP TABLE"},
+        {"epoch": 0, "samples": 0, "samples_per_second": 0, "failure": "E" * 65},
+        {"epoch": 0, "samples": 0, "samples_per_second": 0, "eval_metric": "high"},
     ],
 )
 async def test_invalid_reports_are_422(
@@ -117,6 +127,69 @@ async def test_invalid_reports_are_422(
         f"/api/v1/runs/{run['id']}/reports", json=body, headers=peer.headers
     )
     assert response.status_code == 422
+
+
+async def test_rounds_failures_and_the_held_out_metric(
+    app: FastAPI, api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
+) -> None:
+    a = await api.join(run["id"], join_token)
+    b = await api.join(run["id"], join_token)
+    for peer, fields in [
+        (a, {"epoch": 1, "loss": 2.0, "rounds_done": 3, "eval_metric": 0.5}),
+        (b, {"epoch": 1, "loss": 1.0, "rounds_done": 2, "rounds_failed": 1,
+             "failure": "AllreduceTimeout"}),
+        (a, {"epoch": 2, "loss": 0.5, "rounds_done": 1, "rounds_failed": 2,
+             "failure": "peer.averaging:GroupBroken"}),
+    ]:  # fmt: skip
+        response = await api.report(run["id"], peer, samples=10, samples_per_second=1.0, **fields)
+        assert response.status_code == 202, response.text
+    await flush(app)
+    body = await progress(client, run["id"])
+    assert (body["rounds_done"], body["rounds_failed"]) == (6, 3)
+    assert body["loss"] == pytest.approx(0.75)  # a's latest (0.5) and b's (1.0)
+    assert body["eval_metric"] == 0.5  # a's report without one did not erase it
+    epochs = {e["epoch"]: e for e in body["epochs"]}
+    assert (epochs[1]["rounds_done"], epochs[1]["rounds_failed"]) == (5, 1)
+    assert (epochs[2]["rounds_done"], epochs[2]["rounds_failed"]) == (1, 2)
+    with app.state.session_factory() as session:
+        failures = session.scalars(select(ProgressReport.failure).order_by(ProgressReport.id)).all()
+    assert failures == [None, "AllreduceTimeout", "peer.averaging:GroupBroken"]
+
+    await api.report(run["id"], b, epoch=3, samples=20, samples_per_second=1.0, eval_metric=0.9)
+    await flush(app)
+    assert (await progress(client, run["id"]))["eval_metric"] == 0.9
+
+
+async def test_an_older_metric_never_replaces_a_newer_one(
+    app: FastAPI, api: Api, run: dict[str, Any], join_token: str
+) -> None:
+    """As with the rest of a peer's state, batches of several workers compose in any order."""
+    joined = await api.join(run["id"], join_token)
+    factory = app.state.session_factory
+    with factory() as session:
+        pk = session.scalars(select(Peer.id).where(Peer.peer_id == joined.body["peer_id"])).one()
+    t = now_ms()
+
+    def report(ms: int, metric: float | None) -> PendingReport:
+        return PendingReport(run["id"], pk, ms, 1, 1, 1.0, None, None, 1, 0, None, metric)
+
+    # One batch holds the newest metric and a newer report without one; an older batch
+    # with an older metric is written after it.
+    with factory() as session, session.begin():
+        write_reports(
+            session, [report(t + 10, 0.8), report(t + 20, None)], snapshot_interval_s=5,
+            online_ttl_s=60,
+        )  # fmt: skip
+    with factory() as session, session.begin():
+        write_reports(session, [report(t, 0.3)], snapshot_interval_s=5, online_ttl_s=60)
+    with factory() as session:
+        fresh = session.get(Peer, pk)
+        assert (fresh.eval_metric, fresh.eval_metric_ms, fresh.last_report_ms) == (
+            0.8,
+            t + 10,
+            t + 20,
+        )
+        assert session.get(EpochSummary, (run["id"], 1)).rounds_done == 3
 
 
 async def test_nan_loss_is_422(

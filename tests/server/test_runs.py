@@ -5,7 +5,10 @@ from __future__ import annotations
 import base64
 
 import httpx
+from fastapi import FastAPI
 
+from server.app import create_app
+from server.config import Settings
 from tests.server.conftest import ORGANIZER, Api
 
 
@@ -136,3 +139,37 @@ async def test_oversized_body_is_413(client: httpx.AsyncClient) -> None:
     )
     assert response.status_code == 413
     assert response.json()["detail"]
+
+
+async def test_every_answer_says_it_comes_from_a_coordinator(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    """Clients tell a coordinator from whatever else answers at a URL by this header: on
+    successes, on every kind of error, and on a crash."""
+    huge = b"x" * (2 * 1024 * 1024)
+    answers = [
+        await client.get("/healthz"),
+        await client.get("/metrics"),
+        await client.get("/api/v1/runs"),
+        await client.get("/api/v1/nothing-here"),
+        await client.put("/api/v1/runs"),
+        await client.post("/api/v1/runs", json={}),
+        await client.post("/api/v1/runs", json={}, headers=ORGANIZER),
+        await client.post("/api/v1/runs", json={"name": "n", "task": "t"}, headers=ORGANIZER),
+        await client.post("/api/v1/runs", json={"name": "n", "task": "t"}),
+        await client.post("/api/v1/runs", content=huge, headers=ORGANIZER),
+    ]
+    assert [a.status_code for a in answers] == [200, 200, 200, 404, 405, 401, 422, 201, 401, 413]
+    for answer in answers:
+        assert answer.headers["X-Swarmgrad-Coordinator"] == "1", answer.request.url
+
+    app: FastAPI = create_app(settings)
+
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/boom", boom)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://c") as crashing:
+        crashed = await crashing.get("/boom")
+    assert crashed.status_code == 500 and crashed.headers["X-Swarmgrad-Coordinator"] == "1"

@@ -1,15 +1,17 @@
-"""Peer endpoints: join with a join token; then bootstrap, certificate renewal and reports
-with the peer token issued at join."""
+"""Peer endpoints: a join challenge and the join with a join token; then reachability,
+bootstrap, certificate renewal and reports with the peer token issued at join."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response, status
+from fastapi import APIRouter, Request, Response, status
 
 from server.api import API_PREFIX
 from server.api.deps import (
+    CurrentInvitee,
     CurrentJoiner,
     CurrentOrganizer,
     CurrentPeer,
+    JoinChallengesDep,
     KeyBoxDep,
     ReportBufferDep,
     ReportingPeer,
@@ -23,18 +25,25 @@ from server.schemas import (
     BootstrapPeer,
     BootstrapPublic,
     CertificatePublic,
+    ErrorPublic,
+    JoinChallengePublic,
     JoinRequest,
     JoinResponse,
     PeerPublic,
     PeersPublic,
+    ReachabilityPublic,
+    ReachabilityRequest,
     ReportAccepted,
     ReportCreate,
     encode_bytes,
 )
+from server.services import checkpoints as checkpoint_service
 from server.services import peers as peer_service
-from server.services.reports import PendingReport
+from server.services import reachability as reachability_service
+from server.services.reports import pending_report
 
 router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}", tags=["peers"])
+join_router = APIRouter(prefix=f"{API_PREFIX}/join", tags=["peers"])
 # Its own router so that the app can match it before every other route.
 reports_router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}", tags=["peers"])
 _ACCEPTED = ReportAccepted().model_dump_json().encode()
@@ -74,22 +83,49 @@ def list_peers(
     )
 
 
+@join_router.post("/challenge", response_model=JoinChallengePublic)
+def join_challenge(
+    invitee: CurrentInvitee, session: SessionDep, challenges: JoinChallengesDep
+) -> JoinChallengePublic:
+    """A challenge for joining the join token's run, valid for ``join_challenge_ttl_s``.
+    Next: sign ``peer.identity.join_proof_payload(run_id, challenge, public_key)`` with the
+    peer's identity and ``POST /runs/{run_id}/join``. Refused (409) while the run is paused,
+    finished or archived."""
+    assert invitee.run_id is not None  # join tokens belong to a run
+    run, challenge = peer_service.join_challenge(
+        session, challenges, invitee.run_id, invitee.token_id
+    )
+    return JoinChallengePublic(
+        run_id=run.id,
+        run_name=run.name,
+        task=run.task,
+        status=run.status,
+        challenge=challenge.text,
+        expires_at=ms_to_datetime(challenge.expires_ms),
+    )
+
+
 @router.post("/join", response_model=JoinResponse)
 def join_run(
     joiner: CurrentJoiner,
     session: SessionDep,
     settings: SettingsDep,
     keybox: KeyBoxDep,
+    challenges: JoinChallengesDep,
     run: RunDep,
     body: JoinRequest,
 ) -> JoinResponse:
-    """Trade a join token for a peer token and a run certificate. Refused (409) while the
-    run is paused, finished or archived. Next: start a ``peer.Node`` with
-    ``CertificateAuth(certificate, CertificateVerifier(run_public_key, run_id))`` and the
-    bootstrap peers as initial peers."""
+    """Trade a join token, and proof of holding the peer's key, for a peer token and a run
+    certificate. 403 for a challenge that is not genuine, expired or for another run or
+    invite, or a signature not made by ``public_key``'s private key; 409 while the run is
+    paused, finished or archived. Next: check reachability (``POST /runs/{run_id}/
+    reachability``), then start a ``peer.Node`` with ``CertificateAuth(certificate,
+    CertificateVerifier(run_public_key, run_id))`` and the bootstrap peers as initial peers,
+    from the checkpoint if there is one."""
     joined = peer_service.join(
         session,
         keybox,
+        challenges,
         run,
         joiner.token_id,
         body,
@@ -97,6 +133,7 @@ def join_run(
         online_ttl_s=settings.peer_online_ttl_s,
         bootstrap_size=settings.bootstrap_peers,
     )
+    checkpoint = checkpoint_service.newest(session, run.id)
     session.commit()
     return JoinResponse(
         run_id=run.id,
@@ -105,9 +142,48 @@ def join_run(
         certificate=joined.certificate.to_base64(),
         certificate_expires_at=joined.certificate_expires_at,
         run_public_key=encode_bytes(run.authority_public_key),
+        run_name=run.name,
+        status=run.status,
         task=run.task,
         config=run.config,
         bootstrap=[bootstrap_peer(p) for p in joined.bootstrap],
+        checkpoint=None if checkpoint is None else checkpoint_service.public(checkpoint),
+    )
+
+
+@router.post(
+    "/reachability",
+    response_model=ReachabilityPublic,
+    responses={429: {"model": ErrorPublic, "description": "Probed too recently; Retry-After."}},
+)
+async def check_reachability(
+    peer: CurrentPeer,
+    session: SessionDep,
+    settings: SettingsDep,
+    body: ReachabilityRequest,
+    request: Request,
+) -> ReachabilityPublic:
+    """Have the coordinator try to connect to the calling peer's ports, at the address the
+    request comes from, and announce the peer accordingly: ``ws://host:port`` when it
+    answered, no address and client mode otherwise. Once per ``reachability_interval_s``
+    (429 with ``Retry-After`` before)."""
+    assert peer.peer_pk is not None
+    result = await reachability_service.check(
+        session,
+        peer.peer_pk,
+        request.client.host if request.client else None,
+        body.port,
+        body.bulk_port,
+        interval_s=settings.reachability_interval_s,
+        timeout_s=settings.reachability_timeout_s,
+    )
+    return ReachabilityPublic(
+        reachable=result.reachable,
+        address=result.address,
+        host=result.host,
+        port=result.port,
+        bulk_port=result.bulk_port,
+        detail=result.detail,
     )
 
 
@@ -154,17 +230,6 @@ async def post_report(peer: ReportingPeer, buffer: ReportBufferDep, body: Report
     ``report_flush_interval_s``, even if this worker shuts down cleanly meanwhile. A finished
     run answers 409: the peer should stop."""
     assert peer.run_id is not None and peer.peer_pk is not None
-    await buffer.add(
-        PendingReport(
-            run_id=peer.run_id,
-            peer_pk=peer.peer_pk,
-            reported_ms=now_ms(),
-            epoch=body.epoch,
-            samples=body.samples,
-            samples_per_second=body.samples_per_second,
-            loss=body.loss,
-            group_size=body.group_size,
-        )
-    )
+    await buffer.add(pending_report(peer.run_id, peer.peer_pk, body))
     # Pre-rendered: this route is the hot path, and the answer never changes.
     return Response(_ACCEPTED, status_code=status.HTTP_202_ACCEPTED, media_type="application/json")

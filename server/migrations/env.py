@@ -13,7 +13,7 @@ import os
 from logging.config import fileConfig
 
 from alembic import context
-from sqlalchemy import create_engine, pool
+from sqlalchemy import Connection, create_engine, pool
 
 from server.models import Base
 
@@ -29,7 +29,7 @@ def _url() -> str:
     )
 
 
-def _configure_and_run(connection) -> None:  # type: ignore[no-untyped-def]
+def _configure_and_run(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,

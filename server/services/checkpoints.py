@@ -1,0 +1,319 @@
+"""Checkpoints peers upload, so that a volunteer who joins later starts from the run's
+newest weights rather than from scratch, and the organizer can download the model.
+
+A file is what ``torch.save`` writes: a zip archive. The coordinator never unpickles it; it
+checks the zip signature, hashes it, and hands it out again. Uploads are streamed to a
+temporary file in the run's directory while being hashed, flushed to disk (``fsync``) and
+renamed into place, so a crash never leaves a half-written checkpoint under a real name;
+only then is the row inserted. The newest ``checkpoint_keep`` per run are kept.
+
+Several workers: files live in ``checkpoint_dir`` (shared by the workers; on several
+machines it must be a shared volume), and the rows decide. Inserting a checkpoint locks the
+run's row (PostgreSQL) or takes SQLite's write lock before it checks for a newer epoch, so
+of two concurrent uploads the older is refused, whatever the order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import secrets
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from server.exceptions import (
+    Conflict,
+    InsufficientStorage,
+    InvalidContent,
+    NotFound,
+    PayloadTooLarge,
+)
+from server.models import Checkpoint, Peer, Run, utcnow
+from server.schemas import CheckpointPublic
+
+ZIP_MAGIC = b"PK\x03\x04"
+# Received chunks are gathered into blocks of this size before a thread writes them.
+_BLOCK_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointStore:
+    """Where the files are, and the limits (from the settings)."""
+
+    directory: Path
+    keep: int
+    max_bytes: int
+
+    def run_directory(self, run_id: str) -> Path:
+        return self.directory / run_id
+
+    def path(self, checkpoint: Checkpoint) -> Path:
+        return self.run_directory(checkpoint.run_id) / checkpoint.filename
+
+
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    path: Path
+    size: int
+    sha256: str
+
+
+def public(checkpoint: Checkpoint) -> CheckpointPublic:
+    return CheckpointPublic(
+        epoch=checkpoint.epoch,
+        size=checkpoint.size,
+        sha256=checkpoint.sha256,
+        created_at=checkpoint.created_at,
+        peer_id=checkpoint.peer_id,
+    )
+
+
+def newest(session: Session, run_id: str) -> Checkpoint | None:
+    return session.scalars(
+        select(Checkpoint)
+        .where(Checkpoint.run_id == run_id)
+        .order_by(Checkpoint.epoch.desc())
+        .limit(1)
+    ).first()
+
+
+def list_checkpoints(session: Session, run_id: str) -> list[Checkpoint]:
+    """The run's checkpoints, newest first."""
+    return list(
+        session.scalars(
+            select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.epoch.desc())
+        )
+    )
+
+
+def newest_file(session: Session, store: CheckpointStore, run_id: str) -> tuple[Checkpoint, Path]:
+    """The newest checkpoint and its file; :class:`NotFound` when there is none."""
+    checkpoint = newest(session, run_id)
+    if checkpoint is None:
+        raise NotFound(f"run {run_id} has no checkpoint yet; peers upload one as they train")
+    path = store.path(checkpoint)
+    if not path.is_file():
+        raise NotFound(
+            f"the file of run {run_id}'s checkpoint of epoch {checkpoint.epoch} is missing "
+            "on the coordinator; the next upload replaces it"
+        )
+    return checkpoint, path
+
+
+async def upload(
+    session: Session,
+    store: CheckpointStore,
+    run: Run,
+    peer_pk: int,
+    epoch: int,
+    body: AsyncIterator[bytes],
+    content_length: int | None,
+) -> Checkpoint:
+    """Store the checkpoint of ``epoch`` streamed in ``body`` and keep the newest
+    ``store.keep``: 409 when the run has one of the same or a newer epoch (checked before
+    and after receiving), 413 over ``store.max_bytes``, 422 for a body that is not a zip
+    archive, 507 when the disk refuses the file. Nothing is left behind on failure."""
+    if run.archived_at is not None:
+        raise Conflict(f"run {run.id} is archived; it takes no more checkpoints")
+    if content_length is not None and content_length > store.max_bytes:
+        raise _too_large(store)
+    peer_id = await asyncio.to_thread(_prepare, session, run.id, peer_pk, epoch)
+    stored = await _receive(store, run.id, epoch, body)
+    try:
+        checkpoint, pruned = await asyncio.to_thread(
+            _record, session, store, run.id, epoch, peer_id, stored
+        )
+    except BaseException:
+        _discard(stored.path)
+        raise
+    _discard(*pruned)
+    return checkpoint
+
+
+def _too_large(store: CheckpointStore) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"checkpoint over the coordinator's limit of {store.max_bytes} bytes "
+        "(SWARMGRAD_CHECKPOINT_MAX_BYTES); ask the organizer to raise it"
+    )
+
+
+def _prepare(session: Session, run_id: str, peer_pk: int, epoch: int) -> str:
+    """The uploader's peer id, once no checkpoint of ``epoch`` or newer exists (so a stale
+    upload is refused before its body is read)."""
+    latest = session.scalar(select(func.max(Checkpoint.epoch)).where(Checkpoint.run_id == run_id))
+    if latest is not None and latest >= epoch:
+        raise Conflict(
+            f"run {run_id} already has a checkpoint of epoch {latest}; upload only newer epochs"
+        )
+    peer_id = session.scalar(select(Peer.peer_id).where(Peer.id == peer_pk))
+    assert peer_id is not None  # the peer token's foreign key cascades with the peer
+    # Give the connection back to the pool while the body streams in (a commit, unlike a
+    # rollback, leaves the loaded objects usable).
+    session.commit()
+    return peer_id
+
+
+def _create_temporary(directory: Path) -> tuple[int, str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkstemp(prefix=".upload-", suffix=".tmp", dir=directory)
+
+
+def _discard(*paths: Path) -> None:
+    """Delete files that may or may not exist (an unlink does not block for long)."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+
+
+def _write_block(file: int, block: bytes) -> None:
+    view = memoryview(block)
+    while view:
+        written = os.write(file, view)
+        view = view[written:]
+
+
+def _finish(file: int, temporary: Path, final: Path) -> None:
+    try:
+        os.fsync(file)
+    finally:
+        os.close(file)
+    os.replace(temporary, final)
+    # The rename itself is durable only once the directory is.
+    directory = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+async def _receive(
+    store: CheckpointStore, run_id: str, epoch: int, body: AsyncIterator[bytes]
+) -> _Stored:
+    directory = store.run_directory(run_id)
+    try:
+        file, name = await asyncio.to_thread(_create_temporary, directory)
+    except OSError as exc:
+        raise _storage_error(exc) from exc
+    temporary = Path(name)
+    final = directory / f"epoch-{epoch:012d}-{secrets.token_hex(4)}.pt"
+    digest = hashlib.sha256()
+    size = 0
+    head = b""
+    block: list[bytes] = []
+    block_size = 0
+
+    def write(data: bytes) -> None:
+        digest.update(data)
+        _write_block(file, data)
+
+    open_file = True
+    try:
+        async for chunk in body:
+            if not chunk:
+                continue
+            size += len(chunk)
+            if size > store.max_bytes:
+                raise _too_large(store)
+            if len(head) < len(ZIP_MAGIC):
+                head += chunk[: len(ZIP_MAGIC) - len(head)]
+                if not ZIP_MAGIC.startswith(head):
+                    raise _not_a_zip()
+            block.append(chunk)
+            block_size += len(chunk)
+            if block_size >= _BLOCK_BYTES:
+                await asyncio.to_thread(write, b"".join(block))
+                block, block_size = [], 0
+        if head != ZIP_MAGIC:
+            raise _not_a_zip()
+        if block:
+            await asyncio.to_thread(write, b"".join(block))
+        open_file = False
+        await asyncio.to_thread(_finish, file, temporary, final)
+    except BaseException as exc:
+        if open_file:
+            with contextlib.suppress(OSError):
+                os.close(file)
+        _discard(temporary, final)
+        if isinstance(exc, OSError):
+            raise _storage_error(exc) from exc
+        raise
+    return _Stored(final, size, digest.hexdigest())
+
+
+def _not_a_zip() -> InvalidContent:
+    return InvalidContent(
+        "a checkpoint is the zip archive torch.save writes (it starts with PK\\x03\\x04); "
+        "send the file's bytes as application/octet-stream"
+    )
+
+
+def _storage_error(exc: OSError) -> InsufficientStorage:
+    reason = exc.strerror or type(exc).__name__
+    return InsufficientStorage(
+        f"the coordinator could not store the checkpoint ({reason}); try again later, or ask "
+        "the organizer to free disk space"
+    )
+
+
+def _record(
+    session: Session,
+    store: CheckpointStore,
+    run_id: str,
+    epoch: int,
+    peer_id: str,
+    stored: _Stored,
+) -> tuple[Checkpoint, list[Path]]:
+    """Insert the row and drop the rows beyond ``store.keep``; returns the files to delete
+    once committed."""
+    # Serialise uploads of one run: the row lock (PostgreSQL; SQLite omits FOR UPDATE) and,
+    # on SQLite, the write lock the INSERT takes are held until the commit, so the check for
+    # a newer epoch below sees every other upload.
+    session.execute(select(Run.id).where(Run.id == run_id).with_for_update())
+    checkpoint = Checkpoint(
+        run_id=run_id,
+        epoch=epoch,
+        size=stored.size,
+        sha256=stored.sha256,
+        filename=stored.path.name,
+        peer_id=peer_id,
+        created_at=utcnow(),
+    )
+    session.add(checkpoint)
+    try:
+        session.flush()
+    except IntegrityError:
+        session.rollback()
+        raise Conflict(
+            f"run {run_id} already has a checkpoint of epoch {epoch}; upload only newer epochs"
+        ) from None
+    newer = session.scalar(
+        select(func.max(Checkpoint.epoch)).where(
+            Checkpoint.run_id == run_id, Checkpoint.epoch > epoch
+        )
+    )
+    if newer is not None:
+        session.rollback()
+        raise Conflict(
+            f"run {run_id} already has a checkpoint of epoch {newer}; upload only newer epochs"
+        )
+    old = list(
+        session.scalars(
+            select(Checkpoint)
+            .where(Checkpoint.run_id == run_id)
+            .order_by(Checkpoint.epoch.desc())
+            .offset(store.keep)
+        )
+    )
+    pruned = [store.path(c) for c in old]
+    if old:
+        session.execute(delete(Checkpoint).where(Checkpoint.id.in_([c.id for c in old])))
+    session.commit()
+    return checkpoint, pruned

@@ -1,0 +1,240 @@
+"""Checkpoints: peers upload zip archives (what torch.save writes) streamed to disk; the
+newest few are kept; peers and organizers download the newest."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from server.app import MAX_BODY_BYTES
+from server.config import Settings
+from server.services import checkpoints as checkpoint_service
+from tests.server.conftest import ORGANIZER, Api, JoinedPeer, bearer, make_settings
+
+
+def archive(epoch: int, size: int = 1000) -> bytes:
+    """Bytes that start like a zip archive; the coordinator looks no further."""
+    return b"PK\x03\x04" + bytes([epoch % 256]) * (size - 4)
+
+
+@pytest.fixture
+def checkpoint_dir(tmp_path: Path) -> Path:
+    return tmp_path / "checkpoints"
+
+
+@pytest.fixture
+def settings(database_url: str, checkpoint_dir: Path) -> Settings:
+    return make_settings(
+        database_url,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_keep=2,
+        checkpoint_max_bytes=2 * MAX_BODY_BYTES,
+    )
+
+
+@pytest.fixture
+async def peer(api: Api, run: dict[str, Any], join_token: str) -> JoinedPeer:
+    return await api.join(run["id"], join_token)
+
+
+def url(run: dict[str, Any], epoch: int | None = None) -> str:
+    base = f"/api/v1/runs/{run['id']}/checkpoint"
+    return base if epoch is None else f"{base}?epoch={epoch}"
+
+
+async def upload(
+    client: httpx.AsyncClient, run: dict[str, Any], peer: JoinedPeer, epoch: int, data: Any
+) -> httpx.Response:
+    return await client.put(
+        url(run, epoch),
+        content=data,
+        headers={**peer.headers, "Content-Type": "application/octet-stream"},
+    )
+
+
+def files(directory: Path) -> list[str]:
+    """Every file left in the checkpoint directory, temporary ones included."""
+    return sorted(p.name for p in directory.rglob("*") if p.is_file())
+
+
+async def test_upload_then_download_the_newest(
+    api: Api,
+    client: httpx.AsyncClient,
+    run: dict[str, Any],
+    peer: JoinedPeer,
+    join_token: str,
+    checkpoint_dir: Path,
+) -> None:
+    assert (await client.get(url(run), headers=peer.headers)).status_code == 404
+    data = archive(3, size=MAX_BODY_BYTES + 5000)  # over the 1 MiB limit of other routes
+    response = await upload(client, run, peer, 3, data)
+    assert response.status_code == 201, response.text
+    created = response.json()
+    assert set(created) == {"epoch", "size", "sha256", "created_at", "peer_id"}
+    assert created["epoch"] == 3 and created["size"] == len(data)
+    assert created["sha256"] == hashlib.sha256(data).hexdigest()
+    assert created["peer_id"] == peer.body["peer_id"]
+    [name] = files(checkpoint_dir)
+    assert (checkpoint_dir / run["id"] / name).read_bytes() == data
+
+    newcomer = await api.join(run["id"], join_token)
+    for headers in (peer.headers, ORGANIZER, newcomer.headers):
+        download = await client.get(url(run), headers=headers)
+        assert download.status_code == 200
+        assert download.content == data
+        assert download.headers["X-Checkpoint-Epoch"] == "3"
+        assert download.headers["X-Checkpoint-SHA256"] == created["sha256"]
+        assert download.headers["content-type"] == "application/octet-stream"
+        assert download.headers["X-Swarmgrad-Coordinator"] == "1"
+    assert newcomer.body["checkpoint"] == created
+    progress = (await client.get(f"/api/v1/runs/{run['id']}/progress")).json()
+    assert progress["checkpoint"] == created
+
+
+async def test_who_may_upload_and_download(
+    api: Api, client: httpx.AsyncClient, run: dict[str, Any], peer: JoinedPeer, join_token: str
+) -> None:
+    other_run = await api.create_run("other")
+    stranger = await api.join(
+        other_run["id"], (await api.create_join_token(other_run["id"]))["token"]
+    )
+    assert (await upload(client, run, peer, 1, archive(1))).status_code == 201
+    assert (await client.get(url(run))).status_code == 401
+    assert (await client.get(url(run), headers=bearer(join_token))).status_code == 403
+    refused = await client.get(url(run), headers=stranger.headers)
+    assert refused.status_code == 403 and "another run" in refused.json()["detail"]
+    for headers in (ORGANIZER, bearer(join_token), stranger.headers):
+        response = await client.put(url(run, 2), content=archive(2), headers=headers)
+        assert response.status_code == 403
+    listing = await client.get(f"/api/v1/runs/{run['id']}/checkpoints", headers=peer.headers)
+    assert listing.status_code == 403
+
+
+async def test_older_or_equal_epochs_are_409(
+    client: httpx.AsyncClient, run: dict[str, Any], peer: JoinedPeer, checkpoint_dir: Path
+) -> None:
+    assert (await upload(client, run, peer, 5, archive(5))).status_code == 201
+    for epoch in (5, 4, 0):
+        response = await upload(client, run, peer, epoch, archive(epoch))
+        assert response.status_code == 409
+        assert "epoch 5" in response.json()["detail"] and "newer" in response.json()["detail"]
+    assert len(files(checkpoint_dir)) == 1
+    assert (await upload(client, run, peer, 6, archive(6))).status_code == 201
+
+
+async def test_the_newest_are_kept(
+    client: httpx.AsyncClient, run: dict[str, Any], peer: JoinedPeer, checkpoint_dir: Path
+) -> None:
+    for epoch in (1, 2, 4, 7):
+        assert (await upload(client, run, peer, epoch, archive(epoch))).status_code == 201
+    listing = await client.get(f"/api/v1/runs/{run['id']}/checkpoints", headers=ORGANIZER)
+    assert [c["epoch"] for c in listing.json()["checkpoints"]] == [7, 4]  # checkpoint_keep=2
+    assert len(files(checkpoint_dir)) == 2
+    download = await client.get(url(run), headers=ORGANIZER)
+    assert download.content == archive(7) and download.headers["X-Checkpoint-Epoch"] == "7"
+
+
+async def test_over_the_limit_is_413_and_leaves_nothing(
+    app: FastAPI,
+    client: httpx.AsyncClient,
+    run: dict[str, Any],
+    peer: JoinedPeer,
+    checkpoint_dir: Path,
+) -> None:
+    limit = app.state.settings.checkpoint_max_bytes
+    announced = await upload(client, run, peer, 1, archive(1, size=limit + 1))
+    assert announced.status_code == 413
+    assert str(limit) in announced.json()["detail"]
+
+    async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: caught while streaming
+        yield archive(1, size=64 * 1024)
+        for _ in range(limit // (64 * 1024) + 1):
+            yield bytes(64 * 1024)
+
+    streamed = await upload(client, run, peer, 1, chunks())
+    assert streamed.status_code == 413
+    assert files(checkpoint_dir) == []
+    assert (await upload(client, run, peer, 1, archive(1, size=limit))).status_code == 201
+
+
+@pytest.mark.parametrize(
+    "data", [b"", b"PK", b"not a zip archive", b"\x80\x02}q\x00.pickle"], ids=repr
+)
+async def test_anything_but_a_zip_archive_is_422(
+    client: httpx.AsyncClient,
+    run: dict[str, Any],
+    peer: JoinedPeer,
+    checkpoint_dir: Path,
+    data: bytes,
+) -> None:
+    response = await upload(client, run, peer, 1, data)
+    assert response.status_code == 422
+    assert "zip archive" in response.json()["detail"]
+    assert files(checkpoint_dir) == []
+
+
+async def test_a_full_disk_is_507_and_leaves_nothing(
+    client: httpx.AsyncClient,
+    run: dict[str, Any],
+    peer: JoinedPeer,
+    checkpoint_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def full(file: int, block: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_service, "_write_block", full)
+    response = await upload(client, run, peer, 1, archive(1))
+    assert response.status_code == 507
+    detail = response.json()["detail"]
+    assert "No space left on device" in detail and "free disk space" in detail
+    assert files(checkpoint_dir) == []
+    listing = await client.get(f"/api/v1/runs/{run['id']}/checkpoints", headers=ORGANIZER)
+    assert listing.json() == {"checkpoints": []}
+    monkeypatch.undo()
+    assert (await upload(client, run, peer, 1, archive(1))).status_code == 201
+
+
+async def test_an_upload_overtaken_while_streaming_is_409(
+    client: httpx.AsyncClient, run: dict[str, Any], peer: JoinedPeer, checkpoint_dir: Path
+) -> None:
+    """Epoch 5 starts first, epoch 6 finishes first: the later check refuses 5."""
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def slow() -> AsyncIterator[bytes]:
+        yield archive(5)
+        started.set()
+        await release.wait()
+        yield bytes(100)
+
+    older = asyncio.create_task(upload(client, run, peer, 5, slow()))
+    await started.wait()
+    assert (await upload(client, run, peer, 6, archive(6))).status_code == 201
+    release.set()
+    response = await older
+    assert response.status_code == 409 and "epoch 6" in response.json()["detail"]
+    assert len(files(checkpoint_dir)) == 1
+
+
+async def test_archived_runs_take_no_checkpoints(
+    client: httpx.AsyncClient, run: dict[str, Any], peer: JoinedPeer
+) -> None:
+    await client.delete(f"/api/v1/runs/{run['id']}", headers=ORGANIZER)
+    response = await upload(client, run, peer, 1, archive(1))
+    assert response.status_code == 409 and "archived" in response.json()["detail"]
+
+
+async def test_invalid_epochs_are_422(
+    client: httpx.AsyncClient, run: dict[str, Any], peer: JoinedPeer
+) -> None:
+    for query in ("", "?epoch=-1", "?epoch=x", f"?epoch={2**60}"):
+        response = await client.put(url(run) + query, content=archive(1), headers=peer.headers)
+        assert response.status_code == 422, query
