@@ -1,0 +1,618 @@
+"""``CoordinatorClient``: the coordinator's REST API, as a volunteer and an organizer see it.
+
+One synchronous ``httpx.Client`` underneath (safe to share between threads). Every answer
+must carry the ``X-Swarmgrad-Coordinator`` header, so that a captive portal or another
+service at the URL is reported as such instead of as a puzzling error. Every failure is a
+:class:`~peer.coordinator.exceptions.CoordinatorError` with a one-line message; httpx's own
+errors never escape.
+
+A volunteer's calls, in order: :meth:`~CoordinatorClient.join_challenge` (names the run and
+its task), :meth:`~CoordinatorClient.join` (proves the peer holds its key; returns a peer
+token and a run certificate), :meth:`~CoordinatorClient.check_reachability`, then, while
+training, :meth:`~CoordinatorClient.report`, :meth:`~CoordinatorClient.renew_certificate`,
+:meth:`~CoordinatorClient.bootstrap` and the checkpoint calls — usually through a
+:class:`~peer.coordinator.session.CoordinatorSession`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, NoReturn
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import httpx
+
+from peer.coordinator.exceptions import (
+    CoordinatorError,
+    CoordinatorFailed,
+    CoordinatorUnreachable,
+    Forbidden,
+    NotACoordinator,
+    NotFound,
+    RateLimited,
+    RequestRejected,
+    RunNotAccepting,
+    Unauthorized,
+)
+from peer.identity import Identity, join_proof_payload
+
+API_PREFIX = "/api/v1"
+COORDINATOR_HEADER = "X-Swarmgrad-Coordinator"
+MAX_MESSAGE_CHARS = 300
+
+_STATUS_ERRORS: dict[int, type[CoordinatorError]] = {
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: RunNotAccepting,
+}
+_GATEWAY_DOWN = frozenset({502, 503, 504})
+_TOKEN_CHARS = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII, no spaces
+
+
+# --------------------------------------------------------------------------- answers
+
+
+@dataclass(frozen=True, slots=True)
+class JoinChallenge:
+    """What ``POST /join/challenge`` answers: the run a join token is for, and a challenge
+    to sign before it expires (``expires_at``, Unix seconds)."""
+
+    run_id: str
+    run_name: str
+    task: str
+    status: str
+    challenge: str = field(repr=False)
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class JoinAnswer:
+    """A joined peer's credentials and starting point.
+
+    ``peer_token`` authenticates the peer's later calls; ``certificate`` (base64, for
+    ``Certificate.from_base64``) until ``certificate_expires_at`` (Unix seconds) with
+    ``run_public_key`` (raw 32 bytes, for ``CertificateVerifier``) is what the swarm's
+    handshakes check. ``bootstrap`` lists addresses of live peers to start the node with;
+    ``checkpoint`` describes the run's newest checkpoint (``epoch``, ``size``, ``sha256``,
+    ...), or is None."""
+
+    run_id: str
+    peer_id: str
+    peer_token: str = field(repr=False)
+    certificate: str = field(repr=False)
+    certificate_expires_at: float
+    run_public_key: bytes = field(repr=False)
+    run_name: str
+    status: str
+    task: str
+    config: Mapping[str, Any]
+    bootstrap: tuple[str, ...]
+    checkpoint: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Reachability:
+    """The coordinator's attempt to connect back to a peer at ``host`` (as it sees the
+    peer): ``address`` is what it now announces for the peer (None when unreachable);
+    ``detail`` is one line for the volunteer."""
+
+    reachable: bool
+    address: str | None
+    host: str
+    port: int
+    bulk_port: int | None
+    detail: str
+
+
+# --------------------------------------------------------------------------- client
+
+
+class CoordinatorClient:
+    """The coordinator at ``url`` (``http://host:port`` or ``https://...``, with a path
+    prefix if it sits behind one).
+
+    ``timeout`` bounds each network operation (connect, each read and write), not a whole
+    transfer. ``transport`` replaces the network (``httpx.MockTransport`` in tests). Use as a
+    context manager or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url, self.host = _parse_url(url)
+        if not timeout > 0:
+            raise ValueError("timeout must be > 0 seconds")
+        self.timeout = float(timeout)
+        self._http = httpx.Client(
+            base_url=self.url,
+            timeout=self.timeout,
+            transport=transport,
+            follow_redirects=False,
+            headers={"User-Agent": "swarmgrad-peer"},
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> CoordinatorClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CoordinatorClient({self.host!r})"
+
+    # ------------------------------------------------------------------ volunteer
+
+    def join_challenge(self, join_token: str) -> JoinChallenge:
+        """The run ``join_token`` invites to, and a challenge for :meth:`join`. Raises
+        :class:`Unauthorized` for an unknown, expired or revoked token and
+        :class:`RunNotAccepting` while the run is paused, finished or archived."""
+        body = self._json("POST", f"{API_PREFIX}/join/challenge", token=join_token)
+        return _build(
+            self.host,
+            lambda: JoinChallenge(
+                run_id=_str(body["run_id"]),
+                run_name=_str(body["run_name"]),
+                task=_str(body["task"]),
+                status=_str(body["status"]),
+                challenge=_str(body["challenge"]),
+                expires_at=_timestamp(body["expires_at"]),
+            ),
+        )
+
+    def join(
+        self,
+        join_token: str,
+        challenge: JoinChallenge,
+        identity: Identity,
+        *,
+        client_mode: bool = False,
+        display_name: str | None = None,
+    ) -> JoinAnswer:
+        """Join ``challenge``'s run as ``identity``: signs the join proof with the identity's
+        key. Joining again with the same key is allowed and uses up no invite. Raises
+        :class:`Forbidden` when the coordinator refuses the proof (the challenge expired:
+        ask for a new one), :class:`Unauthorized` for a used-up token."""
+        payload = join_proof_payload(challenge.run_id, challenge.challenge, identity.public_key)
+        request: dict[str, Any] = {
+            "public_key": _b64(identity.public_key),
+            "challenge": challenge.challenge,
+            "signature": _b64(identity.sign(payload)),
+            "client_mode": bool(client_mode),
+        }
+        if display_name is not None:
+            request["display_name"] = display_name
+        body = self._json(
+            "POST", _run_path(challenge.run_id, "join"), token=join_token, json_body=request
+        )
+
+        def build() -> JoinAnswer:
+            addresses: dict[str, None] = {}  # ordered, without duplicates
+            for peer in body["bootstrap"]:
+                for address in peer["addresses"]:
+                    addresses[_str(address)] = None
+            checkpoint = body.get("checkpoint")
+            return JoinAnswer(
+                run_id=_str(body["run_id"]),
+                peer_id=_str(body["peer_id"]),
+                peer_token=_str(body["peer_token"]),
+                certificate=_str(body["certificate"]),
+                certificate_expires_at=_timestamp(body["certificate_expires_at"]),
+                run_public_key=_unb64(body["run_public_key"]),
+                run_name=_str(body["run_name"]),
+                status=_str(body["status"]),
+                task=_str(body["task"]),
+                config=dict(body["config"]),
+                bootstrap=tuple(addresses),
+                checkpoint=dict(checkpoint) if checkpoint is not None else None,
+            )
+
+        return _build(self.host, build)
+
+    def check_reachability(
+        self, peer_token: str, run_id: str, port: int, bulk_port: int | None
+    ) -> Reachability:
+        """Ask the coordinator to connect back to this peer's ``port`` (and ``bulk_port``)
+        at the address it sees the request come from; it then announces the peer there, or
+        as a client-mode peer. :class:`RateLimited` when asked again too soon."""
+        body = self._json(
+            "POST",
+            _run_path(run_id, "reachability"),
+            token=peer_token,
+            json_body={"port": port, "bulk_port": bulk_port},
+        )
+        return _build(
+            self.host,
+            lambda: Reachability(
+                reachable=bool(body["reachable"]),
+                address=None if body["address"] is None else _str(body["address"]),
+                host=_str(body["host"]),
+                port=int(body["port"]),
+                bulk_port=None if body["bulk_port"] is None else int(body["bulk_port"]),
+                detail=_str(body["detail"]),
+            ),
+        )
+
+    def bootstrap(self, peer_token: str, run_id: str) -> list[str]:
+        """Addresses of a sample of live peers of the run (never this one's)."""
+        body = self._json("GET", _run_path(run_id, "bootstrap"), token=peer_token)
+
+        def build() -> list[str]:
+            addresses: dict[str, None] = {}
+            for peer in body["peers"]:
+                for address in peer["addresses"]:
+                    addresses[_str(address)] = None
+            return list(addresses)
+
+        return _build(self.host, build)
+
+    def renew_certificate(self, peer_token: str, run_id: str) -> tuple[str, float]:
+        """A fresh run certificate: ``(certificate_base64, expires_at_unix_seconds)``.
+        :class:`RunNotAccepting` while the run is paused, finished or archived."""
+        body = self._json("POST", _run_path(run_id, "certificate"), token=peer_token)
+        return _build(
+            self.host,
+            lambda: (_str(body["certificate"]), _timestamp(body["certificate_expires_at"])),
+        )
+
+    def report(
+        self,
+        peer_token: str,
+        run_id: str,
+        fields: Mapping[str, Any],
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Send one progress report (``epoch``, ``samples``, ``samples_per_second``, and
+        optionally ``loss``, ``group_size``, ``rounds_done``, ``rounds_failed`` since the
+        previous report, ``failure``, ``eval_metric``). Fields that are None are left out.
+        ``ValueError`` for NaN or infinity; :class:`RunNotAccepting` once the run is
+        finished (stop training)."""
+        body = {k: v for k, v in fields.items() if v is not None}
+        content = _json_bytes(body)
+        self._request(
+            "POST",
+            _run_path(run_id, "reports"),
+            token=peer_token,
+            content=content,
+            headers={"Content-Type": "application/json"},
+            timeout=timeout,
+        )
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        """The run: ``id``, ``name``, ``task``, ``config``, ``status`` ("running",
+        "paused", "finished"), ``public_key``, ... (public, no token)."""
+        return self._json("GET", _run_path(run_id))
+
+    def progress(self, run_id: str) -> dict[str, Any]:
+        """The run's progress as the dashboard shows it (public, no token)."""
+        return self._json("GET", _run_path(run_id, "progress"))
+
+    def upload_checkpoint(
+        self, peer_token: str, run_id: str, epoch: int, data: bytes
+    ) -> dict[str, Any]:
+        """Upload a checkpoint (the bytes ``torch.save`` wrote) of swarm epoch ``epoch``;
+        returns its description (``epoch``, ``size``, ``sha256``, ``created_at``,
+        ``peer_id``). :class:`RunNotAccepting` when the run already has one of that epoch
+        or newer; :class:`RequestRejected` when it is too large or not a torch.save file."""
+        return self._json(
+            "PUT",
+            _run_path(run_id, "checkpoint"),
+            token=peer_token,
+            params={"epoch": int(epoch)},
+            content=bytes(data),
+            headers={"Content-Type": "application/octet-stream"},
+        )
+
+    def download_checkpoint(self, token: str, run_id: str) -> tuple[bytes, int] | None:
+        """The run's newest checkpoint as ``(data, epoch)``, or None when it has none
+        (``token``: the peer's token or an organizer's). The data are checked against the
+        SHA-256 the coordinator names."""
+        try:
+            response = self._request("GET", _run_path(run_id, "checkpoint"), token=token)
+        except NotFound:
+            return None
+        data = response.content
+        epoch_text = response.headers.get("X-Checkpoint-Epoch", "")
+        if not epoch_text.isdigit():
+            raise CoordinatorFailed(
+                f"the coordinator at {self.host} sent a checkpoint without its epoch",
+                status_code=response.status_code,
+            )
+        expected = response.headers.get("X-Checkpoint-SHA256")
+        if expected is not None and hashlib.sha256(data).hexdigest() != expected.lower():
+            raise CoordinatorFailed(
+                f"the checkpoint from {self.host} arrived damaged (SHA-256 mismatch); try again",
+                status_code=response.status_code,
+            )
+        return data, int(epoch_text)
+
+    # ------------------------------------------------------------------ organizer
+
+    def create_run(
+        self, token: str, name: str, task: str, config: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Create a run (status "running"); returns it."""
+        return self._json(
+            "POST",
+            f"{API_PREFIX}/runs",
+            token=token,
+            json_body={"name": name, "task": task, "config": dict(config or {})},
+        )
+
+    def list_runs(self, *, include_archived: bool = False) -> list[dict[str, Any]]:
+        """Runs, newest first (public)."""
+        params = {"include_archived": "true"} if include_archived else None
+        body = self._json("GET", f"{API_PREFIX}/runs", params=params)
+        return _build(self.host, lambda: [dict(r) for r in body["runs"]])
+
+    def update_run(self, token: str, run_id: str, **fields: Any) -> dict[str, Any]:
+        """Change ``name``, ``status`` ("running", "paused", "finished") or ``config``."""
+        return self._json("PATCH", _run_path(run_id), token=token, json_body=fields)
+
+    def create_invite(
+        self,
+        token: str,
+        run_id: str,
+        *,
+        max_uses: int | None = None,
+        expires_in_s: float | None = None,
+        label: str | None = None,
+    ) -> dict[str, Any]:
+        """A join token for volunteers: ``{"id", "token", "expires_at", "max_uses",
+        "label"}``. The token is shown only in this answer."""
+        request = {
+            k: v
+            for k, v in {
+                "max_uses": max_uses,
+                "expires_in_s": expires_in_s,
+                "label": label,
+            }.items()
+            if v is not None
+        }
+        return self._json("POST", _run_path(run_id, "tokens"), token=token, json_body=request)
+
+    def list_checkpoints(self, token: str, run_id: str) -> list[dict[str, Any]]:
+        """The checkpoints the coordinator keeps for the run, newest first."""
+        body = self._json("GET", _run_path(run_id, "checkpoints"), token=token)
+        return _build(self.host, lambda: [dict(c) for c in body["checkpoints"]])
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        response = self._request(method, path, **kwargs)
+        try:
+            body = response.json()
+        except ValueError as exc:
+            raise NotACoordinator(
+                f"{self.host} answered but is not a Swarmgrad coordinator (the answer is not JSON)",
+                status_code=response.status_code,
+            ) from exc
+        if not isinstance(body, dict):
+            raise NotACoordinator(
+                f"{self.host} answered but is not a Swarmgrad coordinator "
+                "(the answer is not a JSON object)",
+                status_code=response.status_code,
+            )
+        return body
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        token: str | None = None,
+        json_body: Any = None,
+        content: bytes | None = None,
+        params: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> httpx.Response:
+        all_headers = dict(headers or {})
+        if token is not None:
+            all_headers["Authorization"] = f"Bearer {_check_token(token)}"
+        if json_body is not None:
+            content = _json_bytes(json_body)
+            all_headers["Content-Type"] = "application/json"
+        try:
+            response = self._http.request(
+                method,
+                path,
+                content=content,
+                params=params,
+                headers=all_headers,
+                timeout=self.timeout if timeout is None else timeout,
+            )
+        except httpx.TimeoutException as exc:
+            limit = self.timeout if timeout is None else timeout
+            raise CoordinatorUnreachable(
+                f"the coordinator at {self.host} did not answer within {limit:g} s"
+            ) from exc
+        except httpx.ConnectError as exc:
+            raise CoordinatorUnreachable(
+                f"cannot reach the coordinator at {self.host}: {_reason(exc)}"
+            ) from exc
+        except httpx.TransportError as exc:
+            raise CoordinatorUnreachable(
+                f"lost the connection to the coordinator at {self.host}: {_reason(exc)}"
+            ) from exc
+        if response.headers.get(COORDINATOR_HEADER) != "1":
+            self._not_a_coordinator(response)
+        if response.status_code >= 400:
+            raise _error(response)
+        if response.status_code >= 300:
+            raise CoordinatorFailed(
+                f"the coordinator at {self.host} answered HTTP {response.status_code} "
+                "where it never redirects",
+                status_code=response.status_code,
+            )
+        return response
+
+    def _not_a_coordinator(self, response: httpx.Response) -> NoReturn:
+        code = response.status_code
+        if code in _GATEWAY_DOWN:
+            # A reverse proxy in front of a coordinator that is down or restarting.
+            raise CoordinatorUnreachable(
+                f"{self.host} answered {code} {response.reason_phrase}: "
+                "the coordinator behind it is not answering",
+                status_code=code,
+            )
+        raise NotACoordinator(
+            f"{self.host} answered but is not a Swarmgrad coordinator (HTTP {code}); check the URL",
+            status_code=code,
+        )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _parse_url(url: str) -> tuple[str, str]:
+    """The base URL without credentials, query or fragment, and ``host[:port]`` to name in
+    messages."""
+    if not isinstance(url, str):
+        raise TypeError("the coordinator URL is a string, e.g. 'http://127.0.0.1:8000'")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(
+            "the coordinator URL must start with http:// or https:// (e.g. http://host:8000)"
+        )
+    try:
+        hostname, port = parts.hostname, parts.port
+    except ValueError as exc:
+        raise ValueError("the coordinator URL has an invalid port") from exc
+    if not hostname:
+        raise ValueError("the coordinator URL names no host (e.g. http://host:8000)")
+    host = f"[{hostname}]" if ":" in hostname else hostname
+    shown = host if port is None else f"{host}:{port}"
+    base = urlunsplit((parts.scheme, shown, parts.path.rstrip("/"), "", ""))
+    return base, shown
+
+
+def _check_token(token: str) -> str:
+    if not isinstance(token, str) or not token.strip():
+        raise ValueError("a token is needed (the text after --token)")
+    token = token.strip()
+    if not _TOKEN_CHARS.match(token):
+        raise ValueError("the token holds characters no token has; copy it again")
+    return token
+
+
+def _run_path(run_id: str, *rest: str) -> str:
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError("run_id must be a non-empty string")
+    return "/".join((f"{API_PREFIX}/runs", quote(run_id, safe=""), *rest))
+
+
+def _json_bytes(value: Any) -> bytes:
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
+    except ValueError as exc:
+        raise ValueError("a coordinator request cannot carry NaN or infinity") from exc
+
+
+def _reason(exc: Exception) -> str:
+    """``[Errno 111] Connection refused`` → ``connection refused``: one short line."""
+    text = _one_line(str(exc))
+    text = re.sub(r"^\[Errno -?\d+\]\s*", "", text)
+    if not text:
+        return type(exc).__name__
+    return text[0].lower() + text[1:]
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(text.split())
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[: MAX_MESSAGE_CHARS - 1] + "…"
+    return text
+
+
+def _detail(response: httpx.Response) -> str:
+    """The coordinator's ``detail``, as one line."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if isinstance(detail, str) and detail.strip():
+        return _one_line(detail)
+    if isinstance(detail, list) and detail:
+        return _one_line("; ".join(_validation_problem(item) for item in detail[:3]))
+    return f"HTTP {response.status_code} {response.reason_phrase}".strip()
+
+
+def _validation_problem(item: Any) -> str:
+    """``{"loc": ["body", "port"], "msg": "..."}`` → ``port: ...``."""
+    if not isinstance(item, dict):
+        return str(item)
+    loc = [str(p) for p in item.get("loc", ()) if p not in ("body", "query", "path", "header")]
+    message = str(item.get("msg", "invalid"))
+    return f"{'.'.join(loc)}: {message}" if loc else message
+
+
+def _error(response: httpx.Response) -> CoordinatorError:
+    code = response.status_code
+    detail = _detail(response)
+    if code == 429:
+        return RateLimited(detail, retry_after=_retry_after(response))
+    if code >= 500:
+        return CoordinatorFailed(detail, status_code=code)
+    return _STATUS_ERRORS.get(code, RequestRejected)(detail, status_code=code)
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        return max(0.0, float(response.headers.get("Retry-After", "1")))
+    except ValueError:
+        return 1.0
+
+
+def _build(host: str, build: Any) -> Any:
+    """``build()``, with an answer that lacks a field or has one of the wrong type reported
+    as what it is: not the coordinator this client speaks to."""
+    try:
+        return build()
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        what = f"no {exc.args[0]!r}" if isinstance(exc, KeyError) else "a malformed field"
+        raise NotACoordinator(
+            f"{host} sent an answer with {what}; it is not a Swarmgrad coordinator of this version"
+        ) from exc
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError("expected a string")
+    return value
+
+
+def _timestamp(value: Any) -> float:
+    """Unix seconds of an ISO 8601 time (UTC when it names no zone)."""
+    moment = datetime.fromisoformat(_str(value))
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode("ascii")
+
+
+def _unb64(value: Any) -> bytes:
+    text = _str(value)
+    try:
+        return base64.urlsafe_b64decode(text.rstrip("=").encode("ascii") + b"==")
+    except (binascii.Error, UnicodeEncodeError) as exc:
+        raise ValueError("not urlsafe base64") from exc
