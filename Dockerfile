@@ -1,15 +1,18 @@
-# Minimal image of the peer library, the CLI and the coordinator.
-# Build: docker build -t swarmgrad .   Run a coordinator: docker run -p 8000:8000 swarmgrad coordinator --host 0.0.0.0
+# Minimal image of the peer library, the CLI and the coordinator; by default it runs the
+# coordinator, with its SQLite database and checkpoints in the volume /data.
+# Build: docker build -t swarmgrad .
+# Run:   docker run -p 8000:8000 -v swarmgrad:/data -e SWARMGRAD_SECRET_KEY=... swarmgrad
 FROM python:3.11-slim
 WORKDIR /app
 # torch first and pinned to the CPU build, so the package's looser requirement installs nothing more.
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY peer ./peer
+# The coordinator's migrations are inside the package (server/migrations).
 COPY server ./server
-COPY web ./web
-COPY migrations ./migrations
-COPY alembic.ini ./
 RUN pip install --no-cache-dir .
+WORKDIR /data
+VOLUME /data
+EXPOSE 8000
 ENTRYPOINT ["swarmgrad"]
-CMD ["--help"]
+CMD ["coordinator", "--host", "0.0.0.0"]
