@@ -289,8 +289,10 @@ class CoordinatorSession:
                     self._away(exc)
                     self._report_at = time.monotonic() + self._report_backoff.failed()
                     return
-                except (CoordinatorError, ValueError) as exc:
+                except CoordinatorError as exc:
                     self._refused_report(exc)
+                except (TypeError, ValueError) as exc:  # a value JSON cannot carry
+                    logger.warning("a progress report cannot be sent (%s); dropped", exc)
                 else:
                     self._report_backoff.reset()
                     self._back(time.monotonic())
@@ -299,11 +301,12 @@ class CoordinatorSession:
                 if self._closing.is_set() and deadline is None:
                     return  # the final flush takes over, with its deadline
 
-    def _refused_report(self, exc: Exception) -> None:
+    def _refused_report(self, exc: CoordinatorError) -> None:
         """The coordinator took the report and said no: sending it again would not help."""
+        self._back(time.monotonic())
         if isinstance(exc, RunNotAccepting):
             self._poll_at = time.monotonic()  # the run finished, most likely: see its status
-        kind = type(exc) if isinstance(exc, CoordinatorError) else CoordinatorError
+        kind = type(exc)
         if kind not in self._refused:
             self._refused.add(kind)
             logger.warning("the coordinator refused a progress report: %s", exc)
@@ -384,9 +387,9 @@ class CoordinatorSession:
 
     def _bootstrap(self, now: float) -> None:
         assert self._needs_bootstrap is not None
+        self._bootstrap_at = now + self.timings.poll_interval
         if not self._needs_bootstrap():
             self._bootstrap_backoff.reset()
-            self._bootstrap_at = now + self.timings.poll_interval
             return
         # Asked again after a growing pause while the node stays alone (a lone volunteer
         # is alone for good until someone else joins).
