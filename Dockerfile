@@ -8,6 +8,7 @@ WORKDIR /app
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY peer ./peer
+COPY swarmgrad ./swarmgrad
 # The coordinator's migrations are inside the package (server/migrations).
 COPY server ./server
 RUN pip install --no-cache-dir .

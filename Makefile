@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test test-fast lint format bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,10 +20,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy peer server
+	$(BIN)/mypy peer server swarmgrad
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -1,0 +1,283 @@
+"""``swarmgrad demo``: a whole swarm on this machine, run the way people run it.
+
+A coordinator process (production mode, fresh secrets, SQLite in a temporary directory), a run
+with one single-use invite per peer made through the REST API, and N ``swarmgrad join ...
+--quiet`` processes exactly as volunteers start them. The demo prints one line per swarm epoch
+from the run's progress; at the last epoch (once its checkpoint is saved, or after a grace
+period) it finishes the run, waits for the peers to leave, evaluates the checkpoint, and stops
+the coordinator. Ctrl-C, SIGTERM or any failure stops every process it started (see
+:mod:`swarmgrad.local`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import io
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, Any, TextIO
+
+import typer
+from rich.console import Console
+
+from peer.coordinator import CoordinatorClient
+from swarmgrad.errors import CommandError
+from swarmgrad.local import LocalCoordinator, start_volunteer, stop_processes
+
+# How often the demo reads the run's progress (a display refresh, not a synchronisation).
+POLL_INTERVAL_S = 1.0
+# After the last epoch: how long to wait for its checkpoint before finishing the run anyway.
+FINAL_CHECKPOINT_GRACE_S = 60.0
+# After the run is finished: how long the peers get to notice and leave.
+PEER_EXIT_TIMEOUT_S = 60.0
+
+
+class DemoTask(enum.StrEnum):
+    digits = "digits"
+    charlm = "charlm"
+
+
+def demo(
+    peers: Annotated[int, typer.Option(min=1, max=32, help="How many volunteers to start.")] = 4,
+    task: Annotated[DemoTask, typer.Option(help="What the swarm trains.")] = DemoTask.digits,
+    epochs: Annotated[
+        int, typer.Option(min=1, help="Swarm epochs to train before the run finishes.")
+    ] = 20,
+    port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65535,
+            help="The coordinator's port (default: a free one).",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Start a coordinator and a few volunteers on this machine and train a run to the end."""
+    with _signals_interrupt():
+        try:
+            Demo(peers=peers, task=task.value, epochs=epochs, port=port).run()
+        except KeyboardInterrupt:
+            typer.echo("stopped: every process the demo started is gone", err=True)
+            raise
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP stop the demo as Ctrl-C does: through the clean-up path."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signals = (signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, interrupt) for s in signals}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+@dataclass
+class _Peer:
+    index: int
+    process: subprocess.Popen[str]
+    log_path: Path
+
+    def last_line(self) -> str:
+        try:
+            lines = [x for x in self.log_path.read_text(errors="replace").splitlines() if x]
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
+
+
+class Demo:
+    """One demo: :meth:`run` does it all and leaves no process behind."""
+
+    def __init__(
+        self, *, peers: int, task: str, epochs: int, port: int | None, out: TextIO | None = None
+    ) -> None:
+        self.peers = peers
+        self.task = task
+        self.epochs = epochs
+        self.port = port or 0
+        self.console = Console(file=out, highlight=False)
+        self.metric_name = "eval"
+
+    def say(self, line: str) -> None:
+        self.console.print(line, soft_wrap=True)
+        self.console.file.flush()
+
+    def run(self) -> None:
+        with (
+            tempfile.TemporaryDirectory(prefix="swarmgrad-demo-") as temp,
+            contextlib.ExitStack() as stack,
+        ):
+            directory = Path(temp)
+            coordinator = LocalCoordinator(directory / "coordinator", self.port)
+            stack.callback(coordinator.stop)
+            self.say(f"starting a coordinator on {coordinator.url} ...")
+            coordinator.start()
+            self.say(f"coordinator: {coordinator.url} (API docs at {coordinator.url}/docs)")
+            client = stack.enter_context(CoordinatorClient(coordinator.url))
+            token = coordinator.admin_token
+            run = client.create_run(token, f"demo-{self.task}", self.task, {"epochs": self.epochs})
+            invites = [
+                client.create_invite(token, run["id"], max_uses=1, label=f"demo peer {i}")
+                for i in range(self.peers)
+            ]
+            peers: list[_Peer] = []
+            # Registered before the first start: peers leave first, then the coordinator stops.
+            stack.callback(lambda: stop_processes([p.process for p in peers]))
+            threads = max(1, (os.cpu_count() or 1) // self.peers)
+            for i, invite in enumerate(invites):
+                log_path = directory / f"peer-{i}.log"
+                with open(log_path, "w") as log:
+                    process = start_volunteer(
+                        coordinator.url,
+                        invite["token"],
+                        directory / f"peer-{i}",
+                        "--quiet",
+                        "--name",
+                        f"demo-{i}",
+                        "--host",
+                        "127.0.0.1",
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env={"OMP_NUM_THREADS": str(threads)},
+                    )
+                peers.append(_Peer(i, process, log_path))
+            self.say(
+                f"run {run['name']} ({run['id']}): {self.peers} volunteer(s) training "
+                f"{self.task} for {self.epochs} epoch(s); Ctrl-C stops everything"
+            )
+            self.metric_name = _metric_name(self.task)
+            progress = self._watch(client, run["id"], coordinator, peers)
+            client.update_run(token, run["id"], status="finished")
+            self._wait_for_peers(peers)
+            self._report(client, token, run, progress)
+            self.say("stopping the coordinator")
+
+    def _watch(
+        self,
+        client: CoordinatorClient,
+        run_id: str,
+        coordinator: LocalCoordinator,
+        peers: list[_Peer],
+    ) -> Mapping[str, Any]:
+        """Print a line per new swarm epoch until the run is done; its last progress."""
+        shown = -1
+        reached_at: float | None = None
+        while True:
+            _check_peers(peers)
+            if not coordinator.running:
+                raise CommandError(f"the coordinator stopped (log: {coordinator.log_path})")
+            progress = client.progress(run_id)
+            epoch = int(progress["epoch"])
+            if epoch > shown and progress.get("samples"):
+                shown = epoch
+                self.say(self._epoch_line(progress))
+            if epoch >= self.epochs:
+                reached_at = reached_at if reached_at is not None else time.monotonic()
+                checkpoint = progress.get("checkpoint")
+                if checkpoint and int(checkpoint["epoch"]) >= self.epochs:
+                    return progress
+                if time.monotonic() - reached_at > FINAL_CHECKPOINT_GRACE_S:
+                    self.say(f"no checkpoint of epoch {self.epochs} arrived; finishing anyway")
+                    return progress
+            if all(p.process.poll() == 0 for p in peers):
+                return progress  # every peer left on its own: it saw the run end
+            time.sleep(POLL_INTERVAL_S)
+
+    def _epoch_line(self, progress: Mapping[str, Any]) -> str:
+        groups = progress.get("recent_group_sizes") or []
+        metric = progress.get("eval_metric")
+        loss = progress.get("loss")
+        return " | ".join(
+            [
+                f"epoch {progress['epoch']}",
+                f"samples {progress['samples']:,}",
+                f"{float(progress['samples_per_second']):,.1f} samples/s",
+                f"loss {'-' if loss is None else f'{loss:.3f}'}",
+                f"{self.metric_name} {'-' if metric is None else f'{metric:.3f}'}",
+                f"peers {progress['peers_online']}",
+                f"groups {', '.join(str(g) for g in groups[-4:]) or '-'}",
+            ]
+        )
+
+    def _wait_for_peers(self, peers: list[_Peer]) -> None:
+        self.say("the run is finished; waiting for the volunteers to leave")
+        deadline = time.monotonic() + PEER_EXIT_TIMEOUT_S
+        for peer in peers:
+            try:
+                code = peer.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise CommandError(
+                    f"volunteer {peer.index} did not leave within {PEER_EXIT_TIMEOUT_S:.0f} s "
+                    "of the run's end"
+                ) from None
+            if code != 0:
+                raise CommandError(_failure(peer, code))
+
+    def _report(
+        self,
+        client: CoordinatorClient,
+        token: str,
+        run: Mapping[str, Any],
+        progress: Mapping[str, Any],
+    ) -> None:
+        found = client.download_checkpoint(token, run["id"])
+        if found is None:
+            metric = progress.get("eval_metric")
+            if metric is not None:
+                self.say(f"last reported {self.metric_name}: {metric:.4f} (no checkpoint saved)")
+            return
+        data, epoch = found
+        value = _evaluate(self.task, run.get("config") or {}, data)
+        self.say(
+            f"the checkpoint of epoch {epoch} ({len(data):,} bytes): "
+            f"{self.metric_name} {value:.4f} on held-out data"
+        )
+
+
+def _failure(peer: _Peer, code: int | None) -> str:
+    last = peer.last_line()
+    return f"volunteer {peer.index} exited with status {code}" + (f": {last}" if last else "")
+
+
+def _check_peers(peers: list[_Peer]) -> None:
+    for peer in peers:
+        code = peer.process.poll()
+        if code is not None and code != 0:
+            raise CommandError(_failure(peer, code))
+
+
+def _metric_name(task: str) -> str:
+    from peer.tasks.registry import load_task
+
+    return str(load_task(task).metric_name)
+
+
+def _evaluate(task_name: str, run_config: Mapping[str, Any], data: bytes) -> float:
+    """The task's held-out metric of the model in a checkpoint (the file a peer uploaded)."""
+    import torch
+    from peer.tasks.base import TrainingConfig
+    from peer.tasks.registry import load_task
+
+    task = load_task(task_name)
+    config = TrainingConfig.from_run_config(task, run_config)
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    model = task.build_model(config)
+    model.load_state_dict(state["model"])
+    model.eval()
+    with torch.no_grad():
+        return float(task.evaluate(model, config))

@@ -1,0 +1,402 @@
+"""The organizer's commands: ``swarmgrad runs ...`` and ``swarmgrad invite``.
+
+Each is one or two calls of :class:`peer.coordinator.CoordinatorClient` and a rendering of the
+answer: rich tables for people, or with ``--json`` one JSON document on standard output for
+scripts. The coordinator's URL and the organizer token come from ``--url``/``--token`` or
+``SWARMGRAD_URL``/``SWARMGRAD_TOKEN`` (``swarmgrad coordinator admin-token`` makes a token).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from peer.coordinator import CoordinatorClient
+from swarmgrad.errors import CommandError, UsageError
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+runs_app = typer.Typer(help="Create, list, inspect and steer training runs.", no_args_is_help=True)
+
+UrlOption = Annotated[
+    str,
+    typer.Option(
+        "--url",
+        envvar="SWARMGRAD_URL",
+        help="The coordinator's URL.",
+        show_envvar=True,
+    ),
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        envvar="SWARMGRAD_TOKEN",
+        help="An organizer token (`swarmgrad coordinator admin-token` prints one).",
+        show_envvar=True,
+        show_default=False,
+    ),
+]
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document instead of tables.")
+]
+RunArgument = Annotated[str, typer.Argument(help="The run's id.", show_default=False)]
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def parse_config(items: list[str]) -> dict[str, Any]:
+    """``["lr=0.1", "optimizer=adam"]`` → ``{"lr": 0.1, "optimizer": "adam"}``: a value is
+    JSON when it parses as JSON, else the string as written. A later key wins."""
+    config: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise typer.BadParameter(f"{item!r} is not key=value", param_hint="'--config'")
+        try:
+            config[key] = json.loads(raw)
+        except ValueError:
+            config[key] = raw
+    return config
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``"30m"``, ``"12h"``, ``"7d"`` (also ``s`` and ``w``) in seconds; ValueError otherwise."""
+    match = _DURATION.fullmatch(text.strip().lower())
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a duration like 30m, 12h or 7d")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def _require_token(token: str | None) -> str:
+    if not token:
+        raise UsageError(
+            "no organizer token: pass --token or set SWARMGRAD_TOKEN "
+            "(`swarmgrad coordinator admin-token` prints one)"
+        )
+    return token
+
+
+@contextmanager
+def _client(url: str) -> Iterator[CoordinatorClient]:
+    """A client for ``url``. The client raises ValueError only for what the caller passed —
+    here what the person typed (a URL without http://, a token with spaces) — so that is a
+    usage error."""
+    try:
+        with CoordinatorClient(url) as client:
+            yield client
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def _emit(as_json: bool, document: Any, render: Callable[[Console], None]) -> None:
+    """``document`` as JSON on stdout, or ``render`` it for a person."""
+    if as_json:
+        typer.echo(json.dumps(document, indent=2, default=str))
+    else:
+        render(Console(highlight=False))
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    if isinstance(value, Mapping | list):
+        return json.dumps(value)
+    return str(value)
+
+
+def _fields(title: str, rows: Mapping[str, Any]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for name, value in rows.items():
+        table.add_row(name, _text(value))
+    return table
+
+
+def _run_rows(run: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "id": run.get("id"),
+        "name": run.get("name"),
+        "task": run.get("task"),
+        "status": run.get("status"),
+        "config": run.get("config") or {},
+        "created": run.get("created_at"),
+    }
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+@runs_app.command("create")
+def create(
+    name: Annotated[str, typer.Argument(help="A name people recognise the run by.")],
+    task: Annotated[
+        str,
+        typer.Option(
+            "--task", help="The task peers train: digits, charlm or package.module:function."
+        ),
+    ],
+    config: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--config",
+            help="A hyper-parameter as key=value (value parsed as JSON if it is JSON); "
+            "repeat for more.",
+            show_default=False,
+        ),
+    ] = None,
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Create a run. Next: `swarmgrad invite RUN` for the volunteers."""
+    settings = parse_config(config or [])
+    token = _require_token(token)
+    with _client(url) as client:
+        run = client.create_run(token, name, task, settings)
+
+    def render(console: Console) -> None:
+        console.print(_fields(f"Created run {run['name']}", _run_rows(run)))
+        console.print(f"Next: swarmgrad invite {run['id']}", soft_wrap=True)
+
+    _emit(as_json, run, render)
+
+
+@runs_app.command("list")
+def list_runs(url: UrlOption = DEFAULT_URL, as_json: JsonOption = False) -> None:
+    """List the runs, newest first."""
+    with _client(url) as client:
+        runs = client.list_runs()
+
+    def render(console: Console) -> None:
+        if not runs:
+            console.print("No runs yet. Create one with `swarmgrad runs create NAME --task T`.")
+            return
+        table = Table(title="Runs", title_justify="left")
+        for column in ("id", "name", "task", "status", "created"):
+            table.add_column(column, overflow="fold")
+        for run in runs:
+            table.add_row(
+                *(_text(run.get(key)) for key in ("id", "name", "task", "status")),
+                _text(run.get("created_at")),
+            )
+        console.print(table)
+
+    _emit(as_json, runs, render)
+
+
+def _progress_rows(progress: Mapping[str, Any]) -> dict[str, Any]:
+    checkpoint = progress.get("checkpoint")
+    return {
+        "epoch": progress.get("epoch"),
+        "samples": progress.get("samples"),
+        "samples/s": progress.get("samples_per_second"),
+        "peers online": progress.get("peers_online"),
+        "loss": progress.get("loss"),
+        "eval metric": progress.get("eval_metric"),
+        "rounds done": progress.get("rounds_done"),
+        "rounds failed": progress.get("rounds_failed"),
+        "recent group sizes": ", ".join(str(s) for s in progress.get("recent_group_sizes") or [])
+        or None,
+        "checkpoint": (
+            f"epoch {checkpoint['epoch']}, {checkpoint['size']:,} bytes, {checkpoint['created_at']}"
+            if checkpoint
+            else None
+        ),
+    }
+
+
+@runs_app.command("show")
+def show(run_id: RunArgument, url: UrlOption = DEFAULT_URL, as_json: JsonOption = False) -> None:
+    """Show a run and its progress."""
+    with _client(url) as client:
+        run = client.run(run_id)
+        progress = client.progress(run_id)
+
+    def render(console: Console) -> None:
+        console.print(_fields(f"Run {run['name']}", _run_rows(run)))
+        console.print(_fields("Progress", _progress_rows(progress)))
+
+    _emit(as_json, {"run": run, "progress": progress}, render)
+
+
+def _set_status(run_id: str, status: str, url: str, token: str | None, as_json: bool) -> None:
+    token = _require_token(token)
+    with _client(url) as client:
+        run = client.update_run(token, run_id, status=status)
+    _emit(
+        as_json,
+        run,
+        lambda console: console.print(f"Run {run['name']} ({run['id']}) is {run['status']}."),
+    )
+
+
+@runs_app.command("pause")
+def pause(
+    run_id: RunArgument,
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Pause a run: volunteers stop training and wait."""
+    _set_status(run_id, "paused", url, token, as_json)
+
+
+@runs_app.command("resume")
+def resume(
+    run_id: RunArgument,
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Resume a paused run."""
+    _set_status(run_id, "running", url, token, as_json)
+
+
+@runs_app.command("finish")
+def finish(
+    run_id: RunArgument,
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Finish a run (final): volunteers leave."""
+    _set_status(run_id, "finished", url, token, as_json)
+
+
+@runs_app.command("checkpoint")
+def checkpoint(
+    run_id: RunArgument,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Where to write it (default: RUN-epochN.pt here).",
+            show_default=False,
+        ),
+    ] = None,
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Download the run's newest checkpoint. Load it with
+    `model.load_state_dict(torch.load(path)["model"])`."""
+    token = _require_token(token)
+    with _client(url) as client:
+        found = client.download_checkpoint(token, run_id)
+    if found is None:
+        raise CommandError(f"run {run_id} has no checkpoint yet")
+    data, epoch = found
+    path = output if output is not None else Path(f"{run_id}-epoch{epoch}.pt")
+    _write_atomically(path, data)
+    document = {
+        "run_id": run_id,
+        "epoch": epoch,
+        "path": str(path),
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    _emit(
+        as_json,
+        document,
+        lambda console: console.print(
+            f"Saved the checkpoint of epoch {epoch} ({len(data):,} bytes) to {path}",
+            soft_wrap=True,
+        ),
+    )
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory, so a reader
+    never sees half a checkpoint."""
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+# ---------------------------------------------------------------------------- invite
+
+
+def invite(
+    run_id: RunArgument,
+    uses: Annotated[
+        int | None,
+        typer.Option(
+            "--uses", min=1, help="How many volunteers may join with it (default: unlimited)."
+        ),
+    ] = None,
+    expires: Annotated[
+        str | None,
+        typer.Option(
+            "--expires",
+            help="Lifetime like 30m, 12h or 7d (default: the coordinator's, 7 days).",
+            show_default=False,
+        ),
+    ] = None,
+    label: Annotated[
+        str | None, typer.Option("--label", help="A note to recognise the invite by.")
+    ] = None,
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Make an invite for volunteers: prints the token and the `swarmgrad join` command."""
+    try:
+        expires_in_s = parse_duration(expires) if expires is not None else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--expires'") from None
+    token = _require_token(token)
+    with _client(url) as client:
+        created = client.create_invite(
+            token, run_id, max_uses=uses, expires_in_s=expires_in_s, label=label
+        )
+        url = client.url
+    command = f"swarmgrad join {shlex.quote(url)} --token {shlex.quote(created['token'])}"
+    document = {**created, "run_id": run_id, "url": url, "command": command}
+
+    def render(console: Console) -> None:
+        console.print(f"Invite token: {created['token']}", soft_wrap=True)
+        limits = [
+            f"{created['max_uses']} use(s)" if created.get("max_uses") else "unlimited uses",
+            f"expires {created['expires_at']}" if created.get("expires_at") else "no expiry",
+        ]
+        console.print(f"({', '.join(limits)}; shown only now)")
+        console.print("Volunteers join with:")
+        console.print(f"  {command}", soft_wrap=True)
+
+    _emit(as_json, document, render)

@@ -1,0 +1,209 @@
+"""The organizer's commands against a real coordinator: ``runs ...`` and ``invite``, for people
+(tables) and for scripts (``--json``), and each way they can fail."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cli.conftest import Coordinator, Result, free_port
+
+
+@pytest.fixture
+def organizer(cli: Any, coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``organizer(*args)``: ``cli`` with the coordinator's URL and admin token in the
+    environment, as an organizer sets them once per shell."""
+    monkeypatch.setenv("SWARMGRAD_URL", coordinator.url)
+    monkeypatch.setenv("SWARMGRAD_TOKEN", coordinator.admin_token)
+    return cli
+
+
+def as_json(result: Result) -> Any:
+    assert result.code == 0, (result.out, result.err)
+    assert result.err == ""
+    return json.loads(result.out)
+
+
+def test_create_list_show_and_steer_a_run(organizer: Any) -> None:
+    run = as_json(
+        organizer(
+            "runs",
+            "create",
+            "mnist",
+            "--task",
+            "digits",
+            "--config",
+            "lr=0.05",
+            "--config",
+            "epochs=40",
+            "--config",
+            "optimizer=adam",
+            "--json",
+        )
+    )
+    assert run["name"] == "mnist" and run["task"] == "digits" and run["status"] == "running"
+    assert run["config"] == {"lr": 0.05, "epochs": 40, "optimizer": "adam"}
+
+    listed = as_json(organizer("runs", "list", "--json"))
+    assert [r["id"] for r in listed] == [run["id"]]
+
+    shown = as_json(organizer("runs", "show", run["id"], "--json"))
+    assert shown["run"]["id"] == run["id"]
+    assert shown["progress"]["epoch"] == 0 and shown["progress"]["peers_online"] == 0
+
+    assert as_json(organizer("runs", "pause", run["id"], "--json"))["status"] == "paused"
+    assert as_json(organizer("runs", "resume", run["id"], "--json"))["status"] == "running"
+    assert as_json(organizer("runs", "finish", run["id"], "--json"))["status"] == "finished"
+
+
+def test_human_output_names_what_matters(organizer: Any) -> None:
+    created = organizer("runs", "create", "first run", "--task", "digits", "--config", "lr=0.1")
+    assert created.code == 0 and created.err == ""
+    assert "first run" in created.out and "digits" in created.out
+    run_id = as_json(organizer("runs", "list", "--json"))[0]["id"]
+    assert f"swarmgrad invite {run_id}" in created.out
+
+    listed = organizer("runs", "list")
+    assert listed.code == 0 and "first run" in listed.out and "running" in listed.out
+    shown = organizer("runs", "show", run_id)
+    assert shown.code == 0 and "Progress" in shown.out and "peers online" in shown.out
+    paused = organizer("runs", "pause", run_id)
+    assert paused.code == 0 and "paused" in paused.out
+
+
+def test_invite_prints_the_token_and_the_exact_join_command(
+    organizer: Any, coordinator: Coordinator
+) -> None:
+    run = as_json(organizer("runs", "create", "r", "--task", "digits", "--json"))
+    invite = as_json(
+        organizer(
+            "invite", run["id"], "--uses", "3", "--expires", "12h", "--label", "lab", "--json"
+        )
+    )
+    assert invite["max_uses"] == 3 and invite["label"] == "lab" and invite["expires_at"]
+    assert invite["command"] == f"swarmgrad join {coordinator.url} --token {invite['token']}"
+    with coordinator.client() as client:  # the token works: it gets a join challenge
+        assert client.join_challenge(invite["token"]).run_id == run["id"]
+
+    human = organizer("invite", run["id"])
+    assert human.code == 0
+    command = next(line.strip() for line in human.out.splitlines() if "swarmgrad join" in line)
+    token = command.split("--token ")[1]
+    assert command == f"swarmgrad join {coordinator.url} --token {token}"
+    assert f"Invite token: {token}" in human.out
+
+
+def test_url_and_token_options_override_the_environment(
+    cli: Any, coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SWARMGRAD_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("SWARMGRAD_TOKEN", "not-a-token")
+    run = as_json(
+        cli(
+            "runs",
+            "create",
+            "r",
+            "--task",
+            "digits",
+            "--url",
+            coordinator.url + "/",
+            "--token",
+            coordinator.admin_token,
+            "--json",
+        )
+    )
+    assert run["name"] == "r"
+
+
+def test_checkpoint_downloads_the_newest(
+    organizer: Any, coordinator: Coordinator, tmp_path: Path
+) -> None:
+    from peer.identity import Identity
+
+    run = as_json(organizer("runs", "create", "r", "--task", "digits", "--json"))
+    missing = organizer("runs", "checkpoint", run["id"], "-o", str(tmp_path / "none.pt"))
+    assert "no checkpoint" in missing.assert_one_error_line(code=1)
+    assert not (tmp_path / "none.pt").exists()
+
+    invite = as_json(organizer("invite", run["id"], "--json"))
+    data = b"PK\x03\x04" + b"weights" * 100
+    with coordinator.client() as client:
+        challenge = client.join_challenge(invite["token"])
+        peer = client.join(invite["token"], challenge, Identity())
+        client.upload_checkpoint(peer.peer_token, run["id"], 2, data)
+
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    out = downloads / "model.pt"
+    saved = as_json(organizer("runs", "checkpoint", run["id"], "-o", str(out), "--json"))
+    assert out.read_bytes() == data
+    assert saved["epoch"] == 2 and saved["size"] == len(data)
+    assert saved["sha256"] == hashlib.sha256(data).hexdigest()
+    assert [p.name for p in downloads.iterdir()] == ["model.pt"]  # no temporary file left
+
+
+# ------------------------------------------------------------------------------ failures
+
+
+def test_unreachable_coordinator(cli: Any) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    for args in (["runs", "list"], ["runs", "show", "abc"], ["invite", "abc", "--token", "t"]):
+        cli(*args, "--url", url).assert_one_error_line(code=1)
+
+
+def test_a_web_server_that_is_not_a_coordinator(cli: Any, other_server: str) -> None:
+    line = cli("runs", "list", "--url", other_server).assert_one_error_line(code=1)
+    assert "coordinator" in line
+    cli("runs", "pause", "x", "--url", other_server, "--token", "t").assert_one_error_line(code=1)
+
+
+def test_wrong_token_unknown_run_and_finished_run(organizer: Any, cli: Any) -> None:
+    cli("runs", "create", "r", "--task", "digits", "--token", "wrong" * 10).assert_one_error_line(
+        code=1
+    )
+    organizer("runs", "show", "nosuchrun").assert_one_error_line(code=1)
+    organizer("runs", "pause", "nosuchrun").assert_one_error_line(code=1)
+    run = as_json(organizer("runs", "create", "r", "--task", "digits", "--json"))
+    assert organizer("runs", "finish", run["id"]).code == 0
+    organizer("runs", "resume", run["id"]).assert_one_error_line(code=1)  # finished is final
+
+
+def test_missing_token_and_bad_values_are_usage_errors(
+    cli: Any, coordinator: Coordinator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SWARMGRAD_TOKEN", raising=False)
+    url = ["--url", coordinator.url]
+    line = cli("runs", "create", "r", "--task", "digits", *url).assert_one_error_line(code=2)
+    assert "SWARMGRAD_TOKEN" in line
+    cli("invite", "r", *url).assert_one_error_line(code=2)
+    token = ["--token", coordinator.admin_token]
+    cli("runs", "create", "r", *url, *token).assert_one_error_line(code=2)  # no --task
+    line = cli("runs", "create", "r", "--task", "t", "--config", "lr", *url, *token)
+    assert "key=value" in line.assert_one_error_line(code=2)
+    line = cli("invite", "r", "--expires", "soon", *url, *token).assert_one_error_line(code=2)
+    assert "30m" in line
+    cli("invite", "r", "--uses", "0", *url, *token).assert_one_error_line(code=2)
+    cli("runs", "list", "--url", "localhost:8000").assert_one_error_line(code=2)
+    cli("runs", "nosuchcommand").assert_one_error_line(code=2)
+    cli("runs", "list", "--nosuchoption").assert_one_error_line(code=2)
+
+
+def test_rejected_values_are_one_line(organizer: Any) -> None:
+    result = organizer("runs", "create", "x" * 300, "--task", "digits")  # name too long: 422
+    result.assert_one_error_line(code=1)
+
+
+def test_unwritable_output(organizer: Any, coordinator: Coordinator, tmp_path: Path) -> None:
+    from peer.identity import Identity
+
+    run = as_json(organizer("runs", "create", "r", "--task", "digits", "--json"))
+    invite = as_json(organizer("invite", run["id"], "--json"))
+    with coordinator.client() as client:
+        peer = client.join(invite["token"], client.join_challenge(invite["token"]), Identity())
+        client.upload_checkpoint(peer.peer_token, run["id"], 1, b"PK\x03\x04data")
+    target = tmp_path / "no" / "such" / "dir" / "model.pt"
+    organizer("runs", "checkpoint", run["id"], "-o", str(target)).assert_one_error_line(code=1)
