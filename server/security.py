@@ -1,9 +1,12 @@
-"""Token format and hashing, and encryption of run signing keys at rest.
+"""Token format and hashing, encryption of run signing keys at rest, and join challenges.
 
 A token reads ``sg<scope letter>_<id>_<secret>``: the id (16 hex characters, not secret)
 finds the row, then SHA-256 of the secret is compared in constant time with the stored
 hash. The secret has 256 bits of entropy, so a fast unsalted hash is enough (no
 dictionary to attack); only the hash is stored, and the full token is shown exactly once.
+
+Keys for the other uses (:class:`KeyBox`, :class:`JoinChallenges`) are derived from the
+server secret by HKDF, one per purpose (:func:`derive_key`).
 """
 
 from __future__ import annotations
