@@ -38,7 +38,7 @@ from sqlalchemy.engine import make_url
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from peer.identity import Identity  # noqa: E402
+from peer.identity import Identity, join_proof_payload  # noqa: E402
 from server.models import ProgressReport  # noqa: E402
 
 ADMIN = "bench-admin-" + secrets.token_urlsafe(32)
@@ -114,7 +114,7 @@ def start_server(
         [
             sys.executable,
             "-c",
-            "from peer.cli import app; app()",
+            "from swarmgrad.cli import main; main()",
             "coordinator",
             "--host",
             "127.0.0.1",
@@ -158,12 +158,25 @@ async def setup_run(base: str, peers: int) -> tuple[str, list[str]]:
         async def join(i: int) -> str:
             import base64
 
-            key = base64.urlsafe_b64encode(Identity().public_key).decode()
+            def b64(data: bytes) -> str:
+                return base64.urlsafe_b64encode(data).decode()
+
+            identity = Identity()
+            invitee = {"Authorization": f"Bearer {invite['token']}"}
             async with semaphore:
+                challenge = await http.post("/join/challenge", headers=invitee)
+                challenge.raise_for_status()
+                text = challenge.json()["challenge"]
+                proof = identity.sign(join_proof_payload(run["id"], text, identity.public_key))
                 response = await http.post(
                     f"/runs/{run['id']}/join",
-                    json={"public_key": key, "addresses": [f"ws://10.0.{i // 250}.{i % 250}:7000"]},
-                    headers={"Authorization": f"Bearer {invite['token']}"},
+                    json={
+                        "public_key": b64(identity.public_key),
+                        "challenge": text,
+                        "signature": b64(proof),
+                        "addresses": [f"ws://10.0.{i // 250}.{i % 250}:7000"],
+                    },
+                    headers=invitee,
                 )
             response.raise_for_status()
             return response.json()["peer_token"]
