@@ -56,6 +56,8 @@ logger = logging.getLogger("peer.node")
 GOSSIP_DIGEST = "gossip.digest"
 GOSSIP_REPLY = "gossip.reply"
 GOSSIP_PUSH = "gossip.push"
+MAX_ADDRESSES = 16  # per membership record
+MAX_ADDRESS_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +136,7 @@ class AsyncNode:
         self._member_cache: dict[bytes, Member] = {}
         self._watchers: dict[str, list[Callable[[], None]]] = {}  # key → callbacks (watch)
         self._bootstrapped: set[str] = set()  # initial peers reached at least once
+        self._added_peers: set[str] = set()  # initial peers from add_initial_peers
         self._listener: Listener | None = None
         self._addresses: list[str] = []
         self.bulk: BulkLanes | None = None
@@ -302,15 +305,84 @@ class AsyncNode:
         self._member_cache = cache
         return out
 
-    def _publish_membership(self) -> None:
+    def _publish_membership(self) -> Record:
+        now = self.now()
+        # later than our own record in the store, even within one tick of the clock
+        latest = max(
+            (
+                r.expiration
+                for r in self.store_.records(MEMBERS_KEY, now)
+                if r.owner_id == self.peer_id
+            ),
+            default=now,
+        )
         record = Record.create(
             self.identity,
             MEMBERS_KEY,
             self.peer_id,
             {"addresses": self._addresses, "client_mode": self.config.client_mode},
-            self.now() + self.config.member_ttl,
+            max(now + self.config.member_ttl, latest + 1e-3),
         )
-        self.store_.put(record, self.now())
+        self.store_.put(record, now)
+        return record
+
+    def announce(self, addresses: Sequence[str]) -> None:
+        """Tell the swarm to dial this node at ``addresses`` from now on (e.g. the address
+        the coordinator reached it at, when the node listens behind NAT): republishes its
+        membership record, pushes it to peers at once, and presents the addresses in later
+        handshakes. Not in client mode (``ValueError``): nobody can dial such a node."""
+        self._check_running()
+        if isinstance(addresses, str):
+            raise TypeError('addresses is a list, e.g. ["ws://203.0.113.7:4000"]')
+        announced = [str(a) for a in addresses]
+        if self.config.client_mode and announced:
+            raise ValueError("a client-mode node accepts no connections: it has no address")
+        if len(announced) > MAX_ADDRESSES or any(
+            not a or len(a) > MAX_ADDRESS_CHARS for a in announced
+        ):
+            raise ValueError(
+                f"announce at most {MAX_ADDRESSES} addresses of 1 to {MAX_ADDRESS_CHARS} characters"
+            )
+        self._addresses = announced
+        record = self._publish_membership()
+        self._spawn(self._push_now([record], self.config.push_relays), "push")
+
+    def set_auth(self, auth: Authenticator) -> None:
+        """Present ``auth`` in every later handshake (a renewed run certificate, say); open
+        links stay as they are. The mode cannot change (``ValueError``): every peer of a
+        swarm uses the same one."""
+        if auth.mode != self.auth.mode:
+            raise ValueError(
+                f"this node authenticates with {self.auth.mode!r}; it cannot switch to "
+                f"{auth.mode!r} (every peer of a swarm uses the same mode)"
+            )
+        self.auth = auth
+
+    async def add_initial_peers(self, addresses: Sequence[str]) -> int:
+        """Dial ``addresses`` now and keep them as initial peers: each is retried every
+        gossip round until reached once, and all of them whenever this node is alone (for a
+        node that lost every peer, with fresh addresses from the coordinator). They replace
+        those added by an earlier call; the constructor's stay. Returns how many answered."""
+        self._check_running()
+        if isinstance(addresses, str):
+            raise TypeError('addresses is a list, e.g. ["ws://203.0.113.7:4000"]')
+        fresh = list(dict.fromkeys(str(a) for a in addresses))
+        kept = [a for a in self.initial_peers if a not in self._added_peers]
+        self._added_peers = set(fresh) - set(kept)
+        self.initial_peers = kept + [a for a in fresh if a not in kept]
+        self._bootstrapped.difference_update(fresh)
+        results = await asyncio.gather(
+            *(self._exchange_with_address(a) for a in fresh), return_exceptions=True
+        )
+        reached = sum(not isinstance(r, BaseException) for r in results)
+        if fresh and not reached:
+            logger.info("none of %d new initial peer(s) answered yet; will keep trying", len(fresh))
+        return reached
+
+    @property
+    def num_links(self) -> int:
+        """Peers this node has an open link to right now."""
+        return sum(not link.closed for link in self._links.values())
 
     async def _announce_leaving(self) -> None:
         """Replace our membership record with a newer one marked ``leaving`` and push it over
@@ -746,8 +818,8 @@ def _decode_member(record: Record) -> tuple[tuple[str, ...], bool, bool]:
     leaving = value.get("leaving", False)
     if (
         not isinstance(addresses, list)
-        or len(addresses) > 16
-        or not all(isinstance(a, str) and len(a) <= 256 for a in addresses)
+        or len(addresses) > MAX_ADDRESSES
+        or not all(isinstance(a, str) and len(a) <= MAX_ADDRESS_CHARS for a in addresses)
         or not isinstance(client_mode, bool)
         or not isinstance(leaving, bool)
     ):

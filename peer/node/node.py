@@ -15,7 +15,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from peer.exceptions import NodeShutdown
-from peer.identity import Authenticator, Identity
+from peer.identity import Authenticator, Identity, OpenAuth
 from peer.node.core import AsyncNode, Member, NodeConfig
 from peer.node.gossip import Subkey, ValueWithExpiration
 from peer.transport.base import Transport
@@ -240,6 +240,41 @@ class Node:
         """Live peers by peer id (including this one), as known from gossip."""
         core = self.core
         return self.run_coroutine(_call(core.members))
+
+    @property
+    def num_links(self) -> int:
+        """Peers this node has an open link to right now (0: cut off from the swarm)."""
+        core = self.core
+        return self.run_coroutine(_call(lambda: core.num_links))
+
+    def set_auth(self, auth: Authenticator) -> None:
+        """Present ``auth`` in every later handshake, e.g. a renewed run certificate
+        (``CertificateAuth``); open links stay as they are. The mode cannot change
+        (``ValueError``)."""
+        if self._core is None:
+            current = self._auth if self._auth is not None else OpenAuth()
+            if auth.mode != current.mode:
+                raise ValueError(
+                    f"this node authenticates with {current.mode!r}; it cannot switch to "
+                    f"{auth.mode!r} (every peer of a swarm uses the same mode)"
+                )
+        else:
+            self.run_coroutine(_call(self.core.set_auth, auth))
+        self._auth = auth
+
+    def add_initial_peers(self, addresses: Sequence[str]) -> int:
+        """Dial ``addresses`` now and keep them as initial peers (retried until reached, and
+        whenever this node is alone); they replace those of an earlier call. For a node that
+        lost every peer: hand it fresh addresses, e.g. from the coordinator's bootstrap.
+        Returns how many answered now."""
+        return self.run_coroutine(self.core.add_initial_peers(addresses))
+
+    def announce(self, addresses: Sequence[str]) -> None:
+        """Have the swarm dial this node at ``addresses`` from now on (e.g. the address the
+        coordinator reached it at, behind NAT): its membership record is republished and
+        pushed to peers at once. ``ValueError`` in client mode."""
+        core = self.core
+        self.run_coroutine(_call(core.announce, addresses))
 
     def get_time(self) -> float:
         """The wall-clock time that expirations are measured against."""

@@ -18,7 +18,14 @@ from websockets.sync.client import connect as ws_connect
 
 from peer import Node
 from peer.exceptions import AuthenticationError, TransportError
-from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity, SwarmKeyAuth
+from peer.identity import (
+    Certificate,
+    CertificateAuth,
+    CertificateVerifier,
+    Identity,
+    OpenAuth,
+    SwarmKeyAuth,
+)
 from peer.node.core import GOSSIP_PUSH
 from peer.node.gossip import Record
 from peer.testing import wait_until
@@ -429,3 +436,79 @@ def test_oversized_frames_are_refused_before_sending() -> None:
         # Nothing was sent, so the link is still healthy.
         b.store("still-fine", 1, b.get_time() + 30)
         assert wait_until(lambda: a.get("still-fine") is not None, scaled(10))
+
+
+# --------------------------------------------------------------------------- run-time changes
+
+
+def test_set_auth_presents_a_renewed_certificate_in_later_handshakes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    authority = Identity()
+    verifier = CertificateVerifier(authority.public_key, "run")
+
+    def auth_for(ident: Identity, expires_in: float) -> CertificateAuth:
+        cert = Certificate.issue(
+            authority,
+            run_id="run",
+            public_key=ident.public_key,
+            expires_at=time.time() + expires_in,
+        )
+        return CertificateAuth(cert.to_bytes(), verifier)
+
+    ident_a, ident_b = Identity(), Identity()
+    with (
+        caplog.at_level(logging.WARNING, logger="peer"),
+        Node(identity=ident_a, auth=auth_for(ident_a, 60), **FAST) as a,
+        Node(a.visible_addresses, identity=ident_b, auth=auth_for(ident_b, -60), **FAST) as b,
+    ):
+        # b's certificate has expired: a refuses it at every gossip round's retry
+        assert wait_until(lambda: caplog.text.count("certificate has expired") >= 2, scaled(10))
+        assert b.peer_id not in a.members()
+        b.set_auth(auth_for(ident_b, 60))  # renewed: the next retry gets in
+        assert wait_until(lambda: b.peer_id in a.members() and a.peer_id in b.members(), scaled(10))
+        with pytest.raises(ValueError, match="cannot switch to 'open'"):
+            b.set_auth(OpenAuth())
+    not_started = Node(start=False, **FAST)
+    with pytest.raises(ValueError, match="cannot switch"):
+        not_started.set_auth(SwarmKeyAuth(secrets.token_bytes(32)))
+
+
+def test_a_node_that_lost_every_link_reconnects_to_addresses_it_is_handed() -> None:
+    with Node(**FAST) as a:
+        b = Node(a.visible_addresses, **FAST)
+        try:
+            assert wait_until(lambda: a.num_links == 1 and b.peer_id in a.members(), scaled(10))
+        finally:
+            b.shutdown()
+        assert wait_until(lambda: a.num_links == 0 and len(a.members()) == 1, scaled(10))
+        with Node(**FAST) as c:  # a newcomer that knows nobody
+            assert a.add_initial_peers(c.visible_addresses) == 1
+            assert a.num_links == 1
+            assert wait_until(
+                lambda: a.peer_id in c.members() and c.peer_id in a.members(), scaled(10)
+            )
+            assert a.core.initial_peers == c.visible_addresses  # kept for later
+            assert a.add_initial_peers(["ws://127.0.0.1:9"]) == 0  # replaces the earlier ones
+            assert a.core.initial_peers == ["ws://127.0.0.1:9"]
+        with pytest.raises(TypeError, match="list"):
+            a.add_initial_peers("ws://127.0.0.1:9")
+
+
+def test_announce_changes_the_address_other_members_see() -> None:
+    with Node(**FAST) as a, Node(a.visible_addresses, **FAST) as b:
+        assert wait_until(lambda: a.peer_id in b.members(), scaled(10))
+        port = a.visible_addresses[0].rsplit(":", 1)[1]
+        announced = f"ws://localhost:{port}"  # another way to the same listener
+        a.announce([announced])
+        assert a.visible_addresses == [announced]
+        assert wait_until(lambda: b.members()[a.peer_id].addresses == (announced,), scaled(10))
+        # a newcomer learns the new address from b, and it works
+        with Node(b.visible_addresses, **FAST) as c:
+            assert wait_until(lambda: a.peer_id in c.members(), scaled(10))
+            assert c.members()[a.peer_id].addresses == (announced,)
+            c.run_coroutine(c.core.link(a.peer_id))
+        with pytest.raises(ValueError, match="at most 16"):
+            a.announce([announced] * 17)
+    with Node(client_mode=True, **FAST) as client, pytest.raises(ValueError, match="client-mode"):
+        client.announce(["ws://127.0.0.1:1"])

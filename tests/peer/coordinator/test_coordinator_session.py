@@ -381,3 +381,25 @@ def test_timings_are_checked() -> None:
         SessionTimings(retry_base=5, max_backoff=1)
     with pytest.raises(ValueError):
         SessionTimings(request_timeout=0)
+
+
+def test_a_node_cut_off_from_the_swarm_rejoins_through_the_session(
+    fake: FakeCoordinator, client: CoordinatorClient
+) -> None:
+    """The wiring a volunteer uses: ``needs_bootstrap`` counts the node's links and
+    ``on_bootstrap`` is ``Node.add_initial_peers``."""
+    from peer import Node
+
+    fast = {"gossip_period": 0.2, "request_timeout": 3.0}
+    with Node(**fast) as lonely, Node(**fast) as other:
+        fake.addresses = other.visible_addresses
+        session = session_for(
+            client,
+            needs_bootstrap=lambda: lonely.num_links == 0,
+            on_bootstrap=lonely.add_initial_peers,
+        )
+        try:
+            assert wait_until(lambda: lonely.peer_id in other.members(), scaled(10))
+            assert fake.count("bootstrap") >= 1
+        finally:
+            session.close()
