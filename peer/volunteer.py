@@ -1,0 +1,585 @@
+"""A volunteer's peer: join a coordinator's run with an invite token and train it.
+
+:class:`Volunteer` is what ``swarmgrad join URL --token T`` runs. In order:
+
+1. ask the coordinator for a join challenge (it names the run and its task), check that the
+   task imports and the device exists — before a use of the invite is spent;
+2. load (or create) this volunteer's identity key in ``data_dir``, so a restart is the same
+   peer, and join: the coordinator checks a signature over the challenge (proof that this
+   process holds the private key), and answers with a peer token, a run certificate, the
+   run's config and bootstrap peers;
+3. start a :class:`~peer.Node` authenticated by that certificate and ask the coordinator to
+   dial it back: reachable, it announces the address the coordinator saw; not reachable, it
+   starts again in client mode (dialing out only) and says which ports to open;
+4. build the task's model, load the swarm's state from a live peer, or the coordinator's
+   newest checkpoint when no peer is left, and train with the collaborative
+   :class:`~peer.Optimizer`;
+5. meanwhile a :class:`~peer.coordinator.CoordinatorSession` renews the certificate, sends
+   progress reports (buffered while the coordinator is away: training never waits on it),
+   follows the run's status (paused: stop stepping and wait; finished: leave) and asks for
+   bootstrap peers when every link is lost; every ``checkpoint_every`` epochs one peer (the
+   lowest peer id at the swarm's epoch: no lock needed) uploads a checkpoint.
+
+Everything a volunteer can get wrong ends in a :class:`~peer.exceptions.SwarmgradError`
+whose message is one line, for the command line to print.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from peer.exceptions import SwarmgradError
+from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
+
+logger = logging.getLogger("peer.volunteer")
+
+__all__ = [
+    "DeviceError",
+    "JoinOptions",
+    "Volunteer",
+    "VolunteerStatus",
+    "default_data_dir",
+    "load_identity",
+]
+
+IDENTITY_FILE = "identity.key"
+REPORT_INTERVAL_S = 1.0
+EVAL_INTERVAL_S = 10.0
+# After the run's last epoch: how long to wait for its final checkpoint before leaving.
+FINAL_CHECKPOINT_GRACE_S = 60.0
+
+
+class DeviceError(SwarmgradError):
+    """The device asked for is not available on this machine."""
+
+
+def default_data_dir() -> Path:
+    """Where a volunteer keeps its identity key: ``$XDG_DATA_HOME/swarmgrad``, else
+    ``~/.local/share/swarmgrad``."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "swarmgrad"
+
+
+def load_identity(data_dir: Path) -> Identity:
+    """The identity kept in ``data_dir`` (created, with a private file, on first use)."""
+    path = Path(data_dir) / IDENTITY_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        identity = Identity()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temp = path.with_suffix(".tmp")
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as file:
+                file.write(identity.private_bytes())
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temp, path)
+        except OSError as exc:
+            raise SwarmgradError(
+                f"cannot keep this volunteer's key in {path.parent}: {exc.strerror or exc}; "
+                "pass --data-dir with a writable directory"
+            ) from exc
+        return identity
+    except OSError as exc:
+        raise SwarmgradError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        return Identity.from_private_bytes(raw)
+    except ValueError as exc:
+        raise SwarmgradError(
+            f"{path} is not a swarmgrad identity key; move it away to start as a new peer"
+        ) from exc
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("--device cuda was asked for, but this machine has no usable CUDA GPU")
+    if device not in ("cpu", "cuda"):
+        raise DeviceError(f"unknown device {device!r}; use cpu, cuda or auto")
+    return device
+
+
+@dataclass(frozen=True)
+class JoinOptions:
+    url: str
+    token: str
+    task: str | None = None  # overrides the run's task
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    name: str | None = None  # display name
+    host: str = "0.0.0.0"  # interface to listen on
+    port: int = 0
+    bulk_port: int = 0
+    client_mode: bool = False
+    data_dir: Path = field(default_factory=default_data_dir)
+
+
+@dataclass(frozen=True)
+class VolunteerStatus:
+    """What a progress display shows; a snapshot (see :attr:`Volunteer.status`)."""
+
+    state: str = "joining"  # joining | loading | training | paused | finished | stopped
+    run_id: str | None = None
+    run_name: str | None = None
+    task: str | None = None
+    peer_id: str | None = None
+    epoch: int = 0
+    samples: int = 0
+    samples_per_second: float = 0.0
+    swarm_samples_per_second: float = 0.0
+    loss: float | None = None
+    eval_metric: float | None = None
+    metric_name: str | None = None
+    peers_online: int = 0
+    group_size: int | None = None
+    coordinator_reachable: bool = True
+    reachability: str | None = None
+    message: str | None = None
+
+
+class Volunteer:
+    """One volunteer's peer in one run; see the module docstring. ``run()`` blocks until the
+    run is finished or :meth:`stop` is called (from any thread, e.g. a signal handler)."""
+
+    def __init__(
+        self,
+        options: JoinOptions,
+        *,
+        on_update: Callable[[VolunteerStatus], None] | None = None,
+    ) -> None:
+        self.options = options
+        self._on_update = on_update
+        self._status = VolunteerStatus()
+        self._status_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._wake = threading.Event()  # set on stop() and on every change of the run's status
+        self._optimizer: Any = None
+
+    # ------------------------------------------------------------------ status
+
+    @property
+    def status(self) -> VolunteerStatus:
+        with self._status_lock:
+            return self._status
+
+    def _update(self, **changes: Any) -> None:
+        with self._status_lock:
+            self._status = replace(self._status, **changes)
+            status = self._status
+        if self._on_update is not None:
+            try:
+                self._on_update(status)
+            except Exception:  # a display must never stop training
+                logger.exception("progress display failed")
+
+    def _say(self, message: str) -> None:
+        logger.info("%s", message)
+        self._update(message=message)
+
+    def _finish(self, message: str, state: str = "finished") -> str:
+        self._update(state=state, message=message)
+        return message
+
+    def stop(self) -> None:
+        """Leave the swarm: ``run()`` returns within a few seconds. Thread-safe, idempotent."""
+        self._stopping.set()
+        self._wake.set()
+        optimizer = self._optimizer
+        if optimizer is not None:
+            optimizer.interrupt()
+
+    # ------------------------------------------------------------------- run
+
+    def run(self) -> str:
+        """Join, train until the run finishes or :meth:`stop` is called; the final message."""
+        from peer.coordinator import CoordinatorClient
+        from peer.tasks.registry import load_task
+
+        options = self.options
+        with contextlib.ExitStack() as stack:
+            client = stack.enter_context(CoordinatorClient(options.url))
+            challenge = client.join_challenge(options.token)
+            task = load_task(options.task or challenge.task)
+            device = resolve_device(options.device)
+            identity = load_identity(options.data_dir)
+            self._update(
+                run_id=challenge.run_id,
+                run_name=challenge.run_name,
+                task=task.name,
+                peer_id=identity.peer_id,
+                metric_name=task.metric_name,
+            )
+            answer = client.join(
+                options.token,
+                challenge,
+                identity,
+                client_mode=options.client_mode,
+                display_name=options.name,
+            )
+            from peer.tasks.base import TrainingConfig
+
+            config = TrainingConfig.from_run_config(task, answer.config)
+            node = self._start_node(client, answer, identity)
+            stack.callback(node.shutdown)
+            session = self._start_session(client, answer, node)
+            stack.callback(session.close)
+            return self._train(client, answer, node, session, task, config, device)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _node(self, answer: Any, identity: Identity, *, client_mode: bool) -> Any:
+        from peer.node import Node
+
+        certificate = Certificate.from_base64(answer.certificate)
+        verifier = CertificateVerifier(answer.run_public_key, answer.run_id)
+        return Node(
+            list(answer.bootstrap),
+            host=self.options.host,
+            port=self.options.port,
+            bulk_port=self.options.bulk_port,
+            client_mode=client_mode,
+            identity=identity,
+            auth=CertificateAuth(certificate.to_bytes(), verifier),
+        )
+
+    def _start_node(self, client: Any, answer: Any, identity: Identity) -> Any:
+        """The node, listening if others can reach it, else in client mode."""
+        if self.options.client_mode:
+            self._update(reachability="client mode: dialing out only, as asked")
+            return self._node(answer, identity, client_mode=True)
+        node = self._node(answer, identity, client_mode=False)
+        try:
+            port, bulk_port = listening_ports(node)
+            reach = client.check_reachability(answer.peer_token, answer.run_id, port, bulk_port)
+        except BaseException:
+            node.shutdown()
+            raise
+        if reach.reachable and reach.address:
+            node.announce([reach.address])
+            self._update(reachability=f"reachable at {reach.address}")
+            return node
+        node.shutdown()
+        ports = " and ".join(str(p) for p in (port, bulk_port) if p)
+        self._update(
+            reachability=(
+                "not reachable from outside: running in client mode; "
+                f"open TCP ports {ports} to help the swarm more"
+            )
+        )
+        return self._node(answer, identity, client_mode=True)
+
+    def _start_session(self, client: Any, answer: Any, node: Any) -> Any:
+        from peer.coordinator import CoordinatorSession
+
+        def renewed(certificate_b64: str, expires_at: float) -> None:
+            certificate = Certificate.from_base64(certificate_b64)
+            verifier = CertificateVerifier(answer.run_public_key, answer.run_id)
+            node.set_auth(CertificateAuth(certificate.to_bytes(), verifier))
+
+        session = CoordinatorSession(
+            client,
+            run_id=answer.run_id,
+            peer_token=answer.peer_token,
+            certificate_expires_at=answer.certificate_expires_at,
+            on_certificate=renewed,
+            on_status=lambda status: self._wake.set(),
+            needs_bootstrap=lambda: node.num_links == 0,
+            on_bootstrap=node.add_initial_peers,
+            status=answer.status,
+        )
+        return session
+
+    # ------------------------------------------------------------------ training
+
+    def _train(
+        self,
+        client: Any,
+        answer: Any,
+        node: Any,
+        session: Any,
+        task: Any,
+        config: Any,
+        device: str,
+    ) -> str:
+        from peer.optim.collaborative import Optimizer
+
+        self._update(state="loading")
+        model = task.build_model(config).to(device)
+        checkpoint = _download_checkpoint(client, answer)
+        if checkpoint is not None:
+            # before the optimizer exists: with offload_optimizer it copies these weights
+            model.load_state_dict(checkpoint["model"])
+        optimizer = Optimizer(
+            node=node,
+            run_id=answer.run_id,
+            target_batch_size=config.target_batch_size,
+            batch_size_per_step=config.batch_size,
+            optimizer=config.make_optimizer(),
+            params=model.parameters(),
+            matchmaking_time=config.matchmaking_time,
+            averaging_timeout=config.averaging_timeout,
+            offload_optimizer=device != "cpu",
+            client_mode=node.client_mode,
+        )
+        self._optimizer = optimizer
+        trainer = _Trainer(self, client, answer, session, task, config, model, optimizer)
+        try:
+            # The constructor loaded the swarm's state if a live peer had a newer one.
+            if checkpoint is not None and int(checkpoint.get("epoch", 0)) > optimizer.local_epoch:
+                optimizer.load_state_dict(checkpoint["optimizer"])
+                self._say(
+                    f"resumed from the coordinator's checkpoint at epoch {optimizer.local_epoch}"
+                )
+            return trainer.run()
+        finally:
+            self._optimizer = None
+            optimizer.shutdown()
+            trainer.close()
+
+
+class _Trainer:
+    """The training loop of one :class:`Volunteer`, with what it keeps between steps."""
+
+    def __init__(
+        self,
+        volunteer: Volunteer,
+        client: Any,
+        answer: Any,
+        session: Any,
+        task: Any,
+        config: Any,
+        model: Any,
+        optimizer: Any,
+    ) -> None:
+        self.volunteer = volunteer
+        self.client = client
+        self.answer = answer
+        self.session = session
+        self.task = task
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.samples = 0
+        self.losses: list[float] = []
+        self.reported_at = -math.inf
+        self.rounds_reported = (0, 0)
+        self.eval_metric: float | None = None
+        self.evaluated_at = -math.inf
+        self.evaluated_epoch = -1
+        self.uploads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swarmgrad-ckpt")
+        self.upload: concurrent.futures.Future[None] | None = None
+        self.uploaded_epoch = -1
+        self.last_epoch_since: float | None = None  # when the run's last epoch was reached
+        self.checked_at = -math.inf
+
+    def close(self) -> None:
+        self.uploads.shutdown(wait=True, cancel_futures=True)
+
+    def run(self) -> str:
+        volunteer = self.volunteer
+        batches: Iterator[Any] = self.task.train_batches(self.config, self.answer.peer_id)
+        volunteer._update(state="training")
+        while not volunteer._stopping.is_set():
+            status = self.session.status
+            if status == "finished":
+                return volunteer._finish("the run is finished; thank you for training with us")
+            if status == "paused":
+                self._paused()
+                continue
+            if self.config.epochs is not None and self.optimizer.local_epoch >= self.config.epochs:
+                done = self._after_last_epoch()
+                if done is not None:
+                    return volunteer._finish(done)
+                continue
+            if volunteer.status.state == "paused":
+                volunteer._update(state="training", message="the run resumed")
+            self._step(next(batches))
+        return volunteer._finish("left the run", state="stopped")
+
+    def _step(self, batch: Any) -> None:
+        import torch
+
+        epoch = self.optimizer.local_epoch
+        self.model.train()
+        loss = self.task.loss(self.model, batch)
+        loss.backward()
+        n = self.task.batch_size(batch)
+        self.optimizer.step(batch_size=n)
+        self.optimizer.zero_grad()
+        self.samples += n
+        value = float(loss.detach())
+        if math.isfinite(value):
+            self.losses.append(value)
+        new_epoch = self.optimizer.local_epoch
+        every = self.config.checkpoint_every
+        if new_epoch != epoch and every and new_epoch % every == 0:
+            self._maybe_upload()
+        now = time.monotonic()
+        if new_epoch != self.evaluated_epoch and now - self.evaluated_at >= EVAL_INTERVAL_S:
+            self.model.eval()
+            with torch.no_grad():
+                self.eval_metric = float(self.task.evaluate(self.model, self.config))
+            self.evaluated_at, self.evaluated_epoch = now, new_epoch
+        if now - self.reported_at >= REPORT_INTERVAL_S:
+            self._report(self.optimizer.tracker.samples_per_second)
+
+    def _report(self, samples_per_second: float) -> None:
+        """Queue a progress report (never blocks) and refresh the volunteer's status."""
+        optimizer = self.optimizer
+        rounds = (optimizer.rounds_done, optimizer.rounds_failed)
+        loss = sum(self.losses) / len(self.losses) if self.losses else None
+        self.session.submit_report(
+            {
+                "epoch": optimizer.local_epoch,
+                "samples": self.samples,
+                "samples_per_second": samples_per_second,
+                "loss": loss,
+                "group_size": optimizer.last_group_size,
+                "rounds_done": rounds[0] - self.rounds_reported[0],
+                "rounds_failed": rounds[1] - self.rounds_reported[1],
+                "failure": optimizer.last_failure,
+                "eval_metric": self.eval_metric,
+            }
+        )
+        self.rounds_reported = rounds
+        self.losses.clear()
+        self.reported_at = time.monotonic()
+        self.volunteer._update(
+            epoch=optimizer.local_epoch,
+            samples=self.samples,
+            samples_per_second=samples_per_second,
+            swarm_samples_per_second=optimizer.global_progress.samples_per_second,
+            loss=loss,
+            eval_metric=self.eval_metric,
+            peers_online=len(optimizer.tracker.reports()),
+            group_size=optimizer.last_group_size,
+            coordinator_reachable=self.session.coordinator_reachable,
+        )
+
+    def _paused(self) -> None:
+        volunteer = self.volunteer
+        if volunteer.status.state != "paused":
+            volunteer._update(
+                state="paused", message="the run is paused; waiting for the organizer"
+            )
+        if time.monotonic() - self.reported_at >= REPORT_INTERVAL_S:
+            self._report(0.0)  # still here: a paused peer stays online on the dashboard
+        volunteer._wake.wait(REPORT_INTERVAL_S)
+        volunteer._wake.clear()
+
+    def _after_last_epoch(self) -> str | None:
+        """The run's last epoch is reached: one peer uploads it, everyone leaves once the
+        coordinator has it (or after a grace period). The final message, or None to wait."""
+        epochs = self.config.epochs
+        self._maybe_upload()
+        now = time.monotonic()
+        if self.last_epoch_since is None:
+            self.last_epoch_since = now
+            self._report(0.0)
+            self.volunteer._update(state="finished")
+            self.volunteer._say(f"the run reached its last epoch ({epochs}); saving it")
+        if now - self.checked_at >= 1.0:
+            self.checked_at = now
+            if _checkpoint_epoch(self.client, self.answer.run_id) >= epochs:
+                return f"the run reached its last epoch ({epochs})"
+        if now - self.last_epoch_since > FINAL_CHECKPOINT_GRACE_S:
+            return (
+                f"the run reached its last epoch ({epochs}); "
+                "its checkpoint did not reach the coordinator"
+            )
+        self.volunteer._wake.wait(0.2)
+        self.volunteer._wake.clear()
+        return None
+
+    def _maybe_upload(self) -> None:
+        """Upload a checkpoint in the background if this peer is the uploader of its epoch:
+        the lowest peer id among the peers at that epoch, which every peer works out alike
+        from the gossiped progress reports, with no lock. One upload at a time."""
+        import torch
+
+        optimizer = self.optimizer
+        epoch = optimizer.local_epoch
+        if epoch == self.uploaded_epoch or (self.upload is not None and not self.upload.done()):
+            return
+        peer_id = self.answer.peer_id
+        at_epoch = [r.peer_id for r in optimizer.tracker.reports() if r.epoch == epoch]
+        self.uploaded_epoch = epoch
+        if min([*at_epoch, peer_id]) != peer_id:
+            return
+        state = {
+            "model": {
+                k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
+            },
+            "epoch": epoch,
+            "task": self.task.name,
+            "config": dict(self.answer.config),
+            "optimizer": optimizer.state_dict(),
+        }
+        client, answer = self.client, self.answer
+
+        def send() -> None:
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            try:
+                client.upload_checkpoint(answer.peer_token, answer.run_id, epoch, buffer.getvalue())
+                logger.info("uploaded the checkpoint of epoch %d", epoch)
+            except SwarmgradError as exc:
+                logger.info("checkpoint of epoch %d not uploaded: %s", epoch, exc)
+
+        self.upload = self.uploads.submit(send)
+
+
+def _download_checkpoint(client: Any, answer: Any) -> dict[str, Any] | None:
+    """The coordinator's newest checkpoint, if the join answer names one and it loads."""
+    if answer.checkpoint is None:
+        return None
+    import torch
+
+    found = client.download_checkpoint(answer.peer_token, answer.run_id)
+    if found is None:
+        return None
+    data, epoch = found
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        logger.warning("the coordinator's checkpoint of epoch %d is unreadable: %s", epoch, exc)
+        return None
+    if not isinstance(state, dict) or "model" not in state:
+        logger.warning("the coordinator's checkpoint of epoch %d has no model", epoch)
+        return None
+    return state
+
+
+def listening_ports(node: Any) -> tuple[int, int | None]:
+    """The node's WebSocket port and its bulk lanes' port (None without lanes)."""
+    from urllib.parse import urlsplit
+
+    port = urlsplit(node.visible_addresses[0]).port
+    if port is None:
+        raise SwarmgradError("the node listens on no port")
+    bulk = node.core.bulk
+    return port, None if bulk is None else bulk.port
+
+
+def _checkpoint_epoch(client: Any, run_id: str) -> int:
+    """The epoch of the coordinator's newest checkpoint of the run; -1 if none or unknown."""
+    try:
+        checkpoint = client.progress(run_id).get("checkpoint")
+    except SwarmgradError:
+        return -1
+    return int(checkpoint["epoch"]) if checkpoint else -1
