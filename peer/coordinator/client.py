@@ -424,7 +424,7 @@ class CoordinatorClient:
     ) -> httpx.Response:
         all_headers = dict(headers or {})
         if token is not None:
-            all_headers["Authorization"] = f"Bearer {_check_token(token)}"
+            all_headers["Authorization"] = f"Bearer {check_token(token)}"
         if json_body is not None:
             content = _json_bytes(json_body)
             all_headers["Content-Type"] = "application/json"
@@ -502,7 +502,9 @@ def _parse_url(url: str) -> tuple[str, str]:
     return base, shown
 
 
-def _check_token(token: str) -> str:
+def check_token(token: str) -> str:
+    """``token`` without surrounding blanks; ``ValueError`` (never echoing it) if it
+    cannot be a token."""
     if not isinstance(token, str) or not token.strip():
         raise ValueError("a token is needed (the text after --token)")
     token = token.strip()

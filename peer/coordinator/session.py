@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from peer.coordinator.client import CoordinatorClient
+from peer.coordinator.client import CoordinatorClient, check_token
 from peer.coordinator.exceptions import (
     CoordinatorError,
     CoordinatorFailed,
@@ -106,9 +106,11 @@ class CoordinatorSession:
         timings: SessionTimings | None = None,
         seed: int | None = None,
     ) -> None:
+        if not isinstance(run_id, str) or not run_id:
+            raise ValueError("run_id must be a non-empty string")
         self._client = client
         self._run_id = run_id
-        self._token = peer_token
+        self._token = check_token(peer_token)
         self._on_certificate = on_certificate
         self._on_status = on_status
         self._needs_bootstrap = needs_bootstrap
@@ -216,13 +218,13 @@ class CoordinatorSession:
     def _run(self) -> None:
         while not self._closing.is_set():
             now = time.monotonic()
-            self._guarded(self._send_reports, now)
+            self._guarded(self._send_reports, now, "_report_at")
             if now >= self._renew_at:
-                self._guarded(self._renew, now)
+                self._guarded(self._renew, now, "_renew_at")
             if now >= self._poll_at:
-                self._guarded(self._poll_status, now)
+                self._guarded(self._poll_status, now, "_poll_at")
             if self._needs_bootstrap is not None and now >= self._bootstrap_at:
-                self._guarded(self._bootstrap, now)
+                self._guarded(self._bootstrap, now, "_bootstrap_at")
             due = [self._renew_at, self._poll_at]
             if self._needs_bootstrap is not None:
                 due.append(self._bootstrap_at)
@@ -232,12 +234,15 @@ class CoordinatorSession:
             self._wake.clear()
         self._guarded(self._final_flush, time.monotonic())
 
-    def _guarded(self, step: Callable[[float], None], now: float) -> None:
-        # The thread must outlive any bug in a callback or a surprise from below.
+    def _guarded(self, step: Callable[[float], None], now: float, due: str | None = None) -> None:
+        # The thread must outlive any bug in a callback or a surprise from below, without
+        # retrying the failed step in a tight loop.
         try:
             step(now)
         except Exception:
             logger.exception("coordinator session: %s failed", step.__name__.strip("_"))
+            if due is not None and getattr(self, due) <= now:
+                setattr(self, due, time.monotonic() + self.timings.max_backoff)
 
     def _away(self, exc: CoordinatorError) -> None:
         with self._lock:

@@ -403,3 +403,31 @@ def test_a_node_cut_off_from_the_swarm_rejoins_through_the_session(
             assert fake.count("bootstrap") >= 1
         finally:
             session.close()
+
+
+def test_a_bug_below_is_logged_without_spinning(
+    fake: FakeCoordinator, client: CoordinatorClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(run_id: str) -> dict[str, Any]:
+        raise RuntimeError("surprise")
+
+    client.run = broken  # type: ignore[method-assign]
+    timings = SessionTimings(poll_interval=0.05, retry_base=0.02, max_backoff=30)
+    with caplog.at_level(logging.ERROR, logger="peer.coordinator"):
+        session = session_for(client, timings=timings)
+        try:
+            assert wait_until(lambda: "surprise" in caplog.text, scaled(10))
+            session.submit_report(report(1))  # the rest goes on
+            assert wait_until(lambda: len(fake.reports) == 1, scaled(10))
+        finally:
+            session.close()
+    failed = [r for r in caplog.records if "poll_status failed" in r.getMessage()]
+    assert len(failed) == 1  # retried after max_backoff, not at once
+
+
+def test_bad_arguments_fail_in_the_callers_thread(client: CoordinatorClient) -> None:
+    with pytest.raises(ValueError, match="token"):
+        session_for(client, peer_token="")
+    with pytest.raises(ValueError, match="run_id"):
+        session_for(client, run_id="")
+    assert session_threads() == []
