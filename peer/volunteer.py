@@ -55,7 +55,10 @@ __all__ = [
 
 IDENTITY_FILE = "identity.key"
 REPORT_INTERVAL_S = 1.0
-EVAL_INTERVAL_S = 10.0
+# Held-out evaluation runs on a new epoch at most every MIN_EVAL_INTERVAL_S seconds, and
+# no sooner than EVAL_SPACING times its own duration after the previous one.
+MIN_EVAL_INTERVAL_S = 1.0
+EVAL_SPACING = 20.0
 # After the run's last epoch: how long to wait for its final checkpoint before leaving.
 FINAL_CHECKPOINT_GRACE_S = 60.0
 
@@ -231,10 +234,15 @@ class Volunteer:
                 client_mode=options.client_mode,
                 display_name=options.name,
             )
-            from peer.tasks.base import TrainingConfig
+            from peer.tasks.base import TaskError, TrainingConfig
 
-            config = TrainingConfig.from_run_config(task, answer.config)
-            node = self._start_node(client, answer, identity)
+            try:
+                config = TrainingConfig.from_run_config(task, answer.config)
+            except ValueError as exc:
+                raise TaskError(
+                    f"the run's config does not suit the task {task.name!r}: {exc}"
+                ) from exc
+            node, answer = self._start_node(client, answer, identity)
             stack.callback(node.shutdown)
             session = self._start_session(client, answer, node)
             stack.callback(session.close)
@@ -257,11 +265,12 @@ class Volunteer:
             auth=CertificateAuth(certificate.to_bytes(), verifier),
         )
 
-    def _start_node(self, client: Any, answer: Any, identity: Identity) -> Any:
-        """The node, listening if others can reach it, else in client mode."""
+    def _start_node(self, client: Any, answer: Any, identity: Identity) -> tuple[Any, Any]:
+        """The node, listening if others can reach it, else in client mode; and the join
+        answer, with a client's certificate in the second case."""
         if self.options.client_mode:
             self._update(reachability="client mode: dialing out only, as asked")
-            return self._node(answer, identity, client_mode=True)
+            return self._node(answer, identity, client_mode=True), answer
         node = self._node(answer, identity, client_mode=False)
         try:
             port, bulk_port = listening_ports(node)
@@ -272,8 +281,11 @@ class Volunteer:
         if reach.reachable and reach.address:
             node.announce([reach.address])
             self._update(reachability=f"reachable at {reach.address}")
-            return node
+            return node, answer
         node.shutdown()
+        # the coordinator now counts this peer as a client: its certificate says so too
+        certificate, expires_at = client.renew_certificate(answer.peer_token, answer.run_id)
+        answer = replace(answer, certificate=certificate, certificate_expires_at=expires_at)
         ports = " and ".join(str(p) for p in (port, bulk_port) if p)
         self._update(
             reachability=(
@@ -378,9 +390,11 @@ class _Trainer:
         self.losses: list[float] = []
         self.reported_at = -math.inf
         self.rounds_reported = (0, 0)
+        self.loss: float | None = None  # mean training loss since the previous report
         self.eval_metric: float | None = None
         self.evaluated_at = -math.inf
         self.evaluated_epoch = -1
+        self.eval_interval = MIN_EVAL_INTERVAL_S
         self.uploads = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="swarmgrad-ckpt")
         self.upload: concurrent.futures.Future[None] | None = None
         self.uploaded_epoch = -1
@@ -412,7 +426,6 @@ class _Trainer:
         return volunteer._finish("left the run", state="stopped")
 
     def _step(self, batch: Any) -> None:
-        import torch
 
         epoch = self.optimizer.local_epoch
         self.model.train()
@@ -429,20 +442,29 @@ class _Trainer:
         every = self.config.checkpoint_every
         if new_epoch != epoch and every and new_epoch % every == 0:
             self._maybe_upload()
-        now = time.monotonic()
-        if new_epoch != self.evaluated_epoch and now - self.evaluated_at >= EVAL_INTERVAL_S:
-            self.model.eval()
-            with torch.no_grad():
-                self.eval_metric = float(self.task.evaluate(self.model, self.config))
-            self.evaluated_at, self.evaluated_epoch = now, new_epoch
-        if now - self.reported_at >= REPORT_INTERVAL_S:
+        if new_epoch != self.evaluated_epoch:
+            self._evaluate()
+        if time.monotonic() - self.reported_at >= REPORT_INTERVAL_S:
             self._report(self.optimizer.tracker.samples_per_second)
+
+    def _evaluate(self, *, force: bool = False) -> None:
+        """The task's held-out metric, at most once per epoch, and spaced so that evaluating
+        takes at most about 1/:data:`EVAL_SPACING` of the time."""
+        started = time.monotonic()
+        if not force and started - self.evaluated_at < self.eval_interval:
+            return
+        self.eval_metric = float(self.task.evaluate(self.model, self.config))
+        took = time.monotonic() - started
+        self.evaluated_at, self.evaluated_epoch = started, self.optimizer.local_epoch
+        self.eval_interval = max(MIN_EVAL_INTERVAL_S, EVAL_SPACING * took)
 
     def _report(self, samples_per_second: float) -> None:
         """Queue a progress report (never blocks) and refresh the volunteer's status."""
         optimizer = self.optimizer
         rounds = (optimizer.rounds_done, optimizer.rounds_failed)
-        loss = sum(self.losses) / len(self.losses) if self.losses else None
+        if self.losses:
+            self.loss = sum(self.losses) / len(self.losses)
+        loss = self.loss
         self.session.submit_report(
             {
                 "epoch": optimizer.local_epoch,
@@ -490,6 +512,7 @@ class _Trainer:
         now = time.monotonic()
         if self.last_epoch_since is None:
             self.last_epoch_since = now
+            self._evaluate(force=True)
             self._report(0.0)
             self.volunteer._update(state="finished")
             self.volunteer._say(f"the run reached its last epoch ({epochs}); saving it")
@@ -508,8 +531,10 @@ class _Trainer:
 
     def _maybe_upload(self) -> None:
         """Upload a checkpoint in the background if this peer is the uploader of its epoch:
-        the lowest peer id among the peers at that epoch, which every peer works out alike
-        from the gossiped progress reports, with no lock. One upload at a time."""
+        the lowest peer id among the peers at (or just before) that epoch, which every peer
+        works out alike from the gossiped progress reports, with no lock. Should two peers
+        disagree for a moment, the coordinator keeps the first upload of an epoch and refuses
+        the second before its body is read. One upload at a time."""
         import torch
 
         optimizer = self.optimizer
@@ -517,9 +542,11 @@ class _Trainer:
         if epoch == self.uploaded_epoch or (self.upload is not None and not self.upload.done()):
             return
         peer_id = self.answer.peer_id
-        at_epoch = [r.peer_id for r in optimizer.tracker.reports() if r.epoch == epoch]
+        # Peers one epoch behind count too: they are about to arrive (or their report of the
+        # new epoch has not reached this peer yet).
+        candidates = [r.peer_id for r in optimizer.tracker.reports() if r.epoch >= epoch - 1]
         self.uploaded_epoch = epoch
-        if min([*at_epoch, peer_id]) != peer_id:
+        if min([*candidates, peer_id]) != peer_id:
             return
         state = {
             "model": {
