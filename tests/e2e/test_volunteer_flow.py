@@ -1,0 +1,214 @@
+"""The volunteer flow in real processes: a coordinator process, the organizer's command line
+and ``swarmgrad join`` processes, exactly as people run them."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from peer.testing import wait_until
+from swarmgrad.local import LocalCoordinator, start_volunteer
+from tests.conftest import scaled
+
+pytestmark = pytest.mark.slow
+
+# Short rounds, no natural end: the tests decide when a run finishes.
+FAST = ["--config", "matchmaking_time=0.5", "--config", "epochs=100000"]
+EPOCH_LINE = re.compile(r"\bepoch (\d+)\b.*\bsamples (\d+)\b")
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[LocalCoordinator]:
+    with LocalCoordinator(tmp_path / "coordinator") as running:
+        yield running
+
+
+def organizer(coordinator: LocalCoordinator, *args: str) -> Any:
+    """Run an organizer command with --json; its parsed output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "swarmgrad", *args, "--json"],
+        env={
+            **_env(),
+            "SWARMGRAD_URL": coordinator.url,
+            "SWARMGRAD_TOKEN": coordinator.admin_token,
+        },
+        capture_output=True,
+        text=True,
+        timeout=scaled(60),
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+def progress(coordinator: LocalCoordinator, run_id: str) -> dict[str, Any]:
+    answer = httpx.get(f"{coordinator.url}/api/v1/runs/{run_id}/progress", timeout=10)
+    answer.raise_for_status()
+    return answer.json()
+
+
+class Volunteer:
+    """A ``swarmgrad join --quiet`` process whose output is read line by line in a thread."""
+
+    def __init__(self, coordinator: LocalCoordinator, token: str, data_dir: Path) -> None:
+        import threading
+
+        self.process = start_volunteer(coordinator.url, token, data_dir, "--quiet")
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def epoch(self) -> int:
+        """The newest epoch the volunteer printed (-1 before its first line)."""
+        found = [int(m.group(1)) for line in self.lines if (m := EPOCH_LINE.search(line))]
+        return max(found, default=-1)
+
+    @property
+    def samples(self) -> int:
+        found = [int(m.group(2)) for line in self.lines if (m := EPOCH_LINE.search(line))]
+        return max(found, default=0)
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(scaled(20))
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._reader.join(5)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+@pytest.fixture
+def volunteers() -> Iterator[list[Volunteer]]:
+    started: list[Volunteer] = []
+    yield started
+    for volunteer in started:
+        volunteer.stop()
+
+
+def new_run(coordinator: LocalCoordinator, *config: str, uses: int = 10) -> tuple[str, str]:
+    run = organizer(coordinator, "runs", "create", "flow", "--task", "digits", *FAST, *config)
+    invite = organizer(coordinator, "invite", run["id"], "--uses", str(uses))
+    return run["id"], invite["token"]
+
+
+def test_two_volunteers_train_and_obey_pause_resume_finish(
+    coordinator: LocalCoordinator, tmp_path: Path, volunteers: list[Volunteer]
+) -> None:
+    run_id, token = new_run(coordinator)
+    volunteers += [Volunteer(coordinator, token, tmp_path / f"v{i}") for i in range(2)]
+
+    def training_together() -> bool:
+        p = progress(coordinator, run_id)
+        return p["peers_online"] == 2 and 2 in p["recent_group_sizes"] and p["samples"] > 0
+
+    assert wait_until(training_together, scaled(120)), progress(coordinator, run_id)
+    before = progress(coordinator, run_id)["samples"]
+    assert wait_until(lambda: progress(coordinator, run_id)["samples"] > before, scaled(30))
+
+    organizer(coordinator, "runs", "pause", run_id)
+    assert wait_until(lambda: _flat(coordinator, run_id, scaled(4)), scaled(60)), (
+        "samples stop growing once the peers see the pause"
+    )
+    assert _flat(coordinator, run_id, scaled(6)), "and stay flat while paused"
+    assert all(v.process.poll() is None for v in volunteers), "a pause is not an exit"
+
+    paused_at = progress(coordinator, run_id)["samples"]
+    organizer(coordinator, "runs", "resume", run_id)
+    assert wait_until(
+        lambda: progress(coordinator, run_id)["samples"] > paused_at, scaled(60)
+    ), "training goes on after resume"
+
+    organizer(coordinator, "runs", "finish", run_id)
+    for volunteer in volunteers:
+        assert volunteer.process.wait(scaled(60)) == 0, volunteer.output()
+        assert "finished" in volunteer.output()
+        assert "Traceback" not in volunteer.output()
+
+
+def _flat(coordinator: LocalCoordinator, run_id: str, window: float) -> bool:
+    """True if the run's sample count does not move for ``window`` seconds."""
+    first = progress(coordinator, run_id)["samples"]
+    time.sleep(window)  # watching for change over a window, not waiting for an event
+    return progress(coordinator, run_id)["samples"] == first
+
+
+def test_peers_train_through_a_coordinator_outage_and_their_reports_catch_up(
+    coordinator: LocalCoordinator, tmp_path: Path, volunteers: list[Volunteer]
+) -> None:
+    run_id, token = new_run(coordinator)
+    volunteers += [Volunteer(coordinator, token, tmp_path / f"v{i}") for i in range(2)]
+    assert wait_until(
+        lambda: progress(coordinator, run_id)["peers_online"] == 2, scaled(120)
+    ), progress(coordinator, run_id)
+    assert wait_until(lambda: all(v.epoch >= 2 for v in volunteers), scaled(120))
+
+    coordinator.kill()  # SIGKILL: nothing flushed, nothing said goodbye
+    epochs_at_kill = [v.epoch for v in volunteers]
+    outage = scaled(30)
+    deadline = time.monotonic() + outage
+    assert wait_until(
+        lambda: all(v.epoch > e + 2 for v, e in zip(volunteers, epochs_at_kill, strict=True)),
+        outage,
+    ), "the swarm trains on while the coordinator is down"
+    time.sleep(max(0.0, deadline - time.monotonic()))  # the outage lasts its full length
+    assert all(v.process.poll() is None for v in volunteers), "no peer crashed"
+    processed = sum(v.samples for v in volunteers)
+
+    coordinator.start()  # same port, same database
+    assert wait_until(
+        lambda: progress(coordinator, run_id)["samples"] >= processed, scaled(60)
+    ), (progress(coordinator, run_id)["samples"], processed)
+    assert progress(coordinator, run_id)["epoch"] >= max(epochs_at_kill) + 2
+
+
+def test_a_newcomer_after_every_peer_died_starts_from_the_newest_checkpoint(
+    coordinator: LocalCoordinator, tmp_path: Path, volunteers: list[Volunteer]
+) -> None:
+    run_id, token = new_run(coordinator, "--config", "checkpoint_every=3")
+
+    def checkpoint_epoch() -> int:
+        checkpoint = progress(coordinator, run_id).get("checkpoint")
+        return int(checkpoint["epoch"]) if checkpoint else -1
+
+    volunteers += [Volunteer(coordinator, token, tmp_path / f"v{i}") for i in range(2)]
+    assert wait_until(lambda: checkpoint_epoch() >= 6, scaled(180)), progress(coordinator, run_id)
+    for volunteer in volunteers:
+        volunteer.process.kill()
+        volunteer.process.wait()
+    saved = checkpoint_epoch()
+
+    newcomer = Volunteer(coordinator, token, tmp_path / "newcomer")
+    volunteers.append(newcomer)
+    assert wait_until(lambda: newcomer.epoch >= 0, scaled(120)), newcomer.output()
+    assert f"checkpoint at epoch {saved}" in newcomer.output(), newcomer.output()
+    first = next(int(m.group(1)) for line in newcomer.lines if (m := EPOCH_LINE.search(line)))
+    assert first >= saved, newcomer.output()
