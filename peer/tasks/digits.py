@@ -5,7 +5,10 @@ deterministic given a seed: the train/test split, the model's initial weights, e
 shard and the order of its batches — so a swarm and a single process can be compared on the
 same data.
 
-Two trainers share one recipe (:class:`DigitsConfig`):
+:class:`DigitsTask` is what a run with ``--task digits`` trains with the collaborative
+``peer.Optimizer``: every peer draws batches from the whole training set in its own order.
+
+Two benchmark trainers share one recipe (:class:`DigitsConfig`):
 
 * :func:`train_single` — one process over the whole training set;
 * :func:`train_peer` — one peer of a swarm over its shard with
@@ -18,19 +21,24 @@ so their accuracies compare at equal sample budgets.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import torch
 
+from peer.tasks.base import Task, TrainingConfig, peer_seed
+
 __all__ = [
     "DigitsConfig",
     "DigitsData",
+    "DigitsTask",
     "TrainResult",
     "accuracy",
     "batches",
+    "endless_batches",
     "load_digits_split",
     "make_model",
     "shard_indices",
@@ -122,6 +130,21 @@ def batches(
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     for start in range(0, len(y), batch_size):
         chunk = order[start : start + batch_size]
+        yield x[chunk], y[chunk]
+
+
+def endless_batches(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches of exactly ``batch_size`` samples, forever: pass after pass over ``(x, y)``,
+    each pass in a new order drawn from ``generator`` (a batch may span two passes)."""
+    if batch_size < 1:
+        raise ValueError("batch_size must be positive")
+    pending = torch.empty(0, dtype=torch.int64)
+    while True:
+        while len(pending) < batch_size:
+            pending = torch.cat([pending, torch.randperm(len(y), generator=generator)])
+        chunk, pending = pending[:batch_size], pending[batch_size:]
         yield x[chunk], y[chunk]
 
 
@@ -237,3 +260,83 @@ def _wait(predicate: Any, timeout: float) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+class DigitsTask(Task):
+    """Digits with the collaborative optimizer: the MLP of :func:`make_model`, test accuracy.
+
+    Every peer sees the whole training set (peers cannot know how many others there are, so
+    there are no shards), in an order drawn from ``(seed, peer_id)``. The split depends on
+    the seed only, so every peer evaluates on the same test set.
+
+    Defaults, tuned by simulating 4 peers in one process (one Adam step per 256 samples,
+    ``tests/peer/tasks/test_digits.py``): over seeds 0-9, test accuracy is at least 0.93 by
+    epoch 20 and 0.955 at epoch 40 (mean 0.965), where the run ends. A wider hidden layer
+    (256, not the benchmark's 64) and a large step (lr 0.03) are what make 40 steps enough.
+    Matchmaking waits 0.5 s: loopback and LAN swarms form their groups well within that.
+    """
+
+    name = "digits"
+    metric_name = "accuracy"
+    higher_is_better = True
+    defaults: Mapping[str, Any] = MappingProxyType(
+        {
+            "target_batch_size": 256,
+            "batch_size": 32,
+            "optimizer": "adam",
+            "lr": 0.03,
+            "epochs": 40,
+            "checkpoint_every": 10,
+            "matchmaking_time": 0.5,
+            "averaging_timeout": 15.0,
+            # the task's own parameters
+            "hidden": 256,
+            "test_fraction": 0.2,
+        }
+    )
+
+    def __init__(self) -> None:
+        self._data: dict[tuple[int, float], DigitsData] = {}
+
+    def check_params(self, params: Mapping[str, Any]) -> None:
+        if params["hidden"] < 1:
+            raise ValueError(f"hidden: must be at least 1, got {params['hidden']}")
+        if not 0.0 < params["test_fraction"] < 1.0:
+            raise ValueError(f"test_fraction: must be in (0, 1), got {params['test_fraction']}")
+
+    def data(self, config: TrainingConfig) -> DigitsData:
+        """The split for this config (loaded once per task object)."""
+        key = (config.seed, float(config.params["test_fraction"]))
+        if key not in self._data:
+            self._data[key] = load_digits_split(*key)
+        return self._data[key]
+
+    def build_model(self, config: TrainingConfig) -> torch.nn.Module:
+        return make_model(config.seed, int(config.params["hidden"]))
+
+    def train_batches(
+        self, config: TrainingConfig, peer_id: str
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        data = self.data(config)
+        generator = torch.Generator().manual_seed(peer_seed(config.seed, peer_id))
+        return endless_batches(data.x_train, data.y_train, config.batch_size, generator)
+
+    def loss(
+        self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        device = next(model.parameters()).device
+        x, y = batch
+        return _loss(model, x.to(device), y.to(device))
+
+    def batch_size(self, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return len(batch[1])
+
+    def evaluate(self, model: torch.nn.Module, config: TrainingConfig) -> float:
+        data = self.data(config)
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        try:
+            return accuracy(model, data.x_test.to(device), data.y_test.to(device))
+        finally:
+            model.train(was_training)
