@@ -1,25 +1,43 @@
-"""Training benchmark on the built-in digits task: a swarm of DecentralizedSGD peers against
-one process, on the same sample budget, measured in the same run.
+"""Training benchmarks: a swarm against one process, on the same sample budget, measured in
+the same run.
 
-    python bench/train.py                  # 4 peers, 30 epochs
+    python bench/train.py                             # digits: 4 DecentralizedSGD peers, 30 epochs
     python bench/train.py --peers 2 --epochs 10
+    python bench/train.py --task charlm --peers 2     # peer.Optimizer with the task's config
+    python bench/train.py --task charlm --peers 2 --epochs 20 --config matchmaking_time=0.5
 
 Every peer and the single reference run in their own OS process (spawned, one torch thread
-each), so neither side shares an interpreter lock. Printed figures:
+each), so neither side shares an interpreter lock.
+
+``--task digits`` (the default) trains the digits MLP with DecentralizedSGD (local steps,
+background parameter averaging) and prints:
 
 * test accuracy of the single process and of every peer (after the final round the peers
   hold the same model), and the gap in points;
 * samples/s: the single process's, and the swarm's (all peers' samples over the longest
-  peer's training time), and their ratio. The swarm pays for progress reports and background
-  averaging; on a machine with fewer cores than peers the ratio says more about the scheduler
-  than about Swarmgrad — compare ratios across changes on the same machine, not seconds.
+  peer's training time), and their ratio.
+
+Any other task (``charlm``, ``package.module:function``) is trained as a run trains it: the
+collaborative ``peer.Optimizer`` with the task's TrainingConfig (``--config key=value``
+overrides it, as ``swarmgrad runs create --config`` does), one optimizer step per
+``target_batch_size`` samples of the whole swarm; the single process takes the same steps on
+its own (:func:`peer.tasks.simulate.simulate_swarm` with one peer). Printed: the held-out
+metric of both against epochs and samples processed (the swarm's from peer 0's parameters;
+evaluated after training, so evaluation costs no one throughput), and the samples/s ratio.
+
+The swarm pays for progress reports and for two rounds per epoch (gradients, then state),
+each waiting ``matchmaking_time`` to gather its group; on a machine with fewer cores than
+peers the ratio says more about the scheduler than about Swarmgrad — compare ratios across
+changes on the same machine, not seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import multiprocessing
+import queue
 import sys
 import time
 from pathlib import Path
@@ -60,11 +78,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--task", default="digits", help="digits, charlm or package.module:function"
+    )
     parser.add_argument("--peers", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="digits: 30 passes; other tasks: 40 optimizer steps",
+    )
+    parser.add_argument("--batch-size", type=int, default=16, help="digits only")
+    parser.add_argument("--eval-every", type=int, default=5, help="epochs between curve points")
+    parser.add_argument(
+        "--config", action="append", default=[], metavar="KEY=VALUE", help="not for digits"
+    )
+    parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
+    if args.task != "digits":
+        return _collaborative_main(args)
+    args.epochs = args.epochs or 30
     config = dataclasses.asdict(DigitsConfig(epochs=args.epochs, batch_size=args.batch_size))
     ctx = multiprocessing.get_context("spawn")  # no dependence on fork
     out = ctx.Queue()
@@ -123,6 +156,234 @@ def main(argv: list[str] | None = None) -> int:
         f"  samples/s: swarm {swarm_sps:.0f}, single {single_sps:.0f}, ratio swarm/single {swarm_sps / single_sps:.2f}"
     )
     return 0
+
+
+# --------------------------------------------------------------------------- other tasks
+
+
+def _child(target: Any, key: Any, out: Any, *args: Any) -> None:
+    """Run ``target(*args)`` in a spawned process; put ``(key, result)``, or ``(key, error
+    text)`` if it raised, on ``out``: the parent, which knows how many to expect, reports it."""
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        out.put((key, target(*args)))
+    except Exception as exc:
+        out.put((key, repr(exc)))
+
+
+def _single_task(
+    task_name: str, run_config: dict[str, Any], epochs: int, every: int
+) -> dict[str, Any]:
+
+    from peer.tasks import TrainingConfig, load_task
+    from peer.tasks.simulate import simulate_swarm
+
+    task = load_task(task_name)
+    config = TrainingConfig.from_run_config(task, run_config)
+    result = simulate_swarm(task, config, epochs=epochs, evaluate_every=every)
+    curve = [(p.epoch, p.samples, p.metric) for p in result.curve]
+    return {"curve": curve, "samples": result.samples, "seconds": result.seconds}
+
+
+def _swarm_peer(
+    index: int,
+    num_peers: int,
+    bootstrap: list[str],
+    task_name: str,
+    run_config: dict[str, Any],
+    epochs: int,
+    every: int,
+    finished: Any,
+) -> dict[str, Any]:
+    """One peer: trains as a volunteer does until the swarm reaches ``epochs``; peer 0 keeps
+    copies of its parameters every ``every`` epochs and evaluates them afterwards."""
+    import torch
+
+    from peer import Node
+    from peer.optim.collaborative import Optimizer
+    from peer.tasks import TrainingConfig, load_task
+    from peer.testing import wait_until
+
+    task = load_task(task_name)
+    config = TrainingConfig.from_run_config(task, run_config)
+    with Node(bootstrap, gossip_period=0.2) as node:
+        model = task.build_model(config)
+        opt = Optimizer(
+            node=node,
+            run_id="bench-train",
+            target_batch_size=config.target_batch_size,
+            batch_size_per_step=config.batch_size,
+            optimizer=config.make_optimizer(),
+            params=model.parameters(),
+            matchmaking_time=config.matchmaking_time,
+            averaging_timeout=config.averaging_timeout,
+        )
+        try:
+            # a peer alone skips the rounds: start together
+            if not wait_until(lambda: opt.tracker.others_reporting() >= num_peers - 1, 120):
+                raise RuntimeError("the other peers did not show up")
+            snapshots: dict[int, dict[str, torch.Tensor]] = {}
+            samples_at = {0: 0}  # epoch -> samples this peer had processed when it got there
+            samples = 0
+
+            def snapshot() -> None:
+                epoch = opt.local_epoch
+                samples_at.setdefault(epoch, samples)
+                if index == 0 and epoch % every == 0 and epoch not in snapshots:
+                    snapshots[epoch] = {k: v.clone() for k, v in model.state_dict().items()}
+
+            snapshot()
+            batches = task.train_batches(config, node.peer_id)
+            start = time.perf_counter()
+            while opt.local_epoch < epochs:
+                batch = next(batches)
+                task.loss(model, batch).backward()
+                opt.step(batch_size=task.batch_size(batch))
+                opt.zero_grad()
+                samples += task.batch_size(batch)
+                snapshot()
+            seconds = time.perf_counter() - start
+            with finished.get_lock():
+                finished.value += 1
+            # stay for the others' last rounds and state downloads
+            wait_until(lambda: opt.step(batch_size=0) or finished.value >= num_peers, 120, 0.05)
+            rounds = (opt.rounds_done, opt.rounds_failed, opt.last_group_size)
+        finally:
+            opt.shutdown()
+    curve = []
+    for epoch, state in sorted(snapshots.items()):
+        model.load_state_dict(state)
+        curve.append((epoch, task.evaluate(model, config)))
+    return {
+        "samples": samples,
+        "seconds": seconds,
+        "samples_at": samples_at,
+        "curve": curve,
+        "rounds": rounds,
+    }
+
+
+def _parse_config(items: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs; a value is JSON when it parses as JSON (as the CLI does)."""
+    config: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--config {item!r} is not key=value")
+        try:
+            config[key.strip()] = json.loads(raw)
+        except ValueError:
+            config[key.strip()] = raw
+    return config
+
+
+def _collaborative_main(args: argparse.Namespace) -> int:
+    from peer.tasks import TrainingConfig, load_task
+
+    task = load_task(args.task)
+    run_config = _parse_config(args.config)
+    config = TrainingConfig.from_run_config(task, run_config)  # checked before anything starts
+    epochs = args.epochs or 40
+    every = max(1, args.eval_every)
+    ctx = multiprocessing.get_context("spawn")  # no dependence on fork
+    out = ctx.Queue()
+    single_proc = ctx.Process(
+        target=_child, args=(_single_task, "single", out, args.task, run_config, epochs, every)
+    )
+    single_proc.start()
+    _, single = out.get(timeout=args.timeout)
+    single_proc.join()
+    if isinstance(single, str):
+        print(f"single process: {single}", file=sys.stderr)
+        return 1
+
+    from peer import Node
+
+    finished = ctx.Value("i", 0)
+    results: dict[int, dict[str, Any]] = {}
+    errors = []
+    with Node(gossip_period=0.2) as bootstrap:  # a meeting point; it does not train
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(
+                    _swarm_peer,
+                    i,
+                    out,
+                    i,
+                    args.peers,
+                    bootstrap.visible_addresses,
+                    args.task,
+                    run_config,
+                    epochs,
+                    every,
+                    finished,
+                ),
+            )
+            for i in range(args.peers)
+        ]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + args.timeout
+        for _ in procs:
+            try:
+                index, value = out.get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                errors.append("timed out waiting for the peers")
+                break
+            if isinstance(value, str):
+                errors.append(f"peer {index}: {value}")
+            else:
+                results[index] = value
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.exitcode is None:
+                proc.kill()
+    if errors or len(results) != args.peers:
+        print("\n".join(errors), file=sys.stderr)
+        return 1
+
+    peers = [results[i] for i in range(args.peers)]
+    swarm_samples = sum(p["samples"] for p in peers)
+    swarm_sps = swarm_samples / max(p["seconds"] for p in peers)
+    single_sps = single["samples"] / single["seconds"]
+    single_curve = {epoch: (samples, metric) for epoch, samples, metric in single["curve"]}
+    metric = task.metric_name
+    print(
+        f"{task.name}: one process vs a swarm of {args.peers} peers (peer.Optimizer), "
+        f"{epochs} epochs of {config.target_batch_size} samples; {config.optimizer} "
+        f"lr {config.lr:g}, batch {config.batch_size}, matchmaking {config.matchmaking_time:g} s"
+    )
+    print(f"  {metric} ({'higher' if task.higher_is_better else 'lower'} is better):")
+    print(f"  {'epoch':>6} {'samples':>9} {'single':>8} {'samples':>9} {'swarm':>8}")
+    for epoch, value in peers[0]["curve"]:
+        # the swarm's samples when peer 0 reached this epoch: every peer's count at it
+        swarm_at = sum(_samples_at(p["samples_at"], epoch) for p in peers)
+        alone = single_curve.get(epoch)
+        left = f"{alone[0]:>9} {alone[1]:>8.4f}" if alone else f"{'':>9} {'':>8}"
+        print(f"  {epoch:>6} {left} {swarm_at:>9} {value:>8.4f}")
+    print(
+        f"  samples: single {single['samples']}, swarm {swarm_samples} "
+        f"({', '.join(str(p['samples']) for p in peers)} per peer)"
+    )
+    print(
+        "  rounds per peer (done, failed, last group size): "
+        + ", ".join(str(tuple(p["rounds"])) for p in peers)
+    )
+    print(
+        f"  samples/s: single {single_sps:.0f}, swarm {swarm_sps:.0f}, "
+        f"ratio swarm/single {swarm_sps / single_sps:.2f}"
+    )
+    return 0
+
+
+def _samples_at(samples_at: dict[int, int], epoch: int) -> int:
+    """A peer's samples at ``epoch``, or at the first later epoch it reached (it loaded the
+    swarm's state instead of stepping through it)."""
+    later = [e for e in samples_at if e >= epoch]
+    return samples_at[min(later)] if later else max(samples_at.values())
 
 
 if __name__ == "__main__":
