@@ -293,7 +293,7 @@ class Volunteer:
                 f"open TCP ports {ports} to help the swarm more"
             )
         )
-        return self._node(answer, identity, client_mode=True)
+        return self._node(answer, identity, client_mode=True), answer
 
     def _start_session(self, client: Any, answer: Any, node: Any) -> Any:
         from peer.coordinator import CoordinatorSession

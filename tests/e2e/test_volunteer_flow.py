@@ -66,10 +66,12 @@ def progress(coordinator: LocalCoordinator, run_id: str) -> dict[str, Any]:
 class Volunteer:
     """A ``swarmgrad join --quiet`` process whose output is read line by line in a thread."""
 
-    def __init__(self, coordinator: LocalCoordinator, token: str, data_dir: Path) -> None:
+    def __init__(
+        self, coordinator: LocalCoordinator, token: str, data_dir: Path, *args: str
+    ) -> None:
         import threading
 
-        self.process = start_volunteer(coordinator.url, token, data_dir, "--quiet")
+        self.process = start_volunteer(coordinator.url, token, data_dir, "--quiet", *args)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -143,9 +145,9 @@ def test_two_volunteers_train_and_obey_pause_resume_finish(
 
     paused_at = progress(coordinator, run_id)["samples"]
     organizer(coordinator, "runs", "resume", run_id)
-    assert wait_until(
-        lambda: progress(coordinator, run_id)["samples"] > paused_at, scaled(60)
-    ), "training goes on after resume"
+    assert wait_until(lambda: progress(coordinator, run_id)["samples"] > paused_at, scaled(60)), (
+        "training goes on after resume"
+    )
 
     organizer(coordinator, "runs", "finish", run_id)
     for volunteer in volunteers:
@@ -166,9 +168,9 @@ def test_peers_train_through_a_coordinator_outage_and_their_reports_catch_up(
 ) -> None:
     run_id, token = new_run(coordinator)
     volunteers += [Volunteer(coordinator, token, tmp_path / f"v{i}") for i in range(2)]
-    assert wait_until(
-        lambda: progress(coordinator, run_id)["peers_online"] == 2, scaled(120)
-    ), progress(coordinator, run_id)
+    assert wait_until(lambda: progress(coordinator, run_id)["peers_online"] == 2, scaled(120)), (
+        progress(coordinator, run_id)
+    )
     assert wait_until(lambda: all(v.epoch >= 2 for v in volunteers), scaled(120))
 
     coordinator.kill()  # SIGKILL: nothing flushed, nothing said goodbye
@@ -184,9 +186,10 @@ def test_peers_train_through_a_coordinator_outage_and_their_reports_catch_up(
     processed = sum(v.samples for v in volunteers)
 
     coordinator.start()  # same port, same database
-    assert wait_until(
-        lambda: progress(coordinator, run_id)["samples"] >= processed, scaled(60)
-    ), (progress(coordinator, run_id)["samples"], processed)
+    assert wait_until(lambda: progress(coordinator, run_id)["samples"] >= processed, scaled(60)), (
+        progress(coordinator, run_id)["samples"],
+        processed,
+    )
     assert progress(coordinator, run_id)["epoch"] >= max(epochs_at_kill) + 2
 
 
@@ -212,3 +215,23 @@ def test_a_newcomer_after_every_peer_died_starts_from_the_newest_checkpoint(
     assert f"checkpoint at epoch {saved}" in newcomer.output(), newcomer.output()
     first = next(int(m.group(1)) for line in newcomer.lines if (m := EPOCH_LINE.search(line)))
     assert first >= saved, newcomer.output()
+
+
+def test_an_unreachable_volunteer_falls_back_to_client_mode_and_still_trains(
+    coordinator: LocalCoordinator, tmp_path: Path, volunteers: list[Volunteer]
+) -> None:
+    """The coordinator dials a volunteer back at the address its request came from
+    (127.0.0.1); one listening on 127.0.0.2 only cannot be reached there."""
+    run_id, token = new_run(coordinator)
+    volunteers.append(Volunteer(coordinator, token, tmp_path / "open"))
+    hidden = Volunteer(coordinator, token, tmp_path / "hidden", "--host", "127.0.0.2")
+    volunteers.append(hidden)
+    assert wait_until(lambda: "client mode" in hidden.output(), scaled(60)), hidden.output()
+    assert re.search(r"open TCP ports \d+ and \d+", hidden.output()), hidden.output()
+
+    def averaging_together() -> bool:
+        p = progress(coordinator, run_id)
+        return p["peers_online"] == 2 and 2 in p["recent_group_sizes"]
+
+    assert wait_until(averaging_together, scaled(120)), progress(coordinator, run_id)
+    assert hidden.epoch >= 1, hidden.output()
