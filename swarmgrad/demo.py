@@ -31,6 +31,7 @@ from rich.console import Console
 from peer.coordinator import CoordinatorClient
 from swarmgrad.errors import CommandError
 from swarmgrad.local import LocalCoordinator, start_volunteer, stop_processes
+from swarmgrad.organizer import write_atomically
 
 # How often the demo reads the run's progress (a display refresh, not a synchronisation).
 POLL_INTERVAL_S = 1.0
@@ -50,7 +51,7 @@ def demo(
     task: Annotated[DemoTask, typer.Option(help="What the swarm trains.")] = DemoTask.digits,
     epochs: Annotated[
         int, typer.Option(min=1, help="Swarm epochs to train before the run finishes.")
-    ] = 20,
+    ] = 40,
     port: Annotated[
         int | None,
         typer.Option(
@@ -60,11 +61,19 @@ def demo(
             show_default=False,
         ),
     ] = None,
+    save: Annotated[
+        Path | None,
+        typer.Option(
+            help="Save the run's final checkpoint here (load it with "
+            '`model.load_state_dict(torch.load(path)["model"])`).',
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Start a coordinator and a few volunteers on this machine and train a run to the end."""
     with _signals_interrupt():
         try:
-            Demo(peers=peers, task=task.value, epochs=epochs, port=port).run()
+            Demo(peers=peers, task=task.value, epochs=epochs, port=port, save=save).run()
         except KeyboardInterrupt:
             typer.echo("stopped: every process the demo started is gone", err=True)
             raise
@@ -104,9 +113,17 @@ class Demo:
     """One demo: :meth:`run` does it all and leaves no process behind."""
 
     def __init__(
-        self, *, peers: int, task: str, epochs: int, port: int | None, out: TextIO | None = None
+        self,
+        *,
+        peers: int,
+        task: str,
+        epochs: int,
+        port: int | None = None,
+        save: Path | None = None,
+        out: TextIO | None = None,
     ) -> None:
         self.peers = peers
+        self.save = save
         self.task = task
         self.epochs = epochs
         self.port = port or 0
@@ -240,6 +257,8 @@ class Demo:
             metric = progress.get("eval_metric")
             if metric is not None:
                 self.say(f"last reported {self.metric_name}: {metric:.4f} (no checkpoint saved)")
+            if self.save is not None:
+                raise CommandError(f"the run left no checkpoint; nothing saved to {self.save}")
             return
         data, epoch = found
         value = _evaluate(self.task, run.get("config") or {}, data)
@@ -247,6 +266,9 @@ class Demo:
             f"the checkpoint of epoch {epoch} ({len(data):,} bytes): "
             f"{self.metric_name} {value:.4f} on held-out data"
         )
+        if self.save is not None:
+            write_atomically(self.save, data)
+            self.say(f"saved it to {self.save}")
 
 
 def _failure(peer: _Peer, code: int | None) -> str:
@@ -270,6 +292,7 @@ def _metric_name(task: str) -> str:
 def _evaluate(task_name: str, run_config: Mapping[str, Any], data: bytes) -> float:
     """The task's held-out metric of the model in a checkpoint (the file a peer uploaded)."""
     import torch
+
     from peer.tasks.base import TrainingConfig
     from peer.tasks.registry import load_task
 

@@ -34,6 +34,7 @@ from typing import IO, Any
 import httpx
 
 import swarmgrad
+from peer.coordinator.client import COORDINATOR_HEADER
 from swarmgrad.errors import CommandError
 
 # How long a coordinator may take to answer /healthz after its start (migrations included).
@@ -210,7 +211,9 @@ class LocalCoordinator:
                         f"{_tail(self.log_path) or 'no output'} (log: {self.log_path})"
                     )
                 with contextlib.suppress(httpx.HTTPError):
-                    if http.get(f"{self.url}/healthz").status_code == 200:
+                    answer = http.get(f"{self.url}/healthz")
+                    # Ours, not another server that took the port first.
+                    if answer.status_code == 200 and answer.headers.get(COORDINATOR_HEADER):
                         return
                 if time.monotonic() > deadline:
                     raise CommandError(

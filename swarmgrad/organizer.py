@@ -315,7 +315,7 @@ def checkpoint(
         raise CommandError(f"run {run_id} has no checkpoint yet")
     data, epoch = found
     path = output if output is not None else Path(f"{run_id}-epoch{epoch}.pt")
-    _write_atomically(path, data)
+    write_atomically(path, data)
     document = {
         "run_id": run_id,
         "epoch": epoch,
@@ -333,7 +333,7 @@ def checkpoint(
     )
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory, so a reader
     never sees half a checkpoint."""
     directory = path.parent if str(path.parent) else Path(".")
