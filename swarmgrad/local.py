@@ -208,7 +208,7 @@ class LocalCoordinator:
                 if code is not None:
                     raise CommandError(
                         f"the coordinator exited (status {code}) before it answered: "
-                        f"{_tail(self.log_path) or 'no output'} (log: {self.log_path})"
+                        f"{_tail(self.log_path) or 'no output'}"
                     )
                 with contextlib.suppress(httpx.HTTPError):
                     answer = http.get(f"{self.url}/healthz")
