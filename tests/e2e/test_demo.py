@@ -1,0 +1,93 @@
+"""``swarmgrad demo`` (what ``make demo`` runs): a coordinator and four volunteers train digits;
+the run's progress moves within two minutes and the checkpoint it ends with is a good model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from peer.tasks.base import TrainingConfig
+from peer.tasks.registry import load_task
+from swarmgrad.local import child_environment, free_port, stop_process
+from tests.conftest import scaled
+
+pytestmark = pytest.mark.slow
+
+
+class ProgressWatcher:
+    """Reads every run's progress from the demo's coordinator once a second, in a thread."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.seen: list[dict[str, Any]] = []  # progress answers, with "t": seconds since start
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=5) as client:
+            while not self._stop.wait(1.0):
+                try:
+                    runs = client.get("/api/v1/runs").json()["runs"]
+                    if runs:
+                        progress = client.get(f"/api/v1/runs/{runs[0]['id']}/progress").json()
+                        progress["t"] = time.monotonic() - self._started
+                        self.seen.append(progress)
+                except (httpx.HTTPError, KeyError, ValueError):
+                    continue  # not up yet, or already gone
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def test_demo_trains_digits_with_four_volunteers(tmp_path: Path) -> None:
+    port = free_port()
+    saved = tmp_path / "model.pt"
+    epochs = 30
+    process = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "swarmgrad", "demo", "--peers", "4"),
+            *("--epochs", str(epochs), "--port", str(port), "--save", str(saved)),
+        ],
+        env=child_environment(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    watcher = ProgressWatcher(f"http://127.0.0.1:{port}")
+    try:
+        output, _ = process.communicate(timeout=scaled(600))
+    finally:
+        watcher.close()
+        if process.poll() is None:
+            stop_process(process)
+    assert process.returncode == 0, output
+    assert "Traceback" not in output, output
+
+    early = [p for p in watcher.seen if p["t"] <= scaled(120)]
+    assert early, output
+    assert max(p["epoch"] for p in early) >= 3, [p["epoch"] for p in early]
+    samples = [p["samples"] for p in early]
+    assert samples[-1] > samples[0], samples
+    assert any(g > 1 for p in early for g in p["recent_group_sizes"]), "peers averaged together"
+    losses = [p["loss"] for p in watcher.seen if p.get("loss") is not None]
+    assert len(losses) >= 2 and losses[-1] < losses[0], losses
+
+    assert saved.exists(), output
+    task = load_task("digits")
+    config = TrainingConfig.from_run_config(task, {"epochs": epochs})
+    model = task.build_model(config)
+    model.load_state_dict(torch.load(saved)["model"])  # plain torch.load: the run's output
+    model.eval()
+    assert task.evaluate(model, config) >= 0.90
