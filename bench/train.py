@@ -213,12 +213,8 @@ def _swarm_peer(
         opt = Optimizer(
             node=node,
             run_id="bench-train",
-            target_batch_size=config.target_batch_size,
-            batch_size_per_step=config.batch_size,
-            optimizer=config.make_optimizer(),
             params=model.parameters(),
-            matchmaking_time=config.matchmaking_time,
-            averaging_timeout=config.averaging_timeout,
+            **config.optimizer_options(),
         )
         try:
             # a peer alone skips the rounds: start together

@@ -339,12 +339,8 @@ class Volunteer:
         optimizer = Optimizer(
             node=node,
             run_id=answer.run_id,
-            target_batch_size=config.target_batch_size,
-            batch_size_per_step=config.batch_size,
-            optimizer=config.make_optimizer(),
             params=model.parameters(),
-            matchmaking_time=config.matchmaking_time,
-            averaging_timeout=config.averaging_timeout,
+            **config.optimizer_options(),
             offload_optimizer=device != "cpu",
             client_mode=node.client_mode,
         )

@@ -9,11 +9,8 @@ A volunteer then trains roughly like this (``peer/volunteer.py`` does it for rea
 
     config = TrainingConfig.from_run_config(task, run_config)
     model = task.build_model(config)
-    opt = peer.Optimizer(node=node, run_id=run_id, target_batch_size=config.target_batch_size,
-                         batch_size_per_step=config.batch_size,
-                         optimizer=config.make_optimizer(), params=model.parameters(),
-                         matchmaking_time=config.matchmaking_time,
-                         averaging_timeout=config.averaging_timeout)
+    opt = peer.Optimizer(node=node, run_id=run_id, params=model.parameters(),
+                         **config.optimizer_options())
     for batch in task.train_batches(config, peer_id):
         task.loss(model, batch).backward()
         opt.step(batch_size=task.batch_size(batch))
@@ -195,6 +192,18 @@ class TrainingConfig:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values.update(values.pop("params"))
         return values
+
+    def optimizer_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``peer.Optimizer`` that this config sets:
+        ``Optimizer(node=node, run_id=run_id, params=model.parameters(),
+        **config.optimizer_options())``."""
+        return {
+            "target_batch_size": self.target_batch_size,
+            "batch_size_per_step": self.batch_size,
+            "optimizer": self.make_optimizer(),
+            "matchmaking_time": self.matchmaking_time,
+            "averaging_timeout": self.averaging_timeout,
+        }
 
     def make_optimizer(self) -> OptimizerFactory:
         """A factory for ``peer.Optimizer(optimizer=...)``: params → a torch optimizer (a

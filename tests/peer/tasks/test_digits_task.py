@@ -114,12 +114,8 @@ def test_four_real_peers_reach_the_target_within_40_epochs(
         opt = Optimizer(
             node=node,
             run_id="digits-test",
-            target_batch_size=config.target_batch_size,
-            batch_size_per_step=config.batch_size,
-            optimizer=config.make_optimizer(),
             params=model.parameters(),
-            matchmaking_time=config.matchmaking_time,
-            averaging_timeout=config.averaging_timeout,
+            **config.optimizer_options(),
         )
         try:
             # a peer alone skips the rounds: start together
