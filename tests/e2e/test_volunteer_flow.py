@@ -235,3 +235,21 @@ def test_an_unreachable_volunteer_falls_back_to_client_mode_and_still_trains(
 
     assert wait_until(averaging_together, scaled(120)), progress(coordinator, run_id)
     assert hidden.epoch >= 1, hidden.output()
+
+
+def test_ctrl_c_leaves_the_swarm_cleanly_within_seconds(
+    coordinator: LocalCoordinator, tmp_path: Path, volunteers: list[Volunteer]
+) -> None:
+    _, token = new_run(coordinator)
+    leaving, staying = (Volunteer(coordinator, token, tmp_path / f"v{i}") for i in range(2))
+    volunteers += [leaving, staying]
+    assert wait_until(lambda: "| peers 2 |" in staying.output(), scaled(120)), staying.output()
+
+    leaving.process.send_signal(signal.SIGINT)
+    assert leaving.process.wait(scaled(10)) == 0, leaving.output()
+    assert "left the run" in leaving.output()
+    # Its progress record was retracted, not left to expire (60 s): the other peer sees at
+    # once that it is alone.
+    assert wait_until(lambda: staying.lines and "| peers 1 |" in staying.lines[-1], scaled(15)), (
+        staying.output()
+    )
