@@ -24,9 +24,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from peer.node.gossip import ValueWithExpiration
+
+T = TypeVar("T")
 
 
 def _jsonable(value: Any) -> Any:
@@ -194,13 +196,15 @@ class NodeProcess(ChildProcess):
         return self.call(cmd="members")["members"]
 
 
-def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> bool:
-    """Poll ``predicate`` until it is true or ``timeout`` seconds pass; returns its last value."""
+def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.1) -> T:
+    """Poll ``predicate`` until it returns something true or ``timeout`` seconds pass; returns
+    its last value (so ``assert wait_until(...)`` fails on a timeout). The one polling helper of
+    the tests and benchmarks; tests pass a timeout scaled by ``tests.conftest.scaled``."""
     deadline = time.monotonic() + timeout
     while True:
         result = predicate()
         if result or time.monotonic() >= deadline:
-            return bool(result)
+            return result
         time.sleep(interval)
 
 

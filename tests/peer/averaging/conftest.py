@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -11,16 +10,13 @@ import pytest
 import torch
 
 from peer import DecentralizedAverager, Node
+from peer.testing import wait_until
 from tests.conftest import scaled
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + scaled(timeout)
-    while True:
-        value = predicate()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(interval)
+    """:func:`peer.testing.wait_until` with ``timeout`` scaled for this machine."""
+    return wait_until(predicate, scaled(timeout), interval)
 
 
 class Swarm:
