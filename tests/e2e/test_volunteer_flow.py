@@ -246,7 +246,8 @@ def test_ctrl_c_leaves_the_swarm_cleanly_within_seconds(
     assert wait_until(lambda: "| peers 2 |" in staying.output(), scaled(120)), staying.output()
 
     leaving.process.send_signal(signal.SIGINT)
-    assert leaving.process.wait(scaled(10)) == 0, leaving.output()
+    # A few seconds when the machine is idle; the bound leaves room for a loaded CI machine.
+    assert leaving.process.wait(scaled(30)) == 0, leaving.output()
     assert "left the run" in leaving.output()
     # Its progress record was retracted, not left to expire (60 s): the other peer sees at
     # once that it is alone.
