@@ -177,6 +177,8 @@ class Demo:
                 f"run {run['name']} ({run['id']}): {self.peers} volunteer(s) training "
                 f"{self.task} for {self.epochs} epoch(s); Ctrl-C stops everything"
             )
+            self.say(f"dashboard: {coordinator.url}/runs/{run['id']}")
+            self.say(f"organizer sign-in: {coordinator.url}/signin (token {token})")
             self.metric_name = _metric_name(self.task)
             progress = self._watch(client, run["id"], coordinator, peers)
             client.update_run(token, run["id"], status="finished")

@@ -7,9 +7,41 @@ machine); it is the one timing knob, instead of sleeps sprinkled with magic numb
 from __future__ import annotations
 
 import os
+import signal
+from pathlib import Path
 
 TIME_SCALE = float(os.environ.get("SWARMGRAD_TEST_TIME_SCALE", "1"))
 
 
+# A shell starts background jobs with SIGINT ignored, and an ignored signal stays ignored
+# across exec: run that way (`make test &`, some CI runners), every process a test starts
+# would ignore the Ctrl-C the tests send it. Python's own handler here makes children start
+# with the default disposition, as they do from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def scaled(seconds: float) -> float:
     return seconds * TIME_SCALE
+
+
+# Set in the environment of a process a test starts; every process it starts inherits it.
+MARKER_VARIABLE = "SWARMGRAD_TEST_PROCESS_MARKER"
+
+
+def marked_processes(marker: str) -> list[int]:
+    """Live processes (not zombies) whose environment carries ``MARKER_VARIABLE=marker``:
+    how a test proves that a command left nothing behind."""
+    needle = f"{MARKER_VARIABLE}={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # gone, or not ours
+        if needle in environ.split(b"\0") and state != "Z":
+            found.append(int(entry.name))
+    return found

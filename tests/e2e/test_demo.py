@@ -1,12 +1,15 @@
 """``swarmgrad demo`` (what ``make demo`` runs): a coordinator and four volunteers train digits;
-the run's progress moves within two minutes and the checkpoint it ends with is a good model."""
+the run's progress moves within two minutes, the checkpoint it ends with is a good model, and
+when it ends no process it started is left behind."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ import torch
 from peer.tasks.base import TrainingConfig
 from peer.tasks.registry import load_task
 from swarmgrad.local import child_environment, free_port, stop_process
-from tests.conftest import scaled
+from tests.conftest import MARKER_VARIABLE, marked_processes, scaled
 
 pytestmark = pytest.mark.slow
 
@@ -54,12 +57,13 @@ def test_demo_trains_digits_with_four_volunteers(tmp_path: Path) -> None:
     port = free_port()
     saved = tmp_path / "model.pt"
     epochs = 30
+    marker = uuid.uuid4().hex
     process = subprocess.Popen(
         [
             *(sys.executable, "-m", "swarmgrad", "demo", "--peers", "4"),
             *("--epochs", str(epochs), "--port", str(port), "--save", str(saved)),
         ],
-        env=child_environment(),
+        env=child_environment({MARKER_VARIABLE: marker}),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -74,6 +78,12 @@ def test_demo_trains_digits_with_four_volunteers(tmp_path: Path) -> None:
             stop_process(process)
     assert process.returncode == 0, output
     assert "Traceback" not in output, output
+    assert marked_processes(marker) == [], "every process the demo started is gone"
+    assert re.search(rf"^coordinator: http://127\.0\.0\.1:{port}", output, re.M), output
+    assert re.search(rf"^dashboard: http://127\.0\.0\.1:{port}/runs/\w+", output, re.M), output
+    shown = [int(m.group(1)) for m in re.finditer(r"^epoch (\d+) \|", output, re.M)]
+    assert shown == sorted(shown) and shown[-1] >= epochs, output
+    assert f"the checkpoint of epoch {epochs}" in output, output
 
     early = [p for p in watcher.seen if p["t"] <= scaled(120)]
     assert early, output
