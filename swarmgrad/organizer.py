@@ -375,7 +375,7 @@ def invite(
     token: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Make an invite for volunteers: prints the token and the `swarmgrad join` command."""
+    """Make an invite for volunteers: prints its link, the token and the `swarmgrad join` command."""
     try:
         expires_in_s = parse_duration(expires) if expires is not None else None
     except ValueError as exc:
@@ -387,7 +387,9 @@ def invite(
         )
         url = client.url
     command = f"swarmgrad join {shlex.quote(url)} --token {shlex.quote(created['token'])}"
-    document = {**created, "run_id": run_id, "url": url, "command": command}
+    # The invite page: a display name there gives the volunteer a personal credential.
+    link = f"{url.rstrip('/')}/join/{created['token']}"
+    document = {**created, "run_id": run_id, "url": url, "command": command, "link": link}
 
     def render(console: Console) -> None:
         console.print(f"Invite token: {created['token']}", soft_wrap=True)
@@ -396,7 +398,11 @@ def invite(
             f"expires {created['expires_at']}" if created.get("expires_at") else "no expiry",
         ]
         console.print(f"({', '.join(limits)}; shown only now)")
-        console.print("Volunteers join with:")
+        console.print(
+            "Send volunteers this link (they pick a display name and get their own token):"
+        )
+        console.print(f"  {link}", soft_wrap=True)
+        console.print("or have them run:")
         console.print(f"  {command}", soft_wrap=True)
 
     _emit(as_json, document, render)

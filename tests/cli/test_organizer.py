@@ -86,6 +86,7 @@ def test_invite_prints_the_token_and_the_exact_join_command(
     )
     assert invite["max_uses"] == 3 and invite["label"] == "lab" and invite["expires_at"]
     assert invite["command"] == f"swarmgrad join {coordinator.url} --token {invite['token']}"
+    assert invite["link"] == f"{coordinator.url}/join/{invite['token']}"
     with coordinator.client() as client:  # the token works: it gets a join challenge
         assert client.join_challenge(invite["token"]).run_id == run["id"]
 
@@ -95,6 +96,7 @@ def test_invite_prints_the_token_and_the_exact_join_command(
     token = command.split("--token ")[1]
     assert command == f"swarmgrad join {coordinator.url} --token {token}"
     assert f"Invite token: {token}" in human.out
+    assert f"{coordinator.url}/join/{token}" in human.out
 
 
 def test_url_and_token_options_override_the_environment(
