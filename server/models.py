@@ -114,6 +114,10 @@ class Token(Base):
     peer_id: Mapped[int | None] = mapped_column(
         ForeignKey("peers.id", ondelete="CASCADE"), nullable=True
     )
+    # A personal join token (made when a volunteer redeems an invite) joins as that volunteer.
+    volunteer_id: Mapped[int | None] = mapped_column(
+        ForeignKey("volunteers.id", ondelete="CASCADE"), nullable=True
+    )
     label: Mapped[str | None] = mapped_column(String(200), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
@@ -133,6 +137,8 @@ class Volunteer(Base):
     # No foreign key: tokens reference peers, peers volunteers; this closes no cycle.
     join_token_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    # Set by an organizer's ban: the volunteer's tokens are revoked and its keys refused.
+    banned_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
 class Peer(Base):
@@ -172,6 +178,10 @@ class Peer(Base):
     eval_metric_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # When the coordinator last probed the peer's ports (rate limit shared by all workers).
     last_probe_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # Time online: a session is a stretch of activity without a gap longer than the online
+    # TTL; ``online_ms`` sums the closed ones, the open one began at ``session_started_ms``.
+    session_started_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    online_ms: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     volunteer: Mapped[Volunteer] = relationship(lazy="joined")
 
@@ -230,6 +240,12 @@ class ProgressSnapshot(Base):
     samples_per_second: Mapped[float] = mapped_column(Float)
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     peers_online: Mapped[int] = mapped_column(Integer)
+    eval_metric: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Mean of the online peers' last averaging group sizes.
+    mean_group_size: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The run's averaging rounds so far (cumulative).
+    rounds_done: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    rounds_failed: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class Checkpoint(Base):

@@ -300,6 +300,10 @@ class HistoryPoint(BaseModel):
     samples_per_second: float
     loss: float | None
     peers_online: int
+    eval_metric: float | None = None
+    mean_group_size: float | None = None
+    rounds_done: int = 0
+    rounds_failed: int = 0
 
 
 class EpochPublic(BaseModel):

@@ -31,6 +31,7 @@ from server.schemas import JoinRequest, decode_public_key, decode_signature
 from server.security import ChallengeRefused, JoinChallenge, JoinChallenges, KeyBox
 from server.services import runs as run_service
 from server.services import tokens as token_service
+from server.services import volunteers as volunteer_service
 
 DEFAULT_DISPLAY_NAME = "anonymous volunteer"
 
@@ -126,20 +127,25 @@ def join(
     peer = session.scalars(
         select(Peer).where(Peer.run_id == run.id, Peer.peer_id == peer_id)
     ).one_or_none()
+    personal = volunteer_service.personal_volunteer(session, join_token_id)
+    if peer is not None:
+        volunteer_service.ensure_not_banned(peer.volunteer)
     if peer is None:
         token_service.consume_join_token(session, join_token_id)
     else:
         token_service.ensure_join_token_valid(session, join_token_id)
     try:
         if peer is None:
-            volunteer = Volunteer(
-                run_id=run.id,
-                display_name=data.display_name or DEFAULT_DISPLAY_NAME,
-                join_token_id=join_token_id,
-                created_at=utcnow(),
-            )
-            session.add(volunteer)
-            session.flush()
+            volunteer = personal
+            if volunteer is None:
+                volunteer = Volunteer(
+                    run_id=run.id,
+                    display_name=data.display_name or DEFAULT_DISPLAY_NAME,
+                    join_token_id=join_token_id,
+                    created_at=utcnow(),
+                )
+                session.add(volunteer)
+                session.flush()
             peer = Peer(
                 run_id=run.id,
                 peer_id=peer_id,
@@ -149,6 +155,8 @@ def join(
                 client_mode=data.client_mode,
                 first_seen_ms=now,
                 last_seen_ms=now,
+                session_started_ms=now,
+                online_ms=0,
                 epoch=0,
                 samples=0,
                 samples_base=0,
@@ -159,8 +167,14 @@ def join(
         else:
             peer.addresses = list(data.addresses)
             peer.client_mode = data.client_mode
+            if peer.last_seen_ms < now - int(online_ttl_s * 1000):  # back after a gap
+                if peer.session_started_ms is not None:
+                    peer.online_ms += peer.last_seen_ms - peer.session_started_ms
+                peer.session_started_ms = now
             peer.last_seen_ms = max(peer.last_seen_ms, now)
-            if data.display_name:
+            if personal is not None and peer.volunteer_id != personal.id:
+                raise Conflict("this key already joined the run as another volunteer")
+            if data.display_name and personal is None:
                 peer.volunteer.display_name = data.display_name
             session.flush()
     except IntegrityError as exc:

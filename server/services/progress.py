@@ -7,7 +7,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from server.clock import ms_to_datetime, now_ms
-from server.models import EpochSummary, Peer, ProgressReport, ProgressSnapshot, Run
+from server.models import EpochSummary, ProgressReport, ProgressSnapshot, Run
 from server.schemas import EpochPublic, HistoryPoint, ProgressPublic
 from server.services import checkpoints as checkpoint_service
 from server.services.reports import run_totals
@@ -32,18 +32,6 @@ def progress(
         .order_by(EpochSummary.epoch.desc())
         .limit(RECENT_EPOCHS)
     ).all()
-    rounds_done, rounds_failed = session.execute(
-        select(
-            func.coalesce(func.sum(EpochSummary.rounds_done), 0),
-            func.coalesce(func.sum(EpochSummary.rounds_failed), 0),
-        ).where(EpochSummary.run_id == run.id)
-    ).one()
-    eval_metric = session.scalars(
-        select(Peer.eval_metric)
-        .where(Peer.run_id == run.id, Peer.eval_metric_ms.is_not(None))
-        .order_by(Peer.eval_metric_ms.desc(), Peer.id.desc())
-        .limit(1)
-    ).first()
     checkpoint = checkpoint_service.newest(session, run.id)
     return ProgressPublic(
         run_id=run.id,
@@ -53,9 +41,9 @@ def progress(
         samples_per_second=totals.samples_per_second,
         peers_online=totals.peers_online,
         loss=totals.loss,
-        eval_metric=eval_metric,
-        rounds_done=int(rounds_done),
-        rounds_failed=int(rounds_failed),
+        eval_metric=totals.eval_metric,
+        rounds_done=totals.rounds_done,
+        rounds_failed=totals.rounds_failed,
         checkpoint=None if checkpoint is None else checkpoint_service.public(checkpoint),
         recent_group_sizes=[int(g) for g in reversed(group_sizes) if g is not None],
         epochs=[
@@ -98,6 +86,10 @@ def history(session: Session, run_id: str, points: int) -> list[HistoryPoint]:
             func.avg(ProgressSnapshot.samples_per_second),
             func.avg(ProgressSnapshot.loss),
             func.avg(ProgressSnapshot.peers_online),
+            func.avg(ProgressSnapshot.eval_metric),
+            func.avg(ProgressSnapshot.mean_group_size),
+            func.max(ProgressSnapshot.rounds_done),
+            func.max(ProgressSnapshot.rounds_failed),
         )
         .where(ProgressSnapshot.run_id == run_id)
         .group_by(bucket)
@@ -111,6 +103,10 @@ def history(session: Session, run_id: str, points: int) -> list[HistoryPoint]:
             samples_per_second=float(sps),
             loss=None if loss is None else float(loss),
             peers_online=round(float(peers)),
+            eval_metric=None if metric is None else float(metric),
+            mean_group_size=None if group is None else float(group),
+            rounds_done=int(done or 0),
+            rounds_failed=int(failed or 0),
         )
-        for t, epoch, samples, sps, loss, peers in rows
+        for t, epoch, samples, sps, loss, peers, metric, group, done, failed in rows
     ]

@@ -106,14 +106,16 @@ def write_reports(
             for r in reports
         ],
     )
-    _update_peers(connection, reports)
+    _update_peers(connection, reports, online_ttl_s)
     _update_eval_metrics(connection, reports)
     _upsert_epoch_summaries(connection, reports)
     for run_id in sorted({r.run_id for r in reports}):
         take_snapshot_if_due(connection, run_id, snapshot_interval_s, online_ttl_s)
 
 
-def _update_peers(connection: Connection, reports: Sequence[PendingReport]) -> None:
+def _update_peers(
+    connection: Connection, reports: Sequence[PendingReport], online_ttl_s: float
+) -> None:
     latest: dict[int, PendingReport] = {}
     for r in reports:
         known = latest.get(r.peer_pk)
@@ -122,6 +124,9 @@ def _update_peers(connection: Connection, reports: Sequence[PendingReport]) -> N
     table = cast(Table, Peer.__table__)
     t = bindparam("b_t", type_=BigInteger())
     samples = bindparam("b_samples", type_=BigInteger())
+    # A report after a silence longer than the online TTL closes the peer's session (its
+    # length joins online_ms) and opens a new one. SET expressions read the old row.
+    gap = table.c.last_seen_ms < t - int(online_ttl_s * 1000)
     statement = (
         update(table)
         .where(
@@ -129,6 +134,17 @@ def _update_peers(connection: Connection, reports: Sequence[PendingReport]) -> N
             (table.c.last_report_ms.is_(None)) | (table.c.last_report_ms <= t),
         )
         .values(
+            online_ms=case(
+                (
+                    gap & table.c.session_started_ms.is_not(None),
+                    table.c.online_ms + table.c.last_seen_ms - table.c.session_started_ms,
+                ),
+                else_=table.c.online_ms,
+            ),
+            session_started_ms=case(
+                (gap | table.c.session_started_ms.is_(None), t),
+                else_=table.c.session_started_ms,
+            ),
             last_report_ms=t,
             last_seen_ms=case((table.c.last_seen_ms < t, t), else_=table.c.last_seen_ms),
             epoch=bindparam("b_epoch"),
@@ -277,6 +293,10 @@ def take_snapshot_if_due(
             samples_per_second=totals.samples_per_second,
             loss=totals.loss,
             peers_online=totals.peers_online,
+            eval_metric=totals.eval_metric,
+            mean_group_size=totals.mean_group_size,
+            rounds_done=totals.rounds_done,
+            rounds_failed=totals.rounds_failed,
         )
     )
     return True
@@ -289,13 +309,21 @@ class RunTotals:
     samples_per_second: float
     loss: float | None
     peers_online: int
+    mean_group_size: float | None = None
+    eval_metric: float | None = None
+    rounds_done: int = 0
+    rounds_failed: int = 0
 
 
 def run_totals(
     connection: Connection | Session, run_id: str, now: int, online_ttl_s: float
 ) -> RunTotals:
     """The run's state from its peers' latest reports: the highest epoch, all samples ever
-    processed, and throughput, mean loss and count of the peers seen within the TTL."""
+    processed, and throughput, mean loss, mean group size and count of the peers seen within
+    the TTL; the newest held-out metric; the averaging rounds done and failed so far.
+
+    Three index-bounded queries: over the run's peers, its epoch summaries and one peer row;
+    none reads raw reports."""
     online = Peer.last_seen_ms >= now - int(online_ttl_s * 1000)
     row = connection.execute(
         select(
@@ -304,14 +332,31 @@ def run_totals(
             func.coalesce(func.sum(case((online, Peer.samples_per_second), else_=0.0)), 0.0),
             func.avg(case((online, Peer.loss), else_=None)),
             func.coalesce(func.sum(case((online, 1), else_=0)), 0),
+            func.avg(case((online, Peer.group_size), else_=None)),
         ).where(Peer.run_id == run_id)
     ).one()
+    rounds_done, rounds_failed = connection.execute(
+        select(
+            func.coalesce(func.sum(EpochSummary.rounds_done), 0),
+            func.coalesce(func.sum(EpochSummary.rounds_failed), 0),
+        ).where(EpochSummary.run_id == run_id)
+    ).one()
+    eval_metric = connection.execute(
+        select(Peer.eval_metric)
+        .where(Peer.run_id == run_id, Peer.eval_metric_ms.is_not(None))
+        .order_by(Peer.eval_metric_ms.desc(), Peer.id.desc())
+        .limit(1)
+    ).scalar()
     return RunTotals(
         epoch=int(row[0]),
         samples=int(row[1]),
         samples_per_second=float(row[2]),
         loss=None if row[3] is None else float(row[3]),
         peers_online=int(row[4]),
+        mean_group_size=None if row[5] is None else float(row[5]),
+        eval_metric=None if eval_metric is None else float(eval_metric),
+        rounds_done=int(rounds_done),
+        rounds_failed=int(rounds_failed),
     )
 
 

@@ -40,6 +40,7 @@ from server.schemas import (
 from server.services import checkpoints as checkpoint_service
 from server.services import peers as peer_service
 from server.services import reachability as reachability_service
+from server.services import volunteers as volunteer_service
 from server.services.reports import pending_report
 
 router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}", tags=["peers"])
@@ -214,6 +215,7 @@ def renew_certificate(
     peer_service.ensure_accepting(run, "renew a certificate")
     record = session.get(Peer, peer.peer_pk)
     assert record is not None  # the token's foreign key cascades with the peer
+    volunteer_service.ensure_not_banned(record.volunteer)
     certificate, expires_at = peer_service.issue_certificate(
         keybox, run, record, settings.certificate_ttl_s
     )
