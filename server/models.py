@@ -172,6 +172,8 @@ class Peer(Base):
     samples_base: Mapped[int] = mapped_column(BigInteger, default=0)
     samples_per_second: Mapped[float] = mapped_column(Float, default=0.0)
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The latest report said the loss was NaN or infinite (``loss`` is then null).
+    loss_nan: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
     group_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # The latest held-out metric the peer reported, and when (reports without one keep it).
     eval_metric: Mapped[float | None] = mapped_column(Float, nullable=True)

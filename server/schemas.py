@@ -271,6 +271,9 @@ class ReportCreate(_Body):
     )
     samples_per_second: float = Field(ge=0, le=1e12, allow_inf_nan=False)
     loss: float | None = Field(None, allow_inf_nan=False, ge=-1e300, le=1e300)
+    loss_nan: bool = Field(
+        False, description="The loss was NaN or infinite (send loss null): dashboards alert."
+    )
     group_size: int | None = Field(None, ge=1, le=1_000_000)
     rounds_done: int = Field(0, ge=0, le=MAX_INT, description="Since the previous report.")
     rounds_failed: int = Field(0, ge=0, le=MAX_INT, description="Since the previous report.")

@@ -33,7 +33,7 @@ def merge_reports(older: Mapping[str, Any], newer: Mapping[str, Any]) -> dict[st
 
 def clean_report(fields: Mapping[str, Any]) -> dict[str, Any]:
     """``fields`` as the coordinator accepts them: a NaN or infinite ``loss`` or
-    ``eval_metric`` becomes None (unknown), such a ``samples_per_second`` 0, and ``failure``
+    ``eval_metric`` becomes None (unknown; for the loss, ``loss_nan`` says so), such a ``samples_per_second`` 0, and ``failure``
     is cut to 64 characters of ``[A-Za-z0-9_.:-]``. A report the coordinator would refuse
     would lose its rounds."""
     if not isinstance(fields, Mapping):
@@ -43,6 +43,8 @@ def clean_report(fields: Mapping[str, Any]) -> dict[str, Any]:
         value = report.get(name)
         if isinstance(value, float) and not math.isfinite(value):
             report[name] = None
+            if name == "loss":
+                report["loss_nan"] = True  # what the organizer's dashboard alerts on
     speed = report.get("samples_per_second")
     if isinstance(speed, float) and not math.isfinite(speed):
         report["samples_per_second"] = 0.0

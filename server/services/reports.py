@@ -55,6 +55,7 @@ class PendingReport:
     rounds_failed: int = 0
     failure: str | None = None
     eval_metric: float | None = None
+    loss_nan: bool = False
 
 
 def pending_report(run_id: str, peer_pk: int, body: ReportCreate) -> PendingReport:
@@ -67,6 +68,7 @@ def pending_report(run_id: str, peer_pk: int, body: ReportCreate) -> PendingRepo
         samples=body.samples,
         samples_per_second=body.samples_per_second,
         loss=body.loss,
+        loss_nan=body.loss_nan,
         group_size=body.group_size,
         rounds_done=body.rounds_done,
         rounds_failed=body.rounds_failed,
@@ -157,6 +159,7 @@ def _update_peers(
             samples=samples,
             samples_per_second=bindparam("b_sps"),
             loss=bindparam("b_loss"),
+            loss_nan=bindparam("b_loss_nan"),
             group_size=bindparam("b_group"),
         )
     )
@@ -170,6 +173,7 @@ def _update_peers(
                 "b_samples": r.samples,
                 "b_sps": r.samples_per_second,
                 "b_loss": r.loss,
+                "b_loss_nan": r.loss_nan,
                 "b_group": r.group_size,
             }
             for r in sorted(latest.values(), key=lambda r: r.peer_pk)

@@ -37,6 +37,9 @@ def upgrade() -> None:
         batch_op.add_column(
             sa.Column("online_ms", sa.BigInteger(), server_default="0", nullable=False)
         )
+        batch_op.add_column(
+            sa.Column("loss_nan", sa.Boolean(), server_default="0", nullable=False)
+        )
 
     with op.batch_alter_table("progress_snapshots", schema=None) as batch_op:
         batch_op.add_column(sa.Column("eval_metric", sa.Float(), nullable=True))
@@ -57,6 +60,7 @@ def downgrade() -> None:
         batch_op.drop_column("eval_metric")
 
     with op.batch_alter_table("peers", schema=None) as batch_op:
+        batch_op.drop_column("loss_nan")
         batch_op.drop_column("online_ms")
         batch_op.drop_column("session_started_ms")
 
