@@ -19,10 +19,11 @@ from sqlalchemy.exc import OperationalError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.fast_reports import ReportFastPath
-from server.api.routes import checkpoints, health, peers, progress, runs, tokens
+from server.api.routes import checkpoints, dashboard, health, peers, progress, runs, tokens
 from server.config import Settings
 from server.db import make_engine, make_session_factory, upgrade_database
 from server.exceptions import CoordinatorError
+from server.live import LiveHub
 from server.metrics import Metrics, MetricsMiddleware
 from server.schemas import ErrorPublic
 from server.security import JoinChallenges, KeyBox, PrincipalCache
@@ -72,6 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 yield
             finally:
                 app.state.report_buffer = None
+                await app.state.live_hub.close()
         engine.dispose()
 
     app = FastAPI(
@@ -95,11 +97,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.metrics = metrics
     app.state.principal_cache = PrincipalCache(settings.peer_auth_cache_ttl_s)
+    app.state.live_hub = LiveHub(settings.live_interval_s)
 
     # Routes are matched in order: the report route, by far the most called, goes first.
     app.include_router(peers.reports_router)
     app.include_router(peers.join_router)
-    for module in (runs, tokens, peers, checkpoints, progress, health):
+    for module in (runs, tokens, peers, checkpoints, progress, dashboard, health):
         app.include_router(module.router)
 
     @app.exception_handler(CoordinatorError)

@@ -66,6 +66,12 @@ class Settings(BaseSettings):
         default=8, ge=1, le=100, description="Peers handed out per bootstrap."
     )
     history_points: int = Field(default=200, ge=2, le=5000, description="Points of chart history.")
+    live_interval_s: float = Field(
+        default=0.5,
+        gt=0,
+        le=60,
+        description="How often a worker rereads a view that open pages watch live.",
+    )
     snapshot_interval_s: float = Field(
         default=5.0, gt=0, description="Minimum time between two progress snapshots of one run."
     )

@@ -6,9 +6,14 @@ machine); it is the one timing knob, instead of sleeps sprinkled with magic numb
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 TIME_SCALE = float(os.environ.get("SWARMGRAD_TEST_TIME_SCALE", "1"))
 
@@ -45,3 +50,32 @@ def marked_processes(marker: str) -> list[int]:
         if needle in environ.split(b"\0") and state != "Z":
             found.append(int(entry.name))
     return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def served(app: Any) -> Iterator[str]:
+    """An ASGI app served by uvicorn on a free loopback port, in a thread (its lifespan runs);
+    yields its URL."""
+    import uvicorn
+
+    from peer.testing import wait_until
+
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: server.started or not thread.is_alive(), scaled(30))
+        assert server.started, "the app did not start"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(scaled(30))

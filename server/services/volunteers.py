@@ -166,4 +166,3 @@ def personal_volunteer(session: Session, join_token_id: str) -> Volunteer | None
     volunteer = session.get(Volunteer, token.volunteer_id)
     ensure_not_banned(volunteer)
     return volunteer
-

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import http.server
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,18 +17,10 @@ from typing import Any
 
 import pytest
 
-from peer.testing import wait_until
-from tests.conftest import scaled
+from tests.conftest import scaled, served
 
 ADMIN_TOKEN = "cli-admin-" + "a" * 40
 SECRET_KEY = "cli-secret-" + "s" * 40
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -47,8 +38,6 @@ class Coordinator:
 @contextlib.contextmanager
 def serve_coordinator(directory: Path) -> Iterator[Coordinator]:
     """A coordinator on SQLite in ``directory``, like tests/server/conftest.py's settings."""
-    import uvicorn
-
     from server.app import create_app
     from server.config import Settings
 
@@ -63,20 +52,8 @@ def serve_coordinator(directory: Path) -> Iterator[Coordinator]:
         report_flush_interval_s=0,
         checkpoint_dir=directory / "checkpoints",
     )
-    port = free_port()
-    config = uvicorn.Config(
-        create_app(settings), host="127.0.0.1", port=port, log_level="warning", ws="none"
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="coordinator", daemon=True)
-    thread.start()
-    try:
-        assert wait_until(lambda: server.started or not thread.is_alive(), scaled(30))
-        assert server.started, "the coordinator did not start"
-        yield Coordinator(f"http://127.0.0.1:{port}", ADMIN_TOKEN, database_url)
-    finally:
-        server.should_exit = True
-        thread.join(scaled(30))
+    with served(create_app(settings)) as url:
+        yield Coordinator(url, ADMIN_TOKEN, database_url)
 
 
 @pytest.fixture

@@ -37,9 +37,7 @@ def upgrade() -> None:
         batch_op.add_column(
             sa.Column("online_ms", sa.BigInteger(), server_default="0", nullable=False)
         )
-        batch_op.add_column(
-            sa.Column("loss_nan", sa.Boolean(), server_default="0", nullable=False)
-        )
+        batch_op.add_column(sa.Column("loss_nan", sa.Boolean(), server_default="0", nullable=False))
 
     with op.batch_alter_table("progress_snapshots", schema=None) as batch_op:
         batch_op.add_column(sa.Column("eval_metric", sa.Float(), nullable=True))

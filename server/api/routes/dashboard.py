@@ -1,0 +1,160 @@
+"""The dashboard's data: the runs list, a run's dashboard, a volunteer's page (public JSON),
+their live WebSockets, and the organizer's ban."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from fastapi import APIRouter, Path, WebSocket, WebSocketDisconnect
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.api import API_PREFIX
+from server.api.deps import CurrentOrganizer, RunDep, SessionDep, SettingsDep
+from server.config import Settings
+from server.exceptions import NotFound
+from server.live import LiveHub
+from server.schemas_dashboard import RunDashboard, RunsOverview, VolunteerBanned, VolunteerDetail
+from server.services import dashboard as dashboard_service
+from server.services import runs as run_service
+from server.services import volunteers as volunteer_service
+
+router = APIRouter(prefix=API_PREFIX, tags=["dashboard"])
+
+PING_INTERVAL_S = 15.0
+CLOSE_UNKNOWN_RUN = 4404
+
+
+@router.get("/dashboard", response_model=RunsOverview)
+def read_runs_overview(session: SessionDep, settings: SettingsDep) -> RunsOverview:
+    """Every run that is not archived, with its current numbers and a throughput trend."""
+    return dashboard_service.runs_overview(session, online_ttl_s=settings.peer_online_ttl_s)
+
+
+@router.get("/runs/{run_id}/dashboard", response_model=RunDashboard)
+def read_run_dashboard(session: SessionDep, settings: SettingsDep, run: RunDep) -> RunDashboard:
+    """Headline numbers, alerts, chart series, group sizes and the volunteers' table."""
+    return dashboard_service.run_dashboard(
+        session,
+        run,
+        online_ttl_s=settings.peer_online_ttl_s,
+        history_points=settings.history_points,
+    )
+
+
+@router.get("/runs/{run_id}/volunteers/{ref}", response_model=VolunteerDetail)
+def read_volunteer(
+    session: SessionDep,
+    settings: SettingsDep,
+    run: RunDep,
+    ref: str = Path(min_length=1, max_length=64, description="Volunteer id or display name."),
+) -> VolunteerDetail:
+    return dashboard_service.volunteer_detail(
+        session, run, ref, online_ttl_s=settings.peer_online_ttl_s
+    )
+
+
+@router.post("/runs/{run_id}/volunteers/{volunteer_id}/ban", response_model=VolunteerBanned)
+def ban_volunteer(
+    _: CurrentOrganizer, session: SessionDep, run: RunDep, volunteer_id: int
+) -> VolunteerBanned:
+    """Revoke every token of the volunteer; its keys can no longer join or renew."""
+    volunteer = volunteer_service.ban(session, run, volunteer_id)
+    session.commit()
+    return VolunteerBanned(id=volunteer.id, display_name=volunteer.display_name, banned=True)
+
+
+def _overview_builder(factory: sessionmaker[Session], settings: Settings) -> Any:
+    def build() -> dict[str, Any]:
+        with factory() as session:
+            document = dashboard_service.runs_overview(
+                session, online_ttl_s=settings.peer_online_ttl_s
+            )
+            return {
+                "type": "runs",
+                "version": document.version,
+                "data": document.model_dump(mode="json"),
+            }
+
+    return build
+
+
+def _dashboard_builder(factory: sessionmaker[Session], settings: Settings, run_id: str) -> Any:
+    def build() -> dict[str, Any] | None:
+        with factory() as session:
+            try:
+                run = run_service.get_run(session, run_id)
+            except NotFound:
+                return None
+            document = dashboard_service.run_dashboard(
+                session,
+                run,
+                online_ttl_s=settings.peer_online_ttl_s,
+                history_points=settings.history_points,
+            )
+            return {
+                "type": "dashboard",
+                "version": document.version,
+                "data": document.model_dump(mode="json"),
+            }
+
+    return build
+
+
+async def _stream(websocket: WebSocket, key: tuple[str, ...], build: Any) -> None:
+    hub: LiveHub = websocket.app.state.live_hub
+    await websocket.accept()
+    async with hub.subscribe(key, build) as queue:
+        left = asyncio.create_task(_drain(websocket))
+        try:
+            while True:
+                document_ready = asyncio.create_task(queue.get())
+                done, _ = await asyncio.wait(
+                    {document_ready, left},
+                    timeout=PING_INTERVAL_S,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if left in done:  # the browser left
+                    document_ready.cancel()
+                    return
+                if document_ready not in done:
+                    document_ready.cancel()
+                    await websocket.send_json({"type": "ping"})
+                    continue
+                document = document_ready.result()
+                if document is None:
+                    await websocket.close(CLOSE_UNKNOWN_RUN, "no such run")
+                    return
+                await websocket.send_json({"type": document["type"], "data": document["data"]})
+        except (WebSocketDisconnect, RuntimeError):
+            return  # the browser left while we were sending
+        finally:
+            left.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await left
+
+
+async def _drain(websocket: WebSocket) -> None:
+    """Clients send nothing; reading notices when they leave."""
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+        while True:
+            await websocket.receive_text()
+
+
+@router.websocket("/live")
+async def live_runs(websocket: WebSocket) -> None:
+    """The runs list, as JSON text frames ``{"type": "runs", "data": ...}`` at connect and on
+    every change, and ``{"type": "ping"}`` every 15 s."""
+    app = websocket.app
+    build = _overview_builder(app.state.session_factory, app.state.settings)
+    await _stream(websocket, ("runs",), build)
+
+
+@router.websocket("/runs/{run_id}/live")
+async def live_dashboard(websocket: WebSocket, run_id: str) -> None:
+    """A run's dashboard, as ``{"type": "dashboard", "data": ...}`` frames at connect and on
+    every change; an unknown run closes with code 4404."""
+    app = websocket.app
+    build = _dashboard_builder(app.state.session_factory, app.state.settings, run_id[:32])
+    await _stream(websocket, ("run", run_id[:32]), build)

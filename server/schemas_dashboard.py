@@ -1,0 +1,169 @@
+"""What the dashboard pages and their live updates carry: one JSON document per view.
+
+Numbers that can be missing are null (never NaN: JSON has none). Series are parallel arrays,
+oldest first, with times in Unix seconds (what the charts take)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from server.models import RunStatus
+
+
+class RunRow(BaseModel):
+    id: str
+    name: str
+    status: RunStatus
+    task: str
+    epoch: int
+    samples: int
+    peers_online: int
+    samples_per_second: float
+    trend: list[float] = Field(description="Recent samples/s, oldest first.")
+
+
+class RunsOverview(BaseModel):
+    runs: list[RunRow]
+    version: str
+
+
+class RunHeader(BaseModel):
+    id: str
+    name: str
+    task: str
+    status: RunStatus
+    created_at: datetime
+    target_epochs: int | None
+
+
+class CheckpointSummary(BaseModel):
+    epoch: int
+    created_at: datetime
+    age_s: float
+    size: int
+    sha256: str
+
+
+class Headline(BaseModel):
+    epoch: int
+    samples: int
+    samples_per_second: float
+    peers_online: int
+    loss: float | None
+    eval_metric: float | None
+    rounds_done: int
+    rounds_failed: int
+    eta_s: float | None = Field(description="Estimated seconds to the run's target epoch.")
+    checkpoint: CheckpointSummary | None
+
+
+class Alert(BaseModel):
+    kind: Literal["loss_nan", "loss_jump", "peers_collapse", "rounds_failing", "stalled"]
+    severity: Literal["warning", "critical"]
+    message: str
+
+
+class Series(BaseModel):
+    t: list[float] = []
+    samples: list[int] = []
+    samples_per_second: list[float] = []
+    peers_online: list[int] = []
+    loss: list[float | None] = []
+    eval_metric: list[float | None] = []
+    mean_group_size: list[float | None] = []
+    rounds_done: list[int] = []
+    rounds_failed: list[int] = []
+
+
+class GroupSizeCount(BaseModel):
+    size: int
+    count: int
+
+
+class GroupSizes(BaseModel):
+    recent: list[int] = Field(description="Group sizes of the last reports, oldest first.")
+    histogram: list[GroupSizeCount]
+
+
+class VolunteerRow(BaseModel):
+    id: int
+    display_name: str
+    samples: int
+    share: float = Field(description="Fraction of the run's samples.")
+    online_s: float
+    last_seen: datetime | None
+    online: bool
+    reachable: bool = Field(description="False: every machine of theirs is in client mode.")
+    peers: int
+    banned: bool
+
+
+class RunDashboard(BaseModel):
+    run: RunHeader
+    now: datetime
+    version: str
+    headline: Headline
+    alerts: list[Alert]
+    series: Series
+    group_sizes: GroupSizes
+    volunteers: list[VolunteerRow]
+
+
+class VolunteerSummary(BaseModel):
+    id: int
+    display_name: str
+    samples: int
+    share: float
+    rank: int
+    of: int
+    online_s: float
+    first_seen: datetime | None
+    last_seen: datetime | None
+    banned: bool
+
+
+class SessionRow(BaseModel):
+    peer_id: str
+    started: datetime
+    ended: datetime | None = Field(description="Null while the session goes on.")
+    duration_s: float
+
+
+class MachineRow(BaseModel):
+    peer_id: str
+    addresses: list[str]
+    reachable: bool
+    client_mode: bool
+    epoch: int
+    samples: int
+    samples_per_second: float
+    group_size: int | None
+    last_seen: datetime
+    online: bool
+
+
+class VolunteerSeries(BaseModel):
+    t: list[float]
+    samples: list[int]
+
+
+class RunRef(BaseModel):
+    id: str
+    name: str
+
+
+class VolunteerDetail(BaseModel):
+    run: RunRef
+    volunteer: VolunteerSummary
+    series: VolunteerSeries
+    sessions: list[SessionRow]
+    machines: list[MachineRow]
+
+
+class VolunteerBanned(BaseModel):
+    id: int
+    display_name: str
+    banned: bool

@@ -1,0 +1,495 @@
+"""The documents behind the pages: the runs list, a run's dashboard, a volunteer's page.
+
+Cost: every query is bounded by an index and by the run's peers, volunteers, snapshots (the
+chart history, downsampled) or a fixed number of recent rows — never by the number of raw
+reports stored, which grows without bound. ``bench/dashboard.py`` measures it.
+
+The alert rules and the ETA are pure functions of numbers, tested without a database.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import ColumnElement, case, func, select
+from sqlalchemy.orm import Session
+
+from server.clock import ms_to_datetime, now_ms
+from server.exceptions import NotFound
+from server.models import EpochSummary, Peer, ProgressReport, ProgressSnapshot, Run, Volunteer
+from server.schemas_dashboard import (
+    Alert,
+    CheckpointSummary,
+    GroupSizeCount,
+    GroupSizes,
+    Headline,
+    MachineRow,
+    RunDashboard,
+    RunHeader,
+    RunRef,
+    RunRow,
+    RunsOverview,
+    Series,
+    SessionRow,
+    VolunteerDetail,
+    VolunteerRow,
+    VolunteerSeries,
+    VolunteerSummary,
+)
+from server.services import checkpoints as checkpoint_service
+from server.services import runs as run_service
+from server.services.progress import history
+from server.services.reports import run_totals
+
+RECENT_GROUP_REPORTS = 200  # reports behind the group-size distribution
+RECENT_EPOCHS = 10  # epochs behind the ETA and the rounds-failing alert
+TREND_POINTS = 30  # samples/s points of the runs list's sparkline
+VOLUNTEER_REPORTS = 20_000  # newest reports behind a volunteer's chart and sessions
+STALL_AFTER_S = 120.0  # a running run with no report for this long is stalled
+
+
+# ----------------------------------------------------------------------------- pure rules
+
+
+def eta_seconds(
+    epoch: int, target_epochs: int | None, epoch_starts_ms: Sequence[int]
+) -> float | None:
+    """Seconds until ``target_epochs`` at the pace of the recent epochs (their start times,
+    in any order); 0 once reached; None without a target or two epochs to measure."""
+    if target_epochs is None:
+        return None
+    if epoch >= target_epochs:
+        return 0.0
+    starts = sorted(epoch_starts_ms)
+    if len(starts) < 2 or starts[-1] <= starts[0]:
+        return None
+    per_epoch_s = (starts[-1] - starts[0]) / 1000 / (len(starts) - 1)
+    return (target_epochs - epoch) * per_epoch_s
+
+
+@dataclass(frozen=True, slots=True)
+class AlertInputs:
+    running: bool
+    loss_nan_peers: int
+    losses: Sequence[float | None]  # chart history, oldest first
+    peers_online: Sequence[int]  # chart history, oldest first
+    current_peers: int
+    rounds: Sequence[tuple[int, int]]  # (done, failed) of recent epochs
+    seconds_since_last_report: float | None
+
+
+def alerts(inputs: AlertInputs) -> list[Alert]:
+    """What an organizer should look at now, most severe first."""
+    found: list[Alert] = []
+    if inputs.loss_nan_peers:
+        found.append(
+            Alert(
+                kind="loss_nan",
+                severity="critical",
+                message=f"The loss is NaN or infinite on {inputs.loss_nan_peers} peer(s).",
+            )
+        )
+    losses = [x for x in inputs.losses if x is not None]
+    if len(losses) >= 6:
+        before = statistics.median(losses[-11:-1])
+        latest = losses[-1]
+        if before > 0 and latest > 2 * before:
+            found.append(
+                Alert(
+                    kind="loss_jump",
+                    severity="warning",
+                    message=f"The loss jumped to {latest:.4g} from about {before:.4g}.",
+                )
+            )
+    recent_peers = list(inputs.peers_online[-20:])
+    if recent_peers:
+        peak = max(recent_peers)
+        if peak >= 2 and inputs.current_peers <= peak // 2:
+            found.append(
+                Alert(
+                    kind="peers_collapse",
+                    severity="critical" if inputs.current_peers == 0 else "warning",
+                    message=f"Peers online fell to {inputs.current_peers} from {peak}.",
+                )
+            )
+    done = sum(d for d, _ in inputs.rounds)
+    failed = sum(f for _, f in inputs.rounds)
+    if done + failed >= 4 and failed > done:
+        found.append(
+            Alert(
+                kind="rounds_failing",
+                severity="warning",
+                message=f"Most recent averaging rounds failed ({failed} of {done + failed}).",
+            )
+        )
+    idle = inputs.seconds_since_last_report
+    if inputs.running and idle is not None and idle > STALL_AFTER_S:
+        found.append(
+            Alert(
+                kind="stalled",
+                severity="warning",
+                message=f"No progress report for {idle / 60:.0f} min.",
+            )
+        )
+    found.sort(key=lambda a: a.severity != "critical")
+    return found
+
+
+# ----------------------------------------------------------------------------- queries
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    id: int
+    display_name: str
+    banned: bool
+    samples: int
+    online_ms: int
+    last_seen_ms: int | None
+    reachable_peers: int
+    peers: int
+    first_seen_ms: int | None
+    online: bool
+
+
+def _online_ms_expression() -> ColumnElement[int]:
+    """A peer's time online: its closed sessions plus the open one."""
+    open_session = case(
+        (Peer.session_started_ms.is_not(None), Peer.last_seen_ms - Peer.session_started_ms),
+        else_=0,
+    )
+    return Peer.online_ms + open_session
+
+
+def _volunteer_rows(session: Session, run_id: str, now: int, online_ttl_s: float) -> list[Row]:
+    since = now - int(online_ttl_s * 1000)
+    rows = session.execute(
+        select(
+            Volunteer.id,
+            Volunteer.display_name,
+            Volunteer.banned_at,
+            func.coalesce(func.sum(Peer.samples_base + Peer.samples), 0),
+            func.coalesce(func.sum(_online_ms_expression()), 0),
+            func.max(Peer.last_seen_ms),
+            func.coalesce(func.sum(case((Peer.client_mode.is_(False), 1), else_=0)), 0),
+            func.count(Peer.id),
+            func.min(Peer.first_seen_ms),
+        )
+        .join(Peer, Peer.volunteer_id == Volunteer.id, isouter=True)
+        .where(Volunteer.run_id == run_id)
+        .group_by(Volunteer.id, Volunteer.display_name, Volunteer.banned_at)
+    ).all()
+    result = [
+        Row(
+            id=int(r[0]),
+            display_name=r[1],
+            banned=r[2] is not None,
+            samples=int(r[3]),
+            online_ms=int(r[4]),
+            last_seen_ms=None if r[5] is None else int(r[5]),
+            reachable_peers=int(r[6]),
+            peers=int(r[7]),
+            first_seen_ms=None if r[8] is None else int(r[8]),
+            online=r[5] is not None and int(r[5]) >= since,
+        )
+        for r in rows
+    ]
+    result.sort(key=lambda r: (-r.samples, r.id))
+    return result
+
+
+def _share(samples: int, total: int) -> float:
+    return samples / total if total > 0 else 0.0
+
+
+def _version(document: RunDashboard | RunsOverview) -> str:
+    # What changes with the data, not with the clock: ``now`` and the checkpoint's age are
+    # left out, so an idle run's version stays put and live clients get nothing new.
+    exclude: dict[str, object] = {"version": True, "now": True}
+    if isinstance(document, RunDashboard):
+        exclude["headline"] = {"checkpoint": {"age_s"}}
+    data = document.model_dump_json(exclude=exclude)  # type: ignore[arg-type]
+    return hashlib.blake2b(data.encode(), digest_size=8).hexdigest()
+
+
+def target_epochs(run: Run) -> int | None:
+    value = (run.config or {}).get("epochs")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def run_dashboard(
+    session: Session, run: Run, *, online_ttl_s: float, history_points: int
+) -> RunDashboard:
+    now = now_ms()
+    totals = run_totals(session, run.id, now, online_ttl_s)
+    since = now - int(online_ttl_s * 1000)
+    loss_nan_peers, last_report_ms = session.execute(
+        select(
+            func.coalesce(
+                func.sum(
+                    case((Peer.loss_nan.is_(True) & (Peer.last_seen_ms >= since), 1), else_=0)
+                ),
+                0,
+            ),
+            func.max(Peer.last_report_ms),
+        ).where(Peer.run_id == run.id)
+    ).one()
+    epochs = session.scalars(
+        select(EpochSummary)
+        .where(EpochSummary.run_id == run.id)
+        .order_by(EpochSummary.epoch.desc())
+        .limit(RECENT_EPOCHS)
+    ).all()
+    group_sizes = [
+        int(g)
+        for g in session.scalars(
+            select(ProgressReport.group_size)
+            .where(ProgressReport.run_id == run.id)
+            .order_by(ProgressReport.id.desc())
+            .limit(RECENT_GROUP_REPORTS)
+        )
+        if g is not None
+    ][::-1]
+    counts: dict[int, int] = {}
+    for size in group_sizes:
+        counts[size] = counts.get(size, 0) + 1
+    points = history(session, run.id, history_points)
+    series = Series(
+        t=[p.t.timestamp() for p in points],
+        samples=[p.samples for p in points],
+        samples_per_second=[p.samples_per_second for p in points],
+        peers_online=[p.peers_online for p in points],
+        loss=[p.loss for p in points],
+        eval_metric=[p.eval_metric for p in points],
+        mean_group_size=[p.mean_group_size for p in points],
+        rounds_done=[p.rounds_done for p in points],
+        rounds_failed=[p.rounds_failed for p in points],
+    )
+    checkpoint = checkpoint_service.newest(session, run.id)
+    target = target_epochs(run)
+    headline = Headline(
+        epoch=totals.epoch,
+        samples=totals.samples,
+        samples_per_second=totals.samples_per_second,
+        peers_online=totals.peers_online,
+        loss=totals.loss,
+        eval_metric=totals.eval_metric,
+        rounds_done=totals.rounds_done,
+        rounds_failed=totals.rounds_failed,
+        eta_s=eta_seconds(totals.epoch, target, [e.first_report_ms for e in epochs]),
+        checkpoint=None
+        if checkpoint is None
+        else CheckpointSummary(
+            epoch=checkpoint.epoch,
+            created_at=checkpoint.created_at,
+            age_s=max(0.0, now / 1000 - checkpoint.created_at.timestamp()),
+            size=checkpoint.size,
+            sha256=checkpoint.sha256,
+        ),
+    )
+    found = alerts(
+        AlertInputs(
+            running=run.status.value == "running" and run.archived_at is None,
+            loss_nan_peers=int(loss_nan_peers),
+            losses=series.loss,
+            peers_online=series.peers_online,
+            current_peers=totals.peers_online,
+            rounds=[(e.rounds_done, e.rounds_failed) for e in epochs[:3]],
+            seconds_since_last_report=None
+            if last_report_ms is None
+            else (now - int(last_report_ms)) / 1000,
+        )
+    )
+    volunteers = _volunteer_rows(session, run.id, now, online_ttl_s)
+    document = RunDashboard(
+        run=RunHeader(
+            id=run.id,
+            name=run.name,
+            task=run.task,
+            status=run.status,
+            created_at=run.created_at,
+            target_epochs=target,
+        ),
+        now=ms_to_datetime(now),
+        version="",
+        headline=headline,
+        alerts=found,
+        series=series,
+        group_sizes=GroupSizes(
+            recent=group_sizes,
+            histogram=[GroupSizeCount(size=s, count=c) for s, c in sorted(counts.items())],
+        ),
+        volunteers=[
+            VolunteerRow(
+                id=v.id,
+                display_name=v.display_name,
+                samples=v.samples,
+                share=_share(v.samples, totals.samples),
+                online_s=v.online_ms / 1000,
+                last_seen=None if v.last_seen_ms is None else ms_to_datetime(v.last_seen_ms),
+                online=v.online,
+                reachable=v.reachable_peers > 0,
+                peers=v.peers,
+                banned=v.banned,
+            )
+            for v in volunteers
+        ],
+    )
+    document.version = _version(document)
+    return document
+
+
+def runs_overview(session: Session, *, online_ttl_s: float) -> RunsOverview:
+    now = now_ms()
+    rows = []
+    for run in run_service.list_runs(session, include_archived=False):
+        totals = run_totals(session, run.id, now, online_ttl_s)
+        trend = session.scalars(
+            select(ProgressSnapshot.samples_per_second)
+            .where(ProgressSnapshot.run_id == run.id)
+            .order_by(ProgressSnapshot.taken_ms.desc())
+            .limit(TREND_POINTS)
+        ).all()
+        rows.append(
+            RunRow(
+                id=run.id,
+                name=run.name,
+                status=run.status,
+                task=run.task,
+                epoch=totals.epoch,
+                samples=totals.samples,
+                peers_online=totals.peers_online,
+                samples_per_second=totals.samples_per_second,
+                trend=[float(x) for x in reversed(trend)],
+            )
+        )
+    document = RunsOverview(runs=rows, version="")
+    document.version = _version(document)
+    return document
+
+
+def find_volunteer(session: Session, run: Run, ref: str) -> Volunteer:
+    """By numeric id, else by exact display name (the oldest volunteer of that name)."""
+    volunteer = None
+    if ref.isdigit():
+        volunteer = session.get(Volunteer, int(ref))
+        if volunteer is not None and volunteer.run_id != run.id:
+            volunteer = None
+    if volunteer is None:
+        volunteer = session.scalars(
+            select(Volunteer)
+            .where(Volunteer.run_id == run.id, Volunteer.display_name == ref)
+            .order_by(Volunteer.id)
+            .limit(1)
+        ).first()
+    if volunteer is None:
+        raise NotFound(f"run {run.id} has no volunteer {ref!r}")
+    return volunteer
+
+
+def volunteer_detail(
+    session: Session, run: Run, ref: str, *, online_ttl_s: float, points: int = 200
+) -> VolunteerDetail:
+    volunteer = find_volunteer(session, run, ref)
+    now = now_ms()
+    ranking = _volunteer_rows(session, run.id, now, online_ttl_s)
+    total = sum(r.samples for r in ranking)
+    rank = next(i for i, r in enumerate(ranking, start=1) if r.id == volunteer.id)
+    me = ranking[rank - 1]
+    peers = list(
+        session.scalars(select(Peer).where(Peer.volunteer_id == volunteer.id).order_by(Peer.id))
+    )
+    since = now - int(online_ttl_s * 1000)
+    by_pk = {p.id: p for p in peers}
+    reports = session.execute(
+        select(ProgressReport.peer_id, ProgressReport.reported_ms, ProgressReport.samples)
+        .where(ProgressReport.peer_id.in_(list(by_pk)) if by_pk else ProgressReport.id < 0)
+        .order_by(ProgressReport.id.desc())
+        .limit(VOLUNTEER_REPORTS)
+    ).all()
+    reports = sorted(reports, key=lambda r: r[1])
+    series, sessions = _contribution(reports, online_ttl_s, points)
+    return VolunteerDetail(
+        run=RunRef(id=run.id, name=run.name),
+        volunteer=VolunteerSummary(
+            id=volunteer.id,
+            display_name=volunteer.display_name,
+            samples=me.samples,
+            share=_share(me.samples, total),
+            rank=rank,
+            of=len(ranking),
+            online_s=me.online_ms / 1000,
+            first_seen=None if me.first_seen_ms is None else ms_to_datetime(me.first_seen_ms),
+            last_seen=None if me.last_seen_ms is None else ms_to_datetime(me.last_seen_ms),
+            banned=volunteer.banned_at is not None,
+        ),
+        series=series,
+        sessions=[
+            SessionRow(
+                peer_id=by_pk[pk].peer_id,
+                started=ms_to_datetime(start),
+                ended=None if end >= since else ms_to_datetime(end),
+                duration_s=(end - start) / 1000,
+            )
+            for pk, start, end in sessions
+        ],
+        machines=[
+            MachineRow(
+                peer_id=p.peer_id,
+                addresses=list(p.addresses or []),
+                reachable=not p.client_mode,
+                client_mode=p.client_mode,
+                epoch=p.epoch,
+                samples=p.samples_base + p.samples,
+                samples_per_second=p.samples_per_second,
+                group_size=p.group_size,
+                last_seen=ms_to_datetime(p.last_seen_ms),
+                online=p.last_seen_ms >= since,
+            )
+            for p in peers
+        ],
+    )
+
+
+def _contribution(
+    reports: Sequence[tuple[int, int, int]],
+    online_ttl_s: float,
+    points: int,
+) -> tuple[VolunteerSeries, list[tuple[int, int, int]]]:
+    """The volunteer's cumulative samples over time (a counter that went backwards restarted
+    from zero) downsampled to ``points``, and its sessions (peer, start ms, end ms): runs of
+    reports without a gap longer than the online TTL. Reports are sorted by time."""
+    gap_ms = int(online_ttl_s * 1000)
+    last: dict[int, int] = {}
+    banked: dict[int, int] = {}
+    open_sessions: dict[int, list[int]] = {}
+    sessions: list[list[int]] = []
+    times: list[int] = []
+    totals: list[int] = []
+    for pk, t, samples in reports:
+        previous = last.get(pk)
+        if previous is not None and samples < previous:
+            banked[pk] = banked.get(pk, 0) + previous
+        last[pk] = samples
+        current = open_sessions.get(pk)
+        if current is None or t - current[2] > gap_ms:
+            current = [pk, t, t]
+            open_sessions[pk] = current
+            sessions.append(current)
+        current[2] = t
+        times.append(t)
+        totals.append(sum(banked.values()) + sum(last.values()))
+    if len(times) > points:
+        step = len(times) / points
+        picks = sorted(
+            {min(len(times) - 1, int(i * step)) for i in range(points)} | {len(times) - 1}
+        )
+        times = [times[i] for i in picks]
+        totals = [totals[i] for i in picks]
+    return (
+        VolunteerSeries(t=[x / 1000 for x in times], samples=totals),
+        [(s[0], s[1], s[2]) for s in sessions],
+    )
