@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.cli.conftest import Coordinator, Result, free_port, run_swarmgrad
+from tests.cli.conftest import Coordinator, Result, run_swarmgrad
+from tests.conftest import free_port
 
 
 def join(url: str, *args: str, data_dir: Path) -> Result:

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.cli.conftest import Coordinator, Result, free_port
+from tests.cli.conftest import Coordinator, Result
+from tests.conftest import free_port
 
 
 @pytest.fixture
