@@ -4,7 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test test-fast lint format bench clean
+CHROMIUM := /usr/bin/chromium
+
+.PHONY: demo test test-fast lint format bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,10 +19,21 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/swarmgrad demo
 
-test: $(STAMP)
+# The browser tests drive Debian's chromium through playwright; nothing is downloaded at run time.
+browser:
+	@if [ -x $(CHROMIUM) ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's chromium for the browser tests"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+		|| { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
+	else \
+		echo "the browser tests need Debian's chromium at $(CHROMIUM): run 'sudo apt-get install chromium'" >&2; exit 1; \
+	fi
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) browser
 	$(BIN)/python -m pytest -m "not slow"
 
 lint: $(STAMP)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server import web
 from server.api.fast_reports import ReportFastPath
 from server.api.routes import checkpoints, dashboard, health, peers, progress, runs, tokens
 from server.config import Settings
@@ -104,6 +105,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(peers.join_router)
     for module in (runs, tokens, peers, checkpoints, progress, dashboard, health):
         app.include_router(module.router)
+    web.install(app)
 
     @app.exception_handler(CoordinatorError)
     async def coordinator_error(_: Request, exc: CoordinatorError) -> JSONResponse:

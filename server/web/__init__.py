@@ -1,0 +1,20 @@
+"""The coordinator's web pages (templates and static files live in the repository's ``web/``).
+
+:func:`install` adds them to an app: the page routes, ``/static``, the security headers of
+every page and the access-log filter that keeps invite tokens out of logs."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+
+from server.web.pages import WEB_DIR, PageError, page_error_handler, router
+from server.web.security import PageHeaders, install_log_redaction
+
+
+def install(app: FastAPI) -> None:
+    app.include_router(router)
+    app.mount("/static", StaticFiles(directory=WEB_DIR / "static"), name="static")
+    app.add_exception_handler(PageError, page_error_handler)
+    app.add_middleware(PageHeaders)
+    install_log_redaction()

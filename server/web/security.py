@@ -1,0 +1,119 @@
+"""What keeps the pages safe: security headers, the organizer's sign-in cookie, CSRF tokens,
+and invite tokens kept out of the access log.
+
+- **Headers.** Every page answer carries a Content-Security-Policy that allows scripts,
+  styles, images and connections from this origin only (no inline script or style: the
+  templates have none), and refuses framing, plus ``nosniff``, ``no-referrer`` (an invite
+  link in the address bar must not leak through ``Referer``) and ``Cache-Control:
+  no-store`` (pages may show credentials).
+- **Organizer cookie.** Signing in stores the organizer token itself in an HttpOnly,
+  SameSite=Strict cookie (Secure when the public URL is https); each request checks it again
+  against the database, so a revoked token signs the browser out.
+- **CSRF.** Double-submit: a random value in an HttpOnly, SameSite=Strict cookie and the
+  same value in a hidden ``csrf`` field of every form; a POST whose two values differ is
+  refused. SameSite=Strict already keeps other sites' forms from carrying the cookies; the
+  token also covers same-site attackers (another app on a sibling subdomain).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import secrets
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+ORGANIZER_COOKIE = "swarmgrad_organizer"
+CSRF_COOKIE = "swarmgrad_csrf"
+CSRF_FIELD = "csrf"
+
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
+)
+PAGE_HEADERS = [
+    (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"x-frame-options", b"DENY"),
+    (b"cross-origin-opener-policy", b"same-origin"),
+]
+NO_STORE = (b"cache-control", b"no-store")
+
+
+def is_page(path: str) -> bool:
+    """Paths served as HTML pages (everything but the API, static files and probes)."""
+    return not path.startswith(("/api/", "/static/", "/healthz", "/metrics", "/docs", "/openapi"))
+
+
+class PageHeaders:
+    """Adds :data:`PAGE_HEADERS` (and ``no-store``) to every page answer, ``nosniff`` and the
+    CSP to static files too."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        page = is_page(path)
+        static = path.startswith("/static/")
+        if not (page or static):
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [
+                    (k, v)
+                    for k, v in message.get("headers", ())
+                    if k.lower() not in {h for h, _ in PAGE_HEADERS}
+                ]
+                headers.extend(PAGE_HEADERS)
+                if page:
+                    headers = [(k, v) for k, v in headers if k.lower() != b"cache-control"]
+                    headers.append(NO_STORE)
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def new_csrf_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def csrf_matches(cookie: str | None, field: str | None) -> bool:
+    if not cookie or not field:
+        return False
+    return hmac.compare_digest(cookie.encode(), field.encode())
+
+
+_INVITE_PATH = re.compile(r"(/join/)[^/?\s\"]+")
+
+
+def redact_invites(text: str) -> str:
+    """``/join/<token>`` becomes ``/join/<redacted>``."""
+    return _INVITE_PATH.sub(r"\1<redacted>", text)
+
+
+class RedactInvites(logging.Filter):
+    """Keeps invite tokens (which are in the invite page's URL) out of uvicorn's access log:
+    its records carry the path among their arguments."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact_invites(a) if isinstance(a, str) else a for a in record.args)
+        elif isinstance(record.msg, str):
+            record.msg = redact_invites(record.msg)
+        return True
+
+
+def install_log_redaction() -> None:
+    """Idempotent: add :class:`RedactInvites` to uvicorn's access logger."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactInvites) for f in access.filters):
+        access.addFilter(RedactInvites())

@@ -1,0 +1,162 @@
+"""The pages in a real browser against an in-process coordinator with seeded data: escaping
+of hostile names, the Content-Security-Policy, accessibility (axe-core), and the layout at a
+phone's and a laptop's width. Fast: no volunteer processes (those are in test_live_swarm.py)."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from peer.identity import Identity
+from server.app import create_app
+from tests.conftest import served
+from tests.server.conftest import ADMIN_TOKEN, ORGANIZER, bearer, join_proof, make_settings
+from tests.web.conftest import axe_violations
+
+XSS = "<img src=x onerror=alert(1)>"
+
+
+@dataclass
+class Site:
+    url: str
+    run_id: str
+    invite: str
+    volunteer_id: int
+
+
+def _join(client: httpx.Client, run_id: str, token: str, name: str | None = None) -> dict[str, Any]:
+    challenge = client.post("/api/v1/join/challenge", headers=bearer(token)).json()["challenge"]
+    body: dict[str, Any] = {
+        **join_proof(run_id, challenge, Identity()),
+        "addresses": ["ws://127.0.0.1:9"],
+    }
+    if name is not None:
+        body["display_name"] = name
+    answer = client.post(f"/api/v1/runs/{run_id}/join", json=body, headers=bearer(token))
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+@pytest.fixture(scope="module")
+def site() -> Iterator[Site]:
+    with tempfile.TemporaryDirectory() as directory:
+        settings = make_settings(
+            f"sqlite:///{directory}/coordinator.db",
+            checkpoint_dir=Path(directory) / "checkpoints",
+            snapshot_interval_s=0.001,
+            report_flush_interval_s=0,
+        )
+        with served(create_app(settings)) as url, httpx.Client(base_url=url) as client:
+            run = client.post(
+                "/api/v1/runs",
+                json={"name": f"digits {XSS}", "task": "digits", "config": {"epochs": 50}},
+                headers=ORGANIZER,
+            ).json()
+            invite = client.post(
+                f"/api/v1/runs/{run['id']}/tokens", json={"label": XSS}, headers=ORGANIZER
+            ).json()["token"]
+            peers = [_join(client, run["id"], invite, name) for name in (XSS, "ada", "bob")]
+            for step in range(1, 6):
+                for i, peer in enumerate(peers):
+                    report = {
+                        "epoch": step,
+                        "samples": 100 * step * (i + 1),
+                        "samples_per_second": 20.0 + i,
+                        "loss": 2.0 / step,
+                        "group_size": 3,
+                        "rounds_done": 1,
+                    }
+                    answer = client.post(
+                        f"/api/v1/runs/{run['id']}/reports",
+                        json=report,
+                        headers=bearer(peer["peer_token"]),
+                    )
+                    assert answer.status_code == 202
+            dashboard = client.get(f"/api/v1/runs/{run['id']}/dashboard").json()
+            xss_id = next(v["id"] for v in dashboard["volunteers"] if v["display_name"] == XSS)
+            yield Site(url, run["id"], invite, xss_id)
+
+
+def pages(site: Site) -> dict[str, str]:
+    return {
+        "runs": f"{site.url}/",
+        "dashboard": f"{site.url}/runs/{site.run_id}",
+        "volunteer": f"{site.url}/runs/{site.run_id}/volunteers/{site.volunteer_id}",
+        "invite": f"{site.url}/join/{site.invite}",
+    }
+
+
+def test_pages_carry_the_security_headers(site: Site) -> None:
+    with httpx.Client() as client:
+        for name, url in pages(site).items():
+            answer = client.get(url)
+            assert answer.status_code == 200, (name, answer.text)
+            csp = answer.headers["content-security-policy"]
+            assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp, name
+            assert answer.headers["x-content-type-options"] == "nosniff"
+            assert answer.headers["referrer-policy"] == "no-referrer"
+            assert answer.headers["cache-control"] == "no-store"
+            assert XSS not in answer.text, name  # only ever escaped
+
+
+def test_a_hostile_name_is_text_everywhere_and_no_script_runs(site: Site, open_page: Any) -> None:
+    for name, url in pages(site).items():
+        page = open_page(url)
+        page.wait_for_load_state("networkidle")
+        if name == "invite":
+            page.get_by_label("Display name").fill(XSS)
+            page.get_by_role("button", name="Get my credential").click()
+            assert page.locator("#volunteer-name").inner_text() == XSS
+        else:
+            assert XSS in page.locator("main").inner_text(), name
+        assert page.locator("img[src=x]").count() == 0, name
+    # A dialog (alert) would have been recorded by the page fixture and fail this test.
+
+
+def test_dashboard_charts_are_drawn(site: Site, open_page: Any) -> None:
+    page = open_page(pages(site)["dashboard"])
+    for chart in ("loss", "throughput", "peers", "groups", "group-dist", "rounds"):
+        canvas = page.locator(f"#chart-{chart} canvas")
+        canvas.wait_for()
+        painted = canvas.evaluate(
+            """c => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                      let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; }"""
+        )
+        assert painted > 500, (chart, painted)
+    assert page.locator("#live-status").get_attribute("data-state") == "live"
+
+
+@pytest.mark.parametrize("page_name", ["runs", "dashboard", "invite", "volunteer"])
+def test_axe_finds_nothing_serious(site: Site, open_page: Any, page_name: str) -> None:
+    page = open_page(pages(site)[page_name])
+    page.wait_for_load_state("networkidle")
+    assert axe_violations(page) == []
+
+
+def test_signed_in_dashboard_is_accessible_too(site: Site, open_page: Any) -> None:
+    page = open_page(f"{site.url}/signin?next=/runs/{site.run_id}")
+    page.get_by_label("Organizer token").fill(ADMIN_TOKEN)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(f"**/runs/{site.run_id}")
+    page.get_by_role("button", name="Pause").wait_for()
+    page.wait_for_load_state("networkidle")
+    assert axe_violations(page) == []
+
+
+@pytest.mark.parametrize(("width", "height"), [(390, 844), (1366, 768)])
+def test_dashboard_is_readable_on_a_phone_and_a_laptop(
+    site: Site, open_page: Any, width: int, height: int
+) -> None:
+    page = open_page(pages(site)["dashboard"], width=width, height=height)
+    page.wait_for_load_state("networkidle")
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+    for metric in ("epoch", "samples", "samples_per_second", "peers_online"):
+        assert page.locator(f"[data-metric={metric}]").is_visible(), metric
+    box = page.locator("#chart-throughput canvas").bounding_box()
+    assert box is not None and box["width"] <= width
