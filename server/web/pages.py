@@ -184,7 +184,7 @@ def invite_page(
     try:
         found = volunteer_service.inspect_invite(session, invite[:200])
     except volunteer_service.InviteUnusable as exc:
-        return render(request, "join.html", {"problem": str(exc)}, status=410)
+        return render(request, "join.html", {"problem": str(exc)})
     return render(request, "join.html", {"run": found.run}, organizer=organizer)
 
 
@@ -203,7 +203,7 @@ def redeem_invite(
             session, invite[:200], display_name, token_ttl_s=settings.join_token_default_ttl_s
         )
     except volunteer_service.InviteUnusable as exc:
-        return render(request, "join.html", {"problem": str(exc)}, status=410)
+        return render(request, "join.html", {"problem": str(exc)})
     except ValueError as exc:
         found = volunteer_service.inspect_invite(session, invite[:200])
         return render(
