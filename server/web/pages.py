@@ -35,7 +35,16 @@ from server.web.security import (
     new_csrf_token,
 )
 
-WEB_DIR = Path(__file__).resolve().parents[2] / "web"
+
+def _web_dir() -> Path:
+    """Installed: the data package ``server.web.assets``; in the repository: ``web/``."""
+    installed = Path(__file__).resolve().parent / "assets"
+    if (installed / "templates").is_dir():
+        return installed
+    return Path(__file__).resolve().parents[2] / "web"
+
+
+WEB_DIR = _web_dir()
 templates = Jinja2Templates(directory=WEB_DIR / "templates")
 
 router = APIRouter(include_in_schema=False)

@@ -127,6 +127,11 @@ def test_installed_coordinator_serves(installed: Path, tmp_path: Path) -> None:
         assert wait_until(healthy, scaled(30), interval=0.1)
         response = httpx.get(f"http://127.0.0.1:{port}/healthz")
         assert response.headers["X-Swarmgrad-Coordinator"] == "1"
+        # The pages and their static files come from the installed package, not the repository.
+        page = httpx.get(f"http://127.0.0.1:{port}/")
+        assert page.status_code == 200 and "<h1>Runs</h1>" in page.text
+        script = httpx.get(f"http://127.0.0.1:{port}/static/vendor/uplot/uPlot.iife.min.js")
+        assert script.status_code == 200 and "uPlot" in script.text
     finally:
         process.terminate()
         output, _ = process.communicate(timeout=30)
@@ -136,6 +141,18 @@ def test_installed_coordinator_serves(installed: Path, tmp_path: Path) -> None:
         assert "checkpoints" in inspect(engine).get_table_names()
         with engine.connect() as connection:
             head = connection.execute(text("SELECT version_num FROM alembic_version")).scalar()
-        assert head == "0002"
+        assert head == "0003"
     finally:
         engine.dispose()
+
+
+def test_the_listed_packages_are_every_package_of_the_tree() -> None:
+    """pyproject lists its packages (one is web/, mapped); a new package must be listed."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set(find_packages(where=str(REPO_ROOT), include=["peer*", "server*", "swarmgrad*"]))
+    assert set(config["packages"]) == found | {"server.web.assets"}
+    assert config["package-dir"] == {"server.web.assets": "web"}
