@@ -8,6 +8,7 @@ the factory uvicorn's workers use (``uvicorn --factory server.app:app_from_env``
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -60,6 +61,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.migrate_on_start:
             await asyncio.to_thread(upgrade_database, engine)
+        # Everything loaded so far (modules, the app) lives as long as the process: keep it
+        # out of the collector's full passes, which otherwise rescan it every few thousand
+        # allocations and put 60-100 ms pauses into the answers (bench/dashboard.py's p99).
+        gc.collect()
+        gc.freeze()
         buffer = ReportBuffer(
             session_factory,
             flush_interval_s=settings.report_flush_interval_s,

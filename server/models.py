@@ -152,6 +152,8 @@ class Peer(Base):
     __table_args__ = (
         UniqueConstraint("run_id", "peer_id", name="uq_peers_run_id_peer_id"),
         Index("ix_peers_run_id_last_seen_ms", "run_id", "last_seen_ms"),
+        # The dashboard sums each volunteer's peers.
+        Index("ix_peers_volunteer_id", "volunteer_id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

@@ -38,6 +38,7 @@ def upgrade() -> None:
             sa.Column("online_ms", sa.BigInteger(), server_default="0", nullable=False)
         )
         batch_op.add_column(sa.Column("loss_nan", sa.Boolean(), server_default="0", nullable=False))
+        batch_op.create_index("ix_peers_volunteer_id", ["volunteer_id"], unique=False)
 
     with op.batch_alter_table("progress_snapshots", schema=None) as batch_op:
         batch_op.add_column(sa.Column("eval_metric", sa.Float(), nullable=True))
@@ -58,6 +59,7 @@ def downgrade() -> None:
         batch_op.drop_column("eval_metric")
 
     with op.batch_alter_table("peers", schema=None) as batch_op:
+        batch_op.drop_index("ix_peers_volunteer_id")
         batch_op.drop_column("loss_nan")
         batch_op.drop_column("online_ms")
         batch_op.drop_column("session_started_ms")
