@@ -48,7 +48,10 @@ function renderHeadline(document_) {
   setMetric("eval_metric", fixed(h.eval_metric, 4));
   setMetric("rounds", `${h.rounds_done} / ${h.rounds_failed}`);
   setMetric("eta", eta(h.eta_s));
-  setMetric("checkpoint", h.checkpoint ? `epoch ${h.checkpoint.epoch}` : "none yet");
+  setMetric(
+    "checkpoint",
+    h.checkpoint ? `epoch ${h.checkpoint.epoch}, ${Math.round(h.checkpoint.age_s / 60)} min ago` : "none yet",
+  );
   const status = document.getElementById("run-status");
   status.textContent = document_.run.status;
   status.className = `badge badge-${document_.run.status}`;
