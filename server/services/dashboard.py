@@ -50,6 +50,7 @@ RECENT_EPOCHS = 10  # epochs behind the ETA and the rounds-failing alert
 TREND_POINTS = 30  # samples/s points of the runs list's sparkline
 VOLUNTEER_REPORTS = 20_000  # newest reports behind a volunteer's chart and sessions
 STALL_AFTER_S = 120.0  # a running run with no report for this long is stalled
+MAX_ID = 2**31 - 1  # volunteers' ids are 32-bit integers on every backend
 
 
 # ----------------------------------------------------------------------------- pure rules
@@ -375,7 +376,7 @@ def runs_overview(session: Session, *, online_ttl_s: float) -> RunsOverview:
 def find_volunteer(session: Session, run: Run, ref: str) -> Volunteer:
     """By numeric id, else by exact display name (the oldest volunteer of that name)."""
     volunteer = None
-    if ref.isdigit():
+    if ref.isdigit() and int(ref) <= MAX_ID:
         volunteer = session.get(Volunteer, int(ref))
         if volunteer is not None and volunteer.run_id != run.id:
             volunteer = None

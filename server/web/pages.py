@@ -380,6 +380,8 @@ def ban_volunteer(
     check_csrf(request, csrf)
     require_organizer(organizer)
     run = _run(session, run_id)
+    if not 1 <= volunteer_id <= dashboard_service.MAX_ID:
+        raise PageError(404, "This run has no such volunteer.")
     try:
         volunteer_service.ban(session, run, volunteer_id)
     except NotFound:

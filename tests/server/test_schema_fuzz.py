@@ -56,7 +56,12 @@ class Credentials:
                 online_ttl_s=60,
                 bootstrap_size=8,
             )
-            return {"run_id": run.id, TokenScope.join: join, TokenScope.peer: joined.peer_token}
+            return {
+                "run_id": run.id,
+                "volunteer_id": str(joined.peer.volunteer_id),
+                TokenScope.join: join,
+                TokenScope.peer: joined.peer_token,
+            }
 
 
 @pytest.fixture
@@ -105,6 +110,9 @@ def test_api_conforms_to_its_schema(fuzzed_app) -> None:  # type: ignore[no-unty
             made = credentials.fresh()
             if "run_id" in (case.path_parameters or {}):
                 case.path_parameters["run_id"] = made["run_id"]
+            for name in ("volunteer_id", "ref"):  # the run's one volunteer
+                if name in (case.path_parameters or {}):
+                    case.path_parameters[name] = made["volunteer_id"]
             scope = _scope(case.method.upper(), case.path)
             headers = {}
             if scope is TokenScope.organizer:

@@ -19,6 +19,7 @@ from server.schemas_dashboard import RunDashboard, RunsOverview, VolunteerBanned
 from server.services import dashboard as dashboard_service
 from server.services import runs as run_service
 from server.services import volunteers as volunteer_service
+from server.services.dashboard import MAX_ID
 
 router = APIRouter(prefix=API_PREFIX, tags=["dashboard"])
 
@@ -60,7 +61,10 @@ def read_volunteer(
 
 @router.post("/runs/{run_id}/volunteers/{volunteer_id}/ban", response_model=VolunteerBanned)
 def ban_volunteer(
-    _: CurrentOrganizer, session: SessionDep, run: RunDep, volunteer_id: int
+    _: CurrentOrganizer,
+    session: SessionDep,
+    run: RunDep,
+    volunteer_id: int = Path(ge=1, le=MAX_ID, description="The volunteer's id."),
 ) -> VolunteerBanned:
     """Revoke every token of the volunteer; its keys can no longer join or renew."""
     volunteer = volunteer_service.ban(session, run, volunteer_id)
