@@ -61,21 +61,26 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def served(app: Any) -> Iterator[str]:
-    """An ASGI app served by uvicorn on a free loopback port, in a thread (its lifespan runs);
-    yields its URL."""
+    """An ASGI app served by uvicorn on a loopback port, in a thread (its lifespan runs);
+    yields its URL. The socket is bound before uvicorn starts, so no other process can take
+    the port in between."""
     import uvicorn
 
     from peer.testing import wait_until
 
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True
+    )
     thread.start()
     try:
-        assert wait_until(lambda: server.started or not thread.is_alive(), scaled(30))
+        assert wait_until(lambda: server.started or not thread.is_alive(), scaled(60))
         assert server.started, "the app did not start"
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(scaled(30))
+        sock.close()

@@ -4,7 +4,6 @@ on a loopback port (SQLite): what the mock tests assume about the API, checked e
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ from peer.coordinator import (
 )
 from peer.identity import Certificate, CertificateVerifier, Identity
 from peer.testing import wait_until
-from tests.conftest import scaled
+from tests.conftest import scaled, served
 
 uvicorn = pytest.importorskip("uvicorn")
 server_fixtures = pytest.importorskip("tests.server.conftest")
@@ -46,26 +45,8 @@ def coordinator_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         report_flush_interval_s=0,
         certificate_ttl_s=3600,
     )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(settings), lifespan="on", log_level="warning", ws="none", http="h11"
-        )
-    )
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [sock]}, name="test-coordinator", daemon=True
-    )
-    thread.start()
-    try:
-        assert wait_until(lambda: server.started or not thread.is_alive(), scaled(60))
-        assert server.started, "the coordinator did not start"
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(scaled(30))
-        sock.close()
+    with served(create_app(settings)) as url:
+        yield url
 
 
 @pytest.fixture
