@@ -5,6 +5,7 @@ the same run.
     python bench/train.py --peers 2 --epochs 10
     python bench/train.py --task charlm --peers 2     # peer.Optimizer with the task's config
     python bench/train.py --task charlm --peers 2 --epochs 20 --config matchmaking_time=0.5
+    python bench/train.py --methods all              # collaborative, hierarchical, DASO
 
 Every peer and the single reference run in their own OS process (spawned, one torch thread
 each), so neither side shares an interpreter lock.
@@ -16,6 +17,12 @@ background parameter averaging) and prints:
   hold the same model), and the gap in points;
 * samples/s: the single process's, and the swarm's (all peers' samples over the longest
   peer's training time), and their ratio.
+
+``--methods collaborative,hierarchical,daso`` (or ``all``) trains the same digits recipe
+with each method instead (:mod:`peer.tasks.digits_compare`: 4 peers, the recipe's 30 epochs by default)
+and prints, per method, the worst peer's accuracy and its gap to the single process, the
+samples, the bytes each peer's node sent per sample and the seconds per epoch — the last two
+also as ratios to the collaborative ``Optimizer`` measured in the same run.
 
 Any other task (``charlm``, ``package.module:function``) is trained as a run trains it: the
 collaborative ``peer.Optimizer`` with the task's TrainingConfig (``--config key=value``
@@ -93,10 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--config", action="append", default=[], metavar="KEY=VALUE", help="not for digits"
     )
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help="digits only: compare collaborative,hierarchical,daso (any of them, comma-"
+        "separated, or 'all') against one process, instead of DecentralizedSGD",
+    )
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
     if args.task != "digits":
         return _collaborative_main(args)
+    if args.methods:
+        return _methods_main(args)
     args.epochs = args.epochs or 30
     config = dataclasses.asdict(DigitsConfig(epochs=args.epochs, batch_size=args.batch_size))
     ctx = multiprocessing.get_context("spawn")  # no dependence on fork
@@ -155,6 +170,102 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  samples/s: swarm {swarm_sps:.0f}, single {single_sps:.0f}, ratio swarm/single {swarm_sps / single_sps:.2f}"
     )
+    return 0
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def _method_peer(
+    index: int, num_peers: int, bootstrap: list[str], config: dict[str, Any], method: str
+) -> dict[str, Any]:
+    from peer import Node
+    from peer.tasks.digits_compare import train_peer_with
+
+    with Node(bootstrap, gossip_period=0.2) as node:
+        result = train_peer_with(node, index, num_peers, DigitsConfig(**config), method)
+    return dataclasses.asdict(result)
+
+
+def _methods_main(args: argparse.Namespace) -> int:
+    """Every method on the same shards, peers and recipe; ratios against the collaborative
+    ``Optimizer`` measured in the same run."""
+    from peer import Node
+    from peer.tasks.digits_compare import METHODS
+
+    methods = list(METHODS) if args.methods == "all" else args.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"unknown method(s) {', '.join(unknown)}: use {', '.join(METHODS)}")
+    args.epochs = args.epochs or 30
+    config = dataclasses.asdict(DigitsConfig(epochs=args.epochs, batch_size=args.batch_size))
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    single_proc = ctx.Process(target=_single_main, args=(config, out))
+    single_proc.start()
+    _, single_dict = out.get(timeout=args.timeout)
+    single_proc.join()
+    single = TrainResult(**single_dict)
+    rows: dict[str, list[TrainResult]] = {}
+    for method in methods:
+        with Node(gossip_period=0.2) as bootstrap:
+            procs = [
+                ctx.Process(
+                    target=_child,
+                    args=(
+                        _method_peer,
+                        i,
+                        out,
+                        i,
+                        args.peers,
+                        bootstrap.visible_addresses,
+                        config,
+                        method,
+                    ),
+                )
+                for i in range(args.peers)
+            ]
+            for proc in procs:
+                proc.start()
+            found: dict[int, TrainResult] = {}
+            for _ in procs:
+                index, value = out.get(timeout=args.timeout)
+                if isinstance(value, str):
+                    print(f"{method}, peer {index}: {value}", file=sys.stderr)
+                    return 1
+                found[index] = TrainResult(**value)
+            for proc in procs:
+                proc.join(timeout=30)
+        rows[method] = [found[i] for i in sorted(found)]
+    print(
+        f"digits: {args.peers} peers of one process each vs one process, {args.epochs} epochs, "
+        f"batch {args.batch_size}; single process: accuracy {single.accuracy:.4f}, "
+        f"{single.samples} samples"
+    )
+    reference = rows.get("collaborative")
+    header = (
+        f"  {'method':<14}{'accuracy':>9}{'gap':>8}{'samples':>9}{'B/sample':>10}{'s/epoch':>9}"
+    )
+    if reference:
+        header += f"{'B/sample vs collab':>20}{'s/epoch vs collab':>19}"
+    print(header)
+
+    def figures(peers: list[TrainResult]) -> tuple[float, float]:
+        per_sample = sum(r.bytes_sent for r in peers) / sum(r.samples for r in peers)
+        return per_sample, max(r.seconds for r in peers) / args.epochs
+
+    for method, peers in rows.items():
+        worst = min(r.accuracy for r in peers)
+        per_sample, per_epoch = figures(peers)
+        line = (
+            f"  {method:<14}{worst:>9.4f}{100 * (single.accuracy - worst):>+8.2f}"
+            f"{sum(r.samples for r in peers):>9}{per_sample:>10.0f}{per_epoch:>9.2f}"
+        )
+        if reference:
+            ref_sample, ref_epoch = figures(reference)
+            line += f"{per_sample / ref_sample:>20.2f}{per_epoch / ref_epoch:>19.2f}"
+        print(line)
+    print("  (accuracy: the worst peer's; gap: single - worst, in points)")
     return 0
 
 

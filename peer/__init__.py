@@ -5,7 +5,8 @@ in-memory connections), :mod:`peer.identity` (keys, auth modes, certificates),
 :mod:`peer.node` (authenticated connections, membership and the gossip store),
 :mod:`peer.averaging` (``DecentralizedAverager``: matchmaking, butterfly all-reduce, state
 download), :mod:`peer.optim` (``DecentralizedOptimizer``/``SGD``/``Adam`` with swarm epochs,
-and the collaborative ``Optimizer`` with a global target batch size).
+the collaborative ``Optimizer`` with a global target batch size, ``HierarchicalModelAverager``
+and ``DASO`` over a machine's ``torch.distributed`` world and the swarm).
 
 Names that need torch are imported lazily (PEP 562), so a process that only gossips — a
 node in a test harness, the coordinator — starts without paying for ``import torch``.
@@ -31,7 +32,9 @@ if TYPE_CHECKING:
     from peer.averaging.averager import DecentralizedAverager
     from peer.averaging.control import AveragingStage, StepControl
     from peer.optim.collaborative import Optimizer
+    from peer.optim.daso import DASO, DataParallelOptimizer
     from peer.optim.decentralized import DecentralizedAdam, DecentralizedOptimizer, DecentralizedSGD
+    from peer.optim.hierarchical import HierarchicalModelAverager
 
 _LAZY = {
     "DecentralizedAverager": "peer.averaging.averager",
@@ -41,6 +44,9 @@ _LAZY = {
     "DecentralizedOptimizer": "peer.optim.decentralized",
     "DecentralizedSGD": "peer.optim.decentralized",
     "Optimizer": "peer.optim.collaborative",
+    "DASO": "peer.optim.daso",
+    "DataParallelOptimizer": "peer.optim.daso",
+    "HierarchicalModelAverager": "peer.optim.hierarchical",
 }
 
 
@@ -54,15 +60,18 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DASO",
     "AsyncNode",
     "AveragingStage",
     "Certificate",
     "CertificateAuth",
     "CertificateVerifier",
+    "DataParallelOptimizer",
     "DecentralizedAdam",
     "DecentralizedAverager",
     "DecentralizedOptimizer",
     "DecentralizedSGD",
+    "HierarchicalModelAverager",
     "Identity",
     "Node",
     "OpenAuth",

@@ -23,7 +23,9 @@ import base64
 import functools
 import hashlib
 import hmac
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +42,16 @@ SIGNATURE_SIZE = 64
 PEER_ID_LENGTH = 32
 
 CERTIFICATE_CONTEXT = b"swarmgrad/certificate/v1\x00"
+_PEER_ID_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyz234567")
+
+
+def is_peer_id(value: object) -> bool:
+    """Whether ``value`` has the form of a peer id (not whether such a peer exists)."""
+    return (
+        isinstance(value, str)
+        and len(value) == PEER_ID_LENGTH
+        and all(c in _PEER_ID_ALPHABET for c in value)
+    )
 
 
 def peer_id_from_public_key(public_key: bytes) -> str:
@@ -59,19 +71,49 @@ def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
     """True when ``signature`` is ``public_key``'s Ed25519 signature of ``data``."""
     if len(public_key) != PUBLIC_KEY_SIZE or len(signature) != SIGNATURE_SIZE:
         return False
-    return _verify(bytes(public_key), bytes(signature), bytes(data))
+    return _VERIFIED.check(bytes(public_key), bytes(signature), data)
 
 
-# Verification is a pure function of its three inputs, and the same gossip record often
-# arrives from several peers within a round: remembering recent answers saves most of the
-# CPU that signature checks cost (a few MB at most).
-@functools.lru_cache(maxsize=8192)
-def _verify(public_key: bytes, signature: bytes, data: bytes) -> bool:
-    try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(signature, data)
-    except (InvalidSignature, ValueError):
-        return False
-    return True
+class _VerifiedSignatures:
+    """Recently verified signatures, so a gossip record that arrives from several peers
+    within a round is checked once.
+
+    Keyed by a 32-byte digest of (key, signature, data), never by the data itself (which
+    the sender chooses and may be megabytes), and only successes are kept: a stream of
+    forged messages costs one verification each and leaves nothing behind. At most
+    ``max_entries`` (least recently used go first): ~1 MiB in all."""
+
+    def __init__(self, max_entries: int = 8192) -> None:
+        self.max_entries = max_entries
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()  # nodes on several loop threads share one process
+
+    def check(self, public_key: bytes, signature: bytes, data: bytes | memoryview) -> bool:
+        # key and signature have fixed sizes (checked by the caller): the concatenation
+        # is unambiguous
+        h = hashlib.blake2b(public_key, digest_size=32)
+        h.update(signature)
+        h.update(data)
+        digest = h.digest()
+        with self._lock:
+            if digest in self._seen:
+                self._seen.move_to_end(digest)
+                return True
+        try:
+            Ed25519PublicKey.from_public_bytes(public_key).verify(signature, bytes(data))
+        except (InvalidSignature, ValueError):
+            return False
+        with self._lock:
+            self._seen[digest] = None
+            while len(self._seen) > self.max_entries:
+                self._seen.popitem(last=False)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+_VERIFIED = _VerifiedSignatures()
 
 
 class Identity:

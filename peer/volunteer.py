@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from peer.exceptions import SwarmgradError
-from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
+from peer.identity import Identity
 
 logger = logging.getLogger("peer.volunteer")
 
@@ -211,6 +211,7 @@ class Volunteer:
     def run(self) -> str:
         """Join, train until the run finishes or :meth:`stop` is called; the final message."""
         from peer.coordinator import CoordinatorClient
+        from peer.coordinator.membership import NodeOptions, join_run
         from peer.tasks.registry import load_task
 
         options = self.options
@@ -227,94 +228,32 @@ class Volunteer:
                 peer_id=identity.peer_id,
                 metric_name=task.metric_name,
             )
-            answer = client.join(
+            membership = join_run(
+                client,
                 options.token,
-                challenge,
                 identity,
-                client_mode=options.client_mode,
+                node_options=NodeOptions(
+                    options.host, options.port, options.bulk_port, options.client_mode
+                ),
                 display_name=options.name,
+                challenge=challenge,
+                on_status=lambda status: self._wake.set(),
             )
+            stack.callback(membership.node.shutdown)
+            stack.callback(membership.session.close)
+            self._update(reachability=membership.reachability)
             from peer.tasks.base import TaskError, TrainingConfig
 
+            answer = membership.answer
             try:
                 config = TrainingConfig.from_run_config(task, answer.config)
             except ValueError as exc:
                 raise TaskError(
                     f"the run's config does not suit the task {task.name!r}: {exc}"
                 ) from exc
-            node, answer = self._start_node(client, answer, identity)
-            stack.callback(node.shutdown)
-            session = self._start_session(client, answer, node)
-            stack.callback(session.close)
-            return self._train(client, answer, node, session, task, config, device)
-
-    # ------------------------------------------------------------------ set-up
-
-    def _node(self, answer: Any, identity: Identity, *, client_mode: bool) -> Any:
-        from peer.node import Node
-
-        certificate = Certificate.from_base64(answer.certificate)
-        verifier = CertificateVerifier(answer.run_public_key, answer.run_id)
-        return Node(
-            list(answer.bootstrap),
-            host=self.options.host,
-            port=self.options.port,
-            bulk_port=self.options.bulk_port,
-            client_mode=client_mode,
-            identity=identity,
-            auth=CertificateAuth(certificate.to_bytes(), verifier),
-        )
-
-    def _start_node(self, client: Any, answer: Any, identity: Identity) -> tuple[Any, Any]:
-        """The node, listening if others can reach it, else in client mode; and the join
-        answer, with a client's certificate in the second case."""
-        if self.options.client_mode:
-            self._update(reachability="client mode: dialing out only, as asked")
-            return self._node(answer, identity, client_mode=True), answer
-        node = self._node(answer, identity, client_mode=False)
-        try:
-            port, bulk_port = listening_ports(node)
-            reach = client.check_reachability(answer.peer_token, answer.run_id, port, bulk_port)
-        except BaseException:
-            node.shutdown()
-            raise
-        if reach.reachable and reach.address:
-            node.announce([reach.address])
-            self._update(reachability=f"reachable at {reach.address}")
-            return node, answer
-        node.shutdown()
-        # the coordinator now counts this peer as a client: its certificate says so too
-        certificate, expires_at = client.renew_certificate(answer.peer_token, answer.run_id)
-        answer = replace(answer, certificate=certificate, certificate_expires_at=expires_at)
-        ports = " and ".join(str(p) for p in (port, bulk_port) if p)
-        self._update(
-            reachability=(
-                "not reachable from outside: running in client mode; "
-                f"open TCP ports {ports} to help the swarm more"
+            return self._train(
+                client, answer, membership.node, membership.session, task, config, device
             )
-        )
-        return self._node(answer, identity, client_mode=True), answer
-
-    def _start_session(self, client: Any, answer: Any, node: Any) -> Any:
-        from peer.coordinator import CoordinatorSession
-
-        def renewed(certificate_b64: str, expires_at: float) -> None:
-            certificate = Certificate.from_base64(certificate_b64)
-            verifier = CertificateVerifier(answer.run_public_key, answer.run_id)
-            node.set_auth(CertificateAuth(certificate.to_bytes(), verifier))
-
-        session = CoordinatorSession(
-            client,
-            run_id=answer.run_id,
-            peer_token=answer.peer_token,
-            certificate_expires_at=answer.certificate_expires_at,
-            on_certificate=renewed,
-            on_status=lambda status: self._wake.set(),
-            needs_bootstrap=lambda: node.num_links == 0,
-            on_bootstrap=node.add_initial_peers,
-            status=answer.status,
-        )
-        return session
 
     # ------------------------------------------------------------------ training
 
@@ -385,7 +324,9 @@ class _Trainer:
         self.samples = 0
         self.losses: list[float] = []
         self.reported_at = -math.inf
-        self.rounds_reported = (0, 0)
+        from peer.coordinator.reports import OptimizerReports
+
+        self.reports = OptimizerReports()
         self.loss: float | None = None  # mean training loss since the previous report
         self.eval_metric: float | None = None
         self.evaluated_at = -math.inf
@@ -441,7 +382,7 @@ class _Trainer:
         if new_epoch != self.evaluated_epoch:
             self._evaluate()
         if time.monotonic() - self.reported_at >= REPORT_INTERVAL_S:
-            self._report(self.optimizer.tracker.samples_per_second)
+            self._report(self.optimizer.performance.samples_per_second)
 
     def _evaluate(self, *, force: bool = False) -> None:
         """The task's held-out metric, at most once per epoch, and spaced so that evaluating
@@ -457,24 +398,18 @@ class _Trainer:
     def _report(self, samples_per_second: float) -> None:
         """Queue a progress report (never blocks) and refresh the volunteer's status."""
         optimizer = self.optimizer
-        rounds = (optimizer.rounds_done, optimizer.rounds_failed)
         if self.losses:
             self.loss = sum(self.losses) / len(self.losses)
         loss = self.loss
         self.session.submit_report(
-            {
-                "epoch": optimizer.local_epoch,
-                "samples": self.samples,
-                "samples_per_second": samples_per_second,
-                "loss": loss,
-                "group_size": optimizer.last_group_size,
-                "rounds_done": rounds[0] - self.rounds_reported[0],
-                "rounds_failed": rounds[1] - self.rounds_reported[1],
-                "failure": optimizer.last_failure,
-                "eval_metric": self.eval_metric,
-            }
+            self.reports.fields(
+                optimizer,
+                samples=self.samples,
+                samples_per_second=samples_per_second,
+                loss=loss,
+                eval_metric=self.eval_metric,
+            )
         )
-        self.rounds_reported = rounds
         self.losses.clear()
         self.reported_at = time.monotonic()
         self.volunteer._update(
@@ -484,7 +419,7 @@ class _Trainer:
             swarm_samples_per_second=optimizer.global_progress.samples_per_second,
             loss=loss,
             eval_metric=self.eval_metric,
-            peers_online=len(optimizer.tracker.reports()),
+            peers_online=len(optimizer.tracker.fetch()),
             group_size=optimizer.last_group_size,
             coordinator_reachable=self.session.coordinator_reachable,
         )
@@ -540,7 +475,7 @@ class _Trainer:
         peer_id = self.answer.peer_id
         # Peers one epoch behind count too: they are about to arrive (or their report of the
         # new epoch has not reached this peer yet).
-        candidates = [r.peer_id for r in optimizer.tracker.reports() if r.epoch >= epoch - 1]
+        candidates = [r.peer_id for r in optimizer.tracker.fetch() if r.epoch >= epoch - 1]
         self.uploaded_epoch = epoch
         if min([*candidates, peer_id]) != peer_id:
             return
@@ -586,17 +521,6 @@ def _download_checkpoint(client: Any, answer: Any) -> dict[str, Any] | None:
         logger.warning("the coordinator's checkpoint of epoch %d has no model", epoch)
         return None
     return state
-
-
-def listening_ports(node: Any) -> tuple[int, int | None]:
-    """The node's WebSocket port and its bulk lanes' port (None without lanes)."""
-    from urllib.parse import urlsplit
-
-    port = urlsplit(node.visible_addresses[0]).port
-    if port is None:
-        raise SwarmgradError("the node listens on no port")
-    bulk = node.core.bulk
-    return port, None if bulk is None else bulk.port
 
 
 def _checkpoint_epoch(client: Any, run_id: str) -> int:

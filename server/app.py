@@ -30,7 +30,10 @@ from server.metrics import Metrics, MetricsMiddleware
 from server.schemas import ErrorPublic
 from server.security import JoinChallenges, KeyBox, PrincipalCache
 from server.services.checkpoints import CheckpointStore
-from server.services.reports import ReportBuffer
+from server.services.report_bounds import ReportLimits
+from server.services.report_buffer import ReportBuffer
+from server.services.report_guard import ReportGuard
+from server.services.report_spill import ReportSpill
 
 logger = logging.getLogger("server")
 
@@ -72,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             max_pending=settings.report_buffer_max,
             snapshot_interval_s=settings.snapshot_interval_s,
             online_ttl_s=settings.peer_online_ttl_s,
+            spill=ReportSpill(settings.spill_dir),
             on_written=metrics.count_written,
         )
         async with buffer:
@@ -105,6 +109,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.principal_cache = PrincipalCache(settings.peer_auth_cache_ttl_s)
     app.state.live_hub = LiveHub(settings.live_interval_s)
+    app.state.report_guard = ReportGuard(
+        session_factory,
+        ReportLimits(settings.report_max_samples_per_second, settings.report_max_epoch_lead),
+        refresh_s=settings.report_swarm_refresh_s,
+        online_ttl_s=settings.peer_online_ttl_s,
+    )
 
     # Routes are matched in order: the report route, by far the most called, goes first.
     app.include_router(peers.reports_router)

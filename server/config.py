@@ -84,6 +84,29 @@ class Settings(BaseSettings):
     report_buffer_max: int = Field(
         default=2000, ge=1, description="Flush earlier once this many reports are waiting."
     )
+    report_max_samples_per_second: float = Field(
+        default=1e6,
+        gt=0,
+        description="The most samples per second any one peer of a run can process: a "
+        "report claiming more, or a samples counter that grew faster since the peer "
+        "joined, is refused (422).",
+    )
+    report_max_epoch_lead: int = Field(
+        default=100,
+        ge=0,
+        description="How far past the swarm's epoch a report may be (422 beyond).",
+    )
+    report_swarm_refresh_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How old a worker's view of a run's epochs may be before a report "
+        "that would be refused by the epoch bound makes it read them again.",
+    )
+    spill_dir: Path = Field(
+        default=Path("./swarmgrad-spill"),
+        description="Where acknowledged reports wait, on disk, while the database is "
+        "unavailable; replayed when it returns, or by the next worker to start.",
+    )
     peer_auth_cache_ttl_s: float = Field(
         default=30.0,
         ge=0,

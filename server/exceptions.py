@@ -10,7 +10,8 @@ Hierarchy::
     ├── Conflict              409: the request contradicts the resource's state
     ├── PayloadTooLarge       413: a body over its limit
     ├── InvalidContent        422: a body that is not what the route takes (a checkpoint
-    │                              that is not a zip archive)
+    │   │                          that is not a zip archive)
+    │   └── ImplausibleReport      a progress report past a plausibility bound (``bound``)
     ├── RateLimited           429: too soon; ``retry_after`` seconds until the next try
     └── InsufficientStorage   507: the coordinator could not store the upload (disk full)
 """
@@ -59,6 +60,12 @@ class PayloadTooLarge(CoordinatorError):
 
 class InvalidContent(CoordinatorError):
     status_code = 422
+
+
+class ImplausibleReport(InvalidContent):
+    def __init__(self, bound: str, detail: str) -> None:
+        super().__init__(detail)
+        self.bound = bound
 
 
 class RateLimited(CoordinatorError):

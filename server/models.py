@@ -186,6 +186,10 @@ class Peer(Base):
     # TTL; ``online_ms`` sums the closed ones, the open one began at ``session_started_ms``.
     session_started_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     online_ms: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Reports refused for breaking a plausibility bound, and the bound the last one broke.
+    reports_refused: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    last_refusal: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    last_refusal_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     volunteer: Mapped[Volunteer] = relationship(lazy="joined")
 
@@ -210,6 +214,17 @@ class ProgressReport(Base):
     rounds_failed: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     failure: Mapped[str | None] = mapped_column(String(64), nullable=True)
     eval_metric: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class SpilledSegment(Base):
+    """How many lines of a spill file (reports acknowledged while the database was down,
+    see server.services.report_spill) are written: advanced in the transaction that writes
+    them, so each line is written exactly once."""
+
+    __tablename__ = "spilled_segments"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    lines_done: Mapped[int] = mapped_column(BigInteger)
 
 
 class EpochSummary(Base):

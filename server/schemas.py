@@ -234,6 +234,13 @@ class PeerPublic(BaseModel):
     samples: int
     samples_per_second: float
     loss: float | None
+    reports_refused: int = Field(
+        description="Reports refused for breaking a plausibility bound (422)."
+    )
+    last_refusal: str | None = Field(
+        description="The bound the last refused report broke: samples_per_second, samples or epoch."
+    )
+    last_refusal_at: datetime | None
 
 
 class PeersPublic(BaseModel):

@@ -43,6 +43,7 @@ import torch
 
 from peer.averaging.allreduce import AllreduceConfig, AllreduceRunner, MemberInfo
 from peer.averaging.control import AveragingStage, StepControl
+from peer.averaging.early import EarlyFrames
 from peer.averaging.exceptions import (
     AllreduceFailed,
     AllreduceTimeout,
@@ -80,6 +81,10 @@ from peer.wire import Frame
 logger = logging.getLogger("peer.averaging")
 
 __all__ = ["AveragerConfig", "DecentralizedAverager"]
+
+#: a donor's state may take at most STATE_SIZE_FACTOR times this peer's own state + SLACK bytes
+STATE_SIZE_FACTOR = 8
+STATE_SIZE_SLACK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -229,8 +234,13 @@ class DecentralizedAverager:
         self._driver: MatchmakingDriver | None = None
         self._state_server: StateServer | None = None
         self._runners: dict[bytes, AllreduceRunner] = {}
-        self._early: dict[bytes, list[tuple[str, Frame]]] = {}
-        self._early_bytes = 0
+        # frames of the group this peer is about to join, come before the group did: an
+        # honest sender sends at most the parts of this peer's span (at most every tensor)
+        wire_bytes = self.layout.total * self.layout.dtype.itemsize
+        self._early = EarlyFrames(
+            total_limit=4 * wire_bytes + (1 << 20), sender_limit=wire_bytes + (64 << 10)
+        )
+        self._early_refused: set[str] = set()  # senders told about, once each
         self._finished_groups: dict[bytes, None] = {}
         self._told_abort: set[tuple[bytes, str]] = set()
         self._background: set[asyncio.Task[Any]] = set()
@@ -314,7 +324,7 @@ class DecentralizedAverager:
                 )
         if self._driver is not None:
             await self._driver.close()
-        self._early.clear()
+        self._early.drop()
 
     def __enter__(self) -> DecentralizedAverager:
         return self
@@ -482,11 +492,11 @@ class DecentralizedAverager:
                     cancel=control._cancel,
                 )
             except MatchmakingFailed:
-                self._drop_early(keep=None)
+                self._early.drop()
                 if deadline is not None and core.now() >= deadline:
                     raise
                 continue
-            self._drop_early(keep=group.group_id)
+            self._early.drop(keep=group.group_id)
             try:
                 return await self._run_group(control, group, deadline)
             except AllreduceFailed as exc:
@@ -590,9 +600,7 @@ class DecentralizedAverager:
             raise AllreduceFailed(f"cannot average with this group: {exc}") from exc
         self._runners[group.group_id] = runner
         try:
-            for sender, frame in self._early.pop(group.group_id, []):
-                self._early_bytes -= memoryview(frame.payload).nbytes
-                runner.early.append((sender, frame))
+            runner.early.extend(self._early.take(group.group_id))
             timeout = self.config.allreduce_timeout
             try:
                 async with asyncio.timeout(timeout):
@@ -707,11 +715,17 @@ class DecentralizedAverager:
             or (frame.type != ABORT and machine.waiting_on() == frame.fields.get("l"))
         )
         if expected:
-            size = memoryview(frame.payload).nbytes
-            limit = 4 * self.layout.total * self.layout.dtype.itemsize + (1 << 20)
-            if self._early_bytes + size <= limit:
-                self._early.setdefault(group_id, []).append((sender, frame))
-                self._early_bytes += size
+            if not self._early.add(group_id, sender, frame) and sender not in self._early_refused:
+                if len(self._early_refused) >= 4096:
+                    self._early_refused.clear()
+                self._early_refused.add(sender)
+                logger.warning(
+                    "%s: dropped frames peer %s sent ahead of its group: over its share of "
+                    "the %d bytes kept for them",
+                    self.config.prefix,
+                    sender,
+                    self._early.sender_limit,
+                )
             return
         if frame.type != ABORT and (group_id, sender) not in self._told_abort:
             # a group that named us after we left (see matchmaking): tell it to go on
@@ -728,12 +742,6 @@ class DecentralizedAverager:
             async with asyncio.timeout(2.0):
                 await self._core.send(peer_id, frame)
 
-    def _drop_early(self, keep: bytes | None) -> None:
-        for group_id in list(self._early):
-            if group_id != keep:
-                for _, frame in self._early.pop(group_id):
-                    self._early_bytes -= memoryview(frame.payload).nbytes
-
     # --------------------------------------------------------------------- state
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
@@ -749,6 +757,8 @@ class DecentralizedAverager:
         ``state_sharing_priority`` (random among ties), falling back to the next one if a
         donor fails. Returns None if no donor could provide it within ``timeout``."""
 
+        max_bytes = self._state_size_bound()
+
         async def download() -> tuple[Any, list[torch.Tensor]] | None:
             try:
                 async with asyncio.timeout(timeout):
@@ -757,6 +767,7 @@ class DecentralizedAverager:
                         self.config.prefix,
                         request_timeout=self.matchmaking_config.request_timeout,
                         chunk_timeout=self.config.next_chunk_timeout,
+                        max_bytes=max_bytes,
                     )
             except TimeoutError:
                 logger.warning("state download did not finish within %s s", timeout)
@@ -769,6 +780,15 @@ class DecentralizedAverager:
 
         future = self.node.run_coroutine(download(), wait=False)
         return future.result() if wait else future
+
+    def _state_size_bound(self) -> int:
+        """The most bytes a donor's state may take: a few times this peer's own state (same
+        model; an optimizer's state may not exist here yet) plus room for headers, so a
+        hostile donor cannot make this peer allocate what it claims."""
+        with self.get_tensors():
+            _, tensors = self.get_current_state()
+            own = sum(t.numel() * t.element_size() for t in tensors)
+        return STATE_SIZE_FACTOR * own + STATE_SIZE_SLACK
 
     last_state_donor: str | None = None
     #: wall time of the last successful all-reduce (snapshot to write-back), for benchmarks

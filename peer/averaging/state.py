@@ -160,12 +160,15 @@ async def download_state(
     *,
     request_timeout: float,
     chunk_timeout: float,
+    max_bytes: int = _MAX_STATE_BYTES,
 ) -> tuple[Any, list[torch.Tensor], str] | None:
-    """Download from the best donor that works; ``(metadata, tensors, donor)`` or None."""
+    """Download from the best donor that works; ``(metadata, tensors, donor)`` or None.
+    A donor announcing a state of more than ``max_bytes`` is skipped before anything is
+    allocated."""
     for priority, donor in await list_donors(core, prefix):
         try:
             metadata, tensors = await _download_from(
-                core, prefix, donor, request_timeout, chunk_timeout
+                core, prefix, donor, request_timeout, chunk_timeout, max_bytes
             )
         except (
             SwarmgradError,
@@ -174,6 +177,7 @@ async def download_state(
             KeyError,
             TypeError,
             CompressionError,
+            MemoryError,
         ) as exc:
             logger.warning(
                 "state download from %s (priority %g) failed: %s; trying the next donor",
@@ -187,7 +191,12 @@ async def download_state(
 
 
 async def _download_from(
-    core: Any, prefix: str, donor: str, request_timeout: float, chunk_timeout: float
+    core: Any,
+    prefix: str,
+    donor: str,
+    request_timeout: float,
+    chunk_timeout: float,
+    max_bytes: int,
 ) -> tuple[Any, list[torch.Tensor]]:
     info = await core.request(donor, Frame(STATE_BEGIN, {"p": prefix}), request_timeout)
     if info.type != STATE_INFO:
@@ -200,8 +209,13 @@ async def _download_from(
     ):
         raise ValueError("malformed tensor list")
     total = sum(x[1] for x in items)
-    if total > _MAX_STATE_BYTES or chunk_bytes < 1:
-        raise ValueError("state too large or bad chunk size")
+    if total > min(max_bytes, _MAX_STATE_BYTES):
+        raise ValueError(
+            f"the donor announced a state of {total} bytes; this peer expects at most "
+            f"{min(max_bytes, _MAX_STATE_BYTES)}"
+        )
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError("bad chunk size")
     if num_chunks != max(1, math.ceil(total / chunk_bytes)):
         raise ValueError("chunk count does not match the state size")
     metadata = msgpack.unpackb(fields["m"], raw=False, strict_map_key=False)

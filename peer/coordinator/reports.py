@@ -112,3 +112,35 @@ class ReportQueue:
             raise ValueError(f"can acknowledge 0 to {self._in_flight} reports, not {n}")
         del self._items[:n]
         self._in_flight -= n
+
+
+class OptimizerReports:
+    """The fields of a progress report from a collaborative optimizer's counters; its
+    averaging rounds are sent as counts since the previous report (they are summed)."""
+
+    def __init__(self) -> None:
+        self._rounds = (0, 0)
+
+    def fields(
+        self,
+        optimizer: Any,
+        *,
+        samples: int,
+        samples_per_second: float,
+        loss: float | None,
+        eval_metric: float | None = None,
+    ) -> dict[str, Any]:
+        rounds = (int(optimizer.rounds_done), int(optimizer.rounds_failed))
+        fields = {
+            "epoch": optimizer.local_epoch,
+            "samples": samples,
+            "samples_per_second": samples_per_second,
+            "loss": loss,
+            "group_size": optimizer.last_group_size,
+            "rounds_done": rounds[0] - self._rounds[0],
+            "rounds_failed": rounds[1] - self._rounds[1],
+            "failure": optimizer.last_failure,
+            "eval_metric": eval_metric,
+        }
+        self._rounds = rounds
+        return fields

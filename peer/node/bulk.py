@@ -151,6 +151,7 @@ class _Lane:
         async with self._send_lock:
             if self.closed:
                 raise ConnectionError(f"bulk lane to {self.peer_id} is closed")
+            self.owner.core.count_sent(len(header) + payload.nbytes)
             views = [memoryview(header), payload] if payload.nbytes else [memoryview(header)]
             try:
                 # header and payload in one system call (one TCP push, not a tiny segment

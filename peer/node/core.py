@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -25,20 +26,25 @@ from peer.exceptions import (
     SwarmgradError,
     TransportError,
 )
-from peer.identity import Authenticator, Identity, OpenAuth
+from peer.identity import Authenticator, CertificateAuth, Identity, OpenAuth
 from peer.node.bulk import BULK_TICKET, BulkLanes, BulkSender
 from peer.node.gossip import (
     MEMBERS_KEY,
     RECORD_ID_BYTES,
     RESERVED_PREFIX,
+    CertificateBook,
     GossipStore,
     Record,
     RecordError,
     Subkey,
     ValueWithExpiration,
+    certificates_for,
+    next_sequence,
+    sendable,
     take_within_budget,
 )
 from peer.node.links import Handler, PeerLink, RemotePeer, handshake, register_link_messages
+from peer.node.reconnect import Reconnector
 from peer.transport.base import Connection, Listener, Transport
 from peer.wire import (
     BYTES,
@@ -48,6 +54,7 @@ from peer.wire import (
     Limits,
     ListOf,
     MessageRegistry,
+    Scalar,
     Schema,
 )
 
@@ -56,6 +63,7 @@ logger = logging.getLogger("peer.node")
 GOSSIP_DIGEST = "gossip.digest"
 GOSSIP_REPLY = "gossip.reply"
 GOSSIP_PUSH = "gossip.push"
+LINK_CREDENTIAL = "link.credential"  # a renewed certificate, presented over an open link
 MAX_ADDRESSES = 16  # per membership record
 MAX_ADDRESS_CHARS = 256
 
@@ -81,6 +89,14 @@ class NodeConfig:
     max_exchange_bytes: int = 512 * 1024  # records sent per exchange; the rest wait a round
     max_record_ttl: float = 7 * 24 * 3600.0
     retry_backoff: float = 5.0  # seconds before dialing a peer that just failed again
+    # a peer whose membership expired without a goodbye is dialed again (one such peer per
+    # interval; None: every member_ttl) until it is back or this many seconds have passed,
+    # so a swarm split by a fault longer than member_ttl heals (peer.node.reconnect)
+    reconnect_interval: float | None = None
+    reconnect_give_up: float = 3600.0
+    # inbound connections still in their handshake; more are closed at once (each one may
+    # hold a small pre-authentication buffer until its handshake times out)
+    max_pending_handshakes: int = 64
     bulk_lanes: bool = True  # TCP side lanes for tensor parts (peer.node.bulk), if TCP
     bulk_port: int = 0  # the lanes' listening port (0: any free one; set it behind a firewall)
     limits: Limits = field(default_factory=Limits)
@@ -90,6 +106,12 @@ class NodeConfig:
             raise ValueError("need gossip_period > 0, fanout >= 1 and member_ttl > gossip_period")
         if self.push_relays < 0:
             raise ValueError("push_relays must be >= 0")
+        if self.max_pending_handshakes < 1:
+            raise ValueError("max_pending_handshakes must be >= 1")
+        if (self.reconnect_interval is not None and self.reconnect_interval <= 0) or (
+            self.reconnect_give_up <= 0
+        ):
+            raise ValueError("need reconnect_interval > 0 and reconnect_give_up > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +147,13 @@ class AsyncNode:
         self.registry = MessageRegistry()
         register_link_messages(self.registry)
         self.store_ = GossipStore(max_ttl=self.config.max_record_ttl)
+        # certificate mode: which record owners hold a valid certificate of the run
+        self.certificates: CertificateBook | None = None
+        if isinstance(self.auth, CertificateAuth):
+            self.certificates = CertificateBook(
+                self.auth.verify, max_clock_skew=_clock_skew(self.auth)
+            )
+        self._seq = 0  # sequence number of this node's latest record (next_sequence)
         self.random = random.Random(seed)
         self.handlers: dict[str, Handler] = {}
         self._links: dict[str, PeerLink] = {}
@@ -137,9 +166,18 @@ class AsyncNode:
         self._watchers: dict[str, list[Callable[[], None]]] = {}  # key → callbacks (watch)
         self._bootstrapped: set[str] = set()  # initial peers reached at least once
         self._added_peers: set[str] = set()  # initial peers from add_initial_peers
+        self._reconnect = Reconnector(
+            interval=self.config.reconnect_interval or self.config.member_ttl,
+            give_up_after=self.config.reconnect_give_up,
+            rng=random.Random(seed),
+        )
         self._listener: Listener | None = None
+        self._quota_warned: set[str] = set()  # owners warned about for their store quota
+        self._handshaking = 0  # inbound connections in their handshake
+        self._handshakes_full = False  # warned that they reached max_pending_handshakes
         self._addresses: list[str] = []
         self.bulk: BulkLanes | None = None
+        self.bytes_sent = 0  # frame headers and payloads this node sent, links and lanes
         # accepted on lanes (also when set before start()), with their inline handlers
         self._bulk_types: dict[str, Callable[[str, Frame], None] | None] = {}
         self._started = False
@@ -164,6 +202,7 @@ class AsyncNode:
         if self._started:
             return
         self._started = True
+        self._learn_own_certificate()
         try:
             await self._listen()
         except BaseException:
@@ -244,7 +283,9 @@ class AsyncNode:
     ) -> bool:
         """Store ``value`` under ``key`` (and ``subkey``) until ``expiration_time`` (wall
         clock, seconds). Returns False if this node already holds a record of its own in
-        that slot with a later or equal expiration, or if the time is already past."""
+        that slot with a later or equal expiration, or if the time is already past. Every
+        record carries a sequence number larger than this node's previous ones, so peers
+        keep the newest store of a slot whatever copies relays send them later."""
         self._check_running()
         if not isinstance(key, str) or not key:
             raise TypeError("key must be a non-empty string")
@@ -256,8 +297,22 @@ class AsyncNode:
             isinstance(subkey, bool) or not isinstance(subkey, str | int | bytes)
         ):
             raise TypeError("subkey must be a string, an integer, bytes or None")
-        record = Record.create(self.identity, key, subkey, value, expiration_time)
-        stored = self.store_.put(record, self.now())
+        now = self.now()
+        record = Record.create(
+            self.identity, key, subkey, value, expiration_time, seq=self._next_seq()
+        )
+        held = self.store_.current(record, now)
+        if held is not None and held.expiration >= record.expiration:
+            return False  # newest expiration wins for a store, as a reader would expect
+        stored = self.store_.put(record, now)
+        if not stored and self.store_.over_quota(record):
+            logger.warning(
+                "not stored %r: this node's records would exceed the per-peer quota of the "
+                "gossip store (%d records, %d bytes), which every peer enforces",
+                key,
+                self.store_.max_records_per_owner,
+                self.store_.max_bytes_per_owner,
+            )
         if stored:
             # Push right away to a few peers so a store is visible in about one round trip.
             self._spawn(self._push_now([record], self.config.push_relays), "push")
@@ -305,6 +360,24 @@ class AsyncNode:
         self._member_cache = cache
         return out
 
+    def _next_seq(self) -> int:
+        self._seq = next_sequence(self._seq, self.now())
+        return self._seq
+
+    def _learn_own_certificate(self) -> None:
+        """This node's records travel with its own certificate: keep it in the book."""
+        if self.certificates is None or not isinstance(self.auth, CertificateAuth):
+            return
+        self.certificates.verify = self.auth.verify  # set_auth may bring a new verifier
+        try:
+            verified = self.auth.verify(self.auth.certificate, self.identity.public_key)
+        except Exception as exc:  # a verifier is user code: any failure refuses
+            logger.warning("this node's own certificate is refused: %s", exc)
+            return
+        self.certificates.learn(
+            self.identity.public_key, self.auth.certificate, verified, self.now()
+        )
+
     def _publish_membership(self) -> Record:
         now = self.now()
         # later than our own record in the store, even within one tick of the clock
@@ -322,6 +395,7 @@ class AsyncNode:
             self.peer_id,
             {"addresses": self._addresses, "client_mode": self.config.client_mode},
             max(now + self.config.member_ttl, latest + 1e-3),
+            seq=self._next_seq(),
         )
         self.store_.put(record, now)
         return record
@@ -357,6 +431,57 @@ class AsyncNode:
                 f"{auth.mode!r} (every peer of a swarm uses the same mode)"
             )
         self.auth = auth
+        self._learn_own_certificate()
+        if isinstance(auth, CertificateAuth) and self._started and not self._stopping:
+            # open links would close at the old certificate's expiry: show them the new one
+            frame = Frame(LINK_CREDENTIAL, {"credential": auth.certificate})
+            for link in list(self._all_links):
+                if not link.closed:
+                    self._spawn(self._present_credential(link, frame), "credential")
+
+    async def _present_credential(self, link: PeerLink, frame: Frame) -> None:
+        with contextlib.suppress(SwarmgradError):
+            await link.send(frame)
+
+    async def _on_credential(self, link: PeerLink, frame: Frame) -> None:
+        """A peer renewed its certificate: check it like a handshake's, keep the link."""
+        if not isinstance(self.auth, CertificateAuth):
+            return None
+        try:
+            verified = self.auth.verify(frame.fields["credential"], link.remote.public_key)
+        except Exception as exc:  # a verifier is user code: any failure refuses
+            logger.warning(
+                "closing the link to %s: its renewed certificate is refused: %s", link.peer_id, exc
+            )
+            await link.close(f"renewed certificate refused: {exc}")
+            return None
+        link.remote = dataclasses.replace(
+            link.remote, credential=verified, certificate=frame.fields["credential"]
+        )
+        self._learn_certificate(link.remote)
+        return None
+
+    def _learn_certificate(self, remote: RemotePeer) -> None:
+        if self.certificates is not None and remote.certificate:
+            self.certificates.learn(
+                remote.public_key, remote.certificate, remote.credential, self.now()
+            )
+
+    def _close_expired_links(self) -> None:
+        """Links stay authenticated only while the peer's certificate is valid (with the
+        verifier's clock-skew tolerance): one that expired without a renewal is closed."""
+        if not isinstance(self.auth, CertificateAuth):
+            return
+        skew = _clock_skew(self.auth)
+        now = self.now()
+        for link in list(self._all_links):
+            expires = getattr(link.remote.credential, "expires_at", None)
+            if isinstance(expires, int | float) and expires + skew < now and not link.closed:
+                logger.warning(
+                    "closing the link to %s: its certificate expired and was not renewed",
+                    link.peer_id,
+                )
+                self._spawn(link.close("certificate expired"), "expired")
 
     async def add_initial_peers(self, addresses: Sequence[str]) -> int:
         """Dial ``addresses`` now and keep them as initial peers: each is retried every
@@ -398,9 +523,12 @@ class AsyncNode:
             self.peer_id,
             {"addresses": [], "client_mode": self.config.client_mode, "leaving": True},
             expiration,
+            seq=self._next_seq(),
         )
         self.store_.put(record, now)
-        frame = Frame(GOSSIP_PUSH, {"records": [record.to_wire()]})
+        frame = Frame(
+            GOSSIP_PUSH, self._records_fields(sendable([record], self.certificates, now), now)
+        )
         links = [link for link in self._links.values() if not link.closed]
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(min(1.0, self.config.request_timeout)):
@@ -537,6 +665,18 @@ class AsyncNode:
     async def _on_inbound(self, conn: Connection) -> None:
         if self._stopping:
             return
+        if self._handshaking >= self.config.max_pending_handshakes:
+            if not self._handshakes_full:
+                self._handshakes_full = True
+                logger.warning(
+                    "%d connections are in their handshake: refusing more (from %s first)",
+                    self._handshaking,
+                    conn.remote_address,
+                )
+            with contextlib.suppress(Exception):
+                await conn.close("busy: too many connections in their handshake")
+            return
+        self._handshaking += 1
         try:
             remote = await self._handshake(conn, None)
         except (AuthenticationError, ProtocolError) as exc:
@@ -544,12 +684,20 @@ class AsyncNode:
             with contextlib.suppress(Exception):
                 await conn.close(str(exc), protocol_error=True)
             return
-        except (ConnectionClosed, TransportError):
+        except (ConnectionClosed, TransportError) as exc:
+            logger.info("connection from %s ended in its handshake: %s", conn.remote_address, exc)
             return
+        finally:
+            self._handshaking -= 1
+            if self._handshaking < self.config.max_pending_handshakes // 2:
+                self._handshakes_full = False
         link = self._adopt(conn, remote, inbound=True)
         # The transport closes the connection when this handler returns: serve until closed.
         with contextlib.suppress(asyncio.CancelledError):
             await link._reader
+
+    def count_sent(self, nbytes: int) -> None:
+        self.bytes_sent += nbytes
 
     def _adopt(self, conn: Connection, remote: RemotePeer, *, inbound: bool) -> PeerLink:
         link = PeerLink(
@@ -560,10 +708,13 @@ class AsyncNode:
             handlers=self.handlers,
             on_close=self._on_link_closed,
             inbound=inbound,
+            on_sent=self.count_sent,
         )
         self._all_links.add(link)
         self._links[remote.peer_id] = link
+        self._learn_certificate(remote)
         self._failed_at.pop(remote.peer_id, None)
+        self._reconnect.returned(remote.peer_id)
         if remote.peer_id in self._lost_warned:
             self._lost_warned.discard(remote.peer_id)
             logger.info("reconnected to peer %s", remote.peer_id)
@@ -605,17 +756,33 @@ class AsyncNode:
     # gossip ----------------------------------------------------------------------------------
 
     def _register_gossip(self) -> None:
+        self.register_handler(
+            LINK_CREDENTIAL,
+            Schema(required={"credential": Scalar(bytes, max_length=4096)}),
+            self._on_credential,
+        )
         record_list = ListOf(AnyValue())
+        # certificate mode: [owner public key, certificate] for the owners of the records
+        certs = ListOf(ListOf(Scalar(bytes, max_length=4096), exact_length=2))
         # The digest travels as the raw payload (see GossipStore.digest); "want" is packed ids.
         self.register_handler(GOSSIP_DIGEST, Schema(payload=True), self._on_digest)
         self.registry.register(
-            GOSSIP_REPLY, Schema(required={"records": record_list, "want": BYTES})
+            GOSSIP_REPLY,
+            Schema(required={"records": record_list, "want": BYTES}, optional={"certs": certs}),
         )
         self.register_handler(
             GOSSIP_PUSH,
-            Schema(required={"records": record_list}, optional={"h": INT}),
+            Schema(required={"records": record_list}, optional={"h": INT, "certs": certs}),
             self._on_push,
         )
+
+    def _records_fields(self, records: list[Record], now: float) -> dict[str, Any]:
+        """A frame's ``records`` and, in certificate mode, their owners' ``certs``."""
+        fields: dict[str, Any] = {"records": [r.to_wire() for r in records]}
+        certs = certificates_for(records, self.certificates, now)
+        if certs:
+            fields["certs"] = certs
+        return fields
 
     async def bootstrap(self) -> None:
         """Exchange with every initial peer once, right away, so membership is known before
@@ -660,6 +827,10 @@ class AsyncNode:
         # once must not leave this node (and whoever bootstraps from it) in a separate swarm.
         # When alone (every known peer died), all initial peers are retried.
         retry = [a for a in self.initial_peers if not targets or a not in self._bootstrapped]
+        departed = self._reconnect.due(self.now(), self.members())
+        if departed is not None and departed[1] not in retry:
+            logger.debug("dialing departed peer %s at %s again", *departed)
+            retry.append(departed[1])
         await asyncio.gather(
             *(self._exchange_with_peer(p) for p in targets),
             *(self._exchange_with_address(a) for a in retry),
@@ -698,15 +869,18 @@ class AsyncNode:
         if reply.type != GOSSIP_REPLY:
             raise ProtocolError(f"expected {GOSSIP_REPLY}, got {reply.type}")
         self.exchanges += 1
-        self._accept_records(reply.fields["records"], link)
+        self._accept_records(reply.fields["records"], link, reply.fields.get("certs", ()))
         want: bytes = reply.fields["want"]
         if len(want) % RECORD_ID_BYTES:
             raise ProtocolError("gossip.reply: 'want' is not a whole number of record ids")
         ids = [want[i : i + RECORD_ID_BYTES] for i in range(0, len(want), RECORD_ID_BYTES)]
-        wanted = self.store_.get_by_ids(ids, self.now())
-        if wanted:
-            batch = take_within_budget(wanted, self.config.max_exchange_bytes, self.random)
-            await link.send(Frame(GOSSIP_PUSH, {"records": [r.to_wire() for r in batch]}))
+        now = self.now()
+        wanted = self.store_.get_by_ids(ids, now)
+        batch = take_within_budget(
+            wanted, self.config.max_exchange_bytes, self.random, self.certificates, now
+        )
+        if batch:
+            await link.send(Frame(GOSSIP_PUSH, self._records_fields(batch, now)))
 
     async def _on_digest(self, link: PeerLink, frame: Frame) -> Frame:
         now = self.now()
@@ -714,13 +888,15 @@ class AsyncNode:
             mine_newer, theirs_newer = self.store_.compare(frame.payload, now)
         except RecordError as exc:
             raise ProtocolError(str(exc)) from None
-        batch = take_within_budget(mine_newer, self.config.max_exchange_bytes, self.random)
+        batch = take_within_budget(
+            mine_newer, self.config.max_exchange_bytes, self.random, self.certificates, now
+        )
         return Frame(
-            GOSSIP_REPLY, {"records": [r.to_wire() for r in batch], "want": b"".join(theirs_newer)}
+            GOSSIP_REPLY, {**self._records_fields(batch, now), "want": b"".join(theirs_newer)}
         )
 
     async def _on_push(self, link: PeerLink, frame: Frame) -> None:
-        fresh = self._accept_records(frame.fields["records"], link)
+        fresh = self._accept_records(frame.fields["records"], link, frame.fields.get("certs", ()))
         # never more relays than this node would ask for itself (no amplification)
         relays = min(frame.fields.get("h", 0), self.config.push_relays)
         if fresh and relays > 0:
@@ -728,23 +904,50 @@ class AsyncNode:
             self._spawn(self._push_now(fresh, relays - 1, exclude=link.peer_id), "relay")
         return None
 
-    def _accept_records(self, items: list[Any], link: PeerLink) -> list[Record]:
-        """Verify and store records a peer sent (pushed or pulled); those that were news."""
+    def _accept_records(
+        self, items: list[Any], link: PeerLink, certs: Sequence[list[bytes]] = ()
+    ) -> list[Record]:
+        """Verify and store records a peer sent (pushed or pulled); those that were news.
+        In certificate mode, ``certs`` vouch for owners this node does not know yet, and a
+        record whose owner holds no valid certificate of the run is refused."""
         now = self.now()
         rejected = 0
         fresh = []
+        book = self.certificates
+        if book is not None:
+            for owner, certificate in certs:
+                try:
+                    book.offer(owner, certificate, now)
+                except RecordError as exc:
+                    rejected += 1
+                    if rejected == 1:
+                        logger.warning("rejected a certificate sent by %s: %s", link.peer_id, exc)
         for item in items:
             try:
                 record = Record.from_wire(item)
+                if book is not None and not book.valid(record.owner, now):
+                    raise RecordError(
+                        f"its owner, peer {record.owner_id}, holds no valid certificate of this run"
+                    )
                 if record.key == MEMBERS_KEY:
                     _decode_member(record)
                 record.verify()
-            except RecordError as exc:
+            except (RecordError, ValueError) as exc:
                 rejected += 1
                 if rejected == 1:
                     logger.warning("rejected a record relayed by %s: %s", link.peer_id, exc)
                 continue
             if not self.store_.put(record, now):
+                if self.store_.over_quota(record) and record.owner_id not in self._quota_warned:
+                    if len(self._quota_warned) >= 1024:
+                        self._quota_warned.clear()  # bounded, whoever mints keys
+                    self._quota_warned.add(record.owner_id)
+                    logger.warning(
+                        "peer %s is over its quota in the gossip store (relayed by %s): "
+                        "its further records are dropped",
+                        record.owner_id,
+                        link.peer_id,
+                    )
                 continue
             fresh.append(record)
             for callback in list(self._watchers.get(record.key, ())):
@@ -762,11 +965,15 @@ class AsyncNode:
     ) -> None:
         """Push ``records`` to up to ``fanout`` peers over open links, asking each to relay
         what is new to it ``relays`` more times."""
+        now = self.now()
+        records = sendable(records, self.certificates, now)
+        if not records:
+            return
         candidates = self._gossip_candidates(exclude)
         if len(candidates) <= self.config.fanout:
             relays = 0  # this push reaches every peer there is: nothing to relay
         targets = self.random.sample(candidates, min(self.config.fanout, len(candidates)))
-        fields: dict[str, Any] = {"records": [r.to_wire() for r in records]}
+        fields = self._records_fields(records, now)
         if relays:
             fields["h"] = relays
         payload = Frame(GOSSIP_PUSH, fields)
@@ -796,12 +1003,36 @@ class AsyncNode:
             if now - last_refresh >= refresh:
                 self._publish_membership()
                 last_refresh = now
+            self._close_expired_links()
+            self._forget_expired_certificates(now)
             for record in self.store_.expire(now):
-                if record.key == MEMBERS_KEY:
+                if record.key == MEMBERS_KEY and record.owner_id != self.peer_id:
                     peer_id = record.owner_id
                     self._failed_at.pop(peer_id, None)
                     self._lost_warned.discard(peer_id)
                     logger.info("peer %s left the swarm (membership expired)", peer_id)
+                    with contextlib.suppress(RecordError):
+                        self._reconnect.departed(peer_id, _decode_member(record)[0], now)
+
+    def _forget_expired_certificates(self, now: float) -> None:
+        """Only holders of a valid certificate own records: an owner whose certificate
+        expired without a renewal reaching this node loses its records here."""
+        if self.certificates is None:
+            return
+        owners = [o for o in self.certificates.expire(now) if o != self.identity.public_key]
+        gone = self.store_.drop_owners(owners)
+        if gone:
+            logger.info(
+                "dropped %d record(s) of %d peer(s) whose certificates expired",
+                len(gone),
+                len(owners),
+            )
+
+
+def _clock_skew(auth: CertificateAuth) -> float:
+    """The clock-skew grace of the node's certificate verifier (5 s unless it says)."""
+    skew = getattr(auth.verify, "max_clock_skew", 5.0)
+    return float(skew) if isinstance(skew, int | float) else 5.0
 
 
 def _decode_member(record: Record) -> tuple[tuple[str, ...], bool, bool]:

@@ -2,12 +2,23 @@
 
 Every record is signed by its owner (the peer that stored it). A record's slot is
 ``(key, subkey, owner)``: no other peer can overwrite it, and a relaying peer cannot alter
-it without breaking the signature. Within a slot the newest expiration wins; across owners
-of the same ``(key, subkey)`` a read returns the value with the newest expiration — the
-"latest write wins" semantics that hivemind-style code expects from ``get``.
+it without breaking the signature. Within a slot the owner's sequence number decides: each
+record carries one, signed, and strictly larger than any its owner signed before (one
+counter per owner, across all its slots; see :func:`next_sequence`), so an older copy that
+a relay sends again — still live, perhaps with a later expiration — never replaces a newer
+one. Across owners of the same ``(key, subkey)`` a read returns the value with the newest
+expiration — the "latest write wins" semantics that hivemind-style code expects from
+``get``. A subkey that
+is a peer id is that peer's alone: a record another peer wrote there is refused (and the
+relay that forwarded it loses its link), so nobody can be read as someone else.
+
+In certificate mode only members holding a valid certificate of the run may own records:
+:class:`CertificateBook` knows which owners do, from handshakes and from the certificates
+that travel beside the records of every gossip frame (so a peer can check the owner of a
+relayed record it never linked to). A record whose owner it cannot vouch for is refused.
 
 Anti-entropy (push-pull, Demers et al., 1987): the initiator sends a digest of
-``(record id, expiration)`` pairs; the responder answers with the records the initiator
+``(record id, sequence number)`` pairs; the responder answers with the records the initiator
 lacks or holds older copies of, and the ids it wants in return; the initiator pushes those.
 This module computes digests and differences; :mod:`peer.node.core` moves the bytes.
 
@@ -22,6 +33,7 @@ when a dead peer disappears.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import struct
@@ -31,11 +43,19 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgpack
 
-from peer.identity import Identity, peer_id_from_public_key, verify_signature
+from peer.identity import (
+    PUBLIC_KEY_SIZE,
+    CertificateVerify,
+    Identity,
+    is_peer_id,
+    peer_id_from_public_key,
+    verify_signature,
+)
 
-RECORD_CONTEXT = b"swarmgrad/record/v1\x00"
+RECORD_CONTEXT = b"swarmgrad/record/v2\x00"
 RECORD_ID_BYTES = 12
-_DIGEST_ENTRY = struct.Struct(f">{RECORD_ID_BYTES}sd")  # record id, expiration
+_DIGEST_ENTRY = struct.Struct(f">{RECORD_ID_BYTES}sQ")  # record id, sequence number
+MAX_SEQUENCE = (1 << 63) - 1
 RESERVED_PREFIX = "_"
 MEMBERS_KEY = "_members"
 
@@ -69,12 +89,21 @@ def unpack_value(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
+def next_sequence(previous: int, now: float) -> int:
+    """The sequence number of an owner's next record: one more than its previous one, or
+    the wall clock in microseconds if that is larger. The clock part keeps the numbers
+    growing across a restart with the same identity (the counter itself is not saved),
+    unless the clock was set back by more than the peer was away."""
+    return min(max(previous + 1, int(now * 1_000_000)), MAX_SEQUENCE)
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
     key: str
     subkey: Subkey
     value: bytes  # msgpack-encoded user value (exactly the bytes that were signed)
     expiration: float
+    seq: int  # owner's sequence number: within a slot the larger one wins (next_sequence)
     owner: bytes  # owner's raw Ed25519 public key
     signature: bytes = field(default=b"", repr=False)
 
@@ -90,24 +119,29 @@ class Record:
 
     def signed_bytes(self) -> bytes:
         body = msgpack.packb(
-            [self.key, self.subkey, self.value, float(self.expiration), self.owner],
+            [self.key, self.subkey, self.value, float(self.expiration), self.seq, self.owner],
             use_bin_type=True,
         )
         return RECORD_CONTEXT + body
 
     @classmethod
     def create(
-        cls, identity: Identity, key: str, subkey: Subkey, value: Any, expiration: float
+        cls,
+        identity: Identity,
+        key: str,
+        subkey: Subkey,
+        value: Any,
+        expiration: float,
+        *,
+        seq: int,
     ) -> Record:
-        unsigned = cls(key, subkey, pack_value(value), float(expiration), identity.public_key)
-        return cls(
-            key,
-            subkey,
-            unsigned.value,
-            unsigned.expiration,
-            unsigned.owner,
-            identity.sign(unsigned.signed_bytes()),
-        )
+        """Sign a record. ``seq`` must be larger than that of every record ``identity``
+        signed before (:func:`next_sequence`), or peers keep the earlier one."""
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_SEQUENCE:
+            raise ValueError(f"seq must be an integer from 0 to {MAX_SEQUENCE}")
+        unsigned = cls(key, subkey, pack_value(value), float(expiration), seq, identity.public_key)
+        unsigned.check_subkey()
+        return dataclasses.replace(unsigned, signature=identity.sign(unsigned.signed_bytes()))
 
     def verify(self) -> None:
         """Raise :class:`RecordError` unless the owner's signature holds and reserved keys
@@ -116,15 +150,35 @@ class Record:
             raise RecordError(f"record {self.key!r} has an invalid signature")
         if self.key == MEMBERS_KEY and self.subkey != self.owner_id:
             raise RecordError("a membership record may only describe its owner")
+        self.check_subkey()
+
+    def may_use_subkey(self) -> bool:
+        return not is_peer_id(self.subkey) or self.subkey == self.owner_id
+
+    def check_subkey(self) -> None:
+        """A subkey that is a peer id belongs to that peer: only it may write there, so
+        nobody can be read as another peer (progress, declarations, state donors)."""
+        if not self.may_use_subkey():
+            raise RecordError(
+                f"peer {self.owner_id} wrote {self.key!r} under another peer's id {self.subkey!s}"
+            )
 
     def to_wire(self) -> list[Any]:
-        return [self.key, self.subkey, self.value, self.expiration, self.owner, self.signature]
+        return [
+            self.key,
+            self.subkey,
+            self.value,
+            self.expiration,
+            self.seq,
+            self.owner,
+            self.signature,
+        ]
 
     @classmethod
     def from_wire(cls, item: Any) -> Record:
-        if not isinstance(item, list | tuple) or len(item) != 6:
-            raise RecordError("a record is a list of 6 items")
-        key, subkey, value, expiration, owner, signature = item
+        if not isinstance(item, list | tuple) or len(item) != 7:
+            raise RecordError("a record is a list of 7 items")
+        key, subkey, value, expiration, seq, owner, signature = item
         if not isinstance(key, str) or not key or len(key) > 1024:
             raise RecordError("record key must be a non-empty string of at most 1024 characters")
         if subkey is not None and (
@@ -143,21 +197,44 @@ class Record:
             or expiration != expiration
         ):
             raise RecordError("record expiration must be a number")
-        return cls(key, subkey, value, float(expiration), owner, signature)
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_SEQUENCE:
+            raise RecordError(f"record sequence number must be an integer from 0 to {MAX_SEQUENCE}")
+        return cls(key, subkey, value, float(expiration), seq, owner, signature)
 
     def newer_than(self, other: Record) -> bool:
-        # Ties on expiration are broken by signature bytes so every peer picks the same copy.
-        return (self.expiration, self.signature) > (other.expiration, other.signature)
+        """Within one slot: the larger sequence number. Equal ones (only an owner that
+        reused a number signs two such records) fall back to expiration, then signature
+        bytes, so every peer still picks the same copy."""
+        return (self.seq, self.expiration, self.signature) > (
+            other.seq,
+            other.expiration,
+            other.signature,
+        )
 
 
 class GossipStore:
-    """Records by slot, with expiry. ``now`` is always passed in; nothing here reads a clock."""
+    """Records by slot, with expiry. ``now`` is always passed in; nothing here reads a clock.
 
-    def __init__(self, *, max_ttl: float = 7 * 24 * 3600.0, max_records: int = 1_000_000) -> None:
+    Each owner may hold at most ``max_records_per_owner`` records and
+    ``max_bytes_per_owner`` bytes of values, so one peer cannot fill everyone's store; the
+    whole store holds at most ``max_records``, except membership records (one per owner),
+    so a newcomer can still join a swarm whose store is full."""
+
+    def __init__(
+        self,
+        *,
+        max_ttl: float = 7 * 24 * 3600.0,
+        max_records: int = 1_000_000,
+        max_records_per_owner: int = 1024,
+        max_bytes_per_owner: int = 8 << 20,
+    ) -> None:
         self.max_ttl = max_ttl
         self.max_records = max_records
+        self.max_records_per_owner = max_records_per_owner
+        self.max_bytes_per_owner = max_bytes_per_owner
         self._records: dict[bytes, Record] = {}
         self._by_key: dict[str, set[bytes]] = {}
+        self._usage: dict[bytes, tuple[int, int]] = {}  # owner → (records, value bytes)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -165,22 +242,55 @@ class GossipStore:
     def put(self, record: Record, now: float) -> bool:
         """Insert ``record`` if it is live and newer than what its slot holds.
 
-        Returns False when it was not stored (expired, too far in the future, or not newer).
-        Signatures are the caller's business: :meth:`Record.verify` for remote records.
+        Returns False when it was not stored (expired, too far in the future, or not newer
+        than the slot's live record: a smaller sequence number). Signatures and owners'
+        certificates are the caller's business: :meth:`Record.verify` and
+        :class:`CertificateBook` for remote records.
         """
         if record.expiration <= now or record.expiration > now + self.max_ttl:
             return False
+        if not record.may_use_subkey():
+            return False  # see Record.check_subkey
         rid = record.rid
         existing = self._records.get(rid)
         if existing is not None and existing.expiration > now and not record.newer_than(existing):
             return False
+        if self.over_quota(record):
+            self.expire(now)
+            if self.over_quota(record):
+                return False
+            existing = self._records.get(rid)
         if existing is None and len(self._records) >= self.max_records:
             self.expire(now)
-            if len(self._records) >= self.max_records:
+            if len(self._records) >= self.max_records and record.key != MEMBERS_KEY:
                 return False
+        self._account(existing, -1)
+        self._account(record, +1)
         self._records[rid] = record
         self._by_key.setdefault(record.key, set()).add(rid)
         return True
+
+    def over_quota(self, record: Record) -> bool:
+        """Whether storing ``record`` would take its owner past its quota."""
+        count, size = self._usage.get(record.owner, (0, 0))
+        existing = self._records.get(record.rid)
+        if existing is None:
+            count += 1
+        else:
+            size -= len(existing.value)
+        return count > self.max_records_per_owner or size + len(record.value) > (
+            self.max_bytes_per_owner
+        )
+
+    def _account(self, record: Record | None, sign: int) -> None:
+        if record is None:
+            return
+        count, size = self._usage.get(record.owner, (0, 0))
+        count, size = count + sign, size + sign * len(record.value)
+        if count:
+            self._usage[record.owner] = (count, size)
+        else:
+            self._usage.pop(record.owner, None)
 
     def get(self, key: str, now: float) -> ValueWithExpiration[Any] | None:
         live = [
@@ -195,15 +305,23 @@ class GossipStore:
             best = max(live, key=lambda r: (r.expiration, r.signature))
             return ValueWithExpiration(unpack_value(best.value), best.expiration)
         by_subkey: dict[Any, Record] = {}
-        for record in with_subkeys:
+        for record in with_subkeys:  # one record per slot: these are different owners
             current = by_subkey.get(record.subkey)
-            if current is None or record.newer_than(current):
+            if current is None or (record.expiration, record.signature) > (
+                current.expiration,
+                current.signature,
+            ):
                 by_subkey[record.subkey] = record
         value = {
             sk: ValueWithExpiration(unpack_value(r.value), r.expiration)
             for sk, r in by_subkey.items()
         }
         return ValueWithExpiration(value, max(r.expiration for r in by_subkey.values()))
+
+    def current(self, record: Record, now: float) -> Record | None:
+        """The live record held in ``record``'s slot, if any."""
+        held = self._records.get(record.rid)
+        return held if held is not None and held.expiration > now else None
 
     def records(self, key: str, now: float) -> list[Record]:
         """Every live record under ``key`` (all owners, all subkeys)."""
@@ -215,10 +333,20 @@ class GossipStore:
 
     def expire(self, now: float) -> list[Record]:
         """Drop and return every record that has expired by ``now``."""
-        gone = [r for r in self._records.values() if r.expiration <= now]
+        return self._drop([r for r in self._records.values() if r.expiration <= now])
+
+    def drop_owners(self, owners: Iterable[bytes]) -> list[Record]:
+        """Drop and return every record of these owners (whose certificates expired)."""
+        gone = set(owners) & self._usage.keys()
+        if not gone:
+            return []
+        return self._drop([r for r in self._records.values() if r.owner in gone])
+
+    def _drop(self, gone: list[Record]) -> list[Record]:
         for record in gone:
             rid = record.rid
             del self._records[rid]
+            self._account(record, -1)
             rids = self._by_key.get(record.key)
             if rids is not None:
                 rids.discard(rid)
@@ -229,12 +357,11 @@ class GossipStore:
     # anti-entropy ------------------------------------------------------------------------
 
     def digest(self, now: float) -> bytes:
-        """Every live record as (id, expiration), packed: 20 bytes a record, so a digest of
-        thousands of records costs one buffer instead of thousands of msgpack objects."""
+        """Every live record as (id, sequence number), packed: 20 bytes a record, so a
+        digest of thousands of records costs one buffer instead of thousands of msgpack
+        objects."""
         pack = _DIGEST_ENTRY.pack
-        return b"".join(
-            pack(rid, r.expiration) for rid, r in self._records.items() if r.expiration > now
-        )
+        return b"".join(pack(rid, r.seq) for rid, r in self._records.items() if r.expiration > now)
 
     def compare(
         self, remote_digest: bytes | bytearray | memoryview, now: float
@@ -245,22 +372,17 @@ class GossipStore:
         Raises RecordError if the digest is not a whole number of entries."""
         if len(remote_digest) % _DIGEST_ENTRY.size:
             raise RecordError(f"a digest is a multiple of {_DIGEST_ENTRY.size} bytes")
-        remote: dict[bytes, float] = {
-            rid: expiration
-            for rid, expiration in _DIGEST_ENTRY.iter_unpack(remote_digest)
-            if expiration == expiration
-        }
+        # a digest lists live records only; a sequence number says which copy is newer
+        remote: dict[bytes, int] = dict(_DIGEST_ENTRY.iter_unpack(remote_digest))
         theirs_newer: list[bytes] = []
-        for rid, expiration in remote.items():
-            if expiration <= now:
-                continue
+        for rid, seq in remote.items():
             mine = self._records.get(rid)
-            if mine is None or mine.expiration < expiration:
+            if mine is None or mine.expiration <= now or mine.seq < seq:
                 theirs_newer.append(rid)
         mine_newer = [
             r
             for rid, r in self._records.items()
-            if r.expiration > now and (rid not in remote or remote[rid] < r.expiration)
+            if r.expiration > now and (rid not in remote or remote[rid] < r.seq)
         ]
         return mine_newer, theirs_newer
 
@@ -273,17 +395,167 @@ class GossipStore:
         return out
 
 
-def take_within_budget(records: list[Record], max_bytes: int, rng: random.Random) -> list[Record]:
+@dataclass(frozen=True, slots=True)
+class OwnerCertificate:
+    """A record owner's run certificate, as checked by this node's verifier."""
+
+    certificate: bytes
+    expires_at: float | None  # None: the verifier did not say; valid until replaced
+
+
+class CertificateBook:
+    """Which record owners hold a valid certificate of this run (certificate mode), no I/O.
+
+    A node learns certificates from its handshakes and from renewals over its links
+    (:meth:`learn`: already verified) and from those that travel beside the records of a
+    gossip frame (:meth:`offer`: checked here with ``verify``, the node's own verifier).
+    A sender attaches, for each owner of the records it sends, the certificate it holds,
+    and sends only records whose owner's certificate is good for ``send_margin`` more
+    seconds (:meth:`certificate_for`); a receiver accepts while ``expires_at +
+    max_clock_skew`` is ahead of its clock (:meth:`valid`). So an honest relay never sends
+    a record the receiver must refuse unless their clocks differ by more than the two
+    together, and a record the receiver cannot vouch for marks its relay as hostile.
+
+    Entries exist only for certificates the run's authority signed, so the book grows
+    with the run's membership, not with what strangers send; past ``max_owners`` (with
+    expired entries gone) new owners are not learnt and their records are refused."""
+
+    def __init__(
+        self,
+        verify: CertificateVerify,
+        *,
+        max_clock_skew: float = 5.0,
+        send_margin: float = 1.0,
+        max_owners: int = 100_000,
+    ) -> None:
+        self.verify = verify
+        self.max_clock_skew = max_clock_skew
+        self.send_margin = send_margin
+        self.max_owners = max_owners
+        self._owners: dict[bytes, OwnerCertificate] = {}
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def __contains__(self, owner: bytes) -> bool:
+        return owner in self._owners
+
+    def learn(self, owner: bytes, certificate: bytes, verified: Any, now: float) -> bool:
+        """Remember ``owner``'s ``certificate``, which ``verify`` returned ``verified``
+        for. A certificate expiring before the one held is ignored. Returns whether the
+        owner is known now."""
+        expires = getattr(verified, "expires_at", None)
+        expires_at = (
+            float(expires)
+            if isinstance(expires, int | float) and not isinstance(expires, bool)
+            else None
+        )
+        held = self._owners.get(owner)
+        if held is None and len(self._owners) >= self.max_owners:
+            self.expire(now)
+            if len(self._owners) >= self.max_owners:
+                return False
+        if (
+            held is not None
+            and held.expires_at is not None
+            and expires_at is not None
+            and held.expires_at > expires_at
+        ):
+            return True
+        self._owners[owner] = OwnerCertificate(bytes(certificate), expires_at)
+        return True
+
+    def offer(self, owner: bytes, certificate: bytes, now: float) -> None:
+        """A certificate a peer sent for ``owner``: check it unless it is the one held.
+        Raises :class:`RecordError` if the verifier refuses it."""
+        held = self._owners.get(owner)
+        if held is not None and held.certificate == certificate:
+            return
+        if len(owner) != PUBLIC_KEY_SIZE:
+            raise RecordError("a certificate's owner is a 32-byte public key")
+        try:
+            verified = self.verify(certificate, owner)
+        except Exception as exc:  # a verifier is user code: any failure refuses
+            raise RecordError(
+                f"the certificate sent for peer {peer_id_from_public_key(owner)} is refused: {exc}"
+            ) from None
+        self.learn(owner, certificate, verified, now)
+
+    def valid(self, owner: bytes, now: float) -> bool:
+        """Whether ``owner`` may own records now (with the verifier's clock-skew grace)."""
+        held = self._owners.get(owner)
+        return held is not None and (
+            held.expires_at is None or held.expires_at + self.max_clock_skew >= now
+        )
+
+    def certificate_for(self, owner: bytes, now: float) -> bytes | None:
+        """The certificate to send beside ``owner``'s records, or None when its records
+        should not be sent at all (unknown, or expiring within ``send_margin``)."""
+        held = self._owners.get(owner)
+        if held is None or (
+            held.expires_at is not None and held.expires_at <= now + self.send_margin
+        ):
+            return None
+        return held.certificate
+
+    def expire(self, now: float) -> list[bytes]:
+        """Forget and return the owners whose certificates are no longer valid."""
+        gone = [owner for owner in self._owners if not self.valid(owner, now)]
+        for owner in gone:
+            del self._owners[owner]
+        return gone
+
+
+def sendable(records: list[Record], book: CertificateBook | None, now: float) -> list[Record]:
+    """The records that may be sent (certificate mode: those whose owner's certificate
+    this node can send beside them)."""
+    if book is None:
+        return records
+    return [r for r in records if book.certificate_for(r.owner, now) is not None]
+
+
+def certificates_for(
+    records: list[Record], book: CertificateBook | None, now: float
+) -> list[list[bytes]]:
+    """The ``[owner, certificate]`` pairs to send beside ``records`` (certificate mode;
+    with no book, none)."""
+    if book is None:
+        return []
+    out: dict[bytes, bytes] = {}
+    for record in records:
+        if record.owner not in out:
+            cert = book.certificate_for(record.owner, now)
+            if cert is not None:
+                out[record.owner] = cert
+    return [[owner, cert] for owner, cert in out.items()]
+
+
+def take_within_budget(
+    records: list[Record],
+    max_bytes: int,
+    rng: random.Random,
+    book: CertificateBook | None = None,
+    now: float = 0.0,
+) -> list[Record]:
     """A random subset of ``records`` whose encoded size stays under ``max_bytes``; the rest
-    go in a later round. Membership records go first: they are how the swarm finds itself."""
+    go in a later round. Membership records go first: they are how the swarm finds itself.
+    With a certificate ``book``, only records that may be sent (:func:`sendable`), and each
+    owner's certificate counts once against the budget."""
     rng.shuffle(records)
     records.sort(key=lambda r: r.key != MEMBERS_KEY)
     out: list[Record] = []
     size = 0
+    owners: set[bytes] = set()
     for record in records:
         cost = len(record.value) + len(record.key) + 128
+        if book is not None and record.owner not in owners:
+            cert = book.certificate_for(record.owner, now)
+            if cert is None:
+                continue
+            cost += len(cert) + 48
         if size + cost > max_bytes and out:
             break
         out.append(record)
+        owners.add(record.owner)
         size += cost
     return out

@@ -106,6 +106,7 @@ class RemotePeer:
     addresses: tuple[str, ...]
     client_mode: bool
     credential: Any = None  # what the certificate verifier returned, in certificate mode
+    certificate: bytes = b""  # the certificate itself (certificate mode), to vouch for it
 
 
 async def _recv_frame(
@@ -194,6 +195,9 @@ async def _handshake(
             await _refuse(conn, f"certificate refused: {exc}", limits)
         except Exception as exc:  # a verifier is user code: never let it crash the node
             await _refuse(conn, f"certificate refused: {type(exc).__name__}: {exc}", limits)
+    # Their credential holds: from here on they may send full-size frames (raised before
+    # our auth goes out, so nothing they send after reading it can meet the small limit).
+    conn.limit_incoming(limits.max_frame_bytes)
 
     def transcript(first: bytes, second: bytes) -> bytes:
         return HANDSHAKE_CONTEXT + hashlib.sha256(first).digest() + hashlib.sha256(second).digest()
@@ -217,7 +221,12 @@ async def _handshake(
     ):
         await _refuse(conn, "wrong swarm key", limits)
     return RemotePeer(
-        their_id, their_key, tuple(fields["addresses"]), bool(fields["client_mode"]), verified
+        their_id,
+        their_key,
+        tuple(fields["addresses"]),
+        bool(fields["client_mode"]),
+        verified,
+        fields["credential"] if isinstance(auth, CertificateAuth) else b"",
     )
 
 
@@ -251,8 +260,10 @@ class PeerLink:
         handlers: dict[str, Handler],
         on_close: Callable[[PeerLink, str, bool], None],  # (link, reason, lost unexpectedly)
         inbound: bool,
+        on_sent: Callable[[int], None] | None = None,  # bytes of each frame sent
     ) -> None:
         self.conn = conn
+        self._on_sent = on_sent
         self.remote = remote
         self.inbound = inbound
         self._registry = registry
@@ -295,6 +306,8 @@ class PeerLink:
             )
         self.last_used = asyncio.get_running_loop().time()
         await self.conn.send([header, payload] if payload.nbytes else header)
+        if self._on_sent is not None:
+            self._on_sent(len(header) + payload.nbytes)
 
     async def request(self, frame: Frame, timeout: float | None) -> Frame:
         """Send ``frame`` as a request and wait for the reply frame.

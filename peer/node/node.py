@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ipaddress
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -62,6 +63,15 @@ class LoopThread:
         self.loop.close()
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
 class Node:
     """A peer in the swarm: authenticated connections, membership and a gossip store.
 
@@ -70,9 +80,11 @@ class Node:
     bootstrap list). ``client_mode=True`` accepts no inbound connections (behind NAT or a
     firewall): the node still takes part by dialing out.
 
-    Authentication: ``auth=OpenAuth()`` (default, for local experiments),
-    ``SwarmKeyAuth(key)`` or ``CertificateAuth(certificate, verify)``; every peer of a swarm
-    must use the same mode.
+    Authentication: ``SwarmKeyAuth(key)``, ``CertificateAuth(certificate, verify)`` or
+    ``OpenAuth()`` (anyone may join); every peer of a swarm must use the same mode. Without
+    ``auth`` a node is open, which it only accepts while it listens on a loopback address
+    (local experiments): to listen elsewhere without authentication, pass ``auth=OpenAuth()``
+    on purpose (``ValueError`` otherwise).
 
     Use as a context manager, or call :meth:`shutdown` when done.
     """
@@ -101,6 +113,12 @@ class Node:
     ) -> None:
         if isinstance(initial_peers, str):
             raise TypeError('initial_peers is a list of addresses, e.g. ["ws://127.0.0.1:4000"]')
+        if auth is None and not client_mode and transport is None and not _is_loopback(host):
+            raise ValueError(
+                f"this node would listen on {host} with no authentication: anyone who can "
+                "reach it could join the swarm. Pass auth=SwarmKeyAuth(key) or "
+                "CertificateAuth(...), or auth=OpenAuth() to run an open swarm on purpose"
+            )
         self.config = NodeConfig(
             host=host,
             port=port,
@@ -240,6 +258,12 @@ class Node:
         """Live peers by peer id (including this one), as known from gossip."""
         core = self.core
         return self.run_coroutine(_call(core.members))
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this node has sent so far (frame headers and payloads, every link and
+        bulk lane): what a benchmark divides by the samples trained."""
+        return int(self.core.bytes_sent)
 
     @property
     def num_links(self) -> int:

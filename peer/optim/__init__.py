@@ -1,18 +1,30 @@
 """Optimizers that train one model across the swarm.
 
-* :mod:`peer.optim.progress` — progress reports and the swarm's epoch (pure logic + tracker);
+* :mod:`peer.optim.progress` — progress reports and the swarm's epoch (pure logic + tracker),
+  shared by both training loops;
+* :mod:`peer.optim.collaborative` — ``Optimizer``: a global batch size, averaged gradients;
+  its options (:mod:`peer.optim.options`), the phases ending an epoch
+  (:mod:`peer.optim.epochs`) and the live state it averages and shares
+  (:mod:`peer.optim.live_state`, :mod:`peer.optim.state`);
 * :mod:`peer.optim.decentralized` — ``DecentralizedOptimizer``/``SGD``/``Adam``: local steps,
-  background averaging, swarm epochs.
+  background averaging, swarm epochs;
+* :mod:`peer.optim.hierarchical` — ``HierarchicalModelAverager`` (periods per level: the
+  machine's ``torch.distributed`` subgroups, then the swarm);
+* :mod:`peer.optim.daso` — ``DASO`` (frequent local, asynchronous global syncs; the
+  schedule in :mod:`peer.optim.daso_schedule`) and ``DataParallelOptimizer``;
+* :mod:`peer.optim.levels` — the two levels those average over (local world, swarm).
 """
 
 from __future__ import annotations
 
+from peer.optim.daso import DASO, DataParallelOptimizer
 from peer.optim.decentralized import (
     DecentralizedAdam,
     DecentralizedConfig,
     DecentralizedOptimizer,
     DecentralizedSGD,
 )
+from peer.optim.hierarchical import HierarchicalModelAverager
 from peer.optim.progress import (
     PerformanceEMA,
     ProgressReport,
@@ -22,10 +34,13 @@ from peer.optim.progress import (
 )
 
 __all__ = [
+    "DASO",
+    "DataParallelOptimizer",
     "DecentralizedAdam",
     "DecentralizedConfig",
     "DecentralizedOptimizer",
     "DecentralizedSGD",
+    "HierarchicalModelAverager",
     "PerformanceEMA",
     "ProgressReport",
     "ProgressTracker",

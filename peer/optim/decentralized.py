@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 
-from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.control import StepControl
 from peer.averaging.exceptions import StepFailed
 from peer.optim.progress import (
@@ -54,8 +53,8 @@ from peer.optim.progress import (
     ProgressReport,
     ProgressTracker,
     SwarmProgress,
-    compute_swarm_progress,
 )
+from peer.optim.state import StateSharingAverager, initialize_optimizer_state
 
 logger = logging.getLogger("peer.optim")
 
@@ -105,23 +104,6 @@ class DecentralizedConfig:
             raise ValueError("report_progress_expiration must be positive")
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError("timeout must be positive")
-
-
-class _TrainingAverager(DecentralizedAverager):
-    """An averager whose shared state (for newcomers) is the optimizer's full state."""
-
-    def __init__(
-        self,
-        tensors: Sequence[torch.Tensor],
-        node: Any,
-        state_fn: Callable[[], tuple[Any, Sequence[torch.Tensor]]],
-        **kwargs: Any,
-    ) -> None:
-        self._state_fn = state_fn  # set first: start=True may serve state at once
-        super().__init__(tensors, node, **kwargs)
-
-    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
-        return self._state_fn()
 
 
 class DecentralizedOptimizer:
@@ -186,9 +168,9 @@ class DecentralizedOptimizer:
         if not self.params:
             raise ValueError("the optimizer has no parameters")
         if self.config.average_opt_statistics:
-            self._init_optimizer_state()
+            initialize_optimizer_state(self.opt)
         tensors = self._averaged_tensors()
-        self.averager = _TrainingAverager(
+        self.averager = StateSharingAverager(
             tensors,
             node,
             self._current_state,
@@ -200,7 +182,9 @@ class DecentralizedOptimizer:
             **averager_kwargs,
         )
         self.scheduler = scheduler_cls(opt) if scheduler_cls is not None else None
-        self.tracker = ProgressTracker(node, prefix, expiration=report_progress_expiration)
+        self.tracker = ProgressTracker(
+            node, prefix, total_steps_in_epoch, expiration=report_progress_expiration
+        )
         self.performance = PerformanceEMA()
         self.local_epoch = 0
         self.local_step = 0  # steps taken by this peer, all epochs
@@ -214,41 +198,13 @@ class DecentralizedOptimizer:
         self._stop = threading.Event()
         self._current_round: Any = None
         self._shut = False
-        self._report(force=True)
+        self._report()
         self._thread = threading.Thread(
             target=self._averaging_loop, name=f"swarmgrad-avg-{prefix}", daemon=True
         )
         self._thread.start()
 
     # ------------------------------------------------------------------ construction
-
-    def _init_optimizer_state(self) -> None:
-        """Create the optimizer's lazily made state (e.g. Adam's moments) so it can be
-        averaged from the start: one step with zero gradients and learning rate 0, after which
-        parameters, statistics and step counters are put back to their initial values."""
-        with torch.no_grad():
-            saved_params = [p.detach().clone() for p in self.params]
-            saved_grads = [p.grad for p in self.params]
-            saved_lrs = [group["lr"] for group in self.opt.param_groups]
-            for p in self.params:
-                p.grad = torch.zeros_like(p)
-            for group in self.opt.param_groups:
-                group["lr"] = 0.0
-            try:
-                self.opt.step()
-            finally:
-                for group, lr in zip(self.opt.param_groups, saved_lrs, strict=True):
-                    group["lr"] = lr
-                for p, value, grad in zip(self.params, saved_params, saved_grads, strict=True):
-                    p.copy_(value)
-                    p.grad = grad
-            for p in self.params:
-                state = self.opt.state[p]
-                for key, value in list(state.items()):
-                    if isinstance(value, torch.Tensor):
-                        value.zero_()
-                    elif isinstance(value, int | float) and not isinstance(value, bool):
-                        state[key] = type(value)(0)
 
     def _averaged_tensors(self) -> list[torch.Tensor]:
         tensors: list[torch.Tensor] = []
@@ -314,9 +270,8 @@ class DecentralizedOptimizer:
             self.performance.update(batch_size)
         progress = self._swarm_progress(reports)
         self._advance_to(progress.target_epoch)
-        epoch_before = self.last_progress.local_epoch if self.last_progress else 0
         self.last_progress = self._swarm_progress(reports)
-        self._report(force=self.local_epoch != epoch_before)
+        self._report()
         if self.local_step % self.config.averaging_steps_period == 0:
             self._want_round.set()
         if self.config.verbose:
@@ -356,19 +311,18 @@ class DecentralizedOptimizer:
         return ProgressReport(
             peer_id=self.tracker.peer_id,
             epoch=self.local_epoch,
-            steps_at_epoch=self.steps_at_epoch,
-            total_steps=self.local_step,
+            done_at_epoch=self.steps_at_epoch,
+            done_in_total=self.local_step,
             time=float(self.node.get_time()),
             samples_per_second=self.performance.samples_per_second,
+            client_mode=self.averager.config.client_mode,
         )
 
     def _swarm_progress(self, reports: Iterable[ProgressReport]) -> SwarmProgress:
-        return compute_swarm_progress(
-            reports, self._local_report(), self.config.total_steps_in_epoch
-        )
+        return self.tracker.progress(self._local_report(), reports)
 
-    def _report(self, force: bool = False) -> None:
-        self.tracker.report(self._local_report(), force=force)
+    def _report(self) -> None:
+        self.tracker.report(self._local_report())
 
     def _advance_to(self, epoch: int) -> None:
         """Move to ``epoch`` (no-op if not ahead): step the scheduler once per epoch passed
@@ -495,7 +449,7 @@ class DecentralizedOptimizer:
         logger.warning("could not load state from peers; continuing with local state")
         if fallback_epoch is not None:
             self._advance_to(fallback_epoch)
-            self._report(force=True)
+            self._report()
         return False
 
     def _apply_state(self, metadata: Any, tensors: list[torch.Tensor]) -> bool:
@@ -535,7 +489,7 @@ class DecentralizedOptimizer:
                     else:
                         state[key] = t.clone()
         self._advance_to(epoch)
-        self._report(force=True)
+        self._report()
         return True
 
     # ------------------------------------------------------------------ lifecycle

@@ -1,26 +1,30 @@
 """Swarm progress: what each peer reports, and the swarm's epoch computed from the reports.
 
-Every training peer stores one record under ``f"{prefix}.progress"`` with its peer id as
-the subkey (so no peer can overwrite another's: gossip records are signed by their owner)::
+Both training loops count epochs across the swarm the same way; only the unit differs.
+:class:`peer.DecentralizedOptimizer` counts local *steps* (an epoch is
+``total_steps_in_epoch`` of them), :class:`peer.Optimizer` counts *samples* (an epoch is
+``target_batch_size`` of them). Every peer stores one record under :func:`progress_key`
+with its peer id as the subkey (so no peer can overwrite another's: gossip records are
+signed by their owner)::
 
-    [epoch, steps_at_epoch, total_steps, time, samples_per_second]
+    [epoch, done_at_epoch, done_in_total, time, samples_per_second, client_mode]
 
-expiring ``report_progress_expiration`` seconds after ``time``; a peer that stops reporting
-drops out of the count on its own. Two layers:
+expiring ``expiration`` seconds after ``time``; a peer that stops reporting drops out of the
+count on its own, and one that shuts down retracts its record at once. Two layers:
 
 * :func:`compute_swarm_progress` — pure: reports in, :class:`SwarmProgress` out. No I/O, no
   clock: the caller passes its own fresh report, which replaces whatever gossip last carried
   for it. Tested directly.
 * :class:`ProgressTracker` — the I/O around it: publishes this peer's reports (coalesced, so
   a fast training loop never queues stores) and reads the others' from the node's local
-  replica of the gossip store.
+  replica of the gossip store (at most every ``refresh_interval``).
 
 Epoch rule: the swarm's epoch is the largest epoch any live peer reports; it is complete when
-the steps reported *at that epoch*, summed over peers, reach ``total_steps_in_epoch``. Steps
-reported at older epochs do not count — a peer still at an older epoch has not noticed the
-advance yet, and its next step moves it forward. Gossip lag (a few ``gossip_period``) lets the
-swarm overshoot an epoch by the steps taken during the lag; nothing depends on the count
-being exact. Clock skew only affects expirations, never the order of epochs.
+what was done *at that epoch*, summed over peers, reaches the target. Work reported at older
+epochs does not count — a peer still at an older epoch has not noticed the advance yet, and
+its next step moves it forward. Gossip lag (a few ``gossip_period``) lets the swarm overshoot
+an epoch by the work done during the lag; nothing depends on the count being exact. Clock
+skew only affects expirations, never the order of epochs.
 """
 
 from __future__ import annotations
@@ -62,36 +66,39 @@ def _is_finite(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class ProgressReport:
-    """One peer's progress: ``steps_at_epoch`` local steps taken since it entered ``epoch``."""
+    """One peer's progress: ``done_at_epoch`` steps or samples since it entered ``epoch``,
+    ``done_in_total`` since it started."""
 
     peer_id: str
     epoch: int
-    steps_at_epoch: int
-    total_steps: int
+    done_at_epoch: int
+    done_in_total: int
     time: float
     samples_per_second: float = 0.0
+    client_mode: bool = False
 
     def to_wire(self) -> list[Any]:
         return [
             self.epoch,
-            self.steps_at_epoch,
-            self.total_steps,
+            self.done_at_epoch,
+            self.done_in_total,
             self.time,
             self.samples_per_second,
+            self.client_mode,
         ]
 
     @classmethod
     def from_wire(cls, peer_id: str, value: Any) -> ProgressReport | None:
         """Parse a gossip value; None for anything malformed (a buggy or hostile peer's
         record is ignored rather than allowed to break every other peer's step)."""
-        if not isinstance(value, list | tuple) or len(value) != 5:
+        if not isinstance(value, list | tuple) or len(value) != 6:
             return None
-        epoch, steps, total, when, sps = value
-        if not (_is_count(epoch) and _is_count(steps) and _is_count(total)):
+        epoch, done, total, when, sps, client = value
+        if not (_is_count(epoch) and _is_count(done) and _is_count(total)):
             return None
-        if not (_is_finite(when) and _is_finite(sps)) or sps < 0:
+        if not (_is_finite(when) and _is_finite(sps)) or sps < 0 or not isinstance(client, bool):
             return None
-        return cls(peer_id, epoch, steps, total, float(when), float(sps))
+        return cls(peer_id, epoch, done, total, float(when), float(sps), client)
 
 
 @dataclass(frozen=True)
@@ -99,17 +106,27 @@ class SwarmProgress:
     """The swarm as seen from one peer (see the module docstring for the epoch rule)."""
 
     epoch: int  # the largest epoch any live peer reports (this one included)
-    steps_at_epoch: int  # steps reported at ``epoch``, summed over peers
-    total_steps_in_epoch: int
+    done_at_epoch: int  # steps or samples reported at ``epoch``, summed over peers
+    target: int  # how many make an epoch
     num_peers: int  # peers with a live report, this one included
     num_peers_at_epoch: int
+    num_clients_at_epoch: int  # of those, peers in client mode
     samples_per_second: float  # summed over peers
     local_epoch: int
 
     @property
-    def should_advance(self) -> bool:
+    def ready(self) -> bool:
         """True when ``epoch`` is complete: the next step belongs to ``epoch + 1``."""
-        return self.steps_at_epoch >= self.total_steps_in_epoch
+        return self.done_at_epoch >= self.target
+
+    @property
+    def seconds_left(self) -> float:
+        """When samples are counted: the time the rest of ``epoch`` takes at the swarm's
+        current speed (0 when complete, inf when nobody reports a speed)."""
+        missing = max(self.target - self.done_at_epoch, 0)
+        if not missing:
+            return 0.0
+        return missing / self.samples_per_second if self.samples_per_second > 0 else math.inf
 
     @property
     def epochs_behind(self) -> int:
@@ -119,29 +136,32 @@ class SwarmProgress:
     @property
     def target_epoch(self) -> int:
         """The epoch this peer's next step belongs to."""
-        return self.epoch + 1 if self.should_advance else self.epoch
+        return self.epoch + 1 if self.ready else self.epoch
 
 
 def compute_swarm_progress(
-    reports: Iterable[ProgressReport], local: ProgressReport, total_steps_in_epoch: int
+    reports: Iterable[ProgressReport],
+    local: ProgressReport,
+    target: int,
 ) -> SwarmProgress:
     """The swarm's state from the peers' reports and this peer's own fresh one.
 
     ``local`` replaces any report carrying the same peer id (gossip may still hold an older
     one). Pure: no clock, no I/O.
     """
-    if total_steps_in_epoch < 1:
-        raise ValueError("total_steps_in_epoch must be at least 1")
+    if target < 1:
+        raise ValueError("an epoch's target must be at least 1")
     by_peer = {r.peer_id: r for r in reports}
     by_peer[local.peer_id] = local
     epoch = max(r.epoch for r in by_peer.values())
     at_epoch = [r for r in by_peer.values() if r.epoch == epoch]
     return SwarmProgress(
         epoch=epoch,
-        steps_at_epoch=sum(r.steps_at_epoch for r in at_epoch),
-        total_steps_in_epoch=total_steps_in_epoch,
+        done_at_epoch=sum(r.done_at_epoch for r in at_epoch),
+        target=target,
         num_peers=len(by_peer),
         num_peers_at_epoch=len(at_epoch),
+        num_clients_at_epoch=sum(r.client_mode for r in at_epoch),
         samples_per_second=sum(r.samples_per_second for r in by_peer.values()),
         local_epoch=local.epoch,
     )
@@ -185,28 +205,34 @@ class ProgressTracker:
 
     :meth:`report` never blocks on the network: it leaves the report in a one-slot mailbox
     that a task on the node's event loop stores (a newer report overwrites one that was not
-    stored yet, so a fast loop does not queue stores). :meth:`fetch` reads the node's local
-    replica of the gossip store. Thread-safe. Call :meth:`shutdown` when done: it retracts
-    this peer's report so the swarm stops counting it.
+    stored yet, so a fast loop does not queue stores). Within one epoch, stores are at least
+    ``refresh_interval`` apart; the latest report is always stored in the end, and a report
+    of a new epoch goes out at once. :meth:`fetch` reads the node's local replica of the
+    gossip store. Thread-safe. Call :meth:`shutdown` when done: it retracts this peer's
+    report so the swarm stops counting it at once rather than when it expires.
     """
 
-    #: seconds between two reads of the store / two stores of a report (0: every call).
-    #: Gossip spreads records every ``gossip_period`` anyway; touching the node's loop on
-    #: every training step costs a thread round trip for nothing newer.
+    #: seconds between two reads of the store, and between two stores of reports of one
+    #: epoch. Gossip spreads records every ``gossip_period`` anyway; touching the node's
+    #: loop on every training step costs a thread round trip for nothing newer.
     refresh_interval: float = 0.05
 
-    def __init__(self, node: Any, prefix: str, *, expiration: float = 30.0) -> None:
+    def __init__(self, node: Any, prefix: str, target: int, *, expiration: float = 30.0) -> None:
         if expiration <= 0:
-            raise ValueError("report_progress_expiration must be positive")
-        self._fetched: list[ProgressReport] = []
-        self._fetched_at = -math.inf
-        self._reported_at = -math.inf
+            raise ValueError("the progress reports' expiration must be positive")
+        if target < 1:
+            raise ValueError("an epoch's target must be at least 1")
         self.node = node
         self.key = progress_key(prefix)
+        self.target = int(target)
         self.expiration = float(expiration)
+        self._fetched: list[ProgressReport] = []
+        self._fetched_at = -math.inf
         self._latest: ProgressReport | None = None
         self._stored: ProgressReport | None = None
         self._stored_until = 0.0
+        self._stored_at = -math.inf
+        self._kicked = False
         self._task: asyncio.Task[None] | None = None
         self._shut = False
 
@@ -214,16 +240,14 @@ class ProgressTracker:
     def peer_id(self) -> str:
         return str(self.node.peer_id)
 
-    def report(self, report: ProgressReport, *, force: bool = False) -> None:
-        """Publish ``report`` (asynchronously; see :meth:`flush`). Within ``refresh_interval``
-        of the previous one it is skipped unless ``force`` (use it when the epoch changes)."""
+    def report(self, report: ProgressReport) -> None:
+        """Publish ``report`` (asynchronously; see :meth:`flush`)."""
         if self._shut:
             return
-        now = time.monotonic()
-        if not force and now - self._reported_at < self.refresh_interval:
-            return
-        self._reported_at = now
         self._latest = report
+        if self._kicked:
+            return  # the store task is running and picks the newest report up
+        self._kicked = True
         with contextlib.suppress(RuntimeError):  # the loop closed under us: nothing to do
             self.node.loop.call_soon_threadsafe(self._kick)
 
@@ -234,16 +258,29 @@ class ProgressTracker:
 
     async def _push(self) -> None:
         core = self.node.core
-        while not self._shut and self._latest is not None and self._latest is not self._stored:
-            report = self._latest
-            # a store needs a strictly later expiration than our own previous record
-            until = max(report.time + self.expiration, self._stored_until + 1e-6)
-            try:
-                await core.store(self.key, report.to_wire(), until, subkey=core.peer_id)
-            except SwarmgradError as exc:
-                logger.debug("could not store a progress report: %s", exc)
+        while True:
+            while not self._shut and self._latest is not None and self._latest is not self._stored:
+                report = self._latest
+                stored = self._stored
+                if stored is not None and stored.epoch == report.epoch:
+                    wait = self._stored_at + self.refresh_interval - time.monotonic()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                        continue  # a newer report may have come meanwhile
+                # a store needs a strictly later expiration than our own previous record
+                until = max(report.time + self.expiration, self._stored_until + 1e-6)
+                try:
+                    await core.store(self.key, report.to_wire(), until, subkey=core.peer_id)
+                except SwarmgradError as exc:
+                    logger.debug("could not store a progress report: %s", exc)
+                    self._kicked = False
+                    return
+                self._stored, self._stored_until = report, until
+                self._stored_at = time.monotonic()
+            self._kicked = False
+            if self._shut or self._latest is None or self._latest is self._stored:
                 return
-            self._stored, self._stored_until = report, until
+            self._kicked = True  # a report came between the last check and the reset
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until the latest report is in the local store (it spreads by gossip from
@@ -255,14 +292,14 @@ class ProgressTracker:
             time.sleep(0.005)
         return True
 
-    def fetch(self) -> list[ProgressReport]:
-        """Every live, well-formed report this node knows of (this peer's own included); the
-        previous answer if asked again within ``refresh_interval``."""
+    def fetch(self, *, fresh: bool = False) -> list[ProgressReport]:
+        """Every live, well-formed report this node knows of (this peer's own included, as
+        last stored); the previous answer if asked again within ``refresh_interval``,
+        unless ``fresh``."""
         now = time.monotonic()
-        if now - self._fetched_at < self.refresh_interval:
-            return self._fetched
-        self._fetched = self._fetch()
-        self._fetched_at = now
+        if fresh or now - self._fetched_at >= self.refresh_interval:
+            self._fetched = self._fetch()
+            self._fetched_at = now
         return self._fetched
 
     def _fetch(self) -> list[ProgressReport]:
@@ -278,18 +315,32 @@ class ProgressTracker:
                 reports.append(report)
         return reports
 
+    def progress(
+        self, local: ProgressReport, reports: Iterable[ProgressReport] | None = None
+    ) -> SwarmProgress:
+        """The swarm's progress with this peer's fresh ``local`` report (over ``reports``,
+        or what :meth:`fetch` returns)."""
+        return compute_swarm_progress(
+            self.fetch() if reports is None else reports, local, self.target
+        )
+
+    def others_reporting(self) -> int:
+        """How many other peers have a live report, at any epoch."""
+        return sum(r.peer_id != self.peer_id for r in self.fetch())
+
     def shutdown(self, timeout: float = 2.0) -> None:
-        """Stop publishing and retract this peer's report. Idempotent."""
+        """Stop publishing and retract this peer's report. Idempotent; the node may already
+        be gone."""
         if self._shut:
             return
         self._shut = True
-        if not self._stored_until:
-            return
 
         async def retract() -> None:
             if self._task is not None and not self._task.done():
                 self._task.cancel()
                 await asyncio.gather(self._task, return_exceptions=True)
+            if not self._stored_until:
+                return
             core = self.node.core
             await core.store(self.key, None, self._stored_until + 1e-3, subkey=core.peer_id)
 

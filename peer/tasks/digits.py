@@ -87,6 +87,7 @@ class TrainResult:
     steps: int
     averaging_rounds: int = 0
     epoch: int = 0  # the swarm epoch this peer ended at (0 for a single process)
+    bytes_sent: int = 0  # by this peer's node while it trained (0 for a single process)
 
 
 def load_digits_split(seed: int = 0, test_fraction: float = 0.2) -> DigitsData:

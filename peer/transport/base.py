@@ -15,6 +15,11 @@ Message = Data | Sequence[Data]
 and a tensor view can go out without being concatenated first)."""
 
 
+#: the largest message a peer may send before it has shown a valid credential (a hello with
+#: a certificate and addresses takes a few KiB)
+PRE_AUTH_MESSAGE_BYTES = 64 * 1024
+
+
 class Connection(abc.ABC):
     """A bidirectional, ordered, reliable-or-failing stream of binary messages."""
 
@@ -42,6 +47,11 @@ class Connection(abc.ABC):
     def close_reason(self) -> str:
         """Why the connection was closed, as far as this side knows ("" if open or unknown)."""
         return ""
+
+    def limit_incoming(self, max_bytes: int) -> None:  # noqa: B027 - optional for transports
+        """Refuse (close on) incoming messages over ``max_bytes`` from now on, where the
+        transport can bound what it buffers. The handshake keeps this small until the
+        other side has shown a valid credential."""
 
 
 Handler = Callable[[Connection], Awaitable[None]]

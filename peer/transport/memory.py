@@ -3,7 +3,8 @@
 A :class:`MemoryNetwork` connects :class:`MemoryTransport` endpoints by address
 (``mem://host:port``) and can inject what real networks do to messages: latency, a
 bandwidth cap (the sender is held back for the transmission time, so back-pressure is
-real), random drops, and crashes (a crashed host's connections vanish without a close
+real), random drops, partitions (messages across a cut vanish and dialing across it times out,
+until it is restored) and crashes (a crashed host's connections vanish without a close
 message, as after SIGKILL). Used by tests for faults and by the many-peer simulator.
 """
 
@@ -13,6 +14,7 @@ import asyncio
 import collections
 import itertools
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from peer.exceptions import ConnectionClosed, TransportError
@@ -52,6 +54,7 @@ class MemoryNetwork:
         self._listeners: dict[str, _MemoryListener] = {}
         self._connections: dict[str, set[_MemoryConnection]] = {}
         self._crashed: set[str] = set()
+        self._cuts: set[frozenset[str]] = set()
         self._ports = itertools.count(1)
         self._hosts = itertools.count(1)
         self.random = random.Random(seed)
@@ -93,6 +96,18 @@ class MemoryNetwork:
 
     def is_crashed(self, host: str) -> bool:
         return host in self._crashed
+
+    def cut(self, side_a: Iterable[str], side_b: Iterable[str]) -> None:
+        """Partition: no message passes between a host of ``side_a`` and one of
+        ``side_b`` (open connections stall, as TCP does; new ones time out)."""
+        self._cuts.update(frozenset((a, b)) for a in side_a for b in side_b if a != b)
+
+    def restore(self) -> None:
+        """Heal every partition made by :meth:`cut`."""
+        self._cuts.clear()
+
+    def is_cut(self, a: str, b: str) -> bool:
+        return frozenset((a, b)) in self._cuts
 
     # internal ------------------------------------------------------------------------
 
@@ -141,7 +156,9 @@ class _MemoryConnection(Connection):
             if self._closed or self._peer is None:
                 raise ConnectionClosed("connection closed")
             stats = self._network.stats
-            if cond.drop_rate and self._network.random.random() < cond.drop_rate:
+            if self._network.is_cut(self.host, self.remote_host) or (
+                cond.drop_rate and self._network.random.random() < cond.drop_rate
+            ):
                 stats.dropped += 1
                 return
             stats.messages += 1
@@ -254,10 +271,14 @@ class MemoryTransport(Transport):
         listener = net._listeners.get(address)
         if listener is None:
             raise TransportError(f"cannot connect to {address}: nobody listens there")
+        if net.is_cut(self.host, listener.host):
+            await asyncio.sleep(timeout)
+            raise TransportError(f"cannot connect to {address}: timed out")
         cond = net.conditions(self.host, listener.host)
         if cond.latency:
             await asyncio.sleep(2 * cond.latency)  # the opening handshake's round trip
-        if address not in net._listeners:
+        if address not in net._listeners or net.is_crashed(self.host):
+            # the listener went away, or this host crashed, during the opening handshake
             raise TransportError(f"cannot connect to {address}: connection refused")
         local = _MemoryConnection(net, self.host, listener.host, address)
         remote = _MemoryConnection(net, listener.host, self.host, f"mem://{self.host}")

@@ -13,7 +13,14 @@ from websockets.exceptions import InvalidHandshake, InvalidURI
 from websockets.protocol import State
 
 from peer.exceptions import ConnectionClosed, MalformedFrame, TransportError
-from peer.transport.base import Connection, Handler, Listener, Message, Transport
+from peer.transport.base import (
+    PRE_AUTH_MESSAGE_BYTES,
+    Connection,
+    Handler,
+    Listener,
+    Message,
+    Transport,
+)
 
 # RFC 6455 close codes we use: 1000 normal, 1002 protocol error, 1008 policy violation.
 _NORMAL, _PROTOCOL_ERROR = 1000, 1002
@@ -57,6 +64,10 @@ class WebSocketConnection(Connection):
     def close_reason(self) -> str:
         rcvd = self._ws.protocol.close_rcvd
         return rcvd.reason if rcvd is not None else ""
+
+    def limit_incoming(self, max_bytes: int) -> None:
+        # read by the parser at the start of every message
+        self._ws.protocol.max_message_size = max_bytes
 
     @staticmethod
     def _describe(exc: WsConnectionClosed) -> str:
@@ -110,7 +121,9 @@ class WebSocketTransport(Transport):
             raise TransportError(
                 f"cannot connect to {address}: {exc or type(exc).__name__}"
             ) from None
-        return WebSocketConnection(ws, address)
+        connection = WebSocketConnection(ws, address)
+        connection.limit_incoming(min(self._max, PRE_AUTH_MESSAGE_BYTES))
+        return connection
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
         async def on_connection(ws: ServerConnection) -> None:
@@ -119,7 +132,10 @@ class WebSocketTransport(Transport):
             if remote:  # an IPv6 host goes in brackets, as in any URL
                 host = f"[{remote[0]}]" if ":" in remote[0] else remote[0]
                 label = f"ws://{host}:{remote[1]}"
-            await handler(WebSocketConnection(ws, label))
+            connection = WebSocketConnection(ws, label)
+            # until the handshake raises it, no peer makes us buffer a large message
+            connection.limit_incoming(min(self._max, PRE_AUTH_MESSAGE_BYTES))
+            await handler(connection)
 
         server = await ws_serve(
             on_connection,

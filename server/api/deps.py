@@ -25,7 +25,9 @@ from server.security import JoinChallenges, KeyBox, PrincipalCache, parse_token
 from server.services import runs as run_service
 from server.services import tokens as token_service
 from server.services.checkpoints import CheckpointStore
-from server.services.reports import ReportBuffer
+from server.services.report_bounds import PeerTrack
+from server.services.report_buffer import ReportBuffer
+from server.services.report_guard import ReportGuard, load_track
 from server.services.tokens import Principal
 
 _bearer = HTTPBearer(auto_error=False, description="A token issued by this coordinator.")
@@ -61,6 +63,10 @@ async def get_checkpoint_store(request: Request) -> CheckpointStore:
     return request.app.state.checkpoint_store
 
 
+async def get_report_guard(request: Request) -> ReportGuard:
+    return request.app.state.report_guard
+
+
 async def get_report_buffer(request: Request) -> ReportBuffer:
     buffer = getattr(request.app.state, "report_buffer", None)
     if buffer is None:  # the ASGI server did not run the app's lifespan
@@ -72,6 +78,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 KeyBoxDep = Annotated[KeyBox, Depends(get_keybox)]
 ReportBufferDep = Annotated[ReportBuffer, Depends(get_report_buffer)]
+ReportGuardDep = Annotated[ReportGuard, Depends(get_report_guard)]
 JoinChallengesDep = Annotated[JoinChallenges, Depends(get_join_challenges)]
 CheckpointStoreDep = Annotated[CheckpointStore, Depends(get_checkpoint_store)]
 RunIdPath = Annotated[str, Path(min_length=1, max_length=32, description="The run's id.")]
@@ -170,7 +177,7 @@ RunDep = Annotated[Run, Depends(get_run)]
 
 def _load_reporting_peer(
     request: Request, settings: Settings, token: str, run_id: str
-) -> Principal:
+) -> tuple[Principal, PeerTrack]:
     with request.app.state.session_factory() as session:
         admin = settings.admin_token.get_secret_value() if settings.admin_token else None
         principal = token_service.authenticate(session, token, admin)
@@ -178,7 +185,8 @@ def _load_reporting_peer(
         run = run_service.get_run(session, run_id)
         if run.archived_at is not None or run.status is RunStatus.finished:
             raise Conflict(f"run {run.id} is finished; stop training and leave the run")
-    return principal
+        assert principal.peer_pk is not None  # peer tokens belong to a peer
+        return principal, load_track(session, principal.peer_pk)
 
 
 async def get_reporting_peer(
@@ -189,7 +197,8 @@ async def get_reporting_peer(
 ) -> Principal:
     """The hot path of report ingestion. Authentication, the scope and run checks and the
     run's state (finished or archived: 409) are looked up in one trip to the thread pool,
-    and a success is reused for ``peer_auth_cache_ttl_s`` (see :class:`PrincipalCache`)."""
+    and a success is reused for ``peer_auth_cache_ttl_s`` (see :class:`PrincipalCache`). The
+    same trip reads the peer's track for the plausibility bounds."""
     if credentials is None:
         raise Unauthenticated("missing bearer token: send 'Authorization: Bearer <token>'")
     cache: PrincipalCache = request.app.state.principal_cache
@@ -198,9 +207,11 @@ async def get_reporting_peer(
         cached = cache.get(parsed.id, parsed.secret)
         if isinstance(cached, Principal) and cached.run_id == run_id:
             return cached
-    principal = await run_in_threadpool(
+    principal, track = await run_in_threadpool(
         _load_reporting_peer, request, settings, credentials.credentials, run_id
     )
+    assert principal.peer_pk is not None
+    request.app.state.report_guard.remember(principal.peer_pk, track)
     if parsed is not None:
         cache.put(parsed.id, parsed.secret, principal)
     return principal

@@ -2,8 +2,9 @@
 
 FastAPI's routing and dependency resolution cost more CPU than everything the report route
 does. This middleware answers the common case — JSON body, a peer token this worker verified
-within ``peer_auth_cache_ttl_s`` for this very run, a body that validates — directly, with the
-same schema (:class:`~server.schemas.ReportCreate`), buffer and answer as the route.
+within ``peer_auth_cache_ttl_s`` for this very run, a body that validates and passes the
+plausibility bounds with what the worker already knows — directly, with the same schema
+(:class:`~server.schemas.ReportCreate`), guard, buffer and answer as the route.
 Everything else (cache misses, invalid bodies, other content types, errors of any kind) is
 passed on untouched to the FastAPI route, which stays the reference implementation and
 produces every error message; so the fast path can only ever take requests the route would
@@ -22,7 +23,6 @@ from server.api import API_PREFIX
 from server.models import TokenScope
 from server.schemas import ReportCreate
 from server.security import parse_token
-from server.services.reports import pending_report
 from server.services.tokens import Principal
 
 _PATH = re.compile(rf"^{re.escape(API_PREFIX)}/runs/([^/]{{1,32}})/reports$")
@@ -60,7 +60,7 @@ class ReportFastPath:
             if len(body) > _MAX_FAST_BODY or not message.get("more_body", False):
                 break
         buffer = getattr(scope["app"].state, "report_buffer", None)
-        report = None
+        report = pending = None
         if (
             buffer is not None
             and messages[-1]["type"] == "http.request"
@@ -70,11 +70,14 @@ class ReportFastPath:
                 report = ReportCreate.model_validate_json(body)
             except ValidationError:
                 report = None
-        if report is None or buffer is None:
+        if report is not None:
+            assert principal.run_id is not None and principal.peer_pk is not None
+            guard = scope["app"].state.report_guard
+            pending = guard.admit_known(principal.run_id, principal.peer_pk, report)
+        if pending is None or buffer is None:
             await self.app(scope, _replay(messages, receive), send)
             return
-        assert principal.run_id is not None and principal.peer_pk is not None
-        await buffer.add(pending_report(principal.run_id, principal.peer_pk, report))
+        await buffer.add(pending)
         scope["route"] = _ROUTE
         await send({"type": "http.response.start", "status": 202, "headers": _ACCEPTED_HEADERS})
         await send({"type": "http.response.body", "body": _ACCEPTED_BODY})

@@ -1,10 +1,11 @@
-"""Ingesting progress reports in batches.
+"""Writing progress reports: the SQL of one batch, and the run totals read back from it.
 
-Why a buffer: one transaction per report caps SQLite at a few hundred reports per second
+Why batches: one transaction per report caps SQLite at a few hundred reports per second
 (every commit is a WAL append and a lock hand-over); one transaction per batch of hundreds
-costs about the same as one report. So the report route validates the caller and the body,
-appends to a :class:`ReportBuffer` and answers 202; the buffer writes everything it holds
-every ``report_flush_interval_s`` (or sooner when ``report_buffer_max`` reports wait).
+costs about the same as one report. The report route admits a report
+(:mod:`server.services.report_guard`), queues it in the worker's
+:class:`~server.services.report_buffer.ReportBuffer` and answers 202; the buffer writes
+batches with :func:`write_rows` and then :func:`take_snapshot_if_due`.
 
 Why this is safe with several workers: each worker process has its own buffer and writes
 through its own transaction; nothing is shared between them but the database. Every
@@ -13,32 +14,25 @@ reports are plain inserts, a peer's latest state only moves forward in time
 (``last_report_ms <= :t``, and likewise its latest held-out metric, ``eval_metric_ms <= :t``),
 epoch summaries (with the averaging rounds done and failed) are upserts with additive updates,
 and a progress snapshot is claimed by a conditional update of ``runs.last_snapshot_ms``.
-
-What can be lost: on a clean shutdown (SIGTERM/SIGINT, uvicorn's lifespan shutdown) the
-buffer is flushed before the process exits, so no acknowledged report is lost; if the process
-is killed outright, at most the last ``report_flush_interval_s`` of acknowledged reports are.
-Set ``report_flush_interval_s=0`` to write each report before answering instead.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import cast
 
 from sqlalchemy import BigInteger, Connection, Table, bindparam, case, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from server.clock import now_ms
 from server.models import EpochSummary, Peer, ProgressReport, ProgressSnapshot, Run
-from server.schemas import ReportCreate
+from server.schemas import MAX_INT, ReportCreate
 
 logger = logging.getLogger(__name__)
-
-_MAX_FLUSH_ATTEMPTS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,14 +50,24 @@ class PendingReport:
     failure: str | None = None
     eval_metric: float | None = None
     loss_nan: bool = False
+    # The most the peer may have contributed in all (banked resets plus this counter) when
+    # the report was admitted; the write clamps the banked part to it. None: MAX_INT.
+    samples_cap: int | None = None
 
 
-def pending_report(run_id: str, peer_pk: int, body: ReportCreate) -> PendingReport:
-    """A validated report body, stamped now: what the route and the fast path queue."""
+def pending_report(
+    run_id: str,
+    peer_pk: int,
+    body: ReportCreate,
+    *,
+    reported_ms: int | None = None,
+    samples_cap: int | None = None,
+) -> PendingReport:
+    """A validated report body, stamped ``reported_ms`` (default now): what is queued."""
     return PendingReport(
         run_id=run_id,
         peer_pk=peer_pk,
-        reported_ms=now_ms(),
+        reported_ms=now_ms() if reported_ms is None else reported_ms,
         epoch=body.epoch,
         samples=body.samples,
         samples_per_second=body.samples_per_second,
@@ -74,6 +78,7 @@ def pending_report(run_id: str, peer_pk: int, body: ReportCreate) -> PendingRepo
         rounds_failed=body.rounds_failed,
         failure=body.failure,
         eval_metric=body.eval_metric,
+        samples_cap=samples_cap,
     )
 
 
@@ -84,10 +89,22 @@ def write_reports(
     snapshot_interval_s: float,
     online_ttl_s: float,
 ) -> None:
-    """Write one batch in the session's transaction (the caller commits)."""
+    """Write one batch and take the snapshots due, in the session's transaction (the caller
+    commits)."""
     if not reports:
         return
     connection = session.connection()
+    write_rows(connection, reports, online_ttl_s=online_ttl_s)
+    for run_id in sorted({r.run_id for r in reports}):
+        take_snapshot_if_due(connection, run_id, snapshot_interval_s, online_ttl_s)
+
+
+def write_rows(
+    connection: Connection, reports: Sequence[PendingReport], *, online_ttl_s: float
+) -> None:
+    """The rows of one batch: raw reports, peers' latest state, epoch summaries."""
+    if not reports:
+        return
     connection.execute(
         insert(ProgressReport),
         [
@@ -111,21 +128,49 @@ def write_reports(
     _update_peers(connection, reports, online_ttl_s)
     _update_eval_metrics(connection, reports)
     _upsert_epoch_summaries(connection, reports)
-    for run_id in sorted({r.run_id for r in reports}):
-        take_snapshot_if_due(connection, run_id, snapshot_interval_s, online_ttl_s)
+
+
+def write_refusals(connection: Connection, refusals: Mapping[int, tuple[int, str, int]]) -> None:
+    """Count refused reports per peer: ``{peer_pk: (how many, last bound, when)}``."""
+    if not refusals:
+        return
+    table = cast(Table, Peer.__table__)
+    connection.execute(
+        update(table)
+        .where(table.c.id == bindparam("b_id"))
+        .values(
+            reports_refused=table.c.reports_refused + bindparam("b_n", type_=BigInteger()),
+            last_refusal=bindparam("b_bound"),
+            last_refusal_ms=bindparam("b_t", type_=BigInteger()),
+        ),
+        [
+            {"b_id": pk, "b_n": n, "b_bound": b, "b_t": t}
+            for pk, (n, b, t) in sorted(refusals.items())
+        ],
+    )
 
 
 def _update_peers(
     connection: Connection, reports: Sequence[PendingReport], online_ttl_s: float
 ) -> None:
-    latest: dict[int, PendingReport] = {}
+    by_peer: dict[int, list[PendingReport]] = {}
     for r in reports:
-        known = latest.get(r.peer_pk)
-        if known is None or known.reported_ms <= r.reported_ms:
-            latest[r.peer_pk] = r
+        by_peer.setdefault(r.peer_pk, []).append(r)
     table = cast(Table, Peer.__table__)
     t = bindparam("b_t", type_=BigInteger())
     samples = bindparam("b_samples", type_=BigInteger())
+    first = bindparam("b_first", type_=BigInteger())
+    # A counter that went backwards means the peer restarted from zero: bank what it had
+    # counted so the run's total never shrinks — against the stored counter for the batch's
+    # first report, in Python between the batch's own — but never past the peer's cap (the
+    # counter itself neither: admitted reports are within it, but several workers may each
+    # have admitted a reset the others did not see).
+    banked = (
+        table.c.samples_base
+        + case((first < table.c.samples, table.c.samples), else_=0)
+        + bindparam("b_banked", type_=BigInteger())
+    )
+    room = bindparam("b_room", type_=BigInteger())
     # A report after a silence longer than the online TTL closes the peer's session (its
     # length joins online_ms) and opens a new one. SET expressions read the old row.
     gap = table.c.last_seen_ms < t - int(online_ttl_s * 1000)
@@ -150,12 +195,7 @@ def _update_peers(
             last_report_ms=t,
             last_seen_ms=case((table.c.last_seen_ms < t, t), else_=table.c.last_seen_ms),
             epoch=bindparam("b_epoch"),
-            # A counter that went backwards means the peer restarted from zero: bank what
-            # it had counted so the run's total never shrinks.
-            samples_base=case(
-                (samples < table.c.samples, table.c.samples_base + table.c.samples),
-                else_=table.c.samples_base,
-            ),
+            samples_base=case((banked > room, room), else_=banked),
             samples=samples,
             samples_per_second=bindparam("b_sps"),
             loss=bindparam("b_loss"),
@@ -163,22 +203,28 @@ def _update_peers(
             group_size=bindparam("b_group"),
         )
     )
-    connection.execute(
-        statement,
-        [
+    rows = []
+    for peer_pk in sorted(by_peer):
+        ordered = sorted(by_peer[peer_pk], key=lambda r: r.reported_ms)
+        r = ordered[-1]
+        cap = MAX_INT if r.samples_cap is None else r.samples_cap
+        counter = min(r.samples, cap)
+        rows.append(
             {
-                "b_id": r.peer_pk,
+                "b_id": peer_pk,
                 "b_t": r.reported_ms,
                 "b_epoch": r.epoch,
-                "b_samples": r.samples,
+                "b_samples": counter,
+                "b_first": ordered[0].samples,
+                "b_banked": sum(a.samples for a, b in pairwise(ordered) if b.samples < a.samples),
+                "b_room": cap - counter,
                 "b_sps": r.samples_per_second,
                 "b_loss": r.loss,
                 "b_loss_nan": r.loss_nan,
                 "b_group": r.group_size,
             }
-            for r in sorted(latest.values(), key=lambda r: r.peer_pk)
-        ],
-    )
+        )
+    connection.execute(statement, rows)
 
 
 def _update_eval_metrics(connection: Connection, reports: Sequence[PendingReport]) -> None:
@@ -362,118 +408,3 @@ def run_totals(
         rounds_done=int(rounds_done),
         rounds_failed=int(rounds_failed),
     )
-
-
-class ReportBuffer:
-    """Reports acknowledged but not yet written, for one worker process.
-
-    Use as an async context manager (the app's lifespan does): entering starts the flusher
-    task, leaving stops it and writes whatever is still waiting.
-    """
-
-    def __init__(
-        self,
-        session_factory: sessionmaker[Session],
-        *,
-        flush_interval_s: float,
-        max_pending: int,
-        snapshot_interval_s: float,
-        online_ttl_s: float,
-        on_written: Callable[[int], None] = lambda n: None,
-    ) -> None:
-        self._session_factory = session_factory
-        self._interval = flush_interval_s
-        self._max_pending = max_pending
-        self._snapshot_interval_s = snapshot_interval_s
-        self._online_ttl_s = online_ttl_s
-        self._on_written = on_written
-        self._pending: list[PendingReport] = []
-        self._wake = asyncio.Event()
-        self._room = asyncio.Condition()
-        self._task: asyncio.Task[None] | None = None
-        self._closing = False
-        self._lock = asyncio.Lock()
-
-    @property
-    def pending(self) -> int:
-        return len(self._pending)
-
-    async def __aenter__(self) -> ReportBuffer:
-        if self._interval > 0:
-            self._task = asyncio.create_task(self._run(), name="report-buffer-flusher")
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    async def add(self, report: PendingReport) -> None:
-        """Queue a report. Waits (back-pressure) while the buffer is over twice its limit,
-        which only happens when the database falls behind."""
-        if self._closing:
-            raise RuntimeError("the report buffer is closed")
-        if self._interval == 0:
-            await asyncio.to_thread(self._write, [report])
-            self._on_written(1)
-            return
-        async with self._room:
-            await self._room.wait_for(lambda: len(self._pending) < 2 * self._max_pending)
-        self._pending.append(report)
-        if len(self._pending) >= self._max_pending:
-            self._wake.set()
-
-    async def flush(self) -> int:
-        """Write everything waiting now; returns how many reports were written."""
-        async with self._lock:
-            batch, self._pending = self._pending, []
-            if not batch:
-                return 0
-            async with self._room:
-                self._room.notify_all()
-            for attempt in range(1, _MAX_FLUSH_ATTEMPTS + 1):
-                try:
-                    await asyncio.to_thread(self._write, batch)
-                except Exception:
-                    if attempt == _MAX_FLUSH_ATTEMPTS:
-                        logger.exception(
-                            "dropping %d progress reports after %d attempts", len(batch), attempt
-                        )
-                        return 0
-                    logger.warning(
-                        "writing %d progress reports failed; retrying", len(batch), exc_info=True
-                    )
-                    await asyncio.sleep(min(0.1 * 2**attempt, 2.0))
-                else:
-                    self._on_written(len(batch))
-                    return len(batch)
-        return 0  # pragma: no cover - the loop always returns
-
-    def _write(self, batch: list[PendingReport]) -> None:
-        with self._session_factory() as session, session.begin():
-            write_reports(
-                session,
-                batch,
-                snapshot_interval_s=self._snapshot_interval_s,
-                online_ttl_s=self._online_ttl_s,
-            )
-
-    async def _run(self) -> None:
-        while not self._closing:
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self._interval)
-            except TimeoutError:
-                pass
-            self._wake.clear()
-            await self.flush()
-
-    async def close(self) -> None:
-        """Stop the flusher and write what is left. Idempotent.
-
-        The flusher is asked to stop rather than cancelled, so a batch being written (or
-        retried) is never abandoned half-way.
-        """
-        self._closing = True
-        self._wake.set()
-        if self._task is not None:
-            await self._task
-            self._task = None
-        await self.flush()

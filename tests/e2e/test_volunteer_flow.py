@@ -95,9 +95,14 @@ class Volunteer:
     def output(self) -> str:
         return "\n".join(self.lines)
 
-    def stop(self) -> None:
+    def interrupt(self) -> None:
+        """Ctrl-C, without waiting (see :meth:`stop`)."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.interrupt()
             try:
                 self.process.wait(scaled(20))
             except subprocess.TimeoutExpired:
@@ -112,6 +117,8 @@ class Volunteer:
 def volunteers() -> Iterator[list[Volunteer]]:
     started: list[Volunteer] = []
     yield started
+    for volunteer in started:  # every one leaves at once, as after a shared Ctrl-C
+        volunteer.interrupt()
     for volunteer in started:
         volunteer.stop()
 
@@ -175,13 +182,11 @@ def test_peers_train_through_a_coordinator_outage_and_their_reports_catch_up(
 
     coordinator.kill()  # SIGKILL: nothing flushed, nothing said goodbye
     epochs_at_kill = [v.epoch for v in volunteers]
-    outage = scaled(30)
-    deadline = time.monotonic() + outage
+    # the outage lasts three epochs: their reports wait in the volunteers until it ends
     assert wait_until(
         lambda: all(v.epoch > e + 2 for v, e in zip(volunteers, epochs_at_kill, strict=True)),
-        outage,
+        scaled(60),
     ), "the swarm trains on while the coordinator is down"
-    time.sleep(max(0.0, deadline - time.monotonic()))  # the outage lasts its full length
     assert all(v.process.poll() is None for v in volunteers), "no peer crashed"
     processed = sum(v.samples for v in volunteers)
 
@@ -234,7 +239,9 @@ def test_an_unreachable_volunteer_falls_back_to_client_mode_and_still_trains(
         return p["peers_online"] == 2 and 2 in p["recent_group_sizes"]
 
     assert wait_until(averaging_together, scaled(120)), progress(coordinator, run_id)
-    assert hidden.epoch >= 1, hidden.output()
+    # The coordinator may record the shared round before the hidden volunteer's next status
+    # line says so: wait for the line, not for a fixed moment.
+    assert wait_until(lambda: hidden.epoch >= 1, scaled(60)), hidden.output()
 
 
 def test_ctrl_c_leaves_the_swarm_cleanly_within_seconds(

@@ -1,13 +1,46 @@
-"""The gossip store without I/O: slots, expiry, newest-wins, signatures, digests."""
+"""The gossip store without I/O: slots, expiry, newest-wins, signatures, digests,
+owners' certificates."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import random
+from typing import Any
 
 import pytest
 
-from peer.identity import Identity
-from peer.node.gossip import MEMBERS_KEY, GossipStore, Record, RecordError, take_within_budget
+from peer.identity import Certificate, CertificateVerifier, Identity
+from peer.node.gossip import (
+    MEMBERS_KEY,
+    CertificateBook,
+    GossipStore,
+    Record,
+    RecordError,
+    Subkey,
+    certificates_for,
+    next_sequence,
+    pack_value,
+    sendable,
+    take_within_budget,
+)
+
+_SEQ = itertools.count(1)
+
+
+def create(
+    identity: Identity,
+    key: str,
+    subkey: Subkey,
+    value: Any,
+    expiration: float,
+    seq: int | None = None,
+) -> Record:
+    """``Record.create`` with the next sequence number: records signed in order, as a
+    node signs them."""
+    return Record.create(
+        identity, key, subkey, value, expiration, seq=next(_SEQ) if seq is None else seq
+    )
 
 
 @pytest.fixture
@@ -15,65 +48,106 @@ def alice() -> Identity:
     return Identity()
 
 
-def test_put_get_and_newest_expiration_wins(alice: Identity) -> None:
+def test_put_get_and_the_newest_sequence_number_wins(alice: Identity) -> None:
     store = GossipStore()
-    assert store.put(Record.create(alice, "k", None, {"v": 1}, 100.0), now=0.0)
+    first = create(alice, "k", None, {"v": 1}, 100.0)
+    assert store.put(first, now=0.0)
     assert store.get("k", now=0.0) == ({"v": 1}, 100.0)
-    assert not store.put(Record.create(alice, "k", None, {"v": 0}, 90.0), now=0.0), (
-        "older must not replace"
-    )
-    assert store.put(Record.create(alice, "k", None, {"v": 2}, 110.0), now=0.0)
-    assert store.get("k", now=0.0) == ({"v": 2}, 110.0)
+    second = create(alice, "k", None, {"v": 2}, 90.0)
+    assert store.put(second, now=0.0), "a later write replaces, even with a shorter life"
+    assert store.get("k", now=0.0) == ({"v": 2}, 90.0)
+    assert not store.put(first, now=0.0), "an older copy never comes back"
+    assert store.get("k", now=0.0) == ({"v": 2}, 90.0)
+
+
+def test_a_relay_cannot_roll_a_slot_back_with_an_older_live_copy(alice: Identity) -> None:
+    """The owner restarted (its counter comes from the clock) and stored a value that
+    expires sooner than the one before; a relay keeps offering the old, longer-lived copy,
+    by push and by anti-entropy. Neither path brings it back."""
+    old = create(alice, "state", None, "old", 1000.0, seq=next_sequence(0, 10.0))
+    new = create(alice, "state", None, "new", 100.0, seq=next_sequence(0, 20.0))
+    honest, relay = GossipStore(), GossipStore()
+    relay.put(old, now=30.0)
+    assert honest.put(new, now=30.0)
+    assert not honest.put(old, now=30.0)
+    assert honest.compare(relay.digest(30.0), 30.0) == ([new], []), "nothing asked of the relay"
+    assert honest.get("state", now=30.0) == ("new", 100.0)
+
+
+def test_sequence_numbers_grow_across_restarts_and_within_a_tick() -> None:
+    assert next_sequence(0, 100.0) == 100_000_000
+    assert next_sequence(100_000_000, 100.0) == 100_000_001, "same instant: still larger"
+    assert next_sequence(5, 100.5) == 100_500_000, "a restarted counter starts at the clock"
+    with pytest.raises(ValueError, match="seq must be"):
+        create(Identity(), "k", None, 1, 10.0, seq=-1)
 
 
 def test_expired_records_vanish_and_are_refused(alice: Identity) -> None:
     store = GossipStore(max_ttl=1000)
-    store.put(Record.create(alice, "k", None, 1, 10.0), now=0.0)
+    store.put(create(alice, "k", None, 1, 10.0), now=0.0)
     assert store.get("k", now=10.0) is None
     assert [r.key for r in store.expire(now=10.0)] == ["k"]
     assert len(store) == 0
-    assert not store.put(Record.create(alice, "k", None, 1, 5.0), now=6.0)
-    assert not store.put(Record.create(alice, "k", None, 1, 5000.0), now=0.0), "beyond max_ttl"
+    assert not store.put(create(alice, "k", None, 1, 5.0), now=6.0)
+    assert not store.put(create(alice, "k", None, 1, 5000.0), now=0.0), "beyond max_ttl"
 
 
 def test_subkeys_form_a_dictionary_and_owners_have_their_own_slots(alice: Identity) -> None:
     bob = Identity()
     store = GossipStore()
-    store.put(Record.create(alice, "progress", alice.peer_id, {"step": 1}, 50.0), now=0.0)
-    store.put(Record.create(bob, "progress", bob.peer_id, {"step": 2}, 60.0), now=0.0)
+    store.put(create(alice, "progress", alice.peer_id, {"step": 1}, 50.0), now=0.0)
+    store.put(create(bob, "progress", bob.peer_id, {"step": 2}, 60.0), now=0.0)
     value, expiration = store.get("progress", now=0.0)
     assert expiration == 60.0
     assert value[alice.peer_id].value == {"step": 1}
     assert value[bob.peer_id] == ({"step": 2}, 60.0)
-    # Bob writing the same (key, subkey) as Alice does not touch Alice's record; a read sees the newest.
-    store.put(Record.create(bob, "progress", alice.peer_id, {"step": 99}, 70.0), now=0.0)
-    assert store.get("progress", now=0.0).value[alice.peer_id].value == {"step": 99}
-    # At 65 Alice's own record (until 50) and Bob's own (until 60) are gone; Bob's copy remains.
-    assert store.get("progress", now=65.0).value == {alice.peer_id: ({"step": 99}, 70.0)}
-    assert {r.owner for r in store.records("progress", now=0.0)} == {
+    # Bob writing the same (key, subkey) under a shared name does not touch Alice's record;
+    # a read sees the newest.
+    store.put(create(alice, "scores", "best", 1, 50.0), now=0.0)
+    store.put(create(bob, "scores", "best", 2, 70.0), now=0.0)
+    assert store.get("scores", now=0.0).value["best"].value == 2
+    assert store.get("scores", now=60.0).value == {"best": (2, 70.0)}
+    assert {r.owner for r in store.records("scores", now=0.0)} == {
         alice.public_key,
         bob.public_key,
     }
-    assert len(store.records("progress", now=0.0)) == 3
+
+
+def test_a_subkey_that_is_a_peer_id_belongs_to_that_peer(alice: Identity) -> None:
+    """Nobody can be read as another peer: Bob cannot write under Alice's id, neither
+    through his own node nor by relaying a record he signed."""
+    bob = Identity()
+    store = GossipStore()
+    store.put(create(alice, "progress", alice.peer_id, {"step": 1}, 50.0), now=0.0)
+    with pytest.raises(RecordError, match="under another peer's id"):
+        create(bob, "progress", alice.peer_id, {"step": 99}, 70.0)
+    forged = Record(
+        "progress", alice.peer_id, pack_value({"step": 99}), 70.0, 7, bob.public_key, b""
+    )
+    forged = Record(
+        forged.key,
+        forged.subkey,
+        forged.value,
+        70.0,
+        7,
+        bob.public_key,
+        bob.sign(forged.signed_bytes()),
+    )
+    with pytest.raises(RecordError, match=f"peer {bob.peer_id} wrote 'progress' under another"):
+        forged.verify()
+    assert not store.put(forged, now=0.0)
+    assert store.get("progress", now=0.0).value[alice.peer_id].value == {"step": 1}
 
 
 def test_signature_covers_every_field(alice: Identity) -> None:
-    record = Record.create(alice, "k", "s", [1, 2], 100.0)
+    record = create(alice, "k", "s", [1, 2], 100.0)
     record.verify()
     for forged in (
-        Record(
-            record.key,
-            record.subkey,
-            Record.create(alice, "k", "s", [9], 100.0).value,
-            100.0,
-            record.owner,
-            record.signature,
-        ),
-        Record(record.key, record.subkey, record.value, 200.0, record.owner, record.signature),
-        Record("other", record.subkey, record.value, 100.0, record.owner, record.signature),
-        Record(
-            record.key, record.subkey, record.value, 100.0, Identity().public_key, record.signature
-        ),
+        dataclasses.replace(record, value=create(alice, "k", "s", [9], 100.0).value),
+        dataclasses.replace(record, expiration=200.0),
+        dataclasses.replace(record, seq=record.seq + 1),
+        dataclasses.replace(record, key="other"),
+        dataclasses.replace(record, owner=Identity().public_key),
     ):
         with pytest.raises(RecordError, match="invalid signature"):
             forged.verify()
@@ -81,10 +155,11 @@ def test_signature_covers_every_field(alice: Identity) -> None:
 
 def test_membership_record_must_describe_its_owner(alice: Identity) -> None:
     mallory = Identity()
+    member = {"addresses": [], "client_mode": False}
+    with pytest.raises(RecordError, match="under another peer's id"):
+        create(mallory, MEMBERS_KEY, alice.peer_id, member, 10.0)
     with pytest.raises(RecordError, match="only describe its owner"):
-        Record.create(
-            mallory, MEMBERS_KEY, alice.peer_id, {"addresses": [], "client_mode": False}, 10.0
-        ).verify()
+        create(mallory, MEMBERS_KEY, "someone", member, 10.0).verify()
 
 
 @pytest.mark.parametrize(
@@ -92,12 +167,17 @@ def test_membership_record_must_describe_its_owner(alice: Identity) -> None:
     [
         None,
         [],
-        ["k", None, b"", 1.0, b"", b""][:5],
-        ["", None, b"", 1.0, b"", b""],
-        ["k", True, b"", 1.0, b"", b""],
-        ["k", None, "str", 1.0, b"", b""],
-        ["k", None, b"", "1", b"", b""],
-        ["k", None, b"", float("nan"), b"", b""],
+        ["k", None, b"", 1.0, 1, b"", b""][:6],
+        ["k", None, b"", 1.0, b"", b""],
+        ["", None, b"", 1.0, 1, b"", b""],
+        ["k", True, b"", 1.0, 1, b"", b""],
+        ["k", None, "str", 1.0, 1, b"", b""],
+        ["k", None, b"", "1", 1, b"", b""],
+        ["k", None, b"", float("nan"), 1, b"", b""],
+        ["k", None, b"", 1.0, -1, b"", b""],
+        ["k", None, b"", 1.0, 1 << 63, b"", b""],
+        ["k", None, b"", 1.0, True, b"", b""],
+        ["k", None, b"", 1.0, 1.5, b"", b""],
     ],
 )
 def test_from_wire_rejects_malformed_records(item: object) -> None:
@@ -108,10 +188,10 @@ def test_from_wire_rejects_malformed_records(item: object) -> None:
 def test_anti_entropy_converges_two_stores() -> None:
     a, b = GossipStore(), GossipStore()
     ids = [Identity() for _ in range(3)]
-    a.put(Record.create(ids[0], "x", None, 1, 100.0), 0.0)
-    a.put(Record.create(ids[1], "y", None, 1, 100.0), 0.0)
-    b.put(Record.create(ids[1], "y", None, 2, 150.0), 0.0)  # newer copy of the same slot
-    b.put(Record.create(ids[2], "z", None, 3, 100.0), 0.0)
+    a.put(create(ids[0], "x", None, 1, 100.0), 0.0)
+    a.put(create(ids[1], "y", None, 1, 100.0), 0.0)
+    b.put(create(ids[1], "y", None, 2, 150.0), 0.0)  # newer copy of the same slot
+    b.put(create(ids[2], "z", None, 3, 100.0), 0.0)
     # a initiates: sends its digest; b answers with what a lacks and asks for what b lacks.
     send_to_a, b_wants = b.compare(a.digest(0.0), 0.0)
     for record in send_to_a:
@@ -130,12 +210,153 @@ def test_digest_must_be_whole_entries() -> None:
 
 def test_budget_puts_membership_first_and_bounds_size() -> None:
     ident = Identity()
-    records = [Record.create(ident, f"k{i}", None, b"x" * 1000, 100.0) for i in range(50)]
+    records = [create(ident, f"k{i}", None, b"x" * 1000, 100.0) for i in range(50)]
     records.append(
-        Record.create(
-            ident, MEMBERS_KEY, ident.peer_id, {"addresses": [], "client_mode": False}, 100.0
-        )
+        create(ident, MEMBERS_KEY, ident.peer_id, {"addresses": [], "client_mode": False}, 100.0)
     )
     batch = take_within_budget(list(records), 10_000, random.Random(0))
     assert batch[0].key == MEMBERS_KEY
     assert 5 <= len(batch) <= 10
+
+
+def test_each_owner_has_a_quota_of_records_and_bytes(alice: Identity) -> None:
+    mallory = Identity()
+    store = GossipStore(max_records_per_owner=10, max_bytes_per_owner=1000)
+    stored = [store.put(create(mallory, f"k{i}", None, i, 50.0), now=0.0) for i in range(20)]
+    assert stored == [True] * 10 + [False] * 10
+    assert store.over_quota(create(mallory, "k99", None, 1, 50.0))
+    # a newer record in a slot it already holds is still taken: it replaces, not adds
+    assert store.put(create(mallory, "k0", None, "again", 60.0), now=0.0)
+    assert store.put(create(alice, "k0", None, "mine", 50.0), now=0.0), "others unaffected"
+    big = create(alice, "big", None, b"x" * 2000, 50.0)
+    assert store.over_quota(big) and not store.put(big, now=0.0)
+    # once its records expire, the owner's quota is free again
+    assert store.put(create(mallory, "later", None, 1, 100.0), now=70.0)
+
+
+def test_membership_is_taken_even_when_the_store_is_full(alice: Identity) -> None:
+    store = GossipStore(max_records=3)
+    for i in range(3):
+        assert store.put(create(alice, f"k{i}", None, i, 50.0), now=0.0)
+    newcomer = Identity()
+    assert not store.put(create(newcomer, "k", None, 1, 50.0), now=0.0)
+    member = {"addresses": ["ws://a:1"], "client_mode": False}
+    assert store.put(create(newcomer, MEMBERS_KEY, newcomer.peer_id, member, 50.0), now=0.0)
+
+
+# --------------------------------------------------------------- owners' certificates
+
+
+class _Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _book(clock: _Clock) -> tuple[Identity, CertificateBook]:
+    authority = Identity()
+    verifier = CertificateVerifier(authority.public_key, "run", max_clock_skew=5.0, clock=clock)
+    return authority, CertificateBook(verifier, max_clock_skew=5.0, send_margin=1.0)
+
+
+def _certificate(
+    authority: Identity, owner: Identity, expires_at: float, run: str = "run"
+) -> bytes:
+    return Certificate.issue(
+        authority, run_id=run, public_key=owner.public_key, expires_at=expires_at
+    ).to_bytes()
+
+
+def test_a_certificate_book_vouches_only_for_owners_the_run_certified(alice: Identity) -> None:
+    clock = _Clock(1000.0)
+    authority, book = _book(clock)
+    mallory, stranger = Identity(), Identity()
+    assert not book.valid(alice.public_key, clock.now), "unknown owners own nothing"
+    book.offer(alice.public_key, _certificate(authority, alice, 1100.0), clock.now)
+    assert book.valid(alice.public_key, clock.now)
+    # a certificate Mallory made herself, one for another run, one issued to someone else
+    for owner, certificate in (
+        (stranger, _certificate(mallory, stranger, 1100.0)),
+        (stranger, _certificate(authority, stranger, 1100.0, run="other")),
+        (stranger, _certificate(authority, alice, 1100.0)),
+    ):
+        with pytest.raises(RecordError, match=f"certificate sent for peer {owner.peer_id}"):
+            book.offer(owner.public_key, certificate, clock.now)
+    assert not book.valid(stranger.public_key, clock.now) and len(book) == 1
+
+
+def test_a_certificate_book_follows_expiry_and_renewal(alice: Identity) -> None:
+    clock = _Clock(1000.0)
+    authority, book = _book(clock)
+    short = _certificate(authority, alice, 1010.0)
+    book.offer(alice.public_key, short, clock.now)
+    assert book.certificate_for(alice.public_key, 1008.0) == short
+    assert book.certificate_for(alice.public_key, 1009.5) is None, "too close to expiry to send"
+    assert book.valid(alice.public_key, 1014.0), "the verifier's clock-skew grace"
+    assert book.expire(1014.0) == []
+    assert not book.valid(alice.public_key, 1016.0)
+    assert book.expire(1016.0) == [alice.public_key] and alice.public_key not in book
+    # a renewal replaces the certificate; an older one offered later does not undo it
+    renewed = _certificate(authority, alice, 2000.0)
+    book.offer(alice.public_key, renewed, clock.now)
+    book.offer(alice.public_key, short, clock.now)
+    assert book.certificate_for(alice.public_key, 1500.0) == renewed
+
+
+def test_records_travel_with_their_owners_certificates(alice: Identity) -> None:
+    """What a node sends: only records whose owner's certificate it holds (and can still
+    send), with each such certificate once; a receiver that never met the owner can then
+    vouch for it."""
+    clock = _Clock(1000.0)
+    authority, book = _book(clock)
+    bob, stranger = Identity(), Identity()
+    for owner in (alice, bob):
+        book.offer(owner.public_key, _certificate(authority, owner, 1100.0), clock.now)
+    records = [
+        create(alice, "a", None, 1, 1050.0),
+        create(alice, "b", None, 2, 1050.0),
+        create(bob, "c", None, 3, 1050.0),
+        create(stranger, "d", None, 4, 1050.0),
+    ]
+    assert [r.key for r in sendable(records, book, clock.now)] == ["a", "b", "c"]
+    assert sendable(records, None, clock.now) == records, "open mode: everything"
+    batch = take_within_budget(list(records), 1 << 20, random.Random(0), book, clock.now)
+    assert sorted(r.key for r in batch) == ["a", "b", "c"]
+    certs = certificates_for(batch, book, clock.now)
+    assert sorted(owner for owner, _ in certs) == sorted([alice.public_key, bob.public_key])
+    receiver = CertificateBook(book.verify)  # same run, never met alice or bob
+    for owner, certificate in certs:
+        receiver.offer(owner, certificate, clock.now)
+    assert all(receiver.valid(r.owner, clock.now) for r in batch)
+    assert not receiver.valid(stranger.public_key, clock.now)
+
+
+def test_records_of_owners_whose_certificates_expired_can_be_dropped(alice: Identity) -> None:
+    bob = Identity()
+    store = GossipStore()
+    for i in range(3):
+        store.put(create(alice, f"k{i}", None, i, 50.0), now=0.0)
+    store.put(create(bob, "k0", None, "bob", 50.0), now=0.0)
+    assert {r.key for r in store.drop_owners([alice.public_key])} == {"k0", "k1", "k2"}
+    assert store.get("k0", now=0.0) == ("bob", 50.0) and len(store) == 1
+    assert store.put(create(alice, "k9", None, 1, 50.0), now=0.0), "its quota is free again"
+
+
+def test_the_signature_cache_keeps_successes_only_and_stays_bounded() -> None:
+    """Forged messages, however large, leave nothing behind; verified ones are remembered
+    by a digest, at most max_entries of them."""
+    from peer.identity import _VerifiedSignatures
+
+    cache = _VerifiedSignatures(max_entries=4)
+    ident = Identity()
+    huge = b"x" * (1 << 20)
+    assert not cache.check(ident.public_key, bytes(64), huge)
+    assert len(cache) == 0
+    signed = [(m, ident.sign(m)) for m in (b"m%d" % i for i in range(6))]
+    assert all(cache.check(ident.public_key, sig, m) for m, sig in signed)
+    assert len(cache) == 4
+    assert not cache.check(ident.public_key, signed[0][1], signed[1][0]), "wrong message"
+    assert cache.check(ident.public_key, signed[0][1], signed[0][0]), "evicted: checked again"
+    assert all(len(k) == 32 for k in cache._seen), "keyed by a digest, not by the message"

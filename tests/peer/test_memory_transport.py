@@ -139,6 +139,51 @@ def test_gossip_survives_a_lossy_slow_network(vloop: VirtualTimeLoop) -> None:
     assert converged and gone
 
 
+def test_a_swarm_split_longer_than_member_ttl_heals(vloop: VirtualTimeLoop) -> None:
+    """A partition outlasts membership: each side forgets the other. Once it is restored,
+    departed peers are dialed again and the swarm is one again (no initial peer would be
+    retried: every node still has peers on its own side)."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        net = MemoryNetwork(latency=0.01)
+        config = NodeConfig(gossip_period=1.0, member_ttl=5.0, request_timeout=1.0)
+        nodes: list[AsyncNode] = []
+        for i in range(6):
+            node = AsyncNode(
+                nodes[i - 1].visible_addresses if i else [],
+                transport=net.transport(f"n{i}"),
+                config=config,
+                clock=lambda: EPOCH + loop.time(),
+                seed=i,
+            )
+            await node.start()
+            nodes.append(node)
+        ids = {n.peer_id for n in nodes}
+
+        def sizes() -> list[int]:
+            return [len(set(n.members()) & ids) for n in nodes]
+
+        async def until(predicate, limit: float) -> bool:
+            deadline = loop.time() + limit
+            while not predicate() and loop.time() < deadline:  # noqa: ASYNC110 - virtual time
+                await asyncio.sleep(0.5)
+            return predicate()
+
+        joined = await until(lambda: sizes() == [6] * 6, 30)
+        net.cut(["n0", "n1", "n2"], ["n3", "n4", "n5"])
+        split = await until(lambda: sizes() == [3] * 6, 60)
+        net.restore()
+        healed = await until(lambda: sizes() == [6] * 6, 60)
+        for node in nodes:
+            await node.shutdown()
+        return joined, split, healed
+
+    joined, split, healed = vloop.run_until_complete(main())
+    assert joined and split
+    assert healed, "the two halves never found each other again"
+
+
 @pytest.mark.slow
 def test_five_hundred_nodes_in_one_process() -> None:
     result = simulate(500, seed=0, max_rounds=40)

@@ -195,8 +195,9 @@ def test_forged_record_relayed_by_a_peer_is_rejected(caplog: pytest.LogCaptureFi
         forged = Record(
             genuine.key,
             genuine.subkey,
-            Record.create(mallory.identity, "x", None, 10**6, 1).value,
+            Record.create(mallory.identity, "x", None, 10**6, 1, seq=1).value,
             genuine.expiration + 100,
+            genuine.seq,
             genuine.owner,
             genuine.signature,
         )
@@ -271,7 +272,7 @@ def test_certificates_are_required_and_checked() -> None:
 
 def test_unauthenticated_frames_before_the_handshake_are_refused() -> None:
     with Node(**FAST) as node:
-        record = Record.create(Identity(), "sneaky", None, 1, node.get_time() + 30)
+        record = Record.create(Identity(), "sneaky", None, 1, node.get_time() + 30, seq=1)
         with ws_connect(node.visible_addresses[0]) as ws:
             ws.recv(timeout=scaled(5))  # the node's hello
             ws.send(encode_frame(Frame(GOSSIP_PUSH, {"records": [record.to_wire()]})))
@@ -474,6 +475,43 @@ def test_set_auth_presents_a_renewed_certificate_in_later_handshakes(
         not_started.set_auth(SwarmKeyAuth(secrets.token_bytes(32)))
 
 
+def test_a_link_closes_when_the_peers_certificate_expires_unless_renewed_over_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """b's and c's certificates last 3 s. c renews over its open link before that and stays
+    linked to a; b does not, and a closes its link when b's certificate expires (naming b),
+    and refuses b's redial."""
+    authority = Identity()
+    verifier = CertificateVerifier(authority.public_key, "run", max_clock_skew=0.0)
+
+    def auth_for(ident: Identity, expires_in: float) -> CertificateAuth:
+        cert = Certificate.issue(
+            authority,
+            run_id="run",
+            public_key=ident.public_key,
+            expires_at=time.time() + expires_in,
+        )
+        return CertificateAuth(cert.to_bytes(), verifier)
+
+    ident_a, ident_b, ident_c = Identity(), Identity(), Identity()
+    with (
+        caplog.at_level(logging.WARNING, logger="peer.node"),
+        Node(identity=ident_a, auth=auth_for(ident_a, 600), **FAST) as a,
+        Node(a.visible_addresses, identity=ident_b, auth=auth_for(ident_b, 3), **FAST) as b,
+        Node(a.visible_addresses, identity=ident_c, auth=auth_for(ident_c, 3), **FAST) as c,
+    ):
+        linked = lambda n: n.peer_id in a.core._links  # noqa: E731
+        assert wait_until(lambda: linked(b) and linked(c), scaled(10))
+        c.set_auth(auth_for(ident_c, 600))
+        expired = f"closing the link to {b.peer_id}: its certificate expired"
+        assert wait_until(lambda: expired in caplog.text, scaled(15))
+        assert wait_until(lambda: not linked(b), scaled(5))
+        assert linked(c), "a renewed certificate keeps the link"
+        assert f"closing the link to {c.peer_id}" not in caplog.text
+        assert wait_until(lambda: "certificate has expired" in caplog.text, scaled(10))
+        assert not linked(b), "b's redials are refused"
+
+
 def test_a_node_that_lost_every_link_reconnects_to_addresses_it_is_handed() -> None:
     with Node(**FAST) as a:
         b = Node(a.visible_addresses, **FAST)
@@ -512,3 +550,23 @@ def test_announce_changes_the_address_other_members_see() -> None:
             a.announce([announced] * 17)
     with Node(client_mode=True, **FAST) as client, pytest.raises(ValueError, match="client-mode"):
         client.announce(["ws://127.0.0.1:1"])
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.7", "peer.example"])
+def test_an_open_node_off_loopback_must_be_asked_for(host: str) -> None:
+    """Without auth a node is open: it refuses to listen beyond loopback unless told
+    auth=OpenAuth() (nothing is bound when it refuses)."""
+    with pytest.raises(ValueError, match="no authentication"):
+        Node(host=host, port=0)
+
+
+def test_open_nodes_on_loopback_or_asked_for_or_dialing_out_start() -> None:
+    for kwargs in (
+        {"host": "127.0.0.1"},
+        {"host": "::1"},
+        {"host": "localhost"},
+        {"host": "0.0.0.0", "auth": OpenAuth()},
+        {"host": "0.0.0.0", "client_mode": True},
+    ):
+        with Node(**kwargs) as node:  # type: ignore[arg-type]
+            assert node.visible_addresses or kwargs.get("client_mode")

@@ -100,6 +100,8 @@ def make_settings(database_url: str, **overrides: Any) -> Settings:
         "peer_auth_cache_ttl_s": 0,
         # Created only by an upload; tests that upload pass a directory of their own.
         "checkpoint_dir": Path(tempfile.gettempdir()) / f"swarmgrad-test-checkpoints-{os.getpid()}",
+        # One per settings (a restarted app shares it): a test never replays another's.
+        "spill_dir": Path(tempfile.mkdtemp(prefix="swarmgrad-test-spill-")),
     }
     values.update(overrides)
     return Settings(**values)

@@ -24,6 +24,7 @@ TABLES = {
     "epoch_summaries",
     "progress_snapshots",
     "checkpoints",
+    "spilled_segments",
 }
 
 

@@ -141,7 +141,7 @@ def test_installed_coordinator_serves(installed: Path, tmp_path: Path) -> None:
         assert "checkpoints" in inspect(engine).get_table_names()
         with engine.connect() as connection:
             head = connection.execute(text("SELECT version_num FROM alembic_version")).scalar()
-        assert head == "0003"
+        assert head == "0004"
     finally:
         engine.dispose()
 

@@ -14,7 +14,8 @@ from server.app import create_app
 from server.clock import now_ms
 from server.db import make_engine, make_session_factory, upgrade_database
 from server.models import EpochSummary, Peer, ProgressReport
-from server.services.reports import PendingReport, ReportBuffer, write_reports
+from server.services.report_buffer import ReportBuffer
+from server.services.reports import PendingReport, write_reports
 from tests.server.conftest import ORGANIZER, Api, client_for, make_settings, running
 
 

@@ -14,12 +14,14 @@ from server.api.deps import (
     JoinChallengesDep,
     KeyBoxDep,
     ReportBufferDep,
+    ReportGuardDep,
     ReportingPeer,
     RunDep,
     SessionDep,
     SettingsDep,
 )
 from server.clock import ms_to_datetime, now_ms
+from server.exceptions import ImplausibleReport
 from server.models import Peer
 from server.schemas import (
     BootstrapPeer,
@@ -41,7 +43,6 @@ from server.services import checkpoints as checkpoint_service
 from server.services import peers as peer_service
 from server.services import reachability as reachability_service
 from server.services import volunteers as volunteer_service
-from server.services.reports import pending_report
 
 router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}", tags=["peers"])
 join_router = APIRouter(prefix=f"{API_PREFIX}/join", tags=["peers"])
@@ -78,6 +79,11 @@ def list_peers(
                 samples=p.samples_base + p.samples,
                 samples_per_second=p.samples_per_second,
                 loss=p.loss,
+                reports_refused=p.reports_refused,
+                last_refusal=p.last_refusal,
+                last_refusal_at=None
+                if p.last_refusal_ms is None
+                else ms_to_datetime(p.last_refusal_ms),
             )
             for p in peer_service.list_peers(session, run.id)
         ]
@@ -225,13 +231,25 @@ def renew_certificate(
 
 
 @reports_router.post(
-    "/reports", status_code=status.HTTP_202_ACCEPTED, response_model=ReportAccepted
-)
-async def post_report(peer: ReportingPeer, buffer: ReportBufferDep, body: ReportCreate) -> Response:
-    """Record a progress report. Accepted (202) means it will be stored within
-    ``report_flush_interval_s``, even if this worker shuts down cleanly meanwhile. A finished
-    run answers 409: the peer should stop."""
+    "/reports",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=ReportAccepted,
+    responses={422: {"model": ErrorPublic, "description": "Invalid, or past a plausibility "
+                     "bound (the detail names it); counted against the peer."}},
+)  # fmt: skip
+async def post_report(
+    peer: ReportingPeer, guard: ReportGuardDep, buffer: ReportBufferDep, body: ReportCreate
+) -> Response:
+    """Record a progress report. Accepted (202) means it will be stored — within
+    ``report_flush_interval_s``, or once the database is back if it is unavailable. A report
+    no honest peer could send (see docs/coordinator.md) is refused with 422 and counted
+    against the peer. A finished run answers 409: the peer should stop."""
     assert peer.run_id is not None and peer.peer_pk is not None
-    await buffer.add(pending_report(peer.run_id, peer.peer_pk, body))
+    try:
+        report = await guard.admit(peer.run_id, peer.peer_pk, body)
+    except ImplausibleReport as refused:
+        buffer.count_refusal(peer.peer_pk, refused.bound, now_ms())
+        raise
+    await buffer.add(report)
     # Pre-rendered: this route is the hot path, and the answer never changes.
     return Response(_ACCEPTED, status_code=status.HTTP_202_ACCEPTED, media_type="application/json")

@@ -317,3 +317,19 @@ def newcomer_sees_donors(averager: DecentralizedAverager) -> bool:
 
     record = averager.node.get(state_key("test"))
     return record is not None and len(record.value) >= 2
+
+
+def test_nodes_count_the_bytes_they_send(make_swarm) -> None:
+    """A round of two peers over 1 MB: each sends its half for reduction and the average of
+    the half it reduced, so its count grows by about the tensor's size (plus headers,
+    matchmaking and gossip)."""
+    swarm = make_swarm(2)
+    numel = 2**18  # 1 MiB of float32
+    tensors = [[torch.full((numel,), float(i))] for i in range(2)]
+    averagers = swarm.add_averagers(tensors)
+    before = [node.bytes_sent for node in swarm.nodes]
+    results = step_all(averagers)
+    assert all(isinstance(r, dict) for r in results), results
+    for node, start in zip(swarm.nodes, before, strict=True):
+        sent = node.bytes_sent - start
+        assert 4 * numel <= sent < 4 * numel * 1.1, sent

@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from peer import Node
-from peer.optim.collaborative import Optimizer, ProgressTracker
+from peer.optim.collaborative import Optimizer
+from peer.optim.progress import ProgressTracker
 
 
 def make_model() -> torch.nn.Module:
@@ -66,6 +67,12 @@ def main() -> None:
         "in the run skips its rounds, so one that starts first would train ahead alone",
     )
     parser.add_argument("--matchmaking-time", type=float, default=1.5)
+    parser.add_argument(
+        "--target-group-size",
+        type=int,
+        default=0,
+        help="groups assemble as soon as this many peers are in (0: after the matchmaking time)",
+    )
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--average-state-every", type=int, default=1)
     parser.add_argument(
@@ -91,8 +98,12 @@ def main() -> None:
     deadline = time.monotonic() + 300
     if args.start_epoch_wait:
         # A latecomer: wait until the swarm is at that epoch before joining it.
-        tracker = ProgressTracker(node, "collab-test", sum(sizes), client_mode=False)
-        while tracker.global_progress.epoch < args.start_epoch_wait and time.monotonic() < deadline:
+        tracker = ProgressTracker(node, "collab-test", sum(sizes))
+
+        def swarm_epoch() -> int:
+            return max((r.epoch for r in tracker.fetch(fresh=True)), default=0)
+
+        while swarm_epoch() < args.start_epoch_wait and time.monotonic() < deadline:
             time.sleep(0.1)
     model = make_model()
     opt = Optimizer(
@@ -108,6 +119,7 @@ def main() -> None:
         average_state_every=args.average_state_every,
         delay_grad_averaging=args.delay_grad_averaging,
         delay_optimizer_step=args.delay_optimizer_step or None,
+        averager_opts={"target_group_size": args.target_group_size or None},
     )
     while opt.tracker.others_reporting() < args.wait_peers - 1 and time.monotonic() < deadline:
         time.sleep(0.05)

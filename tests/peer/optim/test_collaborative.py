@@ -10,49 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.optim.collaborative import CollaborativeReport, compute_global_progress
-
 WORKER = Path(__file__).with_name("collab_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 
 from collab_worker import batch, make_model, make_optimizer  # noqa: E402
-
-
-def test_global_progress_counts_only_the_newest_epoch() -> None:
-    reports = [
-        CollaborativeReport("a", 3, 40, 10.0, 100.0),
-        CollaborativeReport("b", 3, 30, 5.0, 100.0),
-        CollaborativeReport("c", 2, 500, 50.0, 100.0),  # has not noticed the advance yet
-        CollaborativeReport("me", 0, 999, 1.0, 90.0),  # gossip's stale copy of my own report
-    ]
-    own = CollaborativeReport("me", 3, 10, 5.0, 101.0, client_mode=True)
-    progress = compute_global_progress(reports, own, target_batch_size=100, now=101.0)
-    assert (
-        progress.epoch,
-        progress.samples_accumulated,
-        progress.num_peers,
-        progress.num_clients,
-    ) == (3, 80, 3, 1)
-    assert not progress.ready
-    assert progress.eta_next_epoch == pytest.approx(101.0 + 20 / 20.0)
-    done = compute_global_progress(
-        reports, CollaborativeReport("me", 3, 30, 5.0, 101.0), target_batch_size=100, now=0
-    )
-    assert done.ready
-
-
-@pytest.mark.parametrize(
-    "value",
-    [
-        None,
-        [1, 2],
-        [-1, 0, 0.0, 1.0, False],
-        [1, 0, float("nan"), 1.0, False],
-        [1, True, 0.0, 1.0, False],
-    ],
-)
-def test_malformed_reports_are_ignored(value: object) -> None:
-    assert CollaborativeReport.from_wire("x", value) is None
 
 
 def _reference(
@@ -100,7 +61,8 @@ def _run_swarm(
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_four_peers_equal_single_process_training(tmp_path: Path, optimizer: str) -> None:
     sizes, epochs = [8, 8, 8, 8], 10
-    results = _run_swarm(tmp_path, sizes, epochs, optimizer)
+    # every round assembles once the four are in, not after a fixed matchmaking time
+    results = _run_swarm(tmp_path, sizes, epochs, optimizer, "--target-group-size", "4")
     reference = _reference(sizes, epochs, optimizer)
     for result in results:
         assert result["epoch"] == epochs

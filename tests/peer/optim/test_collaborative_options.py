@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from peer import Node
-from peer.optim.collaborative import Optimizer, resolve_options
+from peer.optim.collaborative import Optimizer
+from peer.optim.options import resolve_options
 from peer.testing import wait_until
 from tests.conftest import scaled
 
@@ -323,6 +324,97 @@ def test_delayed_updates_equal_training_one_step_stale(
     )
     if options.get("delay_grad_averaging"):
         assert overlapped, "some batch was accumulated while its predecessor's round was running"
+
+
+def test_a_peer_faster_than_averaging_waits_one_epoch_ahead(nodes: list[Node]) -> None:
+    """With delays, a peer whose batches take far less than a round (matchmaking alone takes
+    a second here) accumulates its share of the next epoch, then waits for the running one:
+    epochs stay near the target, not one huge epoch per round (without the wait, the fast
+    batches pile up into a couple of epochs)."""
+    models = [_model(), _model()]
+    opts = [
+        Optimizer(
+            node=node,
+            run_id="ahead",
+            target_batch_size=8,
+            batch_size_per_step=4,
+            optimizer=partial(torch.optim.SGD, lr=0.1),
+            params=model.parameters(),
+            matchmaking_time=1.0,
+            averaging_timeout=scaled(20),
+            delay_grad_averaging=True,
+            delay_optimizer_step=True,
+        )
+        for node, model in zip(nodes, models, strict=True)
+    ]
+    batches = 12
+    errors: list[BaseException] = []
+    for opt in opts:  # both train from the start: each sees the other before its first batch
+        opt.step(batch_size=0)
+    assert wait_until(lambda: all(o.global_progress.num_peers == 2 for o in opts), scaled(20))
+
+    def run(rank: int) -> None:
+        model, opt = models[rank], opts[rank]
+        try:
+            for step in range(batches):
+                x, y = _batch(rank, step)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert not errors, errors
+        # 2 peers x 12 batches x 4 samples = 96 samples = 12 targets; gossip lag may let an
+        # epoch take a batch or two more, but never the whole run's worth.
+        assert all(opt.local_epoch >= batches // 3 for opt in opts), [o.local_epoch for o in opts]
+    finally:
+        for opt in opts:
+            opt.shutdown()
+
+
+def test_a_round_nobody_can_join_any_more_is_called_off(nodes: list[Node]) -> None:
+    """A peer looking for a group at epoch 0 while the only other peer has moved on to epoch
+    5 gives up at once (its next step would load the swarm's state), instead of waiting out
+    an ``averaging_timeout`` (here far longer than the test may take)."""
+    models = [_model(), _model()]
+    ahead, behind = (
+        Optimizer(
+            node=node,
+            run_id="moved-on",
+            target_batch_size=8,
+            batch_size_per_step=8,
+            optimizer=partial(torch.optim.SGD, lr=0.1),
+            params=model.parameters(),
+            matchmaking_time=1.0,
+            averaging_timeout=scaled(3600),
+        )
+        for node, model in zip(nodes, models, strict=True)
+    )
+    try:
+        ahead.step(batch_size=0)  # reports epoch 0: the round below has someone to wait for
+        assert wait_until(lambda: behind.global_progress.num_peers == 2, scaled(20))
+        x, y = _batch(1, 0)
+        torch.nn.functional.mse_loss(models[1](x), y).backward()
+        stepping = threading.Thread(target=behind.step)  # 8 samples: epoch 0 is complete
+        stepping.start()
+        assert wait_until(lambda: behind._round is not None, scaled(20))
+        ahead.local_epoch = 5  # as after five epochs this peer did on its own
+        ahead.step(batch_size=0)
+        stepping.join(scaled(60))
+        assert not stepping.is_alive(), "the round waited for a group that cannot form"
+        # both of its rounds, the gradients' and the state's
+        assert behind.rounds_failed == 2 and behind.last_failure == "StepCancelled"
+        assert behind.local_epoch == 1 and behind.global_progress.epochs_behind == 4
+    finally:
+        for opt in (ahead, behind):
+            opt.shutdown()
 
 
 def test_delayed_state_averaging_with_local_updates(nodes: list[Node]) -> None:

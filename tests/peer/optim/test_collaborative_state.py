@@ -18,7 +18,9 @@ import torch
 import peer.averaging.state as state_module
 from peer import Node
 from peer.averaging.state import state_key
-from peer.optim.collaborative import Optimizer, _StateAverager
+from peer.optim.collaborative import Optimizer
+from peer.optim.progress import progress_key
+from peer.optim.state import StateSharingAverager
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import wait_for
 
@@ -72,7 +74,7 @@ def _declarations(node: Node) -> dict[str, Any]:
 
 
 def _sees_epoch(node: Node, peer_id: str, epoch: int) -> bool:
-    record = node.get(f"{RUN}.collab_progress")
+    record = node.get(progress_key(RUN))
     return (
         record is not None
         and isinstance(record.value, dict)
@@ -135,9 +137,9 @@ def test_newcomer_waits_for_a_donor_while_the_swarm_is_ahead(
     opts = [ahead]
     attempts: list[Any] = []
     first_failed = threading.Event()
-    original = _StateAverager.load_state_from_peers
+    original = StateSharingAverager.load_state_from_peers
 
-    def observed(self: _StateAverager, *args: Any, **kwargs: Any) -> Any:
+    def observed(self: StateSharingAverager, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         attempts.append(result)
         if result is None:
@@ -150,7 +152,7 @@ def test_newcomer_waits_for_a_donor_while_the_swarm_is_ahead(
         assert wait_for(
             lambda: _declarations(c).get(a.peer_id) is None and _sees_epoch(c, a.peer_id, 5), 15
         )
-        monkeypatch.setattr(_StateAverager, "load_state_from_peers", observed)
+        monkeypatch.setattr(StateSharingAverager, "load_state_from_peers", observed)
         joined: list[Optimizer] = []
         errors: list[BaseException] = []
 
@@ -194,3 +196,30 @@ def test_a_peer_that_left_does_not_hold_newcomers_back(nodes: list[Node]) -> Non
         assert time.monotonic() - began < scaled(20), "it waited for a peer that left"
     finally:
         newcomer.shutdown()
+
+
+def test_a_swarm_led_by_client_mode_peers_is_caught_up_with_not_waited_for() -> None:
+    """The only peer ahead is in client mode: it cannot be dialled, so it shares no state.
+    A reachable peer that falls behind it moves to its epoch with its own parameters at
+    once, instead of retrying a download nobody can serve for ``load_state_timeout``."""
+    with (
+        Node(gossip_period=0.2) as reachable,
+        Node(reachable.visible_addresses, gossip_period=0.2, client_mode=True) as hidden,
+    ):
+        assert wait_for(lambda: len(reachable.members()) == 2, 15)
+        models = [_model(), _model()]
+        ahead = _optimizer(hidden, models[0], scaled(30))
+        behind = _optimizer(reachable, models[1], scaled(120))
+        try:
+            _put_ahead(ahead, models[0], 5)
+            assert wait_for(lambda: _sees_epoch(reachable, hidden.peer_id, 5), 15)
+            own = [p.detach().clone() for p in models[1].parameters()]
+            began = time.monotonic()
+            assert behind.load_state_from_peers() is False  # nothing was downloaded
+            assert time.monotonic() - began < scaled(20), "it waited for a donor that cannot be"
+            assert behind.local_epoch == 5
+            for mine, before in zip(models[1].parameters(), own, strict=True):
+                assert torch.equal(mine.detach(), before)
+        finally:
+            behind.shutdown()
+            ahead.shutdown()

@@ -66,7 +66,7 @@ def seen_everywhere(nodes: list[Node], opt: DecentralizedOptimizer) -> bool:
     want = (opt.local_epoch, opt.steps_at_epoch, opt.local_step)
     for node in nodes:
         r = gossiped(node, opt.config.prefix, opt.node.peer_id)
-        if r is None or (r.epoch, r.steps_at_epoch, r.total_steps) != want:
+        if r is None or (r.epoch, r.done_at_epoch, r.done_in_total) != want:
             return False
     return True
 

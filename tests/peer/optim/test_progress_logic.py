@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from peer.optim.progress import (
@@ -11,33 +13,42 @@ from peer.optim.progress import (
 )
 
 
-def report(peer: str, epoch: int, steps: int, sps: float = 0.0) -> ProgressReport:
-    return ProgressReport(peer, epoch, steps, total_steps=steps, time=100.0, samples_per_second=sps)
+def report(
+    peer: str, epoch: int, done: int, sps: float = 0.0, *, client: bool = False
+) -> ProgressReport:
+    return ProgressReport(peer, epoch, done, done, 100.0, sps, client)
 
 
-def test_steps_at_the_latest_epoch_are_summed_over_peers() -> None:
-    others = [report("a", 2, 5, 10.0), report("b", 2, 7, 20.0), report("c", 1, 50, 30.0)]
+def test_work_at_the_latest_epoch_is_summed_over_peers() -> None:
+    others = [
+        report("a", 2, 5, 10.0),
+        report("b", 2, 7, 20.0, client=True),
+        report("c", 1, 50, 30.0),
+    ]
     progress = compute_swarm_progress(others, report("me", 2, 3, 5.0), 20)
     assert progress.epoch == 2
-    assert progress.steps_at_epoch == 15  # c's 50 steps at epoch 1 do not count
+    assert progress.done_at_epoch == 15  # c's 50 at epoch 1 do not count
     assert progress.num_peers == 4 and progress.num_peers_at_epoch == 3
+    assert progress.num_clients_at_epoch == 1
     assert progress.samples_per_second == 65.0
-    assert not progress.should_advance
+    assert not progress.ready
     assert progress.target_epoch == 2
     assert progress.epochs_behind == 0
+    assert progress.seconds_left == pytest.approx(5 / 65.0)
 
 
-def test_epoch_completes_when_the_swarm_reaches_the_total() -> None:
+def test_epoch_completes_when_the_swarm_reaches_the_target() -> None:
     others = [report("a", 0, 5), report("b", 0, 5), report("c", 0, 5)]
-    assert not compute_swarm_progress(others, report("me", 0, 4), 20).should_advance
+    assert not compute_swarm_progress(others, report("me", 0, 4), 20).ready
     done = compute_swarm_progress(others, report("me", 0, 5), 20)
-    assert done.should_advance and done.target_epoch == 1
+    assert done.ready and done.target_epoch == 1 and done.seconds_left == 0.0
+    assert math.isinf(compute_swarm_progress(others, report("me", 0, 4), 20).seconds_left)
 
 
 def test_own_fresh_report_replaces_the_gossiped_one() -> None:
     stale = [report("me", 0, 1), report("a", 0, 3)]
     progress = compute_swarm_progress(stale, report("me", 0, 9), 20)
-    assert progress.steps_at_epoch == 12
+    assert progress.done_at_epoch == 12
     assert progress.num_peers == 2
 
 
@@ -45,36 +56,39 @@ def test_how_far_behind() -> None:
     others = [report("a", 5, 2)]
     progress = compute_swarm_progress(others, report("me", 2, 100), 20)
     assert progress.epoch == 5 and progress.epochs_behind == 3
-    assert progress.steps_at_epoch == 2
+    assert progress.done_at_epoch == 2
     ahead = compute_swarm_progress([report("a", 1, 2)], report("me", 3, 0), 20)
     assert ahead.epoch == 3 and ahead.epochs_behind == 0
 
 
 def test_alone_the_swarm_is_this_peer() -> None:
     progress = compute_swarm_progress([], report("me", 0, 0), 1)
-    assert progress.epoch == 0 and progress.num_peers == 1 and not progress.should_advance
-    assert compute_swarm_progress([], report("me", 0, 1), 1).should_advance
+    assert progress.epoch == 0 and progress.num_peers == 1 and not progress.ready
+    assert compute_swarm_progress([], report("me", 0, 1), 1).ready
 
 
-def test_total_steps_must_be_positive() -> None:
+def test_the_target_must_be_positive() -> None:
     with pytest.raises(ValueError):
         compute_swarm_progress([], report("me", 0, 0), 0)
 
 
 def test_wire_round_trip_and_malformed_records() -> None:
-    r = ProgressReport("p", 3, 4, 40, 123.5, 7.5)
+    r = ProgressReport("p", 3, 4, 40, 123.5, 7.5, True)
     assert ProgressReport.from_wire("p", r.to_wire()) == r
-    assert ProgressReport.from_wire("p", list(r.to_wire())) == r
+    assert ProgressReport.from_wire("p", tuple(r.to_wire())) == r
     for bad in [
         None,
         "x",
         [1, 2, 3],
-        [-1, 0, 0, 1.0, 0.0],
-        [True, 0, 0, 1.0, 0.0],
-        [1, 2.5, 0, 1.0, 0.0],
-        [1, 2, 3, float("nan"), 0.0],
-        [1, 2, 3, 1.0, -1.0],
-        [1, 2, 3, 1.0, float("inf")],
+        [1, 2, 3, 1.0, 0.0],  # no client flag
+        [-1, 0, 0, 1.0, 0.0, False],
+        [True, 0, 0, 1.0, 0.0, False],
+        [1, 2.5, 0, 1.0, 0.0, False],
+        [1, True, 0, 1.0, 0.0, False],
+        [1, 2, 3, float("nan"), 0.0, False],
+        [1, 2, 3, 1.0, -1.0, False],
+        [1, 2, 3, 1.0, float("inf"), False],
+        [1, 2, 3, 1.0, 0.0, 1],
     ]:
         assert ProgressReport.from_wire("p", bad) is None
 

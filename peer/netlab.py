@@ -1,0 +1,162 @@
+"""Emulated networks for benchmarks and tests: a slow link or a partition, on one machine.
+
+Each peer gets its own Linux network namespace with one interface, ``eth0``, at
+``10.77.0.<i+1>``; the other end of its veth pair sits on a bridge in a switch namespace
+of the lab's own. :meth:`NetLab.shape` gives every link a token-bucket rate (tc's ``tbf``,
+applied both ways, so a peer uploads and downloads at that rate), and :meth:`NetLab.cut`
+takes a peer off the bridge. Processes run inside a peer's namespace through
+:meth:`NetLab.command` (``ip netns exec``). Nothing outside the lab's namespaces is touched:
+no address, route or qdisc of the machine itself.
+
+Needs root, ``ip`` and ``tc`` (iproute2), and a kernel with network namespaces, veth,
+bridges and the ``tbf`` qdisc; :func:`unavailable` says what is missing. ::
+
+    with NetLab(2, rate_mbit=50) as lab:
+        server = subprocess.Popen(lab.command(0, [sys.executable, "serve.py", lab.address(0)]))
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Sequence
+
+__all__ = ["NetLab", "NetLabError", "unavailable"]
+
+SUBNET = "10.77.0"
+
+
+class NetLabError(RuntimeError):
+    """A command that sets up or changes the lab failed (its stderr is in the message)."""
+
+
+def unavailable() -> str | None:
+    """Why a lab cannot be made here, in one line; None if it can."""
+    if os.name != "posix" or not os.path.isdir("/proc/self/ns"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces and tc need root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found: install iproute2"
+    return None
+
+
+def _run(argv: Sequence[str]) -> None:
+    done = subprocess.run(list(argv), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        detail = (done.stderr or done.stdout).strip()
+        raise NetLabError(f"{' '.join(argv)}: {detail or f'exit {done.returncode}'}")
+
+
+class NetLab:
+    """``peers`` network namespaces on one bridge; a context manager that removes them."""
+
+    def __init__(self, peers: int, *, rate_mbit: float | None = None) -> None:
+        if not 1 <= peers <= 250:
+            raise ValueError("a lab has 1 to 250 peers")
+        if rate_mbit is not None and rate_mbit <= 0:
+            raise ValueError("rate_mbit must be positive")
+        self.peers = peers
+        self.rate_mbit = rate_mbit
+        # short and unique: interface names have at most 15 characters
+        self._tag = f"sg{uuid.uuid4().hex[:6]}"
+        self._switch = f"{self._tag}-sw"
+        self._created: list[str] = []
+
+    # ----------------------------------------------------------------- names and commands
+
+    def namespace(self, i: int) -> str:
+        self._check(i)
+        return f"{self._tag}-{i}"
+
+    def address(self, i: int) -> str:
+        """Peer ``i``'s IPv4 address (reachable from every other peer of the lab)."""
+        self._check(i)
+        return f"{SUBNET}.{i + 1}"
+
+    def command(self, i: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` to run inside peer ``i``'s namespace."""
+        return ["ip", "netns", "exec", self.namespace(i), *argv]
+
+    def _check(self, i: int) -> None:
+        if not 0 <= i < self.peers:
+            raise IndexError(f"peer {i} is not in this lab of {self.peers}")
+
+    def _port(self, i: int) -> str:
+        return f"{self._tag}s{i}"  # peer i's veth end on the bridge
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> NetLab:
+        reason = unavailable()
+        if reason is not None:
+            raise NetLabError(reason)
+        try:
+            self._build()
+            if self.rate_mbit is not None:
+                self.shape(self.rate_mbit)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        self._add_namespace(self._switch)
+        _run(["ip", "-n", self._switch, "link", "add", "br0", "type", "bridge"])
+        _run(["ip", "-n", self._switch, "link", "set", "br0", "up"])
+        for i in range(self.peers):
+            ns, inside, port = self.namespace(i), f"{self._tag}p{i}", self._port(i)
+            self._add_namespace(ns)
+            _run(["ip", "link", "add", inside, "type", "veth", "peer", "name", port])
+            _run(["ip", "link", "set", inside, "netns", ns])
+            _run(["ip", "link", "set", port, "netns", self._switch])
+            _run(["ip", "-n", ns, "link", "set", inside, "name", "eth0"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0"])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _run(["ip", "-n", self._switch, "link", "set", port, "master", "br0"])
+            _run(["ip", "-n", self._switch, "link", "set", port, "up"])
+
+    def _add_namespace(self, name: str) -> None:
+        _run(["ip", "netns", "add", name])
+        self._created.append(name)
+
+    def close(self) -> None:
+        """Remove the lab's namespaces (their interfaces go with them). Idempotent."""
+        while self._created:
+            name = self._created.pop()
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+    # ----------------------------------------------------------------- conditions
+
+    def shape(self, rate_mbit: float | None) -> None:
+        """Limit every link to ``rate_mbit`` in each direction (None: line rate again)."""
+        for i in range(self.peers):
+            for ns, dev in ((self.namespace(i), "eth0"), (self._switch, self._port(i))):
+                subprocess.run(
+                    ["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"],
+                    capture_output=True,
+                    check=False,
+                )
+                if rate_mbit is None:
+                    continue
+                # a burst of a few milliseconds at the rate (at least 64 KiB); a queue of
+                # up to 100 ms before tbf drops
+                burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
+                tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
+        self.rate_mbit = rate_mbit
+
+    def cut(self, i: int) -> None:
+        """Take peer ``i`` off the network (its link goes down; it keeps its loopback)."""
+        _run(["ip", "-n", self._switch, "link", "set", self._port(i), "down"])
+
+    def restore(self, i: int) -> None:
+        """Undo :meth:`cut`."""
+        _run(["ip", "-n", self._switch, "link", "set", self._port(i), "up"])

@@ -1,0 +1,195 @@
+"""Admitting progress reports: the plausibility bounds (:mod:`server.services.report_bounds`)
+applied with what one worker knows.
+
+Per worker, without a database round trip on the hot path: each peer's :class:`PeerTrack` is
+read when its token is verified (and kept up to date by the reports this worker admits), and
+each run's :class:`SwarmView` is read at most every ``refresh_s`` — and only when a report
+would be refused by the epoch bound, so an honest swarm never waits for it.
+
+With several workers each sees only its share of a peer's reports, so its track may be older
+than the database: that only makes the check looser, and the write clamps every peer's total
+to the same bound (``PendingReport.samples_cap``), so the bound holds whatever the mix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import cast
+
+from sqlalchemy import Table, case, func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from server.clock import now_ms
+from server.exceptions import ImplausibleReport
+from server.models import Peer
+from server.schemas import ReportCreate
+from server.services.report_bounds import (
+    PeerTrack,
+    Refusal,
+    ReportLimits,
+    SwarmView,
+    check,
+)
+from server.services.reports import PendingReport, pending_report
+
+logger = logging.getLogger(__name__)
+
+# Peers remembered per worker; beyond, the oldest are forgotten (and read again when needed).
+MAX_TRACKS = 100_000
+
+
+def load_track(session: Session, peer_pk: int) -> PeerTrack:
+    """The peer's track as the database has it."""
+    row = session.execute(
+        select(
+            Peer.first_seen_ms,
+            Peer.volunteer_id,
+            Peer.samples_base,
+            Peer.samples,
+            Peer.last_report_ms,
+        ).where(Peer.id == peer_pk)
+    ).one()
+    return PeerTrack(
+        first_seen_ms=int(row[0]),
+        volunteer_id=int(row[1]),
+        banked=int(row[2]),
+        samples=int(row[3]),
+        as_of_ms=None if row[4] is None else int(row[4]),
+    )
+
+
+def load_view(session: Session, run_id: str, now: int, online_ttl_s: float) -> SwarmView:
+    """The run's epochs as the database has them: one query over the run's peers."""
+    peers = cast(Table, Peer.__table__)
+    online = peers.c.last_seen_ms >= now - int(online_ttl_s * 1000)
+    rows = session.execute(
+        select(
+            peers.c.volunteer_id,
+            func.max(case((online, peers.c.epoch), else_=None)),
+            func.max(peers.c.epoch),
+        )
+        .where(peers.c.run_id == run_id, peers.c.last_report_ms.is_not(None))
+        .group_by(peers.c.volunteer_id)
+    ).all()
+    return SwarmView(
+        read_ms=now,
+        online={int(v): int(e) for v, e, _ in rows if e is not None},
+        highest=max((int(h) for _, _, h in rows), default=0),
+    )
+
+
+class ReportGuard:
+    """One worker's admission of reports. :meth:`admit` is the route's (it may read the
+    database); :meth:`admit_known` the fast path's (never does, and defers when it would)."""
+
+    def __init__(
+        self,
+        session_factory: sessionmaker[Session],
+        limits: ReportLimits,
+        *,
+        refresh_s: float,
+        online_ttl_s: float,
+    ) -> None:
+        self._session_factory = session_factory
+        self.limits = limits
+        self._refresh_ms = int(refresh_s * 1000)
+        self._online_ttl_s = online_ttl_s
+        self._tracks: dict[int, PeerTrack] = {}
+        self._views: dict[str, SwarmView] = {}
+
+    def remember(self, peer_pk: int, track: PeerTrack) -> None:
+        """Take a track read from the database (:func:`load_track`), unless this worker
+        knows a newer one. Call it on the event loop."""
+        known = self._tracks.get(peer_pk)
+        if known is not None and (track.as_of_ms or 0) <= (known.as_of_ms or 0):
+            return
+        self._store(peer_pk, track)
+
+    def admit_known(self, run_id: str, peer_pk: int, body: ReportCreate) -> PendingReport | None:
+        """The report to queue if everything needed is at hand and it passes; None means
+        "ask :meth:`admit`" (unknown peer or run, or a report that would be refused)."""
+        track = self._tracks.get(peer_pk)
+        view = self._views.get(run_id)
+        if track is None or view is None:
+            return None
+        now = now_ms()
+        if self._judge(track, view, body, now) is not None:
+            return None
+        return self._accept(run_id, peer_pk, track, body, now)
+
+    async def admit(self, run_id: str, peer_pk: int, body: ReportCreate) -> PendingReport:
+        """The report to queue; :class:`ImplausibleReport` (422) if it breaks a bound."""
+        track = self._tracks.get(peer_pk)
+        if track is None:
+            self.remember(peer_pk, await asyncio.to_thread(self._read_track, peer_pk))
+            track = self._tracks[peer_pk]
+        view = self._views.get(run_id)
+        now = now_ms()
+        if view is None:
+            view = await self._refresh(run_id, now)
+        refusal = self._judge(track, view, body, now)
+        if refusal is not None and view is not None and now - view.read_ms >= self._refresh_ms:
+            # Judged on an old view of the swarm: look again before refusing.
+            view = await self._refresh(run_id, now)
+            refusal = self._judge(track, view, body, now)
+        if refusal is not None:
+            raise ImplausibleReport(refusal.bound, refusal.detail)
+        return self._accept(run_id, peer_pk, track, body, now)
+
+    def _judge(
+        self, track: PeerTrack, view: SwarmView | None, body: ReportCreate, now: int
+    ) -> Refusal | None:
+        return check(
+            self.limits,
+            track,
+            view,
+            epoch=body.epoch,
+            samples=body.samples,
+            samples_per_second=body.samples_per_second,
+            now_ms=now,
+        )
+
+    def _accept(
+        self, run_id: str, peer_pk: int, track: PeerTrack, body: ReportCreate, now: int
+    ) -> PendingReport:
+        report = pending_report(
+            run_id,
+            peer_pk,
+            body,
+            reported_ms=now,
+            samples_cap=self.limits.samples_cap(track.first_seen_ms, now),
+        )
+        self._store(peer_pk, track.after(body.samples, now))
+        view = self._views.get(run_id)
+        if view is not None:
+            view.saw(track.volunteer_id, body.epoch, now)
+        return report
+
+    def _store(self, peer_pk: int, track: PeerTrack) -> None:
+        self._tracks.pop(peer_pk, None)
+        self._tracks[peer_pk] = track
+        if len(self._tracks) > MAX_TRACKS:
+            del self._tracks[next(iter(self._tracks))]
+
+    def _read_track(self, peer_pk: int) -> PeerTrack:
+        with self._session_factory() as session:
+            return load_track(session, peer_pk)
+
+    async def _refresh(self, run_id: str, now: int) -> SwarmView | None:
+        def read() -> SwarmView:
+            with self._session_factory() as session:
+                return load_view(session, run_id, now, self._online_ttl_s)
+
+        try:
+            view = await asyncio.to_thread(read)
+        except Exception:
+            # The database is down: judge by the last view if any (the epoch not at all
+            # without one), rather than refuse honest peers.
+            logger.warning("cannot read the swarm's epochs of run %s", run_id, exc_info=True)
+            return self._views.get(run_id)
+        older = self._views.get(run_id)
+        if older is not None:
+            view.carry(older, now - int(self._online_ttl_s * 1000))
+        self._views[run_id] = view
+        return view

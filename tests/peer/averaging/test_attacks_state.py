@@ -1,0 +1,52 @@
+"""A hostile state donor: what it claims is checked before this peer acts on it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from peer.averaging.averager import DecentralizedAverager
+from peer.averaging.state import state_key
+from tests.conftest import scaled
+from tests.peer.averaging.conftest import wait_for
+
+
+class _Bloated(DecentralizedAverager):
+    """Serves a state far larger than any peer of this run holds."""
+
+    def get_current_state(self) -> tuple[Any, list[torch.Tensor]]:
+        return {"epoch": 99}, [torch.zeros(6 << 20)]  # 24 MiB where 4 KB are expected
+
+
+def test_a_donor_claiming_a_huge_state_is_skipped(
+    make_swarm, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bloated donor has the top priority: the newcomer refuses its announced size
+    before allocating anything, names it, and takes the honest donor's state."""
+    swarm = make_swarm(3)
+    base = dict(prefix="test", min_matchmaking_time=1.0, request_timeout=3.0, start=True)
+    honest = DecentralizedAverager(
+        [torch.full((1000,), 2.0)], swarm.nodes[0], allow_state_sharing=True, **base
+    )
+    hostile = _Bloated([torch.zeros(1000)], swarm.nodes[1], allow_state_sharing=True, **base)
+    newcomer = DecentralizedAverager([torch.zeros(1000)], swarm.nodes[2], **base)
+    swarm.averagers += [honest, hostile, newcomer]
+    honest.state_sharing_priority = 1.0
+    hostile.state_sharing_priority = 100.0
+
+    def both_declared() -> bool:
+        record = newcomer.node.get(state_key("test"))
+        return record is not None and len(record.value) >= 2
+
+    assert wait_for(both_declared, 15)
+    with caplog.at_level(logging.WARNING, logger="peer.averaging.state"):
+        found = newcomer.load_state_from_peers(timeout=scaled(30))
+    assert found is not None
+    _, tensors = found
+    assert torch.equal(tensors[0], torch.full((1000,), 2.0))
+    assert newcomer.last_state_donor == honest.node.peer_id
+    refusals = [r.getMessage() for r in caplog.records if "expects at most" in r.getMessage()]
+    assert refusals and hostile.node.peer_id in refusals[0]

@@ -1,0 +1,232 @@
+"""Plausibility bounds on reports: the pure rules, then through the API on both databases —
+a hostile peer's resets and absurd claims are refused, counted, and change nobody's totals."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import select
+
+from server.app import create_app
+from server.clock import now_ms
+from server.config import Settings
+from server.models import Peer
+from server.services.report_bounds import (
+    Bound,
+    PeerTrack,
+    ReportLimits,
+    SwarmView,
+    check,
+    swarm_epoch,
+)
+from server.services.reports import PendingReport, write_reports
+from tests.server.conftest import ORGANIZER, Api, JoinedPeer, client_for, make_settings, running
+
+LIMITS = ReportLimits(max_samples_per_second=1000.0, max_epoch_lead=5)
+
+
+def _check(track: PeerTrack, view: SwarmView | None = None, **report: Any) -> Bound | None:
+    fields = {"epoch": 0, "samples": 0, "samples_per_second": 0.0, "now_ms": 0, **report}
+    refusal = check(LIMITS, track, view, **fields)
+    return None if refusal is None else refusal.bound
+
+
+def test_resets_bank_at_most_what_the_rate_allows_since_joining() -> None:
+    track = PeerTrack(first_seen_ms=0, volunteer_id=1, banked=0, samples=0, as_of_ms=None)
+    cap = LIMITS.samples_cap(0, 10_000)  # 1000/s for 10 s plus the grace
+    assert cap == 70_000
+    accepted = 0
+    for i in range(1000):  # counter up to 40,000, back to zero, and again
+        samples = 40_000 if i % 2 == 0 else 0
+        if _check(track, samples=samples, now_ms=10_000) is None:
+            track = track.after(samples, 10_000)
+            accepted += 1
+        else:
+            assert _check(track, samples=samples, now_ms=10_000) is Bound.samples
+    assert track.contribution_after(track.samples) <= cap
+    # The first 40,000 and every 0 (the first a reset); any later 40,000 would pass the cap.
+    assert accepted == 501 and track.contribution_after(0) == 40_000
+
+
+def test_rate_and_epoch_bounds() -> None:
+    track = PeerTrack(first_seen_ms=0, volunteer_id=1, banked=0, samples=0, as_of_ms=None)
+    assert _check(track, samples_per_second=1000.0) is None
+    assert _check(track, samples_per_second=1000.5) is Bound.samples_per_second
+    view = SwarmView(read_ms=0, online={2: 10, 3: 12}, highest=12)
+    assert _check(track, view, epoch=17) is None
+    assert _check(track, view, epoch=18) is Bound.epoch
+    assert _check(track, None, epoch=10**9) is None  # no view (database down): not judged
+
+
+def test_the_swarm_epoch_never_counts_the_reporters_own_volunteer_when_others_can() -> None:
+    view = SwarmView(read_ms=0, online={1: 1000, 2: 10, 3: 12}, highest=1000)
+    assert swarm_epoch(view, volunteer_id=1) == 12  # two others: their highest
+    assert swarm_epoch(view, volunteer_id=2) == 1000  # the others include the liar: looser
+    # One laggard alone cannot hold the front back: without two others, the run's highest.
+    assert swarm_epoch(SwarmView(0, {1: 500, 2: 0}, 500), volunteer_id=1) == 500
+
+
+@pytest.fixture
+def bounded_settings(database_url: str) -> Settings:
+    return make_settings(
+        database_url,
+        report_max_samples_per_second=1000.0,
+        report_max_epoch_lead=5,
+        report_swarm_refresh_s=1e-3,  # every refusal looks at the database again
+    )
+
+
+@pytest.fixture
+async def bounded(bounded_settings: Settings) -> AsyncIterator[tuple[FastAPI, Api]]:
+    async with running(create_app(bounded_settings)) as app, client_for(app) as client:
+        yield app, Api(client)
+
+
+async def _peers(client: httpx.AsyncClient, run_id: str) -> dict[str, dict[str, Any]]:
+    listed = await client.get(f"/api/v1/runs/{run_id}/peers", headers=ORGANIZER)
+    return {p["peer_id"]: p for p in listed.json()["peers"]}
+
+
+async def _progress(client: httpx.AsyncClient, run_id: str) -> dict[str, Any]:
+    return (await client.get(f"/api/v1/runs/{run_id}/progress")).json()
+
+
+async def _swarm(api: Api) -> tuple[dict[str, Any], list[JoinedPeer], JoinedPeer]:
+    """A run with two honest peers at epoch 5 (each its own volunteer) and a hostile one."""
+    run = await api.create_run()
+    invite = (await api.create_join_token(run["id"]))["token"]
+    honest = [await api.join(run["id"], invite) for _ in range(2)]
+    hostile = await api.join(run["id"], invite)
+    for peer in honest:
+        reply = await api.report(run["id"], peer, epoch=5, samples=100, samples_per_second=50)
+        assert reply.status_code == 202, reply.text
+    return run, honest, hostile
+
+
+async def test_a_thousand_counter_resets_neither_break_ingestion_nor_pin_the_epoch(
+    bounded: tuple[FastAPI, Api],
+) -> None:
+    app, api = bounded
+    run, honest, hostile = await _swarm(api)
+    statuses = []
+    bodies = [  # up, reset, up with an absurd epoch, stay
+        {"samples": 50_000, "epoch": 10},
+        {"samples": 0, "epoch": 10},
+        {"samples": 50_000, "epoch": 2**53},
+        {"samples": 0, "epoch": 10},
+    ]
+    for i in range(1000):
+        body = bodies[i % 4]
+        statuses.append((await api.report(run["id"], hostile, **body)).status_code)
+        if i % 100 == 0:  # the honest peers keep reporting meanwhile
+            for peer in honest:
+                reply = await api.report(run["id"], peer, epoch=6, samples=100 + i)
+                assert reply.status_code == 202, reply.text
+            await app.state.report_buffer.flush()
+    assert set(statuses) == {202, 422}
+    await app.state.report_buffer.flush()
+
+    progress = await _progress(api.client, run["id"])
+    assert progress["epoch"] == 10  # at most the lead past the honest peers
+    peers = await _peers(api.client, run["id"])
+    for peer in honest:
+        assert peers[peer.body["peer_id"]]["samples"] == 1000  # their latest counters
+    mine = peers[hostile.body["peer_id"]]
+    assert mine["reports_refused"] == statuses.count(422) >= 490
+    assert mine["samples"] == 50_000  # one climb; every later one would pass its cap
+    assert mine["last_refusal"] in {"epoch", "samples"}
+    with app.state.session_factory() as session:
+        row = session.scalars(select(Peer).where(Peer.peer_id == hostile.body["peer_id"])).one()
+        cap = 1000 * ((now_ms() - row.first_seen_ms) / 1000 + 60)
+        assert row.samples_base + row.samples <= cap
+    assert progress["samples"] == 2 * 1000 + mine["samples"]
+
+
+async def test_absurd_rates_samples_and_epochs_are_422_and_counted(
+    bounded: tuple[FastAPI, Api],
+) -> None:
+    app, api = bounded
+    run, honest, hostile = await _swarm(api)
+    for body, bound in [
+        ({"samples_per_second": 1e9}, "samples_per_second"),
+        ({"samples": 10**15}, "samples"),
+        ({"epoch": 10**6}, "epoch"),
+    ]:
+        reply = await api.report(run["id"], hostile, **body)
+        assert reply.status_code == 422, reply.text
+        assert reply.json()["detail"].startswith(bound), reply.json()
+    assert (await api.report(run["id"], hostile, epoch=7, samples=7)).status_code == 202
+    await app.state.report_buffer.flush()
+    peers = await _peers(api.client, run["id"])
+    mine = peers[hostile.body["peer_id"]]
+    assert (mine["reports_refused"], mine["last_refusal"]) == (3, "epoch")
+    assert mine["last_refusal_at"] is not None
+    assert all(peers[p.body["peer_id"]]["reports_refused"] == 0 for p in honest)
+    progress = await _progress(api.client, run["id"])
+    assert (progress["samples"], progress["epoch"]) == (207, 7)
+
+
+async def test_the_fast_path_refuses_as_the_route_does(bounded_settings: Settings) -> None:
+    """With the token cached, a report within bounds never reaches the route; one past them
+    is handed to it and refused there, once."""
+    settings = bounded_settings.model_copy(update={"peer_auth_cache_ttl_s": 3600.0})
+    async with running(create_app(settings)) as app, client_for(app) as client:
+        api = Api(client)
+        run, _, hostile = await _swarm(api)
+        assert (await api.report(run["id"], hostile, epoch=9, samples=1)).status_code == 202
+        for _ in range(3):
+            assert (await api.report(run["id"], hostile, epoch=99)).status_code == 422
+        assert (await api.report(run["id"], hostile, epoch=10, samples=2)).status_code == 202
+        await app.state.report_buffer.flush()
+        mine = (await _peers(client, run["id"]))[hostile.body["peer_id"]]
+        assert (mine["reports_refused"], mine["samples"], mine["epoch"]) == (3, 2, 10)
+
+
+async def test_a_lone_volunteer_may_lead_a_laggard(bounded: tuple[FastAPI, Api]) -> None:
+    """Without two other volunteers there is no majority: the run's highest epoch counts,
+    so one stuck far behind does not hold the front back."""
+    app, api = bounded
+    run = await api.create_run()
+    invite = (await api.create_join_token(run["id"]))["token"]
+    front, laggard = await api.join(run["id"], invite), await api.join(run["id"], invite)
+    for epoch in range(0, 30, 5):
+        assert (await api.report(run["id"], front, epoch=epoch)).status_code == 202
+        await app.state.report_buffer.flush()
+    assert (await api.report(run["id"], laggard, epoch=0)).status_code == 202
+    await app.state.report_buffer.flush()
+    assert (await api.report(run["id"], front, epoch=30)).status_code == 202
+
+
+async def test_the_write_clamps_banked_samples_whatever_a_worker_saw(
+    bounded: tuple[FastAPI, Api],
+) -> None:
+    """Workers judge with what they saw; the write holds each peer to its cap regardless,
+    so even a thousand resets admitted by stale workers cannot overflow a column."""
+    app, api = bounded
+    run, honest, hostile = await _swarm(api)
+    await app.state.report_buffer.flush()
+    factory = app.state.session_factory
+    with factory() as session:
+        pks = {
+            p.peer_id: p.id
+            for p in session.scalars(select(Peer).where(Peer.run_id == run["id"])).all()
+        }
+    t = now_ms()
+    cap = 10**6
+    for i in range(0, 1000, 100):
+        batch = [
+            PendingReport(run["id"], pks[hostile.body["peer_id"]], t + i + j, 1,
+                          (2**53 if j % 2 == 0 else 0), 1.0, None, None, samples_cap=cap)
+            for j in range(100)
+        ] + [PendingReport(run["id"], pks[honest[0].body["peer_id"]], t + i, 10, 100 + i, 1.0, None, None)]  # fmt: skip
+        with factory() as session, session.begin():
+            write_reports(session, batch, snapshot_interval_s=1e-6, online_ttl_s=60)
+    with factory() as session:
+        row = session.get(Peer, pks[hostile.body["peer_id"]])
+        assert row is not None and row.samples_base + row.samples <= cap
+    peers = await _peers(api.client, run["id"])
+    assert peers[honest[0].body["peer_id"]]["samples"] == 1000
