@@ -52,12 +52,22 @@ class Swarm:
                 "--quiet",
                 "--name",
                 name,
+                "--verbose",
                 "--host",
                 "127.0.0.1",
                 stdout=log,
-                env={"OMP_NUM_THREADS": "1"},
+                env={"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"},
             )
         self.processes.append(process)
+
+    def logs(self) -> str:
+        """The end of every volunteer's log and the coordinator's, for a failing assertion."""
+        paths = [*sorted(self.directory.glob("*.log")), self.coordinator.log_path]
+        return "\n".join(
+            f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}"
+            for path in paths
+            if path.exists()
+        )
 
     def document(self) -> dict[str, Any]:
         answer = httpx.get(f"{self.url}/api/v1/runs/{self.run_id}/dashboard", timeout=10)
@@ -103,12 +113,12 @@ def metric(page: Any, name: str) -> int:
 def test_the_dashboard_moves_without_reload(swarm: Swarm, open_page: Any) -> None:
     page = open_page(swarm.dashboard)
     page.locator("#live-status[data-state=live]").wait_for(timeout=scaled(20) * 1000)
-    assert wait_until(lambda: metric(page, "samples") > 0, scaled(90)), swarm.document()
+    assert wait_until(lambda: metric(page, "samples") > 0, scaled(90)), swarm.logs()
     epoch, samples = metric(page, "epoch"), metric(page, "samples")
     navigations = page.evaluate("performance.getEntriesByType('navigation').length")
     assert wait_until(
         lambda: metric(page, "epoch") > epoch and metric(page, "samples") > samples, scaled(90)
-    ), (epoch, samples, swarm.document()["headline"])
+    ), (epoch, samples, swarm.document()["headline"], swarm.logs())
     assert page.evaluate("performance.getEntriesByType('navigation').length") == navigations
     assert page.locator("#volunteers tr[data-volunteer-id]").count() == 2
     assert wait_until(lambda: metric(page, "peers_online") == 2, scaled(30))
@@ -195,7 +205,9 @@ def test_pause_stops_the_peers_and_resume_restarts_them(swarm: Swarm, open_page:
     paused_at = samples()
     page.get_by_role("button", name="Resume").click()
     page.locator("#run-status", has_text="running").wait_for()
-    assert wait_until(lambda: samples() > paused_at, scaled(90)), "training did not resume"
+    assert wait_until(lambda: samples() > paused_at, scaled(90)), (
+        f"training did not resume\n{swarm.logs()}"
+    )
 
 
 def test_the_page_says_reconnecting_and_catches_up(swarm: Swarm, open_page: Any) -> None:
@@ -209,4 +221,4 @@ def test_the_page_says_reconnecting_and_catches_up(swarm: Swarm, open_page: Any)
     before = metric(page, "samples")
     swarm.coordinator.start()
     page.locator("#live-status[data-state=live]").wait_for(timeout=scaled(60) * 1000)
-    assert wait_until(lambda: metric(page, "samples") > before, scaled(90))
+    assert wait_until(lambda: metric(page, "samples") > before, scaled(90)), swarm.logs()
