@@ -6,6 +6,9 @@ be written — ends as ONE line ``error: ...`` on standard error and a non-zero 
 for usage errors, 1 otherwise), never a traceback. Ctrl-C exits with status 130 and prints
 nothing more.
 
+``kill -USR1 <pid>`` makes any ``swarmgrad`` process print every thread's stack to standard
+error and go on: what a peer or a coordinator that seems stuck is doing, without a debugger.
+
 ``swarmgrad coordinator`` is the coordinator's own command line (``server.cli``), imported only
 when that command runs: the volunteer's commands never load ``server``, ``fastapi`` or
 ``sqlalchemy``.
@@ -13,6 +16,8 @@ when that command runs: the volunteer's commands never load ``server``, ``fastap
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -66,6 +71,8 @@ def _fail(message: object, code: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the command line on ``argv`` (default: ``sys.argv[1:]``) and exit."""
+    if hasattr(signal, "SIGUSR1"):  # not on Windows
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     command = typer.main.get_command(app)
     try:
         # standalone_mode=False: errors come back to us instead of being printed by click

@@ -98,3 +98,33 @@ def test_ctrl_c_is_calm() -> None:
                 process.wait()
     assert process.returncode == 130, (out, err)
     assert "Traceback" not in out + err and "error" not in err.lower()
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_command_goes_on() -> None:
+    """A command that seems stuck tells where it is on SIGUSR1, then carries on (here it is
+    still waiting for its answer, and Ctrl-C still ends it calmly)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(scaled(60))
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "swarmgrad", "runs", "list", "--url", url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        try:
+            connection, _ = listener.accept()  # the command is now waiting for an answer
+            with connection:
+                process.send_signal(signal.SIGUSR1)
+                assert process.poll() is None
+                process.send_signal(signal.SIGINT)
+                out, err = process.communicate(timeout=scaled(30))
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert "most recent call first" in err and "swarmgrad/cli.py" in err, err
+    assert process.returncode == 130, (out, err)

@@ -4,7 +4,9 @@ and run in order (the last ones pause it, then stop the coordinator)."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,11 +63,21 @@ class Swarm:
         self.processes.append(process)
 
     def logs(self) -> str:
-        """The end of every volunteer's log and the coordinator's, for a failing assertion."""
-        paths = [*sorted(self.directory.glob("*.log")), self.coordinator.log_path]
+        """For a failing assertion: every volunteer's stacks (``swarmgrad`` prints them on
+        SIGUSR1) and the end of its log, and the end of the coordinator's log."""
+        paths = sorted(self.directory.glob("*.log"))
+        for process in self.processes:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGUSR1)
+        wait_until(
+            lambda: all(
+                "most recent call first" in path.read_text(errors="replace") for path in paths
+            ),
+            scaled(10),
+        )
         return "\n".join(
-            f"--- {path.name}\n{path.read_text(errors='replace')[-4000:]}"
-            for path in paths
+            f"--- {path.name}\n{path.read_text(errors='replace')[-12000:]}"
+            for path in [*paths, self.coordinator.log_path]
             if path.exists()
         )
 
