@@ -152,7 +152,11 @@ async def setup_run(base: str, peers: int) -> tuple[str, list[str]]:
         run = (
             await http.post("/runs", json={"name": "bench", "task": "none"}, headers=admin)
         ).json()
-        invite = (await http.post(f"/runs/{run['id']}/tokens", json={}, headers=admin)).json()
+        # Every simulated peer joins with this one invite: it needs that many uses. (The
+        # rate limits spare loopback clients, so the joins and reports are not throttled.)
+        invite = (
+            await http.post(f"/runs/{run['id']}/tokens", json={"max_uses": peers}, headers=admin)
+        ).json()
         semaphore = asyncio.Semaphore(16)
 
         async def join(i: int) -> str:

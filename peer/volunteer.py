@@ -211,13 +211,14 @@ class Volunteer:
     def run(self) -> str:
         """Join, train until the run finishes or :meth:`stop` is called; the final message."""
         from peer.coordinator import CoordinatorClient
+        from peer.coordinator.client import when_allowed
         from peer.coordinator.membership import NodeOptions, join_run
         from peer.tasks.registry import load_task
 
         options = self.options
         with contextlib.ExitStack() as stack:
             client = stack.enter_context(CoordinatorClient(options.url))
-            challenge = client.join_challenge(options.token)
+            challenge = when_allowed(lambda: client.join_challenge(options.token))
             task = load_task(options.task or challenge.task)
             device = resolve_device(options.device)
             identity = load_identity(options.data_dir)

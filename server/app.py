@@ -18,9 +18,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import OperationalError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from server import web
 from server.api.fast_reports import ReportFastPath
+from server.api.rate_limits import RateLimitMiddleware, limiter_from_settings
 from server.api.routes import checkpoints, dashboard, health, peers, progress, runs, tokens
 from server.config import Settings
 from server.db import make_engine, make_session_factory, upgrade_database
@@ -161,7 +163,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Checkpoint uploads are larger and enforce their own limit while they stream.
     app.add_middleware(ReportFastPath)
     app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES, exempt=checkpoints.is_upload)
+    if settings.rate_limits:  # before the body is read, after the client is known
+        app.add_middleware(
+            RateLimitMiddleware, limiter=limiter_from_settings(settings), metrics=metrics
+        )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    # The client address (rate limits, reachability probes): the socket's peer, or what
+    # X-Forwarded-For says when that peer is a trusted proxy (rightmost untrusted entry).
+    if settings.trusted_proxies:
+        app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=list(settings.trusted_proxies))
     app.add_middleware(CoordinatorHeader)  # added last: the outermost, so on every answer
     return app
 

@@ -6,12 +6,13 @@ Build it once per process (the app factory and the CLI do) and pass it down; not
 
 from __future__ import annotations
 
+import ipaddress
 import warnings
 from pathlib import Path
-from typing import Literal, Self
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # Values that look like secrets but are not: copied from examples, left as defaults.
 PLACEHOLDER_SECRETS = frozenset(
@@ -34,8 +35,9 @@ class Settings(BaseSettings):
     )
 
     environment: Literal["development", "production"] = Field(
-        default="development",
-        description="'production' refuses missing or placeholder secrets at start.",
+        default="production",
+        description="'production' (the default) refuses missing or placeholder secrets at "
+        "start; 'development' (`swarmgrad coordinator --dev`) only warns.",
     )
     database_url: str = Field(
         default="sqlite:///./swarmgrad.db",
@@ -61,7 +63,18 @@ class Settings(BaseSettings):
     certificate_ttl_s: float = Field(
         default=24 * 3600.0, gt=0, description="Lifetime of a peer certificate issued at join."
     )
-    join_token_default_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    join_token_default_ttl_s: float = Field(
+        default=7 * 24 * 3600.0,
+        gt=0,
+        le=366 * 24 * 3600,
+        description="Lifetime of an invite made without an expiry.",
+    )
+    join_token_default_max_uses: int = Field(
+        default=100,
+        ge=1,
+        le=10_000_000,
+        description="How many volunteers may join with an invite made without a limit.",
+    )
     bootstrap_peers: int = Field(
         default=8, ge=1, le=100, description="Peers handed out per bootstrap."
     )
@@ -128,6 +141,46 @@ class Settings(BaseSettings):
         default=3.0, gt=0, le=60, description="How long a reachability probe waits to connect."
     )
 
+    # Rate limits: token buckets per worker process (docs/coordinator.md, "Rate limits").
+    rate_limits: bool = Field(
+        default=True, description="Refuse requests over the limits below with 429."
+    )
+    trusted_proxies: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=("127.0.0.1", "::1"),
+        description="Addresses or networks (comma-separated) of reverse proxies whose "
+        "X-Forwarded-For names the client; from any other address, the socket's peer is the "
+        "client. Empty: trust none.",
+    )
+    rate_limit_join_per_s: float = Field(
+        default=1.0, gt=0, description="Join challenges, and joins, per second per address."
+    )
+    rate_limit_join_burst: int = Field(default=60, ge=1)
+    rate_limit_reports_per_s: float = Field(
+        default=5.0, gt=0, description="Progress reports per second per peer token."
+    )
+    rate_limit_reports_burst: int = Field(
+        default=300, ge=1, description="Above the 256 reports a peer queues while away."
+    )
+    rate_limit_peer_per_s: float = Field(
+        default=0.5,
+        gt=0,
+        description="Bootstrap calls, and certificate renewals, per second per peer token.",
+    )
+    rate_limit_peer_burst: int = Field(default=20, ge=1)
+    rate_limit_address_per_s: float = Field(
+        default=100.0,
+        gt=0,
+        description="Reports, bootstrap calls and certificate renewals (each) per second per "
+        "address, whatever the token: many volunteers may share one address (a NAT).",
+    )
+    rate_limit_address_burst: int = Field(default=1000, ge=1)
+    rate_limit_max_keys: int = Field(
+        default=100_000,
+        ge=1,
+        description="Clients remembered per limit and worker; beyond, the least recently "
+        "seen are forgotten (idle ones are forgotten anyway once their bucket is full).",
+    )
+
     # Checkpoints.
     checkpoint_dir: Path = Field(
         default=Path("./swarmgrad-checkpoints"),
@@ -140,6 +193,26 @@ class Settings(BaseSettings):
     checkpoint_max_bytes: int = Field(
         default=512 * 1024 * 1024, ge=1, description="Largest checkpoint accepted."
     )
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _split_proxies(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _check_proxies(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"SWARMGRAD_TRUSTED_PROXIES: {entry!r} is not an IP address or network "
+                    "(e.g. 10.0.0.5 or 10.0.0.0/8)"
+                ) from None
+        return value
 
     @model_validator(mode="after")
     def _check_secrets(self) -> Self:
@@ -164,7 +237,8 @@ class Settings(BaseSettings):
         if self.environment != "development":
             raise InsecureSettingsError(
                 f"refusing to start in {self.environment}: {message}. Generate a secret with "
-                "`python -c 'import secrets; print(secrets.token_urlsafe(48))'`."
+                "`python -c 'import secrets; print(secrets.token_urlsafe(48))'`, or try it "
+                "out in development mode (`swarmgrad coordinator --dev`)."
             )
         warnings.warn(
             f"{message}; acceptable only because SWARMGRAD_ENVIRONMENT=development",

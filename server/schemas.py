@@ -114,7 +114,9 @@ class TokenCreate(_Body):
     expires_in_s: float | None = Field(
         None, gt=0, le=366 * 24 * 3600, description="Lifetime; default from the settings."
     )
-    max_uses: int | None = Field(None, ge=1, le=10_000_000, description="Default: unlimited.")
+    max_uses: int | None = Field(
+        None, ge=1, le=10_000_000, description="How many may join; default from the settings."
+    )
     label: Label | None = None
 
 

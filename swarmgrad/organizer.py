@@ -357,7 +357,9 @@ def invite(
     uses: Annotated[
         int | None,
         typer.Option(
-            "--uses", min=1, help="How many volunteers may join with it (default: unlimited)."
+            "--uses",
+            min=1,
+            help="How many volunteers may join with it (default: the coordinator's, 100).",
         ),
     ] = None,
     expires: Annotated[

@@ -11,7 +11,13 @@ This package talks HTTP with httpx only: it never imports the coordinator's own 
 
 from __future__ import annotations
 
-from peer.coordinator.client import CoordinatorClient, JoinAnswer, JoinChallenge, Reachability
+from peer.coordinator.client import (
+    CoordinatorClient,
+    JoinAnswer,
+    JoinChallenge,
+    Reachability,
+    when_allowed,
+)
 from peer.coordinator.exceptions import (
     CoordinatorError,
     CoordinatorFailed,
@@ -47,4 +53,5 @@ __all__ = [
     "Unauthorized",
     "clean_report",
     "merge_reports",
+    "when_allowed",
 ]

@@ -20,11 +20,13 @@ import base64
 import binascii
 import hashlib
 import json
+import logging
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
@@ -46,6 +48,11 @@ from peer.identity import Identity, join_proof_payload
 API_PREFIX = "/api/v1"
 COORDINATOR_HEADER = "X-Swarmgrad-Coordinator"
 MAX_MESSAGE_CHARS = 300
+# How long a one-off call (joining, a certificate) keeps waiting out rate limits.
+RATE_LIMIT_PATIENCE_S = 300.0
+
+logger = logging.getLogger("peer.coordinator")
+_T = TypeVar("_T")
 
 _STATUS_ERRORS: dict[int, type[CoordinatorError]] = {
     401: Unauthorized,
@@ -475,6 +482,29 @@ class CoordinatorClient:
             f"{self.host} answered but is not a Swarmgrad coordinator (HTTP {code}); check the URL",
             status_code=code,
         )
+
+
+def when_allowed(
+    call: Callable[[], _T],
+    *,
+    patience: float = RATE_LIMIT_PATIENCE_S,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> _T:
+    """``call()``; each time the coordinator answers 429 (:class:`RateLimited`), wait its
+    ``Retry-After`` and call again, for up to ``patience`` seconds in all — then the
+    :class:`RateLimited` propagates. For one-off calls a peer cannot do without (joining,
+    a certificate); the session's periodic calls reschedule themselves instead."""
+    deadline = clock() + patience
+    while True:
+        try:
+            return call()
+        except RateLimited as exc:
+            wait = max(exc.retry_after, 0.1)
+            if clock() + wait > deadline:
+                raise
+            logger.info("the coordinator asks to wait %.0f s (%s); waiting", wait, exc)
+            sleep(wait)
 
 
 # --------------------------------------------------------------------------- helpers

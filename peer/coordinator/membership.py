@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from peer.coordinator.client import CoordinatorClient, JoinAnswer, JoinChallenge
+from peer.coordinator.client import CoordinatorClient, JoinAnswer, JoinChallenge, when_allowed
 from peer.coordinator.session import CoordinatorSession
 from peer.exceptions import SwarmgradError
 from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
@@ -80,15 +80,18 @@ def join_run(
     """Join the run ``token`` invites to (see the module docstring). ``challenge`` is one
     already fetched with ``client.join_challenge(token)`` (e.g. to check the task before a
     use of the invite is spent); ``on_status`` is called with the run's status whenever it
-    changes. Raises :class:`~peer.coordinator.CoordinatorError` subclasses."""
+    changes. A rate limit (429) is waited out (:func:`~peer.coordinator.client.when_allowed`).
+    Raises :class:`~peer.coordinator.CoordinatorError` subclasses."""
     if challenge is None:
-        challenge = client.join_challenge(token)
-    answer = client.join(
-        token,
-        challenge,
-        identity,
-        client_mode=node_options.client_mode,
-        display_name=display_name,
+        challenge = when_allowed(lambda: client.join_challenge(token))
+    answer = when_allowed(
+        lambda: client.join(
+            token,
+            challenge,
+            identity,
+            client_mode=node_options.client_mode,
+            display_name=display_name,
+        )
     )
     node, answer, reachability = _start_node(client, answer, identity, node_options)
     try:
@@ -135,7 +138,9 @@ def _start_node(
         return node, answer, f"reachable at {reach.address}"
     node.shutdown()
     # the coordinator now counts this peer as a client: its certificate says so too
-    certificate, expires_at = client.renew_certificate(answer.peer_token, answer.run_id)
+    certificate, expires_at = when_allowed(
+        lambda: client.renew_certificate(answer.peer_token, answer.run_id)
+    )
     answer = replace(answer, certificate=certificate, certificate_expires_at=expires_at)
     ports = " and ".join(str(p) for p in (port, bulk_port) if p)
     reachability = (

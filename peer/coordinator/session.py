@@ -404,6 +404,8 @@ class CoordinatorSession:
         except CoordinatorError as exc:
             if isinstance(exc, _AWAY):
                 self._away(exc)
+            elif isinstance(exc, RateLimited):
+                self._bootstrap_at = max(self._bootstrap_at, now + exc.retry_after)
             else:
                 logger.debug("cannot get bootstrap peers: %s", exc)
             return

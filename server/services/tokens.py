@@ -42,8 +42,11 @@ def create_organizer_token(session: Session, label: str | None = None) -> tuple[
 
 
 def create_join_token(
-    session: Session, run: Run, data: TokenCreate, default_ttl_s: float
+    session: Session, run: Run, data: TokenCreate, default_ttl_s: float, default_max_uses: int
 ) -> tuple[Token, str]:
+    """An invite to ``run``: the token row and its plaintext (show it once). An invite made
+    without an expiry or a limit gets ``default_ttl_s`` and ``default_max_uses``: every
+    invite ends, by time and by use."""
     new = mint_token(TokenScope.join)
     now = utcnow()
     ttl = data.expires_in_s if data.expires_in_s is not None else default_ttl_s
@@ -55,7 +58,7 @@ def create_join_token(
         label=data.label,
         created_at=now,
         expires_at=now + timedelta(seconds=ttl),
-        max_uses=data.max_uses,
+        max_uses=data.max_uses if data.max_uses is not None else default_max_uses,
         uses=0,
     )
     session.add(token)

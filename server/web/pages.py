@@ -162,6 +162,9 @@ def run_page(
             "invites": invites,
             "new_invite": request.query_params.get("invite"),
             "public_url": settings.public_url.rstrip("/"),
+            # What an invite made with empty fields gets.
+            "default_uses": settings.join_token_default_max_uses,
+            "default_hours": f"{settings.join_token_default_ttl_s / 3600:g}",
         },
         organizer=organizer,
     )
@@ -338,7 +341,11 @@ def create_invite(
             422, "Uses must be a whole number of at least 1 and hours a positive number."
         ) from None
     _, plaintext = token_service.create_join_token(
-        session, run, body, settings.join_token_default_ttl_s
+        session,
+        run,
+        body,
+        settings.join_token_default_ttl_s,
+        settings.join_token_default_max_uses,
     )
     session.commit()
     # The new link is shown once, on the page this redirects to; it is a secret in the URL of

@@ -49,6 +49,10 @@ join_router = APIRouter(prefix=f"{API_PREFIX}/join", tags=["peers"])
 # Its own router so that the app can match it before every other route.
 reports_router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}", tags=["peers"])
 _ACCEPTED = ReportAccepted().model_dump_json().encode()
+# Answered by server.api.rate_limits before the route, when a limit is reached.
+_RATE_LIMITED: dict[int | str, dict[str, object]] = {
+    429: {"model": ErrorPublic, "description": "Over a rate limit; Retry-After says when to retry."}
+}
 
 
 def bootstrap_peer(peer: Peer) -> BootstrapPeer:
@@ -90,7 +94,7 @@ def list_peers(
     )
 
 
-@join_router.post("/challenge", response_model=JoinChallengePublic)
+@join_router.post("/challenge", response_model=JoinChallengePublic, responses=_RATE_LIMITED)
 def join_challenge(
     invitee: CurrentInvitee, session: SessionDep, challenges: JoinChallengesDep
 ) -> JoinChallengePublic:
@@ -112,7 +116,7 @@ def join_challenge(
     )
 
 
-@router.post("/join", response_model=JoinResponse)
+@router.post("/join", response_model=JoinResponse, responses=_RATE_LIMITED)
 def join_run(
     joiner: CurrentJoiner,
     session: SessionDep,
@@ -194,7 +198,7 @@ async def check_reachability(
     )
 
 
-@router.get("/bootstrap", response_model=BootstrapPublic)
+@router.get("/bootstrap", response_model=BootstrapPublic, responses=_RATE_LIMITED)
 def bootstrap(
     peer: CurrentPeer, session: SessionDep, settings: SettingsDep, run: RunDep
 ) -> BootstrapPublic:
@@ -213,7 +217,7 @@ def bootstrap(
     return BootstrapPublic(peers=[bootstrap_peer(p) for p in peers])
 
 
-@router.post("/certificate", response_model=CertificatePublic)
+@router.post("/certificate", response_model=CertificatePublic, responses=_RATE_LIMITED)
 def renew_certificate(
     peer: CurrentPeer, session: SessionDep, settings: SettingsDep, keybox: KeyBoxDep, run: RunDep
 ) -> CertificatePublic:
@@ -235,7 +239,7 @@ def renew_certificate(
     status_code=status.HTTP_202_ACCEPTED,
     response_model=ReportAccepted,
     responses={422: {"model": ErrorPublic, "description": "Invalid, or past a plausibility "
-                     "bound (the detail names it); counted against the peer."}},
+                     "bound (the detail names it); counted against the peer."}, **_RATE_LIMITED},
 )  # fmt: skip
 async def post_report(
     peer: ReportingPeer, guard: ReportGuardDep, buffer: ReportBufferDep, body: ReportCreate

@@ -35,9 +35,15 @@ def create_join_token(
     run: RunDep,
     body: TokenCreate,
 ) -> TokenCreated:
-    """A join token for volunteers. The token is in this answer only; it is stored hashed."""
+    """A join token for volunteers. The token is in this answer only; it is stored hashed.
+    Without ``expires_in_s`` or ``max_uses`` it gets the coordinator's defaults
+    (``join_token_default_ttl_s``, ``join_token_default_max_uses``)."""
     token, plaintext = token_service.create_join_token(
-        session, run, body, settings.join_token_default_ttl_s
+        session,
+        run,
+        body,
+        settings.join_token_default_ttl_s,
+        settings.join_token_default_max_uses,
     )
     session.commit()
     return TokenCreated(
