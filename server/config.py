@@ -175,7 +175,7 @@ class Settings(BaseSettings):
     )
     rate_limit_address_burst: int = Field(default=1000, ge=1)
     rate_limit_max_keys: int = Field(
-        default=100_000,
+        default=50_000,
         ge=1,
         description="Clients remembered per limit and worker; beyond, the least recently "
         "seen are forgotten (idle ones are forgotten anyway once their bucket is full).",

@@ -55,7 +55,7 @@ class RateLimit:
 class TokenBuckets:
     """One :class:`RateLimit`'s buckets, one per client key."""
 
-    def __init__(self, limit: RateLimit, max_keys: int = 100_000) -> None:
+    def __init__(self, limit: RateLimit, max_keys: int = 50_000) -> None:
         if max_keys < 1:
             raise ValueError("max_keys must be >= 1")
         self.limit = limit
@@ -126,7 +126,7 @@ class RateLimiter:
         per_peer: Mapping[Endpoint, RateLimit],
         per_address: Mapping[Endpoint, RateLimit],
         *,
-        max_keys: int = 100_000,
+        max_keys: int = 50_000,
     ) -> None:
         self._per_peer = {e: TokenBuckets(limit, max_keys) for e, limit in per_peer.items()}
         self._per_address = {e: TokenBuckets(limit, max_keys) for e, limit in per_address.items()}
