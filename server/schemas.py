@@ -101,6 +101,20 @@ class RunPublic(BaseModel):
     updated_at: datetime
     archived_at: datetime | None
     public_key: str = Field(description="The run authority's Ed25519 public key (base64).")
+    revocations_serial: int | None = Field(
+        None,
+        description="Serial of the run's revocation list (its newest ban, in ms; 0 without "
+        "bans): a peer fetches GET /runs/{run_id}/revocations when it grows. Only on a "
+        "single run's answer.",
+    )
+
+
+class RevocationsPublic(BaseModel):
+    serial: int = Field(description="Grows with every ban; a peer keeps the highest it saw.")
+    list: str = Field(
+        description="The signed list (base64 of msgpack [run_id, serial, [[public_key, "
+        "until], ...], signature]); peers check the run authority's signature themselves."
+    )
 
 
 class RunsPublic(BaseModel):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import logging
@@ -304,6 +305,17 @@ class CoordinatorClient:
         """The run: ``id``, ``name``, ``task``, ``config``, ``status`` ("running",
         "paused", "finished"), ``public_key``, ... (public, no token)."""
         return self._json("GET", _run_path(run_id))
+
+    def revocations(self, run_id: str) -> bytes:
+        """The run's revocation list as its authority signed it (public, no token; a node
+        checks it: :meth:`peer.Node.revoke`). :class:`NotACoordinator` for an answer
+        that does not carry one."""
+        answer = self._json("GET", _run_path(run_id, "revocations"))
+        text = answer.get("list")
+        if isinstance(text, str):
+            with contextlib.suppress(ValueError):  # binascii.Error is one
+                return base64.urlsafe_b64decode(text.encode("ascii"))
+        raise NotACoordinator("the answer carries no revocation list")
 
     def progress(self, run_id: str) -> dict[str, Any]:
         """The run's progress as the dashboard shows it (public, no token)."""

@@ -168,6 +168,7 @@ def _start_session(
         certificate_expires_at=answer.certificate_expires_at,
         on_certificate=renewed,
         on_status=on_status or (lambda status: None),
+        on_revocations=node.revoke,
         needs_bootstrap=lambda: node.num_links == 0,
         on_bootstrap=node.add_initial_peers,
         status=answer.status,

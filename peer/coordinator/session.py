@@ -82,6 +82,8 @@ class CoordinatorSession:
       ``on_certificate(certificate_base64, expires_at)`` (e.g. ``node.set_auth``);
     - sends what :meth:`submit_report` queued, oldest first;
     - polls the run's status: :attr:`status`, and ``on_status(status)`` when it changes;
+      when the run's revocation list has a new serial, fetches it and hands its bytes to
+      ``on_revocations(data)`` (e.g. ``node.revoke``), until that call succeeds;
     - when ``needs_bootstrap()`` is true (the node has no peer left), asks for bootstrap
       addresses and hands them to ``on_bootstrap(addresses)`` (e.g.
       ``node.add_initial_peers``).
@@ -99,6 +101,7 @@ class CoordinatorSession:
         certificate_expires_at: float,
         on_certificate: Callable[[str, float], object] | None = None,
         on_status: Callable[[str], object] | None = None,
+        on_revocations: Callable[[bytes], object] | None = None,
         needs_bootstrap: Callable[[], bool] | None = None,
         on_bootstrap: Callable[[list[str]], object] | None = None,
         status: str | None = None,
@@ -113,6 +116,8 @@ class CoordinatorSession:
         self._token = check_token(peer_token)
         self._on_certificate = on_certificate
         self._on_status = on_status
+        self._on_revocations = on_revocations
+        self._revocations_serial = 0  # the newest list handed on (0: there are no bans)
         self._needs_bootstrap = needs_bootstrap
         self._on_bootstrap = on_bootstrap
         self.timings = timings or SessionTimings()
@@ -379,14 +384,31 @@ class CoordinatorSession:
         self._poll_backoff.reset()
         self._poll_at = time.monotonic() + self.timings.poll_interval
         status = run.get("status")
-        if not isinstance(status, str):
+        if isinstance(status, str):
+            with self._lock:
+                changed, self._status = status != self._status, status
+            if changed:
+                logger.info("the run is %s", status)
+                if self._on_status is not None:
+                    self._on_status(status)
+        serial = run.get("revocations_serial")
+        if (
+            self._on_revocations is not None
+            and isinstance(serial, int)
+            and serial > self._revocations_serial
+        ):
+            self._fetch_revocations(serial)
+
+    def _fetch_revocations(self, serial: int) -> None:
+        assert self._on_revocations is not None
+        try:
+            data = self._client.revocations(self._run_id)
+        except CoordinatorError as exc:
+            logger.info("cannot read the run's revocation list yet: %s", exc)
             return
-        with self._lock:
-            changed, self._status = status != self._status, status
-        if changed:
-            logger.info("the run is %s", status)
-            if self._on_status is not None:
-                self._on_status(status)
+        self._on_revocations(data)  # what it raises is logged by _guarded; asked again then
+        self._revocations_serial = serial
+        logger.info("the run's revocation list %d is in force", serial)
 
     # bootstrap -------------------------------------------------------------------------------
 

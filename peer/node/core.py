@@ -45,6 +45,7 @@ from peer.node.gossip import (
 )
 from peer.node.links import Handler, PeerLink, RemotePeer, handshake, register_link_messages
 from peer.node.reconnect import Reconnector
+from peer.revocation import MAX_LIST_BYTES, RevocationBook
 from peer.transport.base import Connection, Listener, Transport
 from peer.wire import (
     BYTES,
@@ -64,6 +65,7 @@ GOSSIP_DIGEST = "gossip.digest"
 GOSSIP_REPLY = "gossip.reply"
 GOSSIP_PUSH = "gossip.push"
 LINK_CREDENTIAL = "link.credential"  # a renewed certificate, presented over an open link
+LINK_REVOCATIONS = "link.revocations"  # the run's revocation list, passed from peer to peer
 MAX_ADDRESSES = 16  # per membership record
 MAX_ADDRESS_CHARS = 256
 
@@ -149,10 +151,17 @@ class AsyncNode:
         self.store_ = GossipStore(max_ttl=self.config.max_record_ttl)
         # certificate mode: which record owners hold a valid certificate of the run
         self.certificates: CertificateBook | None = None
+        # certificate mode with the run's key at hand: the peers the run's authority banned
+        self.revocations: RevocationBook | None = None
         if isinstance(self.auth, CertificateAuth):
             self.certificates = CertificateBook(
                 self.auth.verify, max_clock_skew=_clock_skew(self.auth)
             )
+            run_key = getattr(self.auth.verify, "run_public_key", None)
+            run_id = getattr(self.auth.verify, "run_id", None)
+            if isinstance(run_key, bytes) and isinstance(run_id, str):
+                self.revocations = RevocationBook(run_key, run_id)
+        self._banned_self_warned = False
         self._seq = 0  # sequence number of this node's latest record (next_sequence)
         self.random = random.Random(seed)
         self.handlers: dict[str, Handler] = {}
@@ -437,9 +446,9 @@ class AsyncNode:
             frame = Frame(LINK_CREDENTIAL, {"credential": auth.certificate})
             for link in list(self._all_links):
                 if not link.closed:
-                    self._spawn(self._present_credential(link, frame), "credential")
+                    self._spawn(self._send_quietly(link, frame), "credential")
 
-    async def _present_credential(self, link: PeerLink, frame: Frame) -> None:
+    async def _send_quietly(self, link: PeerLink, frame: Frame) -> None:
         with contextlib.suppress(SwarmgradError):
             await link.send(frame)
 
@@ -462,6 +471,8 @@ class AsyncNode:
         return None
 
     def _learn_certificate(self, remote: RemotePeer) -> None:
+        if self._banned(remote.public_key):
+            return
         if self.certificates is not None and remote.certificate:
             self.certificates.learn(
                 remote.public_key, remote.certificate, remote.credential, self.now()
@@ -640,7 +651,7 @@ class AsyncNode:
 
     async def _handshake(self, conn: Connection, expected_peer_id: str | None) -> RemotePeer:
         cfg = self.config
-        return await handshake(
+        remote = await handshake(
             conn,
             identity=self.identity,
             auth=self.auth,
@@ -651,6 +662,9 @@ class AsyncNode:
             timeout=cfg.request_timeout,
             expected_peer_id=expected_peer_id,
         )
+        if self._banned(remote.public_key):
+            raise AuthenticationError(f"peer {remote.peer_id} is banned by the run's authority")
+        return remote
 
     async def _connect(self, address: str, expected_peer_id: str | None) -> PeerLink:
         conn = await self.transport.connect(address, timeout=self.config.request_timeout)
@@ -713,6 +727,10 @@ class AsyncNode:
         self._all_links.add(link)
         self._links[remote.peer_id] = link
         self._learn_certificate(remote)
+        if self.revocations is not None and self.revocations.current is not None:
+            # a peer that was away may not know the run's latest bans yet
+            frame = Frame(LINK_REVOCATIONS, {"list": self.revocations.current.to_bytes()})
+            self._spawn(self._send_quietly(link, frame), "revocations")
         self._failed_at.pop(remote.peer_id, None)
         self._reconnect.returned(remote.peer_id)
         if remote.peer_id in self._lost_warned:
@@ -760,6 +778,11 @@ class AsyncNode:
             LINK_CREDENTIAL,
             Schema(required={"credential": Scalar(bytes, max_length=4096)}),
             self._on_credential,
+        )
+        self.register_handler(
+            LINK_REVOCATIONS,
+            Schema(required={"list": Scalar(bytes, max_length=MAX_LIST_BYTES)}),
+            self._on_revocations,
         )
         record_list = ListOf(AnyValue())
         # certificate mode: [owner public key, certificate] for the owners of the records
@@ -916,6 +939,8 @@ class AsyncNode:
         book = self.certificates
         if book is not None:
             for owner, certificate in certs:
+                if self._banned(owner):
+                    continue
                 try:
                     book.offer(owner, certificate, now)
                 except RecordError as exc:
@@ -925,6 +950,8 @@ class AsyncNode:
         for item in items:
             try:
                 record = Record.from_wire(item)
+                if self._banned(record.owner):
+                    continue  # a relay may not know of the ban yet: not its fault
                 if book is not None and not book.valid(record.owner, now):
                     raise RecordError(
                         f"its owner, peer {record.owner_id}, holds no valid certificate of this run"
@@ -1027,6 +1054,79 @@ class AsyncNode:
                 len(gone),
                 len(owners),
             )
+
+    # bans -----------------------------------------------------------------------------------
+
+    def _banned(self, public_key: bytes) -> bool:
+        book = self.revocations
+        return (
+            book is not None
+            and book.current is not None
+            and public_key != self.identity.public_key
+            and book.revoked(public_key, self.now())
+        )
+
+    def revoke(self, data: bytes) -> bool:
+        """Apply the run's revocation list ``data`` (its bytes, as the coordinator serves
+        them): every link to a banned peer closes, its records go and it cannot link again;
+        the list is passed on to every other linked peer. Returns whether it was news (an
+        older or known list changes nothing). :class:`AuthenticationError` for a list the
+        run's authority did not sign; ``ValueError`` when this node cannot check one (it
+        is not in certificate mode with a :class:`~peer.identity.CertificateVerifier`)."""
+        if self.revocations is None:
+            raise ValueError(
+                "this node cannot check a revocation list: it is not in certificate mode "
+                "with a CertificateVerifier that names the run's key"
+            )
+        if self.revocations.offer(data) is None:
+            return False
+        self._enforce_bans(bytes(data), came_from=None)
+        return True
+
+    async def _on_revocations(self, link: PeerLink, frame: Frame) -> None:
+        if self.revocations is None:
+            return None
+        data = frame.fields["list"]
+        try:
+            news = self.revocations.offer(data)
+        except AuthenticationError as exc:
+            # only a forger or a broken peer sends a list the authority did not sign
+            raise ProtocolError(f"a forged revocation list: {exc}") from None
+        if news is not None:
+            self._enforce_bans(data, came_from=link.peer_id)
+        return None
+
+    def _enforce_bans(self, data: bytes, came_from: str | None) -> None:
+        book = self.revocations
+        assert book is not None and book.current is not None
+        now = self.now()
+        banned = set(book.revoked_keys(now))
+        if self.identity.public_key in banned and not self._banned_self_warned:
+            self._banned_self_warned = True
+            logger.error("this peer is banned from the run by its authority")
+        banned.discard(self.identity.public_key)
+        logger.info(
+            "revocation list %d of the run (%d banned peer(s)) from %s",
+            book.current.serial,
+            len(banned),
+            came_from or "the coordinator",
+        )
+        frame = Frame(LINK_REVOCATIONS, {"list": data})
+        for link in list(self._all_links):
+            if link.closed:
+                continue
+            if link.remote.public_key in banned:
+                logger.warning(
+                    "closing the link to %s: the run's authority banned it", link.peer_id
+                )
+                self._spawn(link.close("banned by the run's authority"), "banned")
+            elif link.peer_id != came_from:
+                self._spawn(self._send_quietly(link, frame), "revocations")
+        if self.certificates is not None:
+            self.certificates.forget(banned)
+        gone = self.store_.drop_owners(list(banned))
+        if gone:
+            logger.info("dropped %d record(s) of banned peers", len(gone))
 
 
 def _clock_skew(auth: CertificateAuth) -> float:

@@ -498,6 +498,11 @@ class CertificateBook:
             return None
         return held.certificate
 
+    def forget(self, owners: set[bytes] | list[bytes]) -> None:
+        """Forget ``owners`` (banned peers): their records are refused from now on."""
+        for owner in owners:
+            self._owners.pop(owner, None)
+
     def expire(self, now: float) -> list[bytes]:
         """Forget and return the owners whose certificates are no longer valid."""
         gone = [owner for owner in self._owners if not self.valid(owner, now)]

@@ -271,6 +271,11 @@ class Node:
         core = self.core
         return self.run_coroutine(_call(lambda: core.num_links))
 
+    def revoke(self, data: bytes) -> bool:
+        """Apply the run's revocation list (see :meth:`AsyncNode.revoke`): links to banned
+        peers close, their records go, and the list is passed on. Whether it was news."""
+        return bool(self.run_coroutine(_call(self.core.revoke, bytes(data))))
+
     def set_auth(self, auth: Authenticator) -> None:
         """Present ``auth`` in every later handshake, e.g. a renewed run certificate
         (``CertificateAuth``); open links stay as they are. The mode cannot change

@@ -38,7 +38,9 @@ async def test_list_and_read(api: Api, client: httpx.AsyncClient) -> None:
     listed = (await client.get("/api/v1/runs")).json()["runs"]
     assert {r["id"] for r in listed} == {first["id"], second["id"]}
     read = await client.get(f"/api/v1/runs/{first['id']}")
-    assert read.status_code == 200 and read.json() == first
+    # a single run's answer also carries its revocation list's serial (no bans: 0)
+    assert first["revocations_serial"] is None
+    assert read.status_code == 200 and read.json() == {**first, "revocations_serial": 0}
 
 
 async def test_unknown_run_is_404_with_a_detail(client: httpx.AsyncClient) -> None:

@@ -5,9 +5,17 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, status
 
 from server.api import API_PREFIX
-from server.api.deps import CurrentOrganizer, KeyBoxDep, RunDep, SessionDep
+from server.api.deps import CurrentOrganizer, KeyBoxDep, RunDep, SessionDep, SettingsDep
 from server.models import Run
-from server.schemas import RunCreate, RunPublic, RunsPublic, RunUpdate, encode_bytes
+from server.schemas import (
+    RevocationsPublic,
+    RunCreate,
+    RunPublic,
+    RunsPublic,
+    RunUpdate,
+    encode_bytes,
+)
+from server.services import revocations as revocation_service
 from server.services import runs as run_service
 
 router = APIRouter(prefix=f"{API_PREFIX}/runs", tags=["runs"])
@@ -24,6 +32,7 @@ def run_public(run: Run) -> RunPublic:
         updated_at=run.updated_at,
         archived_at=run.archived_at,
         public_key=encode_bytes(run.authority_public_key),
+        revocations_serial=None,
     )
 
 
@@ -52,8 +61,23 @@ def list_runs(
 
 
 @router.get("/{run_id}", response_model=RunPublic)
-def read_run(run: RunDep) -> RunPublic:
-    return run_public(run)
+def read_run(session: SessionDep, run: RunDep) -> RunPublic:
+    """The run, with the serial of its revocation list (peers poll this)."""
+    answer = run_public(run)
+    answer.revocations_serial = revocation_service.serial(session, run)
+    return answer
+
+
+@router.get("/{run_id}/revocations", response_model=RevocationsPublic)
+def read_revocations(
+    session: SessionDep, keybox: KeyBoxDep, settings: SettingsDep, run: RunDep
+) -> RevocationsPublic:
+    """The peers this run's organizers banned, signed by the run's authority: every peer
+    drops their links and records and passes the list on. Public: it is signed."""
+    revocations = revocation_service.revocation_list(
+        session, keybox, run, settings.certificate_ttl_s
+    )
+    return RevocationsPublic(serial=revocations.serial, list=revocations.to_base64())
 
 
 @router.patch("/{run_id}", response_model=RunPublic)

@@ -24,6 +24,7 @@ from peer.coordinator import (
     SessionTimings,
     Unauthorized,
 )
+from peer.exceptions import SwarmgradError
 from peer.identity import Certificate, CertificateVerifier, Identity
 from peer.testing import wait_until
 from tests.conftest import scaled, served
@@ -224,3 +225,60 @@ def test_a_session_reports_renews_and_sees_the_run_pause(
         assert session.coordinator_reachable
     finally:
         session.close()
+
+
+def test_a_ban_shuts_the_peer_out_of_the_swarm(
+    client: CoordinatorClient, run: dict[str, Any], coordinator_url: str
+) -> None:
+    """Three volunteers' nodes joined through the coordinator; the organizer bans one:
+    within a status poll the others close its links and forget it, and it cannot link
+    back."""
+    import httpx
+
+    from peer.coordinator.membership import NodeOptions, join_run
+
+    members = {}
+    try:
+        for name in ("ada", "bob", "mallory"):
+            members[name] = join_run(
+                client,
+                invite(client, run),
+                Identity(),
+                node_options=NodeOptions(host="127.0.0.1"),
+                display_name=name,
+            )
+        nodes = {name: m.node for name, m in members.items()}
+        assert wait_until(lambda: all(len(n.members()) == 3 for n in nodes.values()), scaled(30))
+        mallory = nodes["mallory"].peer_id
+        honest = [nodes["ada"], nodes["bob"]]
+        assert wait_until(lambda: all(mallory in n.core._links for n in honest), scaled(30))
+
+        organizer = {"Authorization": f"Bearer {ADMIN}"}
+        rows = httpx.get(f"{coordinator_url}/api/v1/runs/{run['id']}/dashboard").json()
+        (volunteer,) = [v for v in rows["volunteers"] if v["display_name"] == "mallory"]
+        banned = httpx.post(
+            f"{coordinator_url}/api/v1/runs/{run['id']}/volunteers/{volunteer['id']}/ban",
+            headers=organizer,
+        )
+        assert banned.status_code == 200, banned.text
+
+        def shut_out() -> bool:
+            return all(mallory not in n.core._links and mallory not in n.members() for n in honest)
+
+        assert wait_until(shut_out, scaled(20))
+        assert not any(n.core.revocations is None for n in honest)
+        address = nodes["ada"].core.visible_addresses
+        try:  # her handshake may complete before ada says no: then ada closes the link
+            link = nodes["mallory"].run_coroutine(
+                nodes["mallory"].core.link(nodes["ada"].peer_id, address)
+            )
+        except SwarmgradError:
+            refused = True
+        else:
+            refused = wait_until(lambda: link.closed, scaled(10))
+        assert refused
+        assert mallory not in nodes["ada"].core._links
+    finally:
+        for membership in members.values():
+            membership.session.close()
+            membership.node.shutdown()

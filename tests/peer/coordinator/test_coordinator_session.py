@@ -3,6 +3,7 @@ come back: reports, certificate renewal, status polling, bootstrap, close()."""
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import logging
@@ -41,6 +42,7 @@ class FakeCoordinator:
         self.renewals = 0
         self.addresses: list[str] = []
         self.gate: threading.Event | None = None  # reports wait on it when set
+        self.revocations_serial = 0
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path.removeprefix(RUN)
@@ -50,9 +52,15 @@ class FakeCoordinator:
         self.calls.setdefault(route, []).append(time.time())
         if not self.up or route in self.failing:
             raise httpx.ConnectError("[Errno 111] Connection refused")
-        assert request.headers["Authorization" if route != "status" else "Host"]
+        public = route in ("status", "revocations")
+        assert request.headers["Authorization" if not public else "Host"]
         if route == "status":
-            return self.answer(200, {"id": "r1", "status": self.status})
+            body = {"id": "r1", "status": self.status}
+            return self.answer(200, {**body, "revocations_serial": self.revocations_serial})
+        if route == "revocations":
+            serial = self.revocations_serial
+            signed = base64.urlsafe_b64encode(f"list-{serial}".encode()).decode()
+            return self.answer(200, {"serial": serial, "list": signed})
         if route == "reports":
             if self.gate is not None:
                 self.gate.wait()
@@ -265,6 +273,36 @@ def test_status_changes_are_seen_and_reported(
         fake.status = "running"
         assert wait_until(lambda: seen == ["paused", "running"], scaled(10))
         assert session.status == "running"
+    finally:
+        session.close()
+
+
+def test_a_new_revocation_list_is_fetched_once_and_handed_on_until_taken(
+    fake: FakeCoordinator, client: CoordinatorClient
+) -> None:
+    """No bans: nothing fetched. A ban: the list is fetched and handed to the node; a node
+    that fails to take it is given it again at the next poll; then no more fetches until
+    the serial grows."""
+    handed: list[bytes] = []
+    failures = [RuntimeError("not now")]
+
+    def take(data: bytes) -> None:
+        if failures:
+            raise failures.pop()
+        handed.append(data)
+
+    session = session_for(client, on_revocations=take)
+    try:
+        assert wait_until(lambda: fake.count("status") >= 3, scaled(10))
+        assert fake.count("revocations") == 0
+        fake.revocations_serial = 7
+        assert wait_until(lambda: len(handed) == 1, scaled(10))
+        polls = fake.count("status")
+        assert wait_until(lambda: fake.count("status") >= polls + 3, scaled(10))
+        assert fake.count("revocations") == 2 and handed == [b"list-7"]
+        fake.revocations_serial = 9
+        assert wait_until(lambda: len(handed) == 2, scaled(10))
+        assert fake.count("revocations") == 3
     finally:
         session.close()
 
