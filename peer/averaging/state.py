@@ -190,6 +190,38 @@ async def download_state(
     return None
 
 
+def parse_state_info(fields: Any, max_bytes: int) -> tuple[Any, list[Any], int]:
+    """``(metadata, [[header, nbytes], ...], total bytes)`` of a donor's ``avg.state_info``
+    (fields already checked against its schema), before anything is allocated for it.
+    ``ValueError`` for anything malformed or a state over ``max_bytes``."""
+    items = fields["x"]
+    if not isinstance(items, list) or not all(
+        isinstance(x, list)
+        and len(x) == 2
+        and isinstance(x[0], dict)
+        and type(x[1]) is int
+        and x[1] >= 0
+        for x in items
+    ):
+        raise ValueError("malformed tensor list")
+    total = sum(x[1] for x in items)
+    if total > min(max_bytes, _MAX_STATE_BYTES):
+        raise ValueError(
+            f"the donor announced a state of {total} bytes; this peer expects at most "
+            f"{min(max_bytes, _MAX_STATE_BYTES)}"
+        )
+    chunk_bytes, num_chunks = fields["b"], fields["n"]
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError("bad chunk size")
+    if num_chunks != max(1, math.ceil(total / chunk_bytes)):
+        raise ValueError("chunk count does not match the state size")
+    try:
+        metadata = msgpack.unpackb(fields["m"], raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ValueError(f"the state's metadata is not msgpack ({type(exc).__name__})") from None
+    return metadata, items, total
+
+
 async def _download_from(
     core: Any,
     prefix: str,
@@ -201,24 +233,8 @@ async def _download_from(
     info = await core.request(donor, Frame(STATE_BEGIN, {"p": prefix}), request_timeout)
     if info.type != STATE_INFO:
         raise ValueError(f"expected {STATE_INFO}, got {info.type}")
-    fields = info.fields
-    tid, num_chunks, chunk_bytes = fields["t"], fields["n"], fields["b"]
-    items = fields["x"]
-    if not isinstance(items, list) or not all(
-        isinstance(x, list) and len(x) == 2 and isinstance(x[1], int) and x[1] >= 0 for x in items
-    ):
-        raise ValueError("malformed tensor list")
-    total = sum(x[1] for x in items)
-    if total > min(max_bytes, _MAX_STATE_BYTES):
-        raise ValueError(
-            f"the donor announced a state of {total} bytes; this peer expects at most "
-            f"{min(max_bytes, _MAX_STATE_BYTES)}"
-        )
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError("bad chunk size")
-    if num_chunks != max(1, math.ceil(total / chunk_bytes)):
-        raise ValueError("chunk count does not match the state size")
-    metadata = msgpack.unpackb(fields["m"], raw=False, strict_map_key=False)
+    tid, num_chunks, chunk_bytes = info.fields["t"], info.fields["n"], info.fields["b"]
+    metadata, items, total = parse_state_info(info.fields, max_bytes)
     buffer = bytearray(total)
     indices = iter(range(num_chunks))
 
