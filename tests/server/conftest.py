@@ -8,11 +8,13 @@ fails the run, so CI can never pass by skipping.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import contextlib
 import functools
 import os
 import secrets
+import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -89,6 +91,14 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
         yield url
 
 
+@functools.cache
+def _scratch() -> Path:
+    """This test process's directory for what settings need on disk, removed at exit."""
+    path = Path(tempfile.mkdtemp(prefix="swarmgrad-test-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def make_settings(database_url: str, **overrides: Any) -> Settings:
     values: dict[str, Any] = {
         "environment": "production",
@@ -99,9 +109,9 @@ def make_settings(database_url: str, **overrides: Any) -> Settings:
         # Exact answers in tests; the cache has its own tests (test_operations.py).
         "peer_auth_cache_ttl_s": 0,
         # Created only by an upload; tests that upload pass a directory of their own.
-        "checkpoint_dir": Path(tempfile.gettempdir()) / f"swarmgrad-test-checkpoints-{os.getpid()}",
+        "checkpoint_dir": _scratch() / "checkpoints",
         # One per settings (a restarted app shares it): a test never replays another's.
-        "spill_dir": Path(tempfile.mkdtemp(prefix="swarmgrad-test-spill-")),
+        "spill_dir": Path(tempfile.mkdtemp(prefix="spill-", dir=_scratch())),
     }
     values.update(overrides)
     return Settings(**values)
