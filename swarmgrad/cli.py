@@ -16,6 +16,7 @@ when that command runs: the volunteer's commands never load ``server``, ``fastap
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import signal
 import sys
@@ -71,8 +72,10 @@ def _fail(message: object, code: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the command line on ``argv`` (default: ``sys.argv[1:]``) and exit."""
-    if hasattr(signal, "SIGUSR1"):  # not on Windows
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    stderr = sys.__stderr__  # the process's own, even when a caller swapped sys.stderr
+    if hasattr(signal, "SIGUSR1") and stderr is not None:  # not on Windows
+        with contextlib.suppress(ValueError, OSError):  # no file descriptor to write to
+            faulthandler.register(signal.SIGUSR1, file=stderr, all_threads=True)
     command = typer.main.get_command(app)
     try:
         # standalone_mode=False: errors come back to us instead of being printed by click
