@@ -3,6 +3,7 @@ and ``swarmgrad join`` processes, exactly as people run them."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,9 @@ EPOCH_LINE = re.compile(r"\bepoch (\d+)\b.*\bsamples (\d+)\b")
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[LocalCoordinator]:
-    with LocalCoordinator(tmp_path / "coordinator") as running:
+    # a progress snapshot every second: a chart's history at the tests' pace
+    env = {"SWARMGRAD_SNAPSHOT_INTERVAL_S": "1"}
+    with LocalCoordinator(tmp_path / "coordinator", env=env) as running:
         yield running
 
 
@@ -181,6 +185,7 @@ def test_peers_train_through_a_coordinator_outage_and_their_reports_catch_up(
     assert wait_until(lambda: all(v.epoch >= 2 for v in volunteers), scaled(120))
 
     coordinator.kill()  # SIGKILL: nothing flushed, nothing said goodbye
+    killed_at = time.time()
     epochs_at_kill = [v.epoch for v in volunteers]
     # the outage lasts three epochs: their reports wait in the volunteers until it ends
     assert wait_until(
@@ -190,12 +195,29 @@ def test_peers_train_through_a_coordinator_outage_and_their_reports_catch_up(
     assert all(v.process.poll() is None for v in volunteers), "no peer crashed"
     processed = sum(v.samples for v in volunteers)
 
+    restarted_at = time.time()
     coordinator.start()  # same port, same database
     assert wait_until(lambda: progress(coordinator, run_id)["samples"] >= processed, scaled(60)), (
         progress(coordinator, run_id)["samples"],
         processed,
     )
     assert progress(coordinator, run_id)["epoch"] >= max(epochs_at_kill) + 2
+
+    # The chart's history has no hole but the outage itself, and never goes back.
+    def history() -> list[dict[str, Any]]:
+        return list(progress(coordinator, run_id)["history"])
+
+    def at(point: dict[str, Any]) -> float:
+        return datetime.fromisoformat(point["t"]).timestamp()
+
+    assert wait_until(lambda: at(history()[-1]) > restarted_at + 1, scaled(30))
+    points = history()
+    times = [at(p) for p in points]
+    assert times[0] < killed_at, "points from before the outage are kept"
+    longest = max(b - a for a, b in itertools.pairwise(times))
+    assert longest <= restarted_at - killed_at + scaled(5), (longest, points)
+    samples = [p["samples"] for p in points]
+    assert samples == sorted(samples), samples
 
 
 def test_a_newcomer_after_every_peer_died_starts_from_the_newest_checkpoint(
