@@ -66,6 +66,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,10 +107,15 @@ class AllreduceConfig:
     sender_timeout: float = 10.0
     reducer_timeout: float = 20.0
     min_vector_size: int = 0
+    # a contribution weighing more is refused and its sender excluded (one peer with a huge
+    # weight would otherwise be the whole mean)
+    max_weight: float = math.inf
 
     def __post_init__(self) -> None:
         if self.part_size_bytes < 1:
             raise ValueError("part_size_bytes must be positive")
+        if not self.max_weight > 0:
+            raise ValueError("max_weight must be positive")
         if self.sender_timeout <= 0 or self.reducer_timeout <= 0:
             raise ValueError("sender_timeout and reducer_timeout must be positive")
 
@@ -202,7 +208,12 @@ class AllreduceRunner:
                 start, stop = self.partition.spans[self.index]
                 destination = flat[start:stop]
             self.reducer = WeightedMeanReducer(
-                my_sizes, senders, dtype=layout.dtype, out=out, destination=destination
+                my_sizes,
+                senders,
+                dtype=layout.dtype,
+                out=out,
+                destination=destination,
+                max_weight=config.max_weight,
             )
         self.finished: dict[int, FinishedPart] = {}
         # uncompressed frames are slices of these byte views (no tensor views per frame)

@@ -33,6 +33,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -132,7 +133,9 @@ class DecentralizedAverager:
     * ``allow_state_sharing`` (default: not client and not auxiliary),
       ``declare_state_period``;
     * ``concurrent_updates`` (not in hivemind): average a snapshot so that the tensors may
-      be updated during a round (see the module docstring).
+      be updated during a round (see the module docstring);
+    * ``max_weight`` (not in hivemind): a contribution weighing more is refused and its
+      sender excluded from the round, named in the log (default: no bound).
 
     ``start=False`` defers registration on the node until :meth:`run`. Call
     :meth:`shutdown` when done (or use as a context manager); the node is not shut down.
@@ -167,6 +170,7 @@ class DecentralizedAverager:
         client_mode: bool | None = None,
         shutdown_timeout: float = 5,
         concurrent_updates: bool = False,
+        max_weight: float = math.inf,
     ) -> None:
         tensors = tuple(averaged_tensors)
         for t in tensors:
@@ -205,6 +209,7 @@ class DecentralizedAverager:
             sender_timeout=sender,
             reducer_timeout=2 * sender if reducer_timeout is None else float(reducer_timeout),
             min_vector_size=int(min_vector_size),
+            max_weight=float(max_weight),
         )
         self.node = node
         self._averaged_tensors = tensors

@@ -78,7 +78,11 @@ class WeightedMeanReducer:
         accumulate_dtype: torch.dtype | None = None,
         out: torch.Tensor | None = None,
         destination: torch.Tensor | None = None,
+        max_weight: float = math.inf,
     ) -> None:
+        if not max_weight > 0:
+            raise ValueError("max_weight must be positive")
+        self.max_weight = float(max_weight)
         self.part_sizes = tuple(part_sizes)
         if any(size < 0 for size in self.part_sizes):
             raise ValueError("part sizes must be non-negative")
@@ -415,6 +419,10 @@ class WeightedMeanReducer:
             raise BadContribution(sender, index, f"weight {weight!r} is not a number") from None
         if not math.isfinite(weight) or weight < 0:
             raise BadContribution(sender, index, f"weight {weight} must be finite and >= 0")
+        if weight > self.max_weight:
+            raise BadContribution(
+                sender, index, f"weight {weight:g} is over the bound of {self.max_weight:g}"
+            )
         previous = self._weights.setdefault(sender, weight)
         if previous != weight:
             raise BadContribution(sender, index, f"weight {weight} differs from earlier {previous}")
