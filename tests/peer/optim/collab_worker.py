@@ -1,8 +1,7 @@
 """One peer of a collaborative-optimizer test, as its own process (not collected by pytest).
 
 Prints one JSON line with its addresses, trains ``--epochs`` epochs on its deterministic
-shard (printing ``{"epoch": n}`` as it reaches each), then writes its final parameters (and
-epoch) to ``--out`` with torch.save.
+shard, then writes its final parameters (and epoch) to ``--out`` with torch.save.
 """
 
 from __future__ import annotations
@@ -69,9 +68,6 @@ def main() -> None:
     )
     parser.add_argument("--matchmaking-time", type=float, default=1.5)
     parser.add_argument(
-        "--member-ttl", type=float, default=30.0, help="a silent peer leaves after this long"
-    )
-    parser.add_argument(
         "--target-group-size",
         type=int,
         default=0,
@@ -96,11 +92,7 @@ def main() -> None:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     sizes = [int(s) for s in args.batch_sizes.split(",")]
-    node = Node(
-        [args.initial_peer] if args.initial_peer else None,
-        gossip_period=0.2,
-        member_ttl=args.member_ttl,
-    )
+    node = Node([args.initial_peer] if args.initial_peer else None, gossip_period=0.2)
     logging.getLogger("collab_worker").info("rank %d is peer %s", args.rank, node.peer_id)
     print(json.dumps({"addresses": node.visible_addresses, "peer_id": node.peer_id}), flush=True)
     deadline = time.monotonic() + 300
@@ -161,7 +153,6 @@ def main() -> None:
             time.sleep(0.05)
         if opt.local_epoch != epoch:
             trace.append([p.detach().clone() for p in model.parameters()])
-            print(json.dumps({"epoch": opt.local_epoch}), flush=True)
     if not opt.wait_for_pending(timeout=120):  # the last epoch's delayed update, if any
         raise SystemExit("the last background epoch did not finish")
     result = {
