@@ -3,11 +3,13 @@ runs, and a calm Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 
 from tests.cli.conftest import child_env, run_swarmgrad
 from tests.conftest import scaled
@@ -73,8 +75,10 @@ def test_coordinator_errors_are_one_line(tmp_path: object) -> None:
     assert "SWARMGRAD_SECRET_KEY" in result.assert_one_error_line(code=2)
 
 
-def test_ctrl_c_is_calm() -> None:
-    """Ctrl-C while waiting on a coordinator that never answers: status 130, no traceback."""
+@contextlib.contextmanager
+def waiting_command() -> Iterator[subprocess.Popen[str]]:
+    """``swarmgrad runs list`` against a coordinator that accepts and never answers: the
+    command, once it is waiting for its answer (killed on the way out if still running)."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
@@ -90,12 +94,18 @@ def test_ctrl_c_is_calm() -> None:
         try:
             connection, _ = listener.accept()  # the command is now waiting for an answer
             with connection:
-                process.send_signal(signal.SIGINT)
-                out, err = process.communicate(timeout=scaled(30))
+                yield process
         finally:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def test_ctrl_c_is_calm() -> None:
+    """Ctrl-C while waiting on a coordinator that never answers: status 130, no traceback."""
+    with waiting_command() as process:
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=scaled(30))
     assert process.returncode == 130, (out, err)
     assert "Traceback" not in out + err and "error" not in err.lower()
 
@@ -103,28 +113,10 @@ def test_ctrl_c_is_calm() -> None:
 def test_sigusr1_prints_every_threads_stack_and_the_command_goes_on() -> None:
     """A command that seems stuck tells where it is on SIGUSR1, then carries on (here it is
     still waiting for its answer, and Ctrl-C still ends it calmly)."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        listener.settimeout(scaled(60))
-        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        process = subprocess.Popen(
-            [sys.executable, "-m", "swarmgrad", "runs", "list", "--url", url],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env(),
-        )
-        try:
-            connection, _ = listener.accept()  # the command is now waiting for an answer
-            with connection:
-                process.send_signal(signal.SIGUSR1)
-                assert process.poll() is None
-                process.send_signal(signal.SIGINT)
-                out, err = process.communicate(timeout=scaled(30))
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+    with waiting_command() as process:
+        process.send_signal(signal.SIGUSR1)
+        assert process.poll() is None
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=scaled(30))
     assert "most recent call first" in err and "swarmgrad/cli.py" in err, err
     assert process.returncode == 130, (out, err)
