@@ -18,7 +18,10 @@
    progress reports (buffered while the coordinator is away: training never waits on it),
    follows the run's status (paused: stop stepping and wait; finished: leave) and asks for
    bootstrap peers when every link is lost; every ``checkpoint_every`` epochs one peer (the
-   lowest peer id at the swarm's epoch: no lock needed) uploads a checkpoint.
+   lowest peer id at the swarm's epoch: no lock needed) uploads a checkpoint. If the
+   coordinator stops accepting the peer token (the volunteer was away longer than its
+   lifetime, or was banned), ``run()`` raises :class:`~peer.coordinator.Unauthorized`
+   saying to join again with an invite.
 
 Everything a volunteer can get wrong ends in a :class:`~peer.exceptions.SwarmgradError`
 whose message is one line, for the command line to print.
@@ -239,6 +242,7 @@ class Volunteer:
                 display_name=options.name,
                 challenge=challenge,
                 on_status=lambda status: self._wake.set(),
+                on_credentials_lost=lambda line: self._wake.set(),
             )
             stack.callback(membership.node.shutdown)
             stack.callback(membership.session.close)
@@ -347,6 +351,14 @@ class _Trainer:
         batches: Iterator[Any] = self.task.train_batches(self.config, self.answer.peer_id)
         volunteer._update(state="training")
         while not volunteer._stopping.is_set():
+            lost = self.session.credentials_lost
+            if lost is not None:
+                # The coordinator will take nothing more from this peer: a failure the
+                # volunteer must act on (join again with an invite), not a clean finish.
+                from peer.coordinator.exceptions import Unauthorized
+
+                volunteer._update(state="stopped")
+                raise Unauthorized(lost, status_code=401)
             status = self.session.status
             if status == "finished":
                 return volunteer._finish("the run is finished; thank you for training with us")

@@ -16,7 +16,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
@@ -33,9 +34,10 @@ from server.schemas import ErrorPublic
 from server.security import JoinChallenges, KeyBox, PrincipalCache
 from server.services.checkpoints import CheckpointStore
 from server.services.report_bounds import ReportLimits
-from server.services.report_buffer import ReportBuffer
+from server.services.report_buffer import ReportBuffer, database_unavailable
 from server.services.report_guard import ReportGuard
 from server.services.report_spill import ReportSpill
+from server.services.retention import ReportRetention
 
 logger = logging.getLogger("server")
 
@@ -79,6 +81,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             online_ttl_s=settings.peer_online_ttl_s,
             spill=ReportSpill(settings.spill_dir),
             on_written=metrics.count_written,
+            housekeeping=None
+            if settings.report_retention_s is None
+            else ReportRetention(
+                session_factory,
+                retention_s=settings.report_retention_s,
+                interval_s=settings.report_retention_interval_s,
+                online_ttl_s=settings.peer_online_ttl_s,
+                on_pruned=metrics.count_pruned,
+            ),
         )
         async with buffer:
             app.state.report_buffer = buffer
@@ -99,14 +110,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = session_factory
-    app.state.keybox = KeyBox(settings.secret_key.get_secret_value())
+    secret, previous = settings.secret_keys()
+    app.state.keybox = KeyBox(secret, previous)
     app.state.join_challenges = JoinChallenges(
-        settings.secret_key.get_secret_value(), settings.join_challenge_ttl_s
+        secret, settings.join_challenge_ttl_s, previous=previous
     )
     app.state.checkpoint_store = CheckpointStore(
         settings.checkpoint_dir,
         keep=settings.checkpoint_keep,
         max_bytes=settings.checkpoint_max_bytes,
+        dir_max_bytes=settings.checkpoint_dir_max_bytes,
     )
     app.state.metrics = metrics
     app.state.principal_cache = PrincipalCache(settings.peer_auth_cache_ttl_s)
@@ -121,6 +134,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Routes are matched in order: the report route, by far the most called, goes first.
     app.include_router(peers.reports_router)
     app.include_router(peers.join_router)
+    app.include_router(tokens.organizer_router)
     for module in (runs, tokens, peers, checkpoints, progress, dashboard, health):
         app.include_router(module.router)
     web.install(app)
@@ -140,9 +154,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ]
         return JSONResponse({"detail": detail}, status_code=422)
 
-    @app.exception_handler(OperationalError)
-    async def database_down(_: Request, exc: OperationalError) -> JSONResponse:
-        logger.error("database error: %s", exc.orig)
+    async def database_error(request: Request, exc: Exception) -> JSONResponse:
+        if not database_unavailable(exc):  # a statement's own failure: a bug
+            return await internal_error(request, exc)
+        logger.error("database unavailable: %s", getattr(exc, "orig", None) or exc)
         return JSONResponse(
             {"detail": "the coordinator's database is unavailable; try again shortly"},
             status_code=503,
@@ -158,6 +173,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             status_code=500,
             headers={COORDINATOR_HEADER[0].decode(): COORDINATOR_HEADER[1].decode()},
         )
+
+    # Lost connections, a full disk, a read-only file, a pool with no connection free.
+    app.add_exception_handler(DBAPIError, database_error)
+    app.add_exception_handler(PoolTimeout, database_error)
 
     # Our own limit rather than FastAPI's max_body_size: that one answers in plain text.
     # Checkpoint uploads are larger and enforce their own limit while they stream.

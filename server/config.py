@@ -45,7 +45,15 @@ class Settings(BaseSettings):
     )
     secret_key: SecretStr = Field(
         default=SecretStr(DEVELOPMENT_SECRET_KEY),
-        description="Encrypts run signing keys at rest. Changing it makes existing runs unusable.",
+        description="Encrypts run signing keys at rest and signs join challenges. To change "
+        "it, keep the old one in secret_key_previous until `swarmgrad coordinator rotate-key` "
+        "has run.",
+    )
+    secret_key_previous: SecretStr | None = Field(
+        default=None,
+        description="The secret key before a rotation: run keys sealed under it still open "
+        "and join challenges it signed are still accepted. Unset it once `swarmgrad "
+        "coordinator rotate-key` has re-sealed every run key.",
     )
     admin_token: SecretStr | None = Field(
         default=None,
@@ -62,6 +70,14 @@ class Settings(BaseSettings):
     )
     certificate_ttl_s: float = Field(
         default=24 * 3600.0, gt=0, description="Lifetime of a peer certificate issued at join."
+    )
+    peer_token_ttl_s: float = Field(
+        default=14 * 24 * 3600.0,
+        gt=0,
+        le=366 * 24 * 3600,
+        description="A peer token expires this long after the peer joined or last renewed "
+        "its certificate; a volunteer away longer must join again with an invite. At least "
+        "certificate_ttl_s, so that an active peer renews in time.",
     )
     join_token_default_ttl_s: float = Field(
         default=7 * 24 * 3600.0,
@@ -119,6 +135,20 @@ class Settings(BaseSettings):
         default=Path("./swarmgrad-spill"),
         description="Where acknowledged reports wait, on disk, while the database is "
         "unavailable; replayed when it returns, or by the next worker to start.",
+    )
+    report_retention_s: float | None = Field(
+        default=7 * 24 * 3600.0,
+        ge=3600,
+        description="How long raw progress reports are kept. Older ones are folded into one "
+        "row per peer and online-TTL bucket (volunteer charts and sessions keep their "
+        "history) and deleted, except the newest reports behind each run's recent group "
+        "sizes. Empty or 'none' keeps every report.",
+    )
+    report_retention_interval_s: float = Field(
+        default=3600.0,
+        ge=1,
+        description="How often one of the workers folds and deletes reports past "
+        "report_retention_s.",
     )
     peer_auth_cache_ttl_s: float = Field(
         default=30.0,
@@ -193,6 +223,23 @@ class Settings(BaseSettings):
     checkpoint_max_bytes: int = Field(
         default=512 * 1024 * 1024, ge=1, description="Largest checkpoint accepted."
     )
+    checkpoint_dir_max_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="Bound on the checkpoints kept in checkpoint_dir, all runs together: a "
+        "new checkpoint that takes the total over it removes the oldest checkpoints first, "
+        "but never a run's newest; one that cannot fit is refused (413 alone over the "
+        "bound, else 507). Unset (the default), empty or 'none': only checkpoint_keep bounds "
+        "the directory.",
+    )
+
+    @field_validator("report_retention_s", "checkpoint_dir_max_bytes", mode="before")
+    @classmethod
+    def _unset(cls, value: Any) -> Any:
+        # SWARMGRAD_REPORT_RETENTION_S= (empty) or =none: no bound.
+        if isinstance(value, str) and value.strip().lower() in ("", "none"):
+            return None
+        return value
 
     @field_validator("trusted_proxies", mode="before")
     @classmethod
@@ -213,6 +260,16 @@ class Settings(BaseSettings):
                     "(e.g. 10.0.0.5 or 10.0.0.0/8)"
                 ) from None
         return value
+
+    @model_validator(mode="after")
+    def _check_lifetimes(self) -> Self:
+        if self.peer_token_ttl_s < self.certificate_ttl_s:
+            raise ValueError(
+                f"SWARMGRAD_PEER_TOKEN_TTL_S ({self.peer_token_ttl_s:g} s) is shorter than "
+                f"SWARMGRAD_CERTIFICATE_TTL_S ({self.certificate_ttl_s:g} s): peer tokens "
+                "would expire before their peers renew a certificate"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_secrets(self) -> Self:
@@ -245,6 +302,14 @@ class Settings(BaseSettings):
             stacklevel=2,
         )
         return self
+
+    def secret_keys(self) -> tuple[str, str | None]:
+        """The secret key and, during a rotation, the previous one."""
+        previous = self.secret_key_previous
+        return (
+            self.secret_key.get_secret_value(),
+            None if previous is None else previous.get_secret_value(),
+        )
 
     @property
     def is_sqlite(self) -> bool:

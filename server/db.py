@@ -9,6 +9,7 @@ timeout so that several worker processes can share one file.
 from __future__ import annotations
 
 import contextlib
+import os
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +40,8 @@ def make_engine(settings: Settings) -> Engine:
             max_overflow=2 * settings.db_pool_size,
         )
         event.listen(engine, "connect", _sqlite_on_connect)
+        event.listen(engine, "connect", _sqlite_mark_read_only)
+        event.listen(engine, "checkin", _sqlite_close_read_only)
         return engine
     return create_engine(
         url,
@@ -55,6 +58,24 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()
+
+
+def _sqlite_mark_read_only(dbapi_connection: Any, record: Any) -> None:
+    # SQLite opens a file it cannot write read-only, silently, and such a connection stays
+    # read-only — as does every connection the process opens to that file while one of them
+    # holds it (they share its WAL index). So a connection opened on a read-only filesystem
+    # serves the reads it was opened for and is closed when it comes back to the pool: the
+    # first one opened after the filesystem is writable again writes.
+    cursor = dbapi_connection.cursor()
+    path = next((row[2] for row in cursor.execute("PRAGMA database_list") if row[1] == "main"), "")
+    cursor.close()
+    if path and not os.access(os.path.dirname(path) or ".", os.W_OK):
+        record.info["read_only"] = True
+
+
+def _sqlite_close_read_only(_dbapi_connection: Any, record: Any) -> None:
+    if record.info.get("read_only"):
+        record.invalidate()
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

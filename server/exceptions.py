@@ -13,6 +13,8 @@ Hierarchy::
     │   │                          that is not a zip archive)
     │   └── ImplausibleReport      a progress report past a plausibility bound (``bound``)
     ├── RateLimited           429: too soon; ``retry_after`` seconds until the next try
+    ├── Unavailable           503: the coordinator cannot store anything more for now;
+    │                              ``retry_after`` seconds until the next try
     └── InsufficientStorage   507: the coordinator could not store the upload (disk full)
 """
 
@@ -68,8 +70,8 @@ class ImplausibleReport(InvalidContent):
         self.bound = bound
 
 
-class RateLimited(CoordinatorError):
-    status_code = 429
+class _TryLater(CoordinatorError):
+    """Answered with ``Retry-After``: ``retry_after`` whole seconds, at least 1."""
 
     def __init__(self, detail: str, retry_after_s: float) -> None:
         super().__init__(detail)
@@ -78,6 +80,14 @@ class RateLimited(CoordinatorError):
     @property
     def headers(self) -> dict[str, str] | None:
         return {"Retry-After": str(self.retry_after)}
+
+
+class RateLimited(_TryLater):
+    status_code = 429
+
+
+class Unavailable(_TryLater):
+    status_code = 503
 
 
 class InsufficientStorage(CoordinatorError):

@@ -5,8 +5,8 @@ Two kinds, with different guarantees when several worker processes serve one coo
 * Gauges and counters about the *run state* — runs by status, peers and peers online,
   samples processed, reports stored — are read from the database at scrape time, so every
   worker reports the same, correct values.
-* Per-process instruments — HTTP requests and their latencies, reports this process wrote,
-  requests it refused for a rate limit — live in the process that served the request. With
+* Per-process instruments — HTTP requests and their latencies, reports this process wrote
+  or pruned, requests it refused for a rate limit — live in the process that served the request. With
   several workers, a scrape sees one worker's share; the ``pid`` label keeps those series
   apart so that ``sum`` and ``rate`` over several scrapes stay meaningful. (For exact
   per-process totals behind a load balancer, scrape each worker directly or run one worker
@@ -129,6 +129,13 @@ class Metrics:
             ["pid"],
             registry=self.registry,
         )
+        self.reports_pruned = Counter(
+            "swarmgrad_process_reports_pruned",
+            "Raw progress reports this process deleted past report_retention_s (folded into "
+            "rollups first).",
+            ["pid"],
+            registry=self.registry,
+        )
         self.rate_limited = Counter(
             "swarmgrad_process_rate_limited",
             "Requests this process refused with 429 for a rate limit, by endpoint and by whose "
@@ -144,6 +151,9 @@ class Metrics:
 
     def count_written(self, n: int) -> None:
         self.reports_written.labels(*self._pid).inc(n)
+
+    def count_pruned(self, n: int) -> None:
+        self.reports_pruned.labels(*self._pid).inc(n)
 
     def count_rate_limited(self, endpoint: str, by: str) -> None:
         self.rate_limited.labels(*self._pid, endpoint, by).inc()

@@ -195,10 +195,16 @@ class Peer(Base):
 
 
 class ProgressReport(Base):
-    """One report as a peer sent it: the raw record behind the summaries."""
+    """One report as a peer sent it: the raw record behind the summaries. Kept for
+    ``report_retention_s`` (see server.services.retention), then folded into
+    :class:`ReportRollup` rows and deleted."""
 
     __tablename__ = "progress_reports"
-    __table_args__ = (Index("ix_progress_reports_run_id_id", "run_id", "id"),)
+    __table_args__ = (
+        Index("ix_progress_reports_run_id_id", "run_id", "id"),
+        # The retention job walks the reports older than its cutoff in time order.
+        Index("ix_progress_reports_reported_ms", "reported_ms"),
+    )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
@@ -214,6 +220,39 @@ class ProgressReport(Base):
     rounds_failed: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     failure: Mapped[str | None] = mapped_column(String(64), nullable=True)
     eval_metric: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Already counted in a rollup: kept only because the recent group sizes still show it.
+    rolled_up: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+
+
+class ReportRollup(Base):
+    """The reports of one peer within one time bucket, once past ``report_retention_s``:
+    what a volunteer's chart and sessions need of them (server.services.rollups)."""
+
+    __tablename__ = "report_rollups"
+
+    peer_id: Mapped[int] = mapped_column(
+        ForeignKey("peers.id", ondelete="CASCADE"), primary_key=True
+    )
+    bucket_ms: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    first_ms: Mapped[int] = mapped_column(BigInteger)
+    last_ms: Mapped[int] = mapped_column(BigInteger)
+    reports: Mapped[int] = mapped_column(BigInteger)
+    first_samples: Mapped[int] = mapped_column(BigInteger)
+    last_samples: Mapped[int] = mapped_column(BigInteger)
+    # Samples banked by counter resets between the bucket's own reports.
+    banked: Mapped[int] = mapped_column(BigInteger)
+
+
+class Housekeeping(Base):
+    """Rows the workers coordinate through. For a periodic job, when it is next due: a
+    worker runs it only after moving ``due_ms`` on with a conditional UPDATE, so two workers
+    never run it at once (server.services.retention). Others are locked with SELECT ... FOR
+    UPDATE (``checkpoint_directory``, server.services.checkpoints)."""
+
+    __tablename__ = "housekeeping"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    due_ms: Mapped[int] = mapped_column(BigInteger)
 
 
 class SpilledSegment(Base):

@@ -157,6 +157,34 @@ class TokensPublic(BaseModel):
     tokens: list[TokenPublic]
 
 
+class OrganizerTokenCreate(_Body):
+    label: Label | None = None
+    expires_in_s: float | None = Field(
+        None, gt=0, le=10 * 366 * 24 * 3600, description="Lifetime; without it, none."
+    )
+
+
+class OrganizerTokenCreated(BaseModel):
+    id: str
+    token: str = Field(description="The organizer token. Shown only now; store it safely.")
+    label: str | None
+    expires_at: datetime | None
+
+
+class OrganizerTokenPublic(BaseModel):
+    id: str
+    label: str | None
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    active: bool
+    current: bool = Field(description="This is the token of the request.")
+
+
+class OrganizerTokensPublic(BaseModel):
+    tokens: list[OrganizerTokenPublic] = Field(description="Oldest first.")
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 

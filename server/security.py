@@ -94,25 +94,52 @@ class KeyBox:
     """AES-256-GCM with a key derived from the server secret (:func:`derive_key`).
 
     ``associated_data`` binds a ciphertext to its row (the run id), so a key copied onto
-    another run does not decrypt.
+    another run does not decrypt. During a rotation of the server secret, ``previous`` is
+    the old one: :meth:`open` tries the current key, then the previous one; :meth:`seal`
+    always uses the current one, and :meth:`reseal` moves a ciphertext onto it.
     """
 
-    def __init__(self, server_secret: str) -> None:
-        self._aead = AESGCM(derive_key(server_secret, b"run-authority-private-key"))
+    def __init__(self, server_secret: str, previous: str | None = None) -> None:
+        purpose = b"run-authority-private-key"
+        self._aead = AESGCM(derive_key(server_secret, purpose))
+        self._previous = (
+            AESGCM(derive_key(previous, purpose))
+            if previous is not None and previous != server_secret
+            else None
+        )
 
     def seal(self, plaintext: bytes, associated_data: bytes) -> bytes:
         nonce = secrets.token_bytes(_NONCE_SIZE)
         return nonce + self._aead.encrypt(nonce, plaintext, associated_data)
 
     def open(self, sealed: bytes, associated_data: bytes) -> bytes:
-        """Decrypt; raises ``ValueError`` if the secret changed or the data was altered."""
+        """Decrypt; raises ``ValueError`` if neither the secret nor the previous one (when
+        set) sealed it, or the data was altered."""
+        return self._open(sealed, associated_data)[0]
+
+    def reseal(self, sealed: bytes, associated_data: bytes) -> bytes | None:
+        """The plaintext sealed again under the current secret if ``sealed`` opens only under
+        the previous one; ``None`` if it already opens under the current one. ``ValueError``
+        if it opens under neither."""
+        plaintext, current = self._open(sealed, associated_data)
+        return None if current else self.seal(plaintext, associated_data)
+
+    def _open(self, sealed: bytes, associated_data: bytes) -> tuple[bytes, bool]:
+        nonce, body = sealed[:_NONCE_SIZE], sealed[_NONCE_SIZE:]
         try:
-            return self._aead.decrypt(sealed[:_NONCE_SIZE], sealed[_NONCE_SIZE:], associated_data)
-        except InvalidTag as exc:
-            raise ValueError(
-                "cannot decrypt the run's signing key: SWARMGRAD_SECRET_KEY differs from the "
-                "one the run was created with"
-            ) from exc
+            return self._aead.decrypt(nonce, body, associated_data), True
+        except InvalidTag:
+            pass
+        if self._previous is not None:
+            try:
+                return self._previous.decrypt(nonce, body, associated_data), False
+            except InvalidTag:
+                pass
+        raise ValueError(
+            "cannot decrypt the run's signing key: SWARMGRAD_SECRET_KEY"
+            + (" and SWARMGRAD_SECRET_KEY_PREVIOUS differ" if self._previous else " differs")
+            + " from the one the run was created with"
+        )
 
 
 class ChallengeRefused(ValueError):
@@ -146,21 +173,41 @@ class JoinChallenges:
 
     A challenge reads ``<body>.<tag>`` (urlsafe base64): the body is msgpack of
     ``[version, run id, join token id, expiry in Unix ms, 16 random bytes]``, the tag its
-    HMAC-SHA256 under a key derived from the server secret (:func:`derive_key`). It binds a
+    HMAC-SHA256 under a key derived from the server secret (:func:`derive_key`); during a
+    rotation, a tag under the ``previous`` secret is accepted too. It binds a
     join to one run, one invite and a short time; the random part makes every challenge,
     and so every signature over it, different. Nothing is stored: a challenge can be used
     several times until it expires (each use still needs the joiner's signature).
     """
 
-    def __init__(self, server_secret: str, ttl_s: float, clock: Callable[[], int] = now_ms) -> None:
+    def __init__(
+        self,
+        server_secret: str,
+        ttl_s: float,
+        clock: Callable[[], int] = now_ms,
+        previous: str | None = None,
+    ) -> None:
         self._key = derive_key(server_secret, b"join-challenge-mac")
+        self._previous_key = (
+            derive_key(previous, b"join-challenge-mac")
+            if previous is not None and previous != server_secret
+            else None
+        )
         self._ttl_ms = int(ttl_s * 1000)
         self._clock = clock
 
-    def _tag(self, body: bytes) -> crypto_hmac.HMAC:
-        mac = crypto_hmac.HMAC(self._key, hashes.SHA256())
+    def _tag(self, body: bytes, key: bytes | None = None) -> crypto_hmac.HMAC:
+        mac = crypto_hmac.HMAC(key or self._key, hashes.SHA256())
         mac.update(_CHALLENGE_CONTEXT + body)
         return mac
+
+    def _verify(self, body: bytes, tag: bytes) -> None:
+        try:
+            self._tag(body).verify(tag)
+        except InvalidSignature:
+            if self._previous_key is None:
+                raise
+            self._tag(body, self._previous_key).verify(tag)
 
     def issue(self, run_id: str, token_id: str) -> JoinChallenge:
         expires_ms = self._clock() + self._ttl_ms
@@ -183,7 +230,7 @@ class JoinChallenges:
         body_text, _, tag_text = text.partition(".")
         try:
             body, tag = _unb64(body_text), _unb64(tag_text)
-            self._tag(body).verify(tag)
+            self._verify(body, tag)
             version, issued_run, issued_token, expires_ms, _nonce = msgpack.unpackb(body)
         except (ValueError, TypeError, InvalidSignature):  # binascii.Error is a ValueError
             raise ChallengeRefused(

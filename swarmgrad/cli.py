@@ -40,6 +40,7 @@ app.command("join")(join.join)
 app.command("demo")(demo.demo)
 app.add_typer(organizer.runs_app, name="runs")
 app.command("invite")(organizer.invite)
+app.add_typer(organizer.tokens_app, name="tokens")
 
 
 @app.command(

@@ -1,4 +1,5 @@
-"""The organizer's commands: ``swarmgrad runs ...`` and ``swarmgrad invite``.
+"""The organizer's commands: ``swarmgrad runs ...``, ``swarmgrad invite`` and ``swarmgrad
+tokens ...``.
 
 Each is one or two calls of :class:`peer.coordinator.CoordinatorClient` and a rendering of the
 answer: rich tables for people, or with ``--json`` one JSON document on standard output for
@@ -29,6 +30,10 @@ from swarmgrad.errors import CommandError, UsageError
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 runs_app = typer.Typer(help="Create, list, inspect and steer training runs.", no_args_is_help=True)
+tokens_app = typer.Typer(
+    help="List, create and revoke organizer tokens (through the coordinator's API).",
+    no_args_is_help=True,
+)
 
 UrlOption = Annotated[
     str,
@@ -84,6 +89,15 @@ def parse_duration(text: str) -> float:
     if match is None or float(match.group(1)) <= 0:
         raise ValueError(f"{text!r} is not a duration like 30m, 12h or 7d")
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def duration_option(text: str | None, option: str) -> float | None:
+    """The seconds of an optional duration option (:func:`parse_duration`); a bad value is
+    a usage error naming ``option``."""
+    try:
+        return None if text is None else parse_duration(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=f"'{option}'") from None
 
 
 def _require_token(token: str | None) -> str:
@@ -378,10 +392,7 @@ def invite(
     as_json: JsonOption = False,
 ) -> None:
     """Make an invite for volunteers: prints its link, the token and the `swarmgrad join` command."""
-    try:
-        expires_in_s = parse_duration(expires) if expires is not None else None
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="'--expires'") from None
+    expires_in_s = duration_option(expires, "--expires")
     token = _require_token(token)
     with _client(url) as client:
         created = client.create_invite(
@@ -408,3 +419,79 @@ def invite(
         console.print(f"  {command}", soft_wrap=True)
 
     _emit(as_json, document, render)
+
+
+# ---------------------------------------------------------------------------- tokens
+
+
+@tokens_app.command("list")
+def list_tokens(
+    url: UrlOption = DEFAULT_URL, token: TokenOption = None, as_json: JsonOption = False
+) -> None:
+    """List the organizer tokens, oldest first (never their secrets)."""
+    token = _require_token(token)
+    with _client(url) as client:
+        tokens = client.list_organizer_tokens(token)
+
+    def render(console: Console) -> None:
+        table = Table(title="Organizer tokens", title_justify="left")
+        for column in ("id", "state", "label", "created", "expires"):
+            table.add_column(column, overflow="fold")
+        for row in tokens:
+            state = (
+                "active" if row.get("active") else "revoked" if row.get("revoked_at") else "expired"
+            )
+            if row.get("current"):
+                state += " (this one)"
+            table.add_row(
+                _text(row.get("id")),
+                state,
+                _text(row.get("label")),
+                _text(row.get("created_at")),
+                _text(row.get("expires_at")),
+            )
+        console.print(table)
+
+    _emit(as_json, tokens, render)
+
+
+@tokens_app.command("create")
+def create_token(
+    label: Annotated[
+        str | None, typer.Option("--label", help="A note to recognise the token by.")
+    ] = None,
+    expires: Annotated[
+        str | None,
+        typer.Option(
+            "--expires", help="Lifetime like 12h or 30d (default: none).", show_default=False
+        ),
+    ] = None,
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Create an organizer token and print it (shown only now)."""
+    expires_in_s = duration_option(expires, "--expires")
+    token = _require_token(token)
+    with _client(url) as client:
+        created = client.create_organizer_token(token, label=label, expires_in_s=expires_in_s)
+
+    def render(console: Console) -> None:
+        console.print(f"Organizer token: {created['token']}", soft_wrap=True)
+        expiry = f"expires {created['expires_at']}" if created.get("expires_at") else "no expiry"
+        console.print(f"(id {created['id']}, {expiry}; shown only now)")
+
+    _emit(as_json, created, render)
+
+
+@tokens_app.command("revoke")
+def revoke_token(
+    token_id: Annotated[str, typer.Argument(help="The token's id (see `swarmgrad tokens list`).")],
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+) -> None:
+    """Revoke an organizer token; it stops working at once."""
+    token = _require_token(token)
+    with _client(url) as client:
+        client.revoke_organizer_token(token, token_id)
+    typer.echo(f"revoked organizer token {token_id}")

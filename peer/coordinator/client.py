@@ -405,6 +405,26 @@ class CoordinatorClient:
         }
         return self._json("POST", _run_path(run_id, "tokens"), token=token, json_body=request)
 
+    def list_organizer_tokens(self, token: str) -> list[dict[str, Any]]:
+        """The coordinator's organizer tokens, oldest first, without secrets: ``{"id",
+        "label", "created_at", "expires_at", "revoked_at", "active", "current"}``."""
+        body = self._json("GET", f"{API_PREFIX}/tokens", token=token)
+        return _build(self.host, lambda: [dict(t) for t in body["tokens"]])
+
+    def create_organizer_token(
+        self, token: str, *, label: str | None = None, expires_in_s: float | None = None
+    ) -> dict[str, Any]:
+        """A new organizer token: ``{"id", "token", "label", "expires_at"}``, the token shown
+        only in this answer."""
+        request = {"label": label, "expires_in_s": expires_in_s}
+        body = {k: v for k, v in request.items() if v is not None}
+        return self._json("POST", f"{API_PREFIX}/tokens", token=token, json_body=body)
+
+    def revoke_organizer_token(self, token: str, token_id: str) -> None:
+        """Revoke an organizer token. :class:`RequestRejected` (409) for the caller's own
+        token while it is the coordinator's last one."""
+        self._request("DELETE", f"{API_PREFIX}/tokens/{quote(token_id, safe='')}", token=token)
+
     def list_checkpoints(self, token: str, run_id: str) -> list[dict[str, Any]]:
         """The checkpoints the coordinator keeps for the run, newest first."""
         body = self._json("GET", _run_path(run_id, "checkpoints"), token=token)

@@ -76,11 +76,13 @@ def join_run(
     display_name: str | None = None,
     challenge: JoinChallenge | None = None,
     on_status: Callable[[str], None] | None = None,
+    on_credentials_lost: Callable[[str], None] | None = None,
 ) -> Membership:
     """Join the run ``token`` invites to (see the module docstring). ``challenge`` is one
     already fetched with ``client.join_challenge(token)`` (e.g. to check the task before a
     use of the invite is spent); ``on_status`` is called with the run's status whenever it
-    changes. A rate limit (429) is waited out (:func:`~peer.coordinator.client.when_allowed`).
+    changes, ``on_credentials_lost`` with one line when the coordinator stops accepting the
+    peer token (see :class:`~peer.coordinator.CoordinatorSession`). A rate limit (429) is waited out (:func:`~peer.coordinator.client.when_allowed`).
     Raises :class:`~peer.coordinator.CoordinatorError` subclasses."""
     if challenge is None:
         challenge = when_allowed(lambda: client.join_challenge(token))
@@ -95,7 +97,7 @@ def join_run(
     )
     node, answer, reachability = _start_node(client, answer, identity, node_options)
     try:
-        session = _start_session(client, answer, node, on_status)
+        session = _start_session(client, answer, node, on_status, on_credentials_lost)
     except BaseException:
         node.shutdown()
         raise
@@ -155,6 +157,7 @@ def _start_session(
     answer: JoinAnswer,
     node: Any,
     on_status: Callable[[str], None] | None,
+    on_credentials_lost: Callable[[str], None] | None = None,
 ) -> CoordinatorSession:
     def renewed(certificate_b64: str, expires_at: float) -> None:
         certificate = Certificate.from_base64(certificate_b64)
@@ -171,5 +174,6 @@ def _start_session(
         on_revocations=node.revoke,
         needs_bootstrap=lambda: node.num_links == 0,
         on_bootstrap=node.add_initial_peers,
+        on_credentials_lost=on_credentials_lost,
         status=answer.status,
     )

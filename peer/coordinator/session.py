@@ -16,6 +16,7 @@ come back to a restarted coordinator at the same instant). The thread sleeps on 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -31,6 +32,7 @@ from peer.coordinator.exceptions import (
     NotACoordinator,
     RateLimited,
     RunNotAccepting,
+    Unauthorized,
 )
 from peer.coordinator.reports import ReportQueue, clean_report
 
@@ -86,7 +88,11 @@ class CoordinatorSession:
       ``on_revocations(data)`` (e.g. ``node.revoke``), until that call succeeds;
     - when ``needs_bootstrap()`` is true (the node has no peer left), asks for bootstrap
       addresses and hands them to ``on_bootstrap(addresses)`` (e.g.
-      ``node.add_initial_peers``).
+      ``node.add_initial_peers``);
+    - when the coordinator refuses the peer token (401: it expired after the peer was away
+      longer than the coordinator's ``PEER_TOKEN_TTL_S``, or it was revoked by a ban or a
+      newer join), stops renewing, sets :attr:`credentials_lost` to one line for the
+      volunteer (join again with an invite) and calls ``on_credentials_lost(line)``.
 
     Callbacks run on the session's thread; what they raise is logged, never propagated.
     ``status`` is the run's status as last known (e.g. from the join answer), if any.
@@ -104,6 +110,7 @@ class CoordinatorSession:
         on_revocations: Callable[[bytes], object] | None = None,
         needs_bootstrap: Callable[[], bool] | None = None,
         on_bootstrap: Callable[[list[str]], object] | None = None,
+        on_credentials_lost: Callable[[str], object] | None = None,
         status: str | None = None,
         max_reports: int = 256,
         timings: SessionTimings | None = None,
@@ -120,6 +127,8 @@ class CoordinatorSession:
         self._revocations_serial = 0  # the newest list handed on (0: there are no bans)
         self._needs_bootstrap = needs_bootstrap
         self._on_bootstrap = on_bootstrap
+        self._on_credentials_lost = on_credentials_lost
+        self._credentials_lost: str | None = None
         self.timings = timings or SessionTimings()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -170,6 +179,13 @@ class CoordinatorSession:
         """Reports not yet taken by the coordinator."""
         with self._lock:
             return len(self._queue)
+
+    @property
+    def credentials_lost(self) -> str | None:
+        """Why the coordinator no longer accepts this peer's token, as one line telling the
+        volunteer to join again with an invite; None while it does."""
+        with self._lock:
+            return self._credentials_lost
 
     @property
     def certificate_expires_at(self) -> float:
@@ -314,6 +330,9 @@ class CoordinatorSession:
     def _refused_report(self, exc: CoordinatorError) -> None:
         """The coordinator took the report and said no: sending it again would not help."""
         self._back(time.monotonic())
+        if isinstance(exc, Unauthorized):
+            self._token_refused(exc)
+            return
         if isinstance(exc, RunNotAccepting):
             self._poll_at = time.monotonic()  # the run finished, most likely: see its status
         kind = type(exc)
@@ -341,9 +360,28 @@ class CoordinatorSession:
             self._certificate_expires_at = float(expires_at)
         self._renew_at = time.monotonic() + max(0.0, remaining * 2.0 / 3.0)
 
+    def _token_refused(self, exc: Unauthorized) -> None:
+        """The peer token is no longer accepted: nothing this session sends can succeed."""
+        line = (
+            f"the coordinator no longer accepts this peer's token ({exc}); ask the organizer "
+            f"for an invite and join again: swarmgrad join {self._client.url} --token INVITE"
+        )
+        with self._lock:
+            if self._credentials_lost is not None:
+                return
+            self._credentials_lost = line
+        self._renew_at = math.inf
+        logger.warning("%s", line)
+        if self._on_credentials_lost is not None:
+            self._on_credentials_lost(line)
+
     def _renew(self, now: float) -> None:
         try:
             certificate, expires_at = self._client.renew_certificate(self._token, self._run_id)
+        except Unauthorized as exc:
+            self._back(time.monotonic())
+            self._token_refused(exc)
+            return
         except CoordinatorError as exc:
             if isinstance(exc, _AWAY):
                 self._away(exc)
@@ -424,7 +462,9 @@ class CoordinatorSession:
         try:
             addresses = self._client.bootstrap(self._token, self._run_id)
         except CoordinatorError as exc:
-            if isinstance(exc, _AWAY):
+            if isinstance(exc, Unauthorized):
+                self._token_refused(exc)
+            elif isinstance(exc, _AWAY):
                 self._away(exc)
             elif isinstance(exc, RateLimited):
                 self._bootstrap_at = max(self._bootstrap_at, now + exc.retry_after)

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api import API_PREFIX
+from server.exceptions import Unavailable
 from server.models import TokenScope
 from server.schemas import ReportCreate
 from server.security import parse_token
@@ -77,7 +78,11 @@ class ReportFastPath:
         if pending is None or buffer is None:
             await self.app(scope, _replay(messages, receive), send)
             return
-        await buffer.add(pending)
+        try:
+            await buffer.add(pending)
+        except Unavailable:  # the route answers it
+            await self.app(scope, _replay(messages, receive), send)
+            return
         scope["route"] = _ROUTE
         await send({"type": "http.response.start", "status": 202, "headers": _ACCEPTED_HEADERS})
         await send({"type": "http.response.body", "body": _ACCEPTED_BODY})

@@ -7,10 +7,19 @@ temporary file in the run's directory while being hashed, flushed to disk (``fsy
 renamed into place, so a crash never leaves a half-written checkpoint under a real name;
 only then is the row inserted. The newest ``checkpoint_keep`` per run are kept.
 
+With ``checkpoint_dir_max_bytes``, the checkpoints of all runs together stay under that
+many bytes (the sizes recorded in the rows; uploads still streaming are not counted): a new
+checkpoint that takes the total over it removes the oldest checkpoints first, whatever
+their run, but never the newest of a run, so every run can still be resumed. An upload
+alone over the bound is refused (413) before anything is written; one that fits alone but
+not beside the other runs' newest checkpoints is refused (507) and nothing is removed.
+
 Several workers: files live in ``checkpoint_dir`` (shared by the workers; on several
 machines it must be a shared volume), and the rows decide. Inserting a checkpoint locks the
 run's row (PostgreSQL) or takes SQLite's write lock before it checks for a newer epoch, so
-of two concurrent uploads the older is refused, whatever the order.
+of two concurrent uploads the older is refused, whatever the order. Under the directory
+bound, uploads of all runs are serialised the same way, on the ``housekeeping`` row
+:data:`DIRECTORY_LOCK`.
 """
 
 from __future__ import annotations
@@ -36,12 +45,14 @@ from server.exceptions import (
     NotFound,
     PayloadTooLarge,
 )
-from server.models import Checkpoint, Peer, Run, utcnow
+from server.models import Checkpoint, Housekeeping, Peer, Run, utcnow
 from server.schemas import CheckpointPublic
 
 ZIP_MAGIC = b"PK\x03\x04"
 # Received chunks are gathered into blocks of this size before a thread writes them.
 _BLOCK_BYTES = 1024 * 1024
+# The housekeeping row that uploads lock while they make room under the directory bound.
+DIRECTORY_LOCK = "checkpoint_directory"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +62,15 @@ class CheckpointStore:
     directory: Path
     keep: int
     max_bytes: int
+    # All runs' checkpoints together (None: no bound).
+    dir_max_bytes: int | None = None
+
+    @property
+    def upload_limit(self) -> int:
+        """The largest upload accepted."""
+        if self.dir_max_bytes is None:
+            return self.max_bytes
+        return min(self.max_bytes, self.dir_max_bytes)
 
     def run_directory(self, run_id: str) -> Path:
         return self.directory / run_id
@@ -118,12 +138,14 @@ async def upload(
     content_length: int | None,
 ) -> Checkpoint:
     """Store the checkpoint of ``epoch`` streamed in ``body`` and keep the newest
-    ``store.keep``: 409 when the run has one of the same or a newer epoch (checked before
-    and after receiving), 413 over ``store.max_bytes``, 422 for a body that is not a zip
-    archive, 507 when the disk refuses the file. Nothing is left behind on failure."""
+    ``store.keep`` (and the directory under ``store.dir_max_bytes``): 409 when the run has
+    one of the same or a newer epoch (checked before and after receiving), 413 over
+    ``store.upload_limit``, 422 for a body that is not a zip archive, 507 when the disk
+    refuses the file or the directory bound has no room for it. Nothing is left behind on
+    failure, and nothing stored is removed."""
     if run.archived_at is not None:
         raise Conflict(f"run {run.id} is archived; it takes no more checkpoints")
-    if content_length is not None and content_length > store.max_bytes:
+    if content_length is not None and content_length > store.upload_limit:
         raise _too_large(store)
     peer_id = await asyncio.to_thread(_prepare, session, run.id, peer_pk, epoch)
     stored = await _receive(store, run.id, epoch, body)
@@ -139,6 +161,12 @@ async def upload(
 
 
 def _too_large(store: CheckpointStore) -> PayloadTooLarge:
+    if store.upload_limit < store.max_bytes:
+        return PayloadTooLarge(
+            f"checkpoint over the {store.upload_limit} bytes the coordinator keeps for all "
+            "runs' checkpoints together (SWARMGRAD_CHECKPOINT_DIR_MAX_BYTES); ask the "
+            "organizer to raise it"
+        )
     return PayloadTooLarge(
         f"checkpoint over the coordinator's limit of {store.max_bytes} bytes "
         "(SWARMGRAD_CHECKPOINT_MAX_BYTES); ask the organizer to raise it"
@@ -220,7 +248,7 @@ async def _receive(
             if not chunk:
                 continue
             size += len(chunk)
-            if size > store.max_bytes:
+            if size > store.upload_limit:
                 raise _too_large(store)
             if len(head) < len(ZIP_MAGIC):
                 head += chunk[: len(ZIP_MAGIC) - len(head)]
@@ -271,8 +299,8 @@ def _record(
     peer_id: str,
     stored: _Stored,
 ) -> tuple[Checkpoint, list[Path]]:
-    """Insert the row and drop the rows beyond ``store.keep``; returns the files to delete
-    once committed."""
+    """Insert the row and drop the rows beyond ``store.keep`` and the directory bound;
+    returns the files to delete once committed."""
     # Serialise uploads of one run: the row lock (PostgreSQL; SQLite omits FOR UPDATE) and,
     # on SQLite, the write lock the INSERT takes are held until the commit, so the check for
     # a newer epoch below sees every other upload.
@@ -312,8 +340,46 @@ def _record(
             .offset(store.keep)
         )
     )
+    if store.dir_max_bytes is not None:
+        old += _over_bound(session, store.dir_max_bytes, {c.id for c in old})
     pruned = [store.path(c) for c in old]
     if old:
         session.execute(delete(Checkpoint).where(Checkpoint.id.in_([c.id for c in old])))
     session.commit()
     return checkpoint, pruned
+
+
+def _over_bound(session: Session, bound: int, dropped: set[int]) -> list[Checkpoint]:
+    """The checkpoints to remove, oldest first and never a run's newest, for the rest
+    (besides ``dropped``) to fit in ``bound`` bytes; :class:`InsufficientStorage` (nothing
+    removed) when they cannot."""
+    # Other runs' uploads commit one at a time (SQLite's write lock already does this).
+    session.execute(
+        select(Housekeeping.name).where(Housekeeping.name == DIRECTORY_LOCK).with_for_update()
+    )
+    kept = [
+        c
+        for c in session.scalars(select(Checkpoint).order_by(Checkpoint.created_at, Checkpoint.id))
+        if c.id not in dropped
+    ]
+    total = sum(c.size for c in kept)
+    newest_epoch: dict[str, int] = {}
+    for c in kept:
+        newest_epoch[c.run_id] = max(c.epoch, newest_epoch.get(c.run_id, c.epoch))
+    removed = []
+    for c in kept:
+        if total <= bound:
+            break
+        if c.epoch != newest_epoch[c.run_id]:
+            removed.append(c)
+            total -= c.size
+    if total > bound:
+        session.rollback()
+        runs = len(newest_epoch)
+        raise InsufficientStorage(
+            f"no room for this checkpoint under the coordinator's bound of {bound} bytes "
+            f"for all checkpoints (SWARMGRAD_CHECKPOINT_DIR_MAX_BYTES): the newest "
+            f"checkpoints of {runs} runs take {total} bytes with it, and a run's newest is "
+            "never removed; ask the organizer to raise the bound or delete finished runs"
+        )
+    return removed

@@ -2,7 +2,8 @@
 
 Cost: every query is bounded by an index and by the run's peers, volunteers, snapshots (the
 chart history, downsampled) or a fixed number of recent rows — never by the number of raw
-reports stored, which grows without bound. ``bench/dashboard.py`` measures it.
+reports stored (kept ``report_retention_s``, then folded into rollups).
+``bench/dashboard.py`` measures it.
 
 The alert rules and the ETA are pure functions of numbers, tested without a database.
 """
@@ -37,10 +38,10 @@ from server.schemas_dashboard import (
     SessionRow,
     VolunteerDetail,
     VolunteerRow,
-    VolunteerSeries,
     VolunteerSummary,
 )
 from server.services import checkpoints as checkpoint_service
+from server.services import rollups
 from server.services import runs as run_service
 from server.services.progress import history
 from server.services.reports import run_totals
@@ -48,7 +49,7 @@ from server.services.reports import run_totals
 RECENT_GROUP_REPORTS = 200  # reports behind the group-size distribution
 RECENT_EPOCHS = 10  # epochs behind the ETA and the rounds-failing alert
 TREND_POINTS = 30  # samples/s points of the runs list's sparkline
-VOLUNTEER_REPORTS = 20_000  # newest reports behind a volunteer's chart and sessions
+VOLUNTEER_REPORTS = 20_000  # newest reports (and rollups) behind a volunteer's chart
 STALL_AFTER_S = 120.0  # a running run with no report for this long is stalled
 MAX_ID = 2**31 - 1  # volunteers' ids are 32-bit integers on every backend
 
@@ -393,8 +394,17 @@ def find_volunteer(session: Session, run: Run, ref: str) -> Volunteer:
 
 
 def volunteer_detail(
-    session: Session, run: Run, ref: str, *, online_ttl_s: float, points: int = 200
+    session: Session,
+    run: Run,
+    ref: str,
+    *,
+    online_ttl_s: float,
+    retention_s: float | None = None,
+    points: int = 200,
 ) -> VolunteerDetail:
+    """The volunteer's standing, machines, sessions and contribution chart; reports older
+    than ``retention_s`` count per bucket (server.services.rollups), so the page reads the
+    same before and after the retention job folds them."""
     volunteer = find_volunteer(session, run, ref)
     now = now_ms()
     ranking = _volunteer_rows(session, run.id, now, online_ttl_s)
@@ -406,14 +416,15 @@ def volunteer_detail(
     )
     since = now - int(online_ttl_s * 1000)
     by_pk = {p.id: p for p in peers}
-    reports = session.execute(
-        select(ProgressReport.peer_id, ProgressReport.reported_ms, ProgressReport.samples)
-        .where(ProgressReport.peer_id.in_(list(by_pk)) if by_pk else ProgressReport.id < 0)
-        .order_by(ProgressReport.id.desc())
-        .limit(VOLUNTEER_REPORTS)
-    ).all()
-    reports = sorted(reports, key=lambda r: r[1])
-    series, sessions = _contribution(reports, online_ttl_s, points)
+    buckets = rollups.volunteer_buckets(
+        session,
+        list(by_pk),
+        now_ms=now,
+        online_ttl_s=online_ttl_s,
+        retention_s=retention_s,
+        limit=VOLUNTEER_REPORTS,
+    )
+    series, sessions = rollups.contribution(buckets, online_ttl_s, points)
     return VolunteerDetail(
         run=RunRef(id=run.id, name=run.name),
         volunteer=VolunteerSummary(
@@ -453,45 +464,4 @@ def volunteer_detail(
             )
             for p in peers
         ],
-    )
-
-
-def _contribution(
-    reports: Sequence[tuple[int, int, int]],
-    online_ttl_s: float,
-    points: int,
-) -> tuple[VolunteerSeries, list[tuple[int, int, int]]]:
-    """The volunteer's cumulative samples over time (a counter that went backwards restarted
-    from zero) downsampled to ``points``, and its sessions (peer, start ms, end ms): runs of
-    reports without a gap longer than the online TTL. Reports are sorted by time."""
-    gap_ms = int(online_ttl_s * 1000)
-    last: dict[int, int] = {}
-    banked: dict[int, int] = {}
-    open_sessions: dict[int, list[int]] = {}
-    sessions: list[list[int]] = []
-    times: list[int] = []
-    totals: list[int] = []
-    for pk, t, samples in reports:
-        previous = last.get(pk)
-        if previous is not None and samples < previous:
-            banked[pk] = banked.get(pk, 0) + previous
-        last[pk] = samples
-        current = open_sessions.get(pk)
-        if current is None or t - current[2] > gap_ms:
-            current = [pk, t, t]
-            open_sessions[pk] = current
-            sessions.append(current)
-        current[2] = t
-        times.append(t)
-        totals.append(sum(banked.values()) + sum(last.values()))
-    if len(times) > points:
-        step = len(times) / points
-        picks = sorted(
-            {min(len(times) - 1, int(i * step)) for i in range(points)} | {len(times) - 1}
-        )
-        times = [times[i] for i in picks]
-        totals = [totals[i] for i in picks]
-    return (
-        VolunteerSeries(t=[x / 1000 for x in times], samples=totals),
-        [(s[0], s[1], s[2]) for s in sessions],
     )

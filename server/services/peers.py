@@ -108,6 +108,7 @@ def join(
     data: JoinRequest,
     *,
     certificate_ttl_s: float,
+    peer_token_ttl_s: float,
     online_ttl_s: float,
     bootstrap_size: int,
 ) -> Joined:
@@ -181,7 +182,7 @@ def join(
         raise Conflict(
             "another join with this public key is in progress; retry in a moment"
         ) from exc
-    peer_token = token_service.create_peer_token(session, run.id, peer.id)
+    peer_token = token_service.create_peer_token(session, run.id, peer.id, peer_token_ttl_s)
     certificate, expires_at = issue_certificate(keybox, run, peer, certificate_ttl_s)
     bootstrap = sample_live_peers(
         session, run.id, exclude=peer.id, online_ttl_s=online_ttl_s, limit=bootstrap_size

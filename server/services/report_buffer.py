@@ -19,19 +19,25 @@ a worker replays, besides its own segment, every segment no live worker holds. A
 shutdown (uvicorn's lifespan) writes or spills what is waiting; a worker killed outright
 loses at most the last ``report_flush_interval_s`` of acknowledged reports (0 writes or spills
 each report before answering).
+
+The flusher also starts periodic housekeeping (:mod:`server.services.retention`) when it is
+due, in a thread of its own, so it runs whether or not reports arrive and never delays a
+flush.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Protocol, cast
 
 from sqlalchemy import Connection, Table, exc, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from server.exceptions import Unavailable
 from server.models import Peer, SpilledSegment
 from server.services.report_spill import ReportSpill
 from server.services.reports import (
@@ -62,6 +68,18 @@ def database_unavailable(error: BaseException) -> bool:
     return isinstance(error, exc.TimeoutError)  # no connection free in the pool
 
 
+class Housekeeping(Protocol):
+    """A periodic job the flusher starts (one run at a time)."""
+
+    def due(self) -> bool:
+        """Cheap, local: whether to start :meth:`run` now."""
+        ...
+
+    def run(self, stop: threading.Event) -> object:
+        """Blocking (runs in a thread); returns soon once ``stop`` is set."""
+        ...
+
+
 class _Unavailable(Exception):
     pass
 
@@ -87,6 +105,7 @@ class ReportBuffer:
         online_ttl_s: float,
         spill: ReportSpill | None = None,
         on_written: Callable[[int], None] = lambda n: None,
+        housekeeping: Housekeeping | None = None,
     ) -> None:
         self._session_factory = session_factory
         self._interval = flush_interval_s
@@ -109,6 +128,10 @@ class ReportBuffer:
         self._backlog = spill is not None
         self._failures = 0
         self._retry_at = 0.0
+        self._spill_failing = False
+        self._housekeeping = housekeeping
+        self._housekeeping_task: asyncio.Task[object] | None = None
+        self._stop = threading.Event()
 
     @property
     def pending(self) -> int:
@@ -122,10 +145,17 @@ class ReportBuffer:
         await self.close()
 
     async def add(self, report: PendingReport) -> None:
-        """Queue a report. Waits (back-pressure) while over twice ``max_pending`` reports
-        wait, which only happens when neither the database nor the spill takes them."""
+        """Queue a report. Waits (back-pressure) while twice ``max_pending`` reports wait;
+        :class:`~server.exceptions.Unavailable` (503) instead when some of them could be
+        neither written nor spilled (they are kept in memory, and would only grow)."""
         if self._closing:
             raise RuntimeError("the report buffer is closed")
+        if self._held and self.pending >= 2 * self._max_pending:
+            raise Unavailable(
+                "the coordinator can hold no more progress reports: neither its database "
+                "nor its spill directory takes them; try again later",
+                retry_after_s=MAX_BACKOFF_S,
+            )
         if self._interval == 0:
             async with self._lock:
                 self._held.append(report)
@@ -278,9 +308,21 @@ class ReportBuffer:
         try:
             self._spill.append(reports)
         except OSError as error:
-            logger.error("cannot spill %d progress reports (%s); keeping them in memory",
-                         len(reports), error)  # fmt: skip
+            if not self._spill_failing:  # once per outage: this runs at every flush
+                logger.error(
+                    "cannot spill %d progress reports to %s (%s) while the database is "
+                    "unavailable: keeping them in memory (up to %d, then reports are refused "
+                    "with 503); they are lost if this coordinator stops before the database "
+                    "or the spill directory takes them. Free space there, or set "
+                    "SWARMGRAD_SPILL_DIR to another filesystem.",
+                    len(reports), self._spill.directory, error, 2 * self._max_pending,
+                )  # fmt: skip
+            self._spill_failing = True
             return reports
+        if self._spill_failing:
+            logger.warning("the spill directory %s takes progress reports again",
+                           self._spill.directory)  # fmt: skip
+        self._spill_failing = False
         self._backlog = True
         return []
 
@@ -384,6 +426,16 @@ class ReportBuffer:
                 pass
             self._wake.clear()
             await self.flush()
+            self._start_housekeeping()
+
+    def _start_housekeeping(self) -> None:
+        job = self._housekeeping
+        running = self._housekeeping_task
+        if job is None or (running is not None and not running.done()) or not job.due():
+            return
+        self._housekeeping_task = asyncio.create_task(
+            asyncio.to_thread(job.run, self._stop), name="housekeeping"
+        )
 
     async def close(self) -> None:
         """Stop the flusher and write (or spill) what is left. Idempotent.
@@ -398,6 +450,10 @@ class ReportBuffer:
         if self._task is not None:
             await self._task
             self._task = None
+        self._stop.set()
+        if self._housekeeping_task is not None:
+            await self._housekeeping_task
+            self._housekeeping_task = None
         self._retry_at = 0.0  # one last try, whatever the back-off
         await self.flush()
         if self._held:

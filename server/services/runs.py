@@ -81,3 +81,21 @@ def archive_run(session: Session, run: Run) -> None:
 def run_authority(keybox: KeyBox, run: Run) -> Identity:
     private = keybox.open(run.authority_private_key_encrypted, run.id.encode())
     return Identity.from_private_bytes(private)
+
+
+def reseal_run_keys(session: Session, keybox: KeyBox) -> int:
+    """Seal every run's signing key that still opens only under the previous server secret
+    under the current one; how many were re-sealed. Idempotent. The caller commits, so all
+    runs move together or none does: ``ValueError`` naming a run whose key opens under
+    neither secret (nothing should then be committed)."""
+    resealed = 0
+    for run in session.scalars(select(Run).order_by(Run.id).with_for_update()):
+        try:
+            sealed = keybox.reseal(run.authority_private_key_encrypted, run.id.encode())
+        except ValueError as exc:
+            raise ValueError(f"run {run.id} ({run.name!r}): {exc}") from None
+        if sealed is not None:
+            run.authority_private_key_encrypted = sealed
+            resealed += 1
+    session.flush()
+    return resealed

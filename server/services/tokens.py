@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from server.exceptions import Unauthenticated
+from server.exceptions import Conflict, NotFound, Unauthenticated
 from server.models import Run, Token, TokenScope, utcnow
 from server.schemas import TokenCreate
 from server.security import constant_time_equals, mint_token, parse_token, secret_matches
@@ -26,19 +26,75 @@ class Principal:
     peer_pk: int | None = None
 
 
-def create_organizer_token(session: Session, label: str | None = None) -> tuple[Token, str]:
+def create_organizer_token(
+    session: Session, label: str | None = None, expires_in_s: float | None = None
+) -> tuple[Token, str]:
+    """An organizer token (without ``expires_in_s``, it never expires) and its plaintext
+    (show it once)."""
     new = mint_token(TokenScope.organizer)
+    now = utcnow()
     token = Token(
         id=new.id,
         scope=TokenScope.organizer,
         secret_hash=new.secret_hash,
         label=label,
-        created_at=utcnow(),
+        created_at=now,
+        expires_at=None if expires_in_s is None else now + timedelta(seconds=expires_in_s),
         uses=0,
     )
     session.add(token)
     session.flush()
     return token, new.plaintext
+
+
+def list_organizer_tokens(session: Session) -> list[Token]:
+    query = (
+        select(Token)
+        .where(Token.scope == TokenScope.organizer)
+        .order_by(Token.created_at, Token.id)
+    )
+    return list(session.scalars(query))
+
+
+def get_organizer_token(session: Session, token_id: str) -> Token:
+    """The organizer token ``token_id``, or :class:`NotFound` (also for other scopes)."""
+    token = session.get(Token, token_id)
+    if token is None or token.scope is not TokenScope.organizer:
+        raise NotFound(f"no organizer token {token_id!r}; list them with GET /api/v1/tokens")
+    return token
+
+
+def revoke_organizer_token(
+    session: Session, token_id: str, *, caller: Principal | None, admin_configured: bool
+) -> Token:
+    """Revoke an organizer token (idempotent). The caller commits.
+
+    So that organizers cannot lock themselves out, a caller may not revoke its own token
+    while it is the last active organizer token, unless ``SWARMGRAD_ADMIN_TOKEN`` is set
+    (409). ``caller`` is None for the command line, which reaches the database directly
+    and can always mint a new token.
+    """
+    token = get_organizer_token(session, token_id)
+    if token.revoked_at is not None:
+        return token
+    if caller is not None and caller.token_id == token.id and not admin_configured:
+        # Locked on PostgreSQL, so that two organizers revoking their own tokens at the
+        # same moment cannot both count the other's as still active.
+        unrevoked = session.scalars(
+            select(Token)
+            .where(Token.scope == TokenScope.organizer, Token.revoked_at.is_(None))
+            .with_for_update()
+        ).all()
+        now = utcnow()
+        if not any(t.id != token.id and is_active(t, now) for t in unrevoked):
+            raise Conflict(
+                "this is the last active organizer token and no SWARMGRAD_ADMIN_TOKEN is "
+                "set: revoking it would lock every organizer out. Create another token "
+                "first (POST /api/v1/tokens), or revoke it with `swarmgrad coordinator "
+                "tokens revoke`"
+            )
+    revoke(session, token)
+    return token
 
 
 def create_join_token(
@@ -66,8 +122,10 @@ def create_join_token(
     return token, new.plaintext
 
 
-def create_peer_token(session: Session, run_id: str, peer_pk: int) -> str:
-    """A token for one peer; earlier tokens of that peer are revoked (rotation on re-join)."""
+def create_peer_token(session: Session, run_id: str, peer_pk: int, ttl_s: float) -> str:
+    """A token for one peer, valid ``ttl_s`` (each certificate renewal extends it, see
+    :func:`extend_peer_token`); earlier tokens of that peer are revoked (rotation on
+    re-join)."""
     now = utcnow()
     session.execute(
         update(Token)
@@ -83,11 +141,33 @@ def create_peer_token(session: Session, run_id: str, peer_pk: int) -> str:
             run_id=run_id,
             peer_id=peer_pk,
             created_at=now,
+            expires_at=now + timedelta(seconds=ttl_s),
             uses=0,
         )
     )
     session.flush()
     return new.plaintext
+
+
+def extend_peer_token(
+    session: Session, token_id: str, ttl_s: float, now: datetime | None = None
+) -> None:
+    """Slide a peer token's expiry to ``ttl_s`` from ``now``: an active peer (one that
+    renews its certificate) never sees its token expire. Only ever moves it later, and
+    never revives a revoked or expired token."""
+    now = now or utcnow()
+    expires_at = now + timedelta(seconds=ttl_s)
+    session.execute(
+        update(Token)
+        .where(
+            Token.id == token_id,
+            Token.scope == TokenScope.peer,
+            Token.revoked_at.is_(None),
+            or_(Token.expires_at.is_(None), Token.expires_at.between(now, expires_at)),
+        )
+        .values(expires_at=expires_at)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def list_join_tokens(session: Session, run: Run) -> list[Token]:
@@ -159,7 +239,7 @@ def authenticate(
         hint = (
             "; ask the organizer for a new invite"
             if token.scope is TokenScope.join
-            else "; join the run again"
+            else "; join the run again with an invite"
             if token.scope is TokenScope.peer
             else ""
         )

@@ -182,7 +182,11 @@ def volunteer_page(
     run = _run(session, run_id)
     try:
         detail = dashboard_service.volunteer_detail(
-            session, run, ref[:64], online_ttl_s=settings.peer_online_ttl_s
+            session,
+            run,
+            ref[:64],
+            online_ttl_s=settings.peer_online_ttl_s,
+            retention_s=settings.report_retention_s,
         )
     except NotFound:
         raise PageError(404, "This run has no such volunteer.") from None

@@ -210,3 +210,24 @@ def test_unwritable_output(organizer: Any, coordinator: Coordinator, tmp_path: P
         client.upload_checkpoint(peer.peer_token, run["id"], 1, b"PK\x03\x04data")
     target = tmp_path / "no" / "such" / "dir" / "model.pt"
     organizer("runs", "checkpoint", run["id"], "-o", str(target)).assert_one_error_line(code=1)
+
+
+def test_organizer_tokens_through_the_api(organizer: Any, cli: Any) -> None:
+    created = as_json(organizer("tokens", "create", "--label", "ci", "--expires", "30d", "--json"))
+    assert created["token"].startswith("sgo_") and created["label"] == "ci"
+    assert created["expires_at"] is not None
+
+    mine = ["--token", created["token"]]
+    listed = as_json(cli("tokens", "list", "--json", *mine))
+    assert [(t["id"], t["active"], t["current"]) for t in listed] == [(created["id"], True, True)]
+    shown = organizer("tokens", "list")
+    assert shown.code == 0 and created["id"] in shown.out and "active" in shown.out
+    assert created["token"] not in shown.out
+
+    revoked = organizer("tokens", "revoke", created["id"])
+    assert revoked.code == 0 and revoked.out.strip() == f"revoked organizer token {created['id']}"
+    line = cli("tokens", "list", *mine).assert_one_error_line(code=1)
+    assert "revoked" in line and created["token"] not in line
+    organizer("tokens", "revoke", "0" * 16).assert_one_error_line(code=1)
+    line = organizer("tokens", "create", "--expires", "soon").assert_one_error_line(code=2)
+    assert "30m" in line

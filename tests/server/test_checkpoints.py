@@ -1,5 +1,6 @@
 """Checkpoints: peers upload zip archives (what torch.save writes) streamed to disk; the
-newest few are kept; peers and organizers download the newest."""
+newest few are kept, and the directory stays under its byte bound; peers and organizers
+download the newest."""
 
 from __future__ import annotations
 
@@ -14,10 +15,18 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from server.app import MAX_BODY_BYTES
+from server.app import MAX_BODY_BYTES, create_app
 from server.config import Settings
 from server.services import checkpoints as checkpoint_service
-from tests.server.conftest import ORGANIZER, Api, JoinedPeer, bearer, make_settings
+from tests.server.conftest import (
+    ORGANIZER,
+    Api,
+    JoinedPeer,
+    bearer,
+    client_for,
+    make_settings,
+    running,
+)
 
 
 def archive(epoch: int, size: int = 1000) -> bytes:
@@ -63,6 +72,10 @@ async def upload(
 def files(directory: Path) -> list[str]:
     """Every file left in the checkpoint directory, temporary ones included."""
     return sorted(p.name for p in directory.rglob("*") if p.is_file())
+
+
+def contents(directory: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in directory.rglob("*") if p.is_file()}
 
 
 async def test_upload_then_download_the_newest(
@@ -238,3 +251,77 @@ async def test_invalid_epochs_are_422(
     for query in ("", "?epoch=-1", "?epoch=x", f"?epoch={2**60}"):
         response = await client.put(url(run) + query, content=archive(1), headers=peer.headers)
         assert response.status_code == 422, query
+
+
+@pytest.fixture
+async def bounded(settings: Settings, checkpoint_dir: Path) -> AsyncIterator[FastAPI]:
+    """A coordinator keeping 10 checkpoints per run but 5000 bytes in all."""
+    bound = settings.model_copy(update={"checkpoint_keep": 10, "checkpoint_dir_max_bytes": 5000})
+    async with running(create_app(bound)) as application:
+        yield application
+
+
+async def test_the_directory_bound_removes_the_oldest_but_each_runs_newest(
+    bounded: FastAPI, checkpoint_dir: Path
+) -> None:
+    async with client_for(bounded) as client:
+        api = Api(client)
+        a, b = await api.create_run("a"), await api.create_run("b")
+        peers = {}
+        for run in (a, b):
+            token = (await api.create_join_token(run["id"]))["token"]
+            peers[run["id"]] = await api.join(run["id"], token)
+
+        async def put(run: dict[str, Any], epoch: int, size: int = 1000) -> httpx.Response:
+            return await upload(client, run, peers[run["id"]], epoch, archive(epoch, size))
+
+        async def kept() -> dict[str, list[int]]:
+            found = {}
+            for run in (a, b):
+                listing = await client.get(f"/api/v1/runs/{run['id']}/checkpoints",
+                                           headers=ORGANIZER)  # fmt: skip
+                found[run["name"]] = [c["epoch"] for c in listing.json()["checkpoints"]]
+            return found
+
+        for run, epoch in ((a, 1), (a, 2), (b, 1), (a, 3), (b, 2)):
+            assert (await put(run, epoch)).status_code == 201
+        assert (await put(a, 4)).status_code == 201  # 6000 bytes: a's epoch 1 goes
+        assert await kept() == {"a": [4, 3, 2], "b": [2, 1]}
+        assert (await put(b, 3, size=2500)).status_code == 201  # then a:2, a:3, b:1
+        assert await kept() == {"a": [4], "b": [3, 2]}
+        assert len(files(checkpoint_dir)) == 3
+
+        # Fits alone, but not beside b's newest: refused, and nothing removed for it.
+        crowded = await put(a, 5, size=4000)
+        assert crowded.status_code == 507
+        assert "SWARMGRAD_CHECKPOINT_DIR_MAX_BYTES" in crowded.json()["detail"]
+        assert await kept() == {"a": [4], "b": [3, 2]}
+        assert len(files(checkpoint_dir)) == 3
+        download = await client.get(url(a), headers=ORGANIZER)
+        assert download.content == archive(4)
+
+
+async def test_an_upload_alone_over_the_directory_bound_is_413_and_changes_nothing(
+    bounded: FastAPI, checkpoint_dir: Path
+) -> None:
+    async with client_for(bounded) as client:
+        api = Api(client)
+        run = await api.create_run()
+        token = (await api.create_join_token(run["id"]))["token"]
+        peer = await api.join(run["id"], token)
+        assert (await upload(client, run, peer, 1, archive(1, 3000))).status_code == 201
+        before = contents(checkpoint_dir)
+
+        announced = await upload(client, run, peer, 2, archive(2, 5001))
+        assert announced.status_code == 413
+        detail = announced.json()["detail"]
+        assert "5000" in detail and "SWARMGRAD_CHECKPOINT_DIR_MAX_BYTES" in detail
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: caught while streaming
+            yield archive(2, 4096)
+            yield bytes(4096)
+
+        assert (await upload(client, run, peer, 2, chunks())).status_code == 413
+        assert contents(checkpoint_dir) == before
+        download = await client.get(url(run), headers=ORGANIZER)
+        assert download.content == archive(1, 3000)

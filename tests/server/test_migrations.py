@@ -1,15 +1,16 @@
 """Point 2: upgrade → downgrade → upgrade on both databases, and the models match the
-migrations (autogenerate finds nothing to add)."""
+migrations (autogenerate finds nothing to add); data migrations do what they say."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
 
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, insert, inspect, select
 
 from server.db import alembic_config
 from server.models import Base
@@ -25,6 +26,8 @@ TABLES = {
     "progress_snapshots",
     "checkpoints",
     "spilled_segments",
+    "report_rollups",
+    "housekeeping",
 }
 
 
@@ -72,3 +75,35 @@ def test_alembic_command_line(database_url: str) -> None:
         )
         assert result.returncode == 0, (args, result.stderr)
     assert _tables(database_url) == TABLES
+
+
+def test_peer_tokens_from_before_expiry_get_one(database_url: str) -> None:
+    config = alembic_config(database_url)
+    command.upgrade(config, "0004")
+    engine = create_engine(database_url)
+    tokens = Base.metadata.tables["tokens"]
+    now = datetime.now(UTC)
+    row = {
+        "secret_hash": b"h" * 32,
+        "created_at": now,
+        "uses": 0,
+        "expires_at": None,
+        "revoked_at": None,
+    }
+    try:
+        with engine.begin() as connection:
+            connection.execute(
+                insert(tokens),
+                [
+                    {**row, "id": "p" * 16, "scope": "peer"},
+                    {**row, "id": "r" * 16, "scope": "peer", "revoked_at": now},
+                    {**row, "id": "o" * 16, "scope": "organizer"},
+                ],
+            )
+        command.upgrade(config, "head")
+        with engine.connect() as connection:
+            expiry = dict(connection.execute(select(tokens.c.id, tokens.c.expires_at)).all())
+    finally:
+        engine.dispose()
+    assert expiry["r" * 16] is None and expiry["o" * 16] is None
+    assert now + timedelta(days=13) < expiry["p" * 16] < now + timedelta(days=15)

@@ -55,7 +55,11 @@ def read_volunteer(
     ref: str = Path(min_length=1, max_length=64, description="Volunteer id or display name."),
 ) -> VolunteerDetail:
     return dashboard_service.volunteer_detail(
-        session, run, ref, online_ttl_s=settings.peer_online_ttl_s
+        session,
+        run,
+        ref,
+        online_ttl_s=settings.peer_online_ttl_s,
+        retention_s=settings.report_retention_s,
     )
 
 

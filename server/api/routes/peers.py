@@ -42,6 +42,7 @@ from server.schemas import (
 from server.services import checkpoints as checkpoint_service
 from server.services import peers as peer_service
 from server.services import reachability as reachability_service
+from server.services import tokens as token_service
 from server.services import volunteers as volunteer_service
 
 router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}", tags=["peers"])
@@ -141,6 +142,7 @@ def join_run(
         joiner.token_id,
         body,
         certificate_ttl_s=settings.certificate_ttl_s,
+        peer_token_ttl_s=settings.peer_token_ttl_s,
         online_ttl_s=settings.peer_online_ttl_s,
         bootstrap_size=settings.bootstrap_peers,
     )
@@ -221,7 +223,8 @@ def bootstrap(
 def renew_certificate(
     peer: CurrentPeer, session: SessionDep, settings: SettingsDep, keybox: KeyBoxDep, run: RunDep
 ) -> CertificatePublic:
-    """A fresh certificate for the calling peer, before the old one expires."""
+    """A fresh certificate for the calling peer, before the old one expires. Also moves the
+    peer token's expiry to ``peer_token_ttl_s`` from now."""
     peer_service.ensure_accepting(run, "renew a certificate")
     record = session.get(Peer, peer.peer_pk)
     assert record is not None  # the token's foreign key cascades with the peer
@@ -230,6 +233,7 @@ def renew_certificate(
         keybox, run, record, settings.certificate_ttl_s
     )
     peer_service.touch(session, record.id)
+    token_service.extend_peer_token(session, peer.token_id, settings.peer_token_ttl_s)
     session.commit()
     return CertificatePublic(certificate=certificate.to_base64(), certificate_expires_at=expires_at)
 

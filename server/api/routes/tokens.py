@@ -1,6 +1,9 @@
-"""Join tokens (invites) of a run: create (shown once), list without secrets, revoke."""
+"""Join tokens (invites) of a run, and organizer tokens: create (shown once), list without
+secrets, revoke."""
 
 from __future__ import annotations
+
+from typing import Annotated
 
 from fastapi import APIRouter, Path, status
 
@@ -8,10 +11,21 @@ from server.api import API_PREFIX
 from server.api.deps import CurrentOrganizer, RunDep, SessionDep, SettingsDep
 from server.exceptions import NotFound
 from server.models import Token
-from server.schemas import TokenCreate, TokenCreated, TokenPublic, TokensPublic
+from server.schemas import (
+    OrganizerTokenCreate,
+    OrganizerTokenCreated,
+    OrganizerTokenPublic,
+    OrganizerTokensPublic,
+    TokenCreate,
+    TokenCreated,
+    TokenPublic,
+    TokensPublic,
+)
 from server.services import tokens as token_service
 
 router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}/tokens", tags=["tokens"])
+organizer_router = APIRouter(prefix=f"{API_PREFIX}/tokens", tags=["tokens"])
+TokenIdPath = Annotated[str, Path(min_length=1, max_length=32, description="The token's id.")]
 
 
 def token_public(token: Token) -> TokenPublic:
@@ -74,4 +88,60 @@ def revoke_join_token(
     if token is None:
         raise NotFound(f"run {run.id} has no join token {token_id!r}")
     token_service.revoke(session, token)
+    session.commit()
+
+
+# ---------------------------------------------------------------------------- organizer tokens
+
+
+def organizer_token_public(token: Token, caller: str) -> OrganizerTokenPublic:
+    return OrganizerTokenPublic(
+        id=token.id,
+        label=token.label,
+        created_at=token.created_at,
+        expires_at=token.expires_at,
+        revoked_at=token.revoked_at,
+        active=token_service.is_active(token),
+        current=token.id == caller,
+    )
+
+
+@organizer_router.get("", response_model=OrganizerTokensPublic)
+def list_organizer_tokens(
+    organizer: CurrentOrganizer, session: SessionDep
+) -> OrganizerTokensPublic:
+    """Every organizer token stored in the database, revoked ones included, without secrets
+    (``SWARMGRAD_ADMIN_TOKEN``, if set, is not among them)."""
+    return OrganizerTokensPublic(
+        tokens=[
+            organizer_token_public(t, organizer.token_id)
+            for t in token_service.list_organizer_tokens(session)
+        ]
+    )
+
+
+@organizer_router.post(
+    "", status_code=status.HTTP_201_CREATED, response_model=OrganizerTokenCreated
+)
+def create_organizer_token(
+    _: CurrentOrganizer, session: SessionDep, body: OrganizerTokenCreate
+) -> OrganizerTokenCreated:
+    """A new organizer token. The token is in this answer only; it is stored hashed.
+    Without ``expires_in_s`` it does not expire."""
+    token, plaintext = token_service.create_organizer_token(session, body.label, body.expires_in_s)
+    session.commit()
+    return OrganizerTokenCreated(
+        id=token.id, token=plaintext, label=token.label, expires_at=token.expires_at
+    )
+
+
+@organizer_router.delete("/{token_id}", status_code=status.HTTP_204_NO_CONTENT)
+def revoke_organizer_token(
+    organizer: CurrentOrganizer, session: SessionDep, settings: SettingsDep, token_id: TokenIdPath
+) -> None:
+    """Revoke an organizer token (idempotent). 409 for the caller's own token while it is
+    the last active one and no ``SWARMGRAD_ADMIN_TOKEN`` is set."""
+    token_service.revoke_organizer_token(
+        session, token_id, caller=organizer, admin_configured=settings.admin_token is not None
+    )
     session.commit()

@@ -43,6 +43,7 @@ class FakeCoordinator:
         self.addresses: list[str] = []
         self.gate: threading.Event | None = None  # reports wait on it when set
         self.revocations_serial = 0
+        self.token_refused: str | None = None  # the 401 detail for every peer-token call
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path.removeprefix(RUN)
@@ -54,6 +55,8 @@ class FakeCoordinator:
             raise httpx.ConnectError("[Errno 111] Connection refused")
         public = route in ("status", "revocations")
         assert request.headers["Authorization" if not public else "Host"]
+        if not public and self.token_refused is not None:
+            return self.answer(401, {"detail": self.token_refused})
         if route == "status":
             body = {"id": "r1", "status": self.status}
             return self.answer(200, {**body, "revocations_serial": self.revocations_serial})
@@ -255,6 +258,36 @@ def test_a_failing_renewal_warns_once_keeps_trying_and_says_when_it_recovers(
     assert len(warned) == 1 and f"live links continue until {hhmm}" in warned[0]
     assert "\n" not in warned[0]
     assert any(m.startswith("renewed the run certificate; valid until") for m in messages)
+
+
+def test_a_refused_peer_token_stops_renewals_and_says_to_join_again(
+    fake: FakeCoordinator, client: CoordinatorClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.token_refused = "this peer token expired at 2026-01-01T00:00:00+00:00"
+    lost: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="peer.coordinator"):
+        session = session_for(
+            client, certificate_expires_at=time.time() + 0.3, on_credentials_lost=lost.append
+        )
+        try:
+            session.submit_report(report(1))
+            assert wait_until(lambda: session.credentials_lost is not None, scaled(10))
+            # Told once, whichever call found out; renewing is over.
+            assert wait_until(lambda: session.pending_reports == 0, scaled(10))
+            renewals = fake.count("certificate")
+            session.submit_report(report(2))
+            assert wait_until(lambda: fake.count("reports") >= 2, scaled(10))
+            assert fake.count("certificate") == renewals <= 1
+        finally:
+            session.close()
+    (line,) = lost
+    assert line == session.credentials_lost
+    assert fake.token_refused in line and "invite" in line
+    assert "swarmgrad join http://coord.example --token INVITE" in line and "\n" not in line
+    assert "sgp_token" not in line
+    assert [r.getMessage() for r in caplog.records if "no longer accepts" in r.getMessage()] == [
+        line
+    ]
 
 
 # --------------------------------------------------------------------------- status
