@@ -1,6 +1,6 @@
 """All-reduce throughput: Swarmgrad's butterfly all-reduce against torch.distributed (gloo).
 
-    .venv/bin/python bench/allreduce.py [--peers 2 4 8] [--mb 64] [--reps 9]
+    .venv/bin/python bench/allreduce.py [--peers 2 4 8] [--mb 64] [--reps 9] [--encryption on off]
 
 For each peer count, starts that many worker processes on loopback; each holds ``--mb`` MB of
 fp32. In the same processes and the same run:
@@ -19,6 +19,10 @@ the table shows medians, the ratio Swarmgrad / gloo (median over repetitions of 
 within each, gloo having run just before), the CPU time (user + system, all threads) per
 peer and round of each (ours includes matchmaking), and the peak extra memory relative to
 the tensor size. Absolute times on a shared machine are noise; the ratios are the figures.
+
+Each peer count runs once per ``--encryption`` setting (both by default: links and lanes
+sealed, the default, and in clear as on a trusted network), each against gloo in its own
+run; the last column is the encrypted ratio over the clear one.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ def worker(args: argparse.Namespace) -> None:
     from peer import DecentralizedAverager, Node
 
     torch.set_num_threads(1)
-    node = Node(args.initial_peer, bulk_lanes=not args.no_lanes)  # default gossip period
+    # default gossip period
+    node = Node(args.initial_peer, bulk_lanes=not args.no_lanes, encryption=not args.clear)
     if args.rank == 0:
         print(json.dumps({"addresses": node.visible_addresses}), flush=True)
     dist.init_process_group(
@@ -166,7 +171,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(peers: int, args: argparse.Namespace) -> dict[str, float]:
+def run(peers: int, args: argparse.Namespace, encryption: bool) -> dict[str, float]:
     port = _free_port()
     base = [
         sys.executable,
@@ -183,6 +188,7 @@ def run(peers: int, args: argparse.Namespace) -> dict[str, float]:
         "--part-size",
         str(args.part_size),
         *(["--no-lanes"] if args.no_lanes else []),
+        *([] if encryption else ["--clear"]),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen([*base, "--rank", "0"], stdout=subprocess.PIPE, text=True, env=env)
@@ -240,6 +246,14 @@ def main() -> None:
     parser.add_argument(
         "--no-lanes", action="store_true", help="tensor frames over WebSocket links, no lanes"
     )
+    parser.add_argument(
+        "--encryption",
+        nargs="+",
+        choices=["on", "off"],
+        default=["on", "off"],
+        help="links and lanes sealed (on, the default of a node) or in clear (off)",
+    )
+    parser.add_argument("--clear", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)
@@ -255,16 +269,21 @@ def main() -> None:
         f"median of {args.reps} (slowest peer per repetition)"
     )
     print(
-        f"{'peers':>5} {'gloo s':>8} {'swarmgrad s':>12} {'ratio':>6} {'step() s':>9} "
-        f"{'cpu gloo/ours s':>16} {'peak extra mem':>15}"
+        f"{'peers':>5} {'encrypted':>9} {'gloo s':>8} {'swarmgrad s':>12} {'ratio':>6} "
+        f"{'step() s':>9} {'cpu gloo/ours s':>16} {'peak extra mem':>15} {'on/off':>7}"
     )
     for peers in args.peers:
-        r = run(peers, args)
-        print(
-            f"{r['peers']:>5} {r['gloo']:>8.3f} {r['swarmgrad']:>12.3f} {r['ratio']:>6.2f} "
-            f"{r['step']:>9.3f} {r['gloo_cpu']:>7.3f}/{r['cpu']:<8.3f} {r['memory']:>14.2f}x",
-            flush=True,
-        )
+        ratios: dict[str, float] = {}
+        for setting in args.encryption:
+            r = run(peers, args, encryption=setting == "on")
+            ratios[setting] = r["ratio"]
+            relative = f"{ratios['on'] / ratios['off']:>7.2f}" if len(ratios) == 2 else f"{'':>7}"
+            print(
+                f"{r['peers']:>5} {setting:>9} {r['gloo']:>8.3f} {r['swarmgrad']:>12.3f} "
+                f"{r['ratio']:>6.2f} {r['step']:>9.3f} {r['gloo_cpu']:>7.3f}/{r['cpu']:<8.3f} "
+                f"{r['memory']:>14.2f}x {relative}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """Averaging rounds with a peer SIGKILLed in each: does every survivor always finish?
 
     .venv/bin/python bench/chaos.py [--rounds 100] [--peers 5] [--numel 200000] [--seed 0]
+    .venv/bin/python bench/chaos.py --coordinator    # the coordinator's (bench/chaos_coordinator.py)
 
 ``--peers - 1`` survivors live for the whole run, each an averager in its own process
 (:class:`peer.averaging.testing.AveragerProcess`, on loopback). Every round a fresh victim
-joins them, the group of ``--peers`` assembles, and the victim dies in one of three ways
-(each in turn, in a random order every three rounds): SIGKILLed from outside while the group is matchmaking, SIGKILL after its first
-part went out (a sender dies), or SIGKILL on the first part it receives as a reducer.
+joins them and dies in one of four ways (each in turn, in a random order every four rounds):
+in an averaging round of all ``--peers``, SIGKILLed from outside while the group is
+matchmaking, SIGKILL after its first part went out (a sender dies), or SIGKILL on the first
+part it receives as a reducer; or, as the best donor of a state download a survivor makes,
+SIGKILL while serving its third chunk.
 
 A round counts as survived when every survivor's step returned within the bound
 (``matchmaking`` + ``allreduce_timeout``) with finite values, each one of the outcomes the
@@ -15,7 +18,9 @@ victim (the victim's part arrived before it died), or the survivor's own value (
 the dead reducer's span) — and at least half of its values averaged. A survivor that found
 no group must keep its own values untouched; it is counted apart ("left without a group").
 Survivors carry their results into the next round, so every round averages what the last
-one produced.
+one produced. A state round counts as survived when the download, within the bound, gave
+exactly another donor's current values (a survivor's: they share their state with a lower
+priority than the victim's).
 
 Prints, for the docs: rounds survived / rounds run, the longest round a survivor saw, the
 bound, the victims' moments of death, and the survivors' resident memory after the first
@@ -43,7 +48,7 @@ import torch
 from peer.averaging.testing import AveragerProcess
 from peer.testing import wait_until
 
-MOMENTS = ("matchmaking", "kill_after_first_part", "kill_while_reducing")
+MOMENTS = ("matchmaking", "kill_after_first_part", "kill_while_reducing", "kill_mid_state")
 CONFIG: dict[str, Any] = {
     "prefix": "chaos",
     "min_matchmaking_time": 1.0,
@@ -71,6 +76,36 @@ def allowed(result: torch.Tensor, options: list[torch.Tensor]) -> tuple[bool, fl
     return ok, float((near[0] | near[1]).float().mean())
 
 
+def state_round(
+    survivors: list[AveragerProcess],
+    victim: AveragerProcess,
+    newcomer: int,
+    values: dict[int, list[torch.Tensor]],
+    path: Path,
+) -> tuple[float, str | None]:
+    """Survivor ``newcomer`` downloads the state while the victim, the best donor, dies
+    serving it. Returns the time the download took and what went wrong, if anything."""
+    victim.call(cmd="sharing", allow=True, priority=10.0)
+    downloader = survivors[newcomer]
+    if not wait_until(lambda: downloader.call(cmd="donors")["donors"][:1] == [victim.peer_id], 30):
+        return 0.0, "the victim's donor declaration never arrived"
+    started = time.monotonic()
+    reply = downloader.call(cmd="load_state", out=str(path), timeout=BOUND_S)
+    took = time.monotonic() - started
+    if not reply["ok"]:
+        return took, "no state downloaded"
+    donors = {p.peer_id: i for i, p in enumerate(survivors)}
+    if reply["donor"] not in donors:
+        return took, f"state taken from {reply['donor']}, not from a surviving donor"
+    state = torch.load(path, weights_only=True)
+    if not torch.equal(state[0], values[donors[reply["donor"]]][0]):
+        return took, "the state downloaded is not its donor's"
+    victim.proc.wait(timeout=30)
+    if victim.proc.returncode != -signal.SIGKILL:
+        return took, "the victim did not die serving the state"
+    return took, None
+
+
 def run(rounds: int, peers: int, numel: int, seed: int, out: Any = sys.stdout) -> dict[str, Any]:
     rng = random.Random(seed)
     config = {**CONFIG, "target_group_size": peers}
@@ -92,6 +127,8 @@ def run(rounds: int, peers: int, numel: int, seed: int, out: Any = sys.stdout) -
     left_out = wrong = 0  # survivors that found no group; results that no rule allows
     rss_first: list[int] = []
     failures: list[str] = []
+    for p in survivors:  # donors, below any victim
+        p.call(cmd="sharing", allow=True, priority=1.0)
     try:
         for round_ in range(rounds):
             if round_ % len(MOMENTS) == 0:  # every way to die, in a random order each time
@@ -112,6 +149,26 @@ def run(rounds: int, peers: int, numel: int, seed: int, out: Any = sys.stdout) -
             ):
                 failures.append(f"round {round_}: the victim never joined")
                 victim.kill()
+                continue
+            if moment == "kill_mid_state":
+                took, failure = state_round(
+                    survivors, victim, rng.randrange(len(survivors)), values, work / "state.pt"
+                )
+                victim.kill()
+                longest = max(longest, took)
+                good = failure is None and took <= BOUND_S
+                if failure is not None:
+                    wrong += 1
+                    failures.append(f"round {round_ + 1} ({moment}): {failure}")
+                survived += good
+                if round_ == 0:
+                    rss_first = [rss_kib(p.proc.pid) for p in survivors]
+                print(
+                    f"round {round_ + 1}/{rounds}: {moment}, {took:.1f} s, "
+                    f"{'ok' if good else 'FAILED'}",
+                    file=out,
+                    flush=True,
+                )
                 continue
             started = time.monotonic()
             kw = {"timeout": BOUND_S, "allow_retries": False}
@@ -201,7 +258,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--check-values", action="store_true")
+    parser.add_argument(
+        "--coordinator",
+        action="store_true",
+        help="instead: the coordinator's storage failing and hostile volunteers "
+        "(bench/chaos_coordinator.py)",
+    )
     args = parser.parse_args()
+    if args.coordinator:
+        from bench.chaos_coordinator import run as coordinator_chaos
+
+        coordinator_chaos(sys.stdout)
+        return
     if args.peers < 3:
         parser.error("--peers must be at least 3 (two survivors and a victim)")
     result = run(args.rounds, args.peers, args.numel, args.seed)

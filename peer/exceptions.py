@@ -7,7 +7,8 @@ Hierarchy::
     │   ├── MalformedFrame         bytes that do not decode into a valid frame
     │   ├── FrameTooLarge          header or payload over the configured limit
     │   ├── UnsupportedVersion     a protocol version this peer does not speak
-    │   └── UnknownMessageType     a message type nobody registered
+    │   ├── UnknownMessageType     a message type nobody registered
+    │   └── TamperedFrame          a sealed message failed authentication, or was replayed
     ├── AuthenticationError        handshake refused: bad signature, key, certificate or mode
     ├── TransportError             a connection could not be made or was lost
     │   └── ConnectionClosed       the connection is closed (locally or by the remote)
@@ -34,6 +35,11 @@ class MalformedFrame(ProtocolError):
 
 class FrameTooLarge(ProtocolError):
     """A frame's header or payload is larger than the configured limit."""
+
+
+class TamperedFrame(ProtocolError):
+    """An encrypted message or lane record failed authentication (altered, forged by
+    someone without the session's keys) or came again or out of order."""
 
 
 class UnsupportedVersion(ProtocolError):

@@ -3,8 +3,9 @@
 Each peer gets its own Linux network namespace with one interface, ``eth0``, at
 ``10.77.0.<i+1>``; the other end of its veth pair sits on a bridge in a switch namespace
 of the lab's own. :meth:`NetLab.shape` gives every link a token-bucket rate (tc's ``tbf``,
-applied both ways, so a peer uploads and downloads at that rate), and :meth:`NetLab.cut`
-takes a peer off the bridge. Processes run inside a peer's namespace through
+applied both ways, so a peer uploads and downloads at that rate), :meth:`NetLab.cut`
+takes a peer off the bridge, and :meth:`NetLab.partition` splits the lab into sides that
+cannot reach each other until :meth:`NetLab.heal` (each side on a bridge of its own). Processes run inside a peer's namespace through
 :meth:`NetLab.command` (``ip netns exec``). Nothing outside the lab's namespaces is touched:
 no address, route or qdisc of the machine itself.
 
@@ -65,6 +66,7 @@ class NetLab:
         self._tag = f"sg{uuid.uuid4().hex[:6]}"
         self._switch = f"{self._tag}-sw"
         self._created: list[str] = []
+        self._bridges = 1  # br0, br1, ...: one per side of a partition
 
     # ----------------------------------------------------------------- names and commands
 
@@ -160,3 +162,31 @@ class NetLab:
     def restore(self, i: int) -> None:
         """Undo :meth:`cut`."""
         _run(["ip", "-n", self._switch, "link", "set", self._port(i), "up"])
+
+    def partition(self, *sides: Sequence[int]) -> None:
+        """Split the lab: peers on the same side reach each other, peers on different sides
+        do not (their packets are lost, as across a broken route: no reset, no error). Every
+        peer must be on exactly one side. :meth:`heal` joins the sides again."""
+        placed = sorted(i for side in sides for i in side)
+        if len(sides) < 2 or any(not side for side in sides) or placed != list(range(self.peers)):
+            raise ValueError(
+                f"a partition puts each of the lab's {self.peers} peers on exactly one of two "
+                f"or more non-empty sides; got {[list(side) for side in sides]}"
+            )
+        self.heal()
+        for b in range(1, len(sides)):
+            _run(["ip", "-n", self._switch, "link", "add", f"br{b}", "type", "bridge"])
+            _run(["ip", "-n", self._switch, "link", "set", f"br{b}", "up"])
+            self._bridges += 1
+        for b, side in enumerate(sides):
+            for i in side:
+                _run(["ip", "-n", self._switch, "link", "set", self._port(i), "master", f"br{b}"])
+
+    def heal(self) -> None:
+        """Undo :meth:`partition`: every peer on one bridge again (a no-op if whole)."""
+        for i in range(self.peers):
+            if self._bridges > 1:
+                _run(["ip", "-n", self._switch, "link", "set", self._port(i), "master", "br0"])
+        while self._bridges > 1:
+            self._bridges -= 1
+            _run(["ip", "-n", self._switch, "link", "del", f"br{self._bridges}"])

@@ -67,7 +67,7 @@ import collections
 import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,7 @@ from peer.averaging.matchmaking import GroupInfo
 from peer.averaging.partition import FlatLayout, Partition
 from peer.averaging.protocol import ABORT, AVERAGE, PART
 from peer.averaging.reducer import FinishedPart, WeightedMeanReducer
+from peer.averaging.robust import check_aggregator, weight_bound
 from peer.compression import (
     CompressedTensor,
     Compression,
@@ -110,12 +111,20 @@ class AllreduceConfig:
     # a contribution weighing more is refused and its sender excluded (one peer with a huge
     # weight would otherwise be the whole mean)
     max_weight: float = math.inf
+    # a member that declared a weight over this factor times the group's median is excluded
+    relative_weight_bound: float | None = None
+    # how a reducer combines the contributions to a part (peer.averaging.robust)
+    aggregator: str = "mean"
 
     def __post_init__(self) -> None:
         if self.part_size_bytes < 1:
             raise ValueError("part_size_bytes must be positive")
         if not self.max_weight > 0:
             raise ValueError("max_weight must be positive")
+        bound = self.relative_weight_bound
+        if bound is not None and not (1 <= bound < math.inf):
+            raise ValueError("relative_weight_bound must be a finite factor of at least 1")
+        check_aggregator(self.aggregator)
         if self.sender_timeout <= 0 or self.reducer_timeout <= 0:
             raise ValueError("sender_timeout and reducer_timeout must be positive")
 
@@ -128,6 +137,7 @@ class MemberInfo:
     client_mode: bool
     bandwidth: float | None
     auxiliary: bool
+    weight: float | None = None  # the weight it declared for the round
 
 
 _NOT_YET: dict[str, Any] = {}  # a wire cache entry whose average is not compressed yet
@@ -194,6 +204,27 @@ class AllreduceRunner:
         ]
         self.is_sender = not self.members[self.index].auxiliary
         senders = [m.peer_id for m in self.members if not m.auxiliary]
+        # the weights the senders declared in matchmaking, which their parts must carry, and
+        # those over the group's bound (every member computes the same: excluded at run())
+        declared: dict[Hashable, float] = {
+            m.peer_id: m.weight for m in self.members if not m.auxiliary and m.weight is not None
+        }
+        if len(declared) < len(senders):
+            declared = {}
+        bound = min(
+            config.max_weight, weight_bound(declared.values(), config.relative_weight_bound)
+        )
+        self.weight_bound = bound
+        self.overweight = {
+            m.peer_id: m.weight
+            for m in self.members
+            if declared and m.weight is not None and m.weight > bound
+        }
+        if self.me in self.overweight:
+            raise ValueError(
+                f"this peer's weight {self.overweight[self.me]:g} is over the group's bound "
+                f"of {bound:g} (max_weight, relative_weight_bound)"
+            )
         my_sizes = self.partition.part_sizes(self.index)
         self.reducer: WeightedMeanReducer | None = None
         if my_sizes and senders:
@@ -213,7 +244,9 @@ class AllreduceRunner:
                 dtype=layout.dtype,
                 out=out,
                 destination=destination,
-                max_weight=config.max_weight,
+                max_weight=bound,
+                declared=declared or None,
+                aggregator=config.aggregator,
             )
         self.finished: dict[int, FinishedPart] = {}
         # uncompressed frames are slices of these byte views (no tensor views per frame)
@@ -253,6 +286,11 @@ class AllreduceRunner:
         loop_now = self._loop.time()
         self.last_from: dict[str, float] = dict.fromkeys(senders, loop_now)
         self.last_progress: dict[int, float] = dict.fromkeys(self.unresolved, loop_now)
+        # reducers a contribution frame is being sent to right now: only while one is under
+        # way do bytes the socket takes count as that reducer's progress (it cannot average
+        # before it has them). Bytes of averages, or of a frame into an empty socket buffer
+        # once nothing is owed, say nothing about whether the reducer is there.
+        self._contributing: set[int] = set()
         self.started = False
         self.early: list[tuple[str, Frame]] = []  # frames that arrived before run()
         self._own_error: BadContribution | None = None  # own values found not finite
@@ -268,6 +306,10 @@ class AllreduceRunner:
             self.last_from[sender] = start
         for r in self.last_progress:
             self.last_progress[r] = start
+        for peer_id, declared in self.overweight.items():
+            self._bad(
+                peer_id, f"declared weight {declared:g} is over the bound of {self.weight_bound:g}"
+            )
         my_parts = self.partition.parts_of(self.index)
         start, stop = self.partition.spans[self.index]
         if self.is_sender and self.weight > 0:
@@ -356,11 +398,16 @@ class AllreduceRunner:
                 count = self._batch(kind, r, index, box)
                 await self._before_send(peer_id, kind, index)
                 frame = self._frame(kind, r, index, count)
-                if bulk is not None:
-                    await bulk.send(peer_id, frame, timeout)  # a TCP lane if possible
-                else:
-                    async with asyncio.timeout(timeout):
-                        await link.send(frame)
+                if kind != "avg":
+                    self._contributing.add(r)
+                try:
+                    if bulk is not None:
+                        await bulk.send(peer_id, frame, timeout)  # a TCP lane if possible
+                    else:
+                        async with asyncio.timeout(timeout):
+                            await link.send(frame)
+                finally:
+                    self._contributing.discard(r)
                 if kind == "avg":
                     for i in range(index, index + count):
                         self._release_wire(i)
@@ -772,7 +819,9 @@ class AllreduceRunner:
                 if not pending:
                     continue
                 peer_id = self.members[r].peer_id
-                last = max(self.last_progress[r], heard.get(peer_id, 0.0), taken.get(peer_id, 0.0))
+                last = max(self.last_progress[r], heard.get(peer_id, 0.0))
+                if r in self._contributing:
+                    last = max(last, taken.get(peer_id, 0.0))
                 if now - last > cfg.reducer_timeout:
                     self._fail_reducer(r, f"silent for {cfg.reducer_timeout:g} s")
 

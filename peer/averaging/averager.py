@@ -36,7 +36,7 @@ import logging
 import math
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
@@ -135,7 +135,13 @@ class DecentralizedAverager:
     * ``concurrent_updates`` (not in hivemind): average a snapshot so that the tensors may
       be updated during a round (see the module docstring);
     * ``max_weight`` (not in hivemind): a contribution weighing more is refused and its
-      sender excluded from the round, named in the log (default: no bound).
+      sender excluded from the round, named in the log (default: no bound);
+    * ``relative_weight_bound`` (not in hivemind): each member declares its weight when the
+      group forms; a member that declared more than this factor times the group's median
+      is excluded from the round, named in the log (default: None, no bound);
+    * ``aggregator`` (not in hivemind): ``"mean"`` (default, streamed), ``"trimmed_mean"`` or
+      ``"centered_clip"``: how a reducer combines the contributions to each part of its
+      span (see :mod:`peer.averaging.robust`). Every member should use the same.
 
     ``start=False`` defers registration on the node until :meth:`run`. Call
     :meth:`shutdown` when done (or use as a context manager); the node is not shut down.
@@ -171,6 +177,8 @@ class DecentralizedAverager:
         shutdown_timeout: float = 5,
         concurrent_updates: bool = False,
         max_weight: float = math.inf,
+        relative_weight_bound: float | None = None,
+        aggregator: str = "mean",
     ) -> None:
         tensors = tuple(averaged_tensors)
         for t in tensors:
@@ -210,6 +218,10 @@ class DecentralizedAverager:
             reducer_timeout=2 * sender if reducer_timeout is None else float(reducer_timeout),
             min_vector_size=int(min_vector_size),
             max_weight=float(max_weight),
+            relative_weight_bound=(
+                None if relative_weight_bound is None else float(relative_weight_bound)
+            ),
+            aggregator=aggregator,
         )
         self.node = node
         self._averaged_tensors = tensors
@@ -386,6 +398,14 @@ class DecentralizedAverager:
 
     # ------------------------------------------------------------------------ step
 
+    def withdrawn_peers(self) -> frozenset[str]:
+        """While a step looks for a group: the peers that looked for one under the same key
+        and withdrew, because their group began without this peer or they gave up. They
+        will not join this step's group, so a caller that knows who else could still come
+        (e.g. from progress reports) can call the step off early. Empty otherwise."""
+        driver = self._driver
+        return driver.withdrawn if driver is not None else frozenset()
+
     def step(
         self,
         gather: Any = None,
@@ -424,6 +444,7 @@ class DecentralizedAverager:
                 {
                     "b": self.config.bandwidth,
                     "a": self.config.auxiliary,
+                    "w": weight,  # the weight its parts will carry (see AllreduceRunner)
                     "u": gather,
                 },
                 use_bin_type=True,
@@ -514,6 +535,7 @@ class DecentralizedAverager:
     ) -> dict[str, Any]:
         core = self._core
         members, gathered = _parse_members(group)
+        members = [_certified(member, core.certified_role(member.peer_id)) for member in members]
         if control.require_trigger and not control._trigger.is_set():
             control._set_stage(AveragingStage.AWAITING_TRIGGER)
             waiters = [
@@ -845,6 +867,27 @@ class DecentralizedAverager:
         return f"DecentralizedAverager(prefix={self.config.prefix!r}, peer_id={self.peer_id!r})"
 
 
+def _certified(member: MemberInfo, role: str | None) -> MemberInfo:
+    """``member`` as its certificate allows, whatever its metadata claims: a ``client``
+    never reduces (no span), an ``auxiliary`` never contributes. Every member applies the
+    same rule to the same certificates, so the honest ones agree on the partition; a member
+    that claimed more than its role computes another one, and its parts are refused."""
+    if role == "client" and not member.client_mode:
+        logger.warning(
+            "member %s claims to reduce but its certificate makes it a client: it gets no span",
+            member.peer_id,
+        )
+        return replace(member, client_mode=True)
+    if role == "auxiliary" and not member.auxiliary:
+        logger.warning(
+            "member %s claims to contribute but its certificate makes it auxiliary: its parts "
+            "are refused",
+            member.peer_id,
+        )
+        return replace(member, auxiliary=True)
+    return member
+
+
 def _parse_members(group: GroupInfo) -> tuple[list[MemberInfo], dict[str, Any]]:
     """Members' roles and gathered data from the group's metadata. A member whose metadata
     does not parse is treated as auxiliary with bandwidth 0 — the same on every member."""
@@ -853,7 +896,7 @@ def _parse_members(group: GroupInfo) -> tuple[list[MemberInfo], dict[str, Any]]:
     for peer_id, raw, client in zip(group.peer_ids, group.gathered, group.client_mode, strict=True):
         try:
             value = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-            bandwidth, auxiliary, user = value["b"], value["a"], value["u"]
+            bandwidth, auxiliary, user, weight = value["b"], value["a"], value["u"], value["w"]
             if bandwidth is not None and (
                 isinstance(bandwidth, bool)
                 or not isinstance(bandwidth, int | float)
@@ -863,11 +906,17 @@ def _parse_members(group: GroupInfo) -> tuple[list[MemberInfo], dict[str, Any]]:
                 raise ValueError("bad bandwidth")
             if not isinstance(auxiliary, bool):
                 raise ValueError("bad auxiliary flag")
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, int | float)
+                or not 0 <= weight < float("inf")
+            ):
+                raise ValueError("bad weight")
         except Exception as exc:  # msgpack raises several unrelated types for bad input
             logger.warning("member %s sent malformed metadata (%s): ignoring it", peer_id, exc)
             members.append(MemberInfo(peer_id, client, 0.0, True))
             gathered[peer_id] = None
             continue
-        members.append(MemberInfo(peer_id, client, bandwidth, auxiliary))
+        members.append(MemberInfo(peer_id, client, bandwidth, auxiliary, float(weight)))
         gathered[peer_id] = user
     return members, gathered

@@ -76,6 +76,9 @@ class MatchmakingDriver:
         self._published: tuple[Declaration, float] | None = None
         self._group_key: str | None = None
         self._slot_expirations: dict[str, float] = {}
+        #: peers that declared under the key of the attempt under way and withdrew: their group
+        #: began without this peer, or they gave up; either way they will not join its group
+        self.withdrawn: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ attempt
 
@@ -95,6 +98,7 @@ class MatchmakingDriver:
         loop = asyncio.get_running_loop()
         self._result = result = loop.create_future()
         self._group_key = group_key
+        self.withdrawn = frozenset()
         self.machine.known.clear()  # re-learnt from gossip below; drops stale peers
         await self._execute(
             self.machine.start(
@@ -153,11 +157,15 @@ class MatchmakingDriver:
             return
         entry = await self.core.get(key)
         seen: set[str] = set()
+        withdrawn: set[str] = set()
         if entry is not None and isinstance(entry.value, dict):
             now = self.core.now()
             for subkey, item in entry.value.items():
                 value = getattr(item, "value", None)
-                if value is None or subkey == self.core.peer_id:
+                if subkey == self.core.peer_id:
+                    continue
+                if value is None:  # a retracted declaration (see _retract)
+                    withdrawn.add(subkey)
                     continue
                 try:
                     declaration = decode_declaration(value)
@@ -174,6 +182,8 @@ class MatchmakingDriver:
         for peer_id in list(self.machine.known):
             if peer_id not in seen:
                 self.machine.forget(peer_id)
+        if key == self._group_key:
+            self.withdrawn = frozenset(withdrawn)
 
     async def _refresh_declaration(self) -> None:
         if self._published is None:

@@ -19,17 +19,21 @@ excluded sender's contribution *exactly* (no floating-point subtraction), the re
 a reference to each contribution of a part until that part is final and rebuilds the
 affected accumulators from the survivors'; references are released at finalisation, so
 memory beyond the accumulator is bounded by the contributions of parts still in flight.
+
+With a robust ``aggregator`` (:mod:`peer.averaging.robust`) nothing is accumulated: a part
+is aggregated from its retained contributions once it has them all, into the same buffers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from peer.averaging.exceptions import BadContribution, UnexpectedSender
+from peer.averaging.robust import aggregate, check_aggregator
 from peer.compression import all_finite
 
 __all__ = ["FinishedPart", "WeightedMeanReducer", "apply_averaging_alpha"]
@@ -67,7 +71,13 @@ class WeightedMeanReducer:
     its sum (not one per contribution): the senders whose values in it are not finite are
     then excluded as by :meth:`exclude`, the part is rebuilt from the others, and each
     offence is queued in :attr:`rejected` for the caller to act on (:meth:`take_rejected`).
+    Finite values whose weighted sum overflows are blamed on the sender with the largest
+    ``w·max|x|`` in the part, excluded the same way: an average is never infinite.
     A sender's values count as valid once every part it contributed to is final.
+
+    ``max_weight`` bounds a contribution's weight; ``declared`` (sender → weight, from
+    matchmaking) is the weight each sender announced, which its contributions must carry.
+    ``aggregator`` other than ``"mean"`` aggregates each complete part robustly instead.
     """
 
     def __init__(
@@ -79,10 +89,15 @@ class WeightedMeanReducer:
         out: torch.Tensor | None = None,
         destination: torch.Tensor | None = None,
         max_weight: float = math.inf,
+        declared: Mapping[Hashable, float] | None = None,
+        aggregator: str = "mean",
     ) -> None:
         if not max_weight > 0:
             raise ValueError("max_weight must be positive")
         self.max_weight = float(max_weight)
+        self.declared = dict(declared) if declared is not None else None
+        self.aggregator = check_aggregator(aggregator)
+        self._streamed = aggregator == "mean"  # else: aggregated when a part is complete
         self.part_sizes = tuple(part_sizes)
         if any(size < 0 for size in self.part_sizes):
             raise ValueError("part sizes must be non-negative")
@@ -186,7 +201,7 @@ class WeightedMeanReducer:
         weight = self._check_weight(sender, index, weight)
         start_at, stop_at = self.offsets[index], self.offsets[stop]
         self._check_values(sender, index, values, stop_at - start_at)
-        if weight > 0:
+        if weight > 0 and self._streamed:
             self._add(index, stop, values, weight)
         for i in range(index, stop):
             part = values[self.offsets[i] - start_at : self.offsets[i + 1] - start_at]
@@ -220,7 +235,8 @@ class WeightedMeanReducer:
         pending[sender] = (weight, values)
         if weight > 0:
             assert values is not None
-            self._add(index, index + 1, values, weight)
+            if self._streamed:
+                self._add(index, index + 1, values, weight)
             self._total_weight[index] += weight
         return self._finalise_ready([index])
 
@@ -318,6 +334,8 @@ class WeightedMeanReducer:
         survivors = [(w, v) for w, v in pending.values() if w > 0 and v is not None]
         self._total_weight[index] = sum(w for w, _ in survivors)
         self._lone[index] = None
+        if not self._streamed:
+            return  # aggregated from ``pending`` when complete
         if len(survivors) == 1:
             weight, values = survivors[0]
             self._lone[index] = (weight, values, 0)
@@ -340,11 +358,15 @@ class WeightedMeanReducer:
         culprits = self._screen(ready)
         if culprits:  # excluded now: the parts they were in are rebuilt without them
             touched: set[int] = set()
-            for sender, index in culprits.items():
-                self.rejected.append(BadContribution(sender, index, "NaN or Inf values"))
+            for sender, (index, reason) in culprits.items():
+                self.rejected.append(BadContribution(sender, index, reason))
                 touched.update(self._drop(sender))
             return self._finalise_ready(sorted(touched))
         results = self.destination if self.destination is not None else self.buffer
+        if not self._streamed:
+            for index in ready:
+                self._aggregate_into(index, results)
+            return self._release(ready, results)
         # a part with a single contributor: its values are the average, exactly
         divided = []
         for index in ready:
@@ -368,6 +390,21 @@ class WeightedMeanReducer:
                     torch.div(self.buffer[lo:hi], total, out=self.destination[lo:hi])
                 else:
                     self.buffer[lo:hi].div_(total)
+        return self._release(ready, results)
+
+    def _aggregate_into(self, index: int, results: torch.Tensor) -> None:
+        """Part ``index`` by the robust aggregator, from its retained contributions."""
+        pending = self._pending[index]
+        assert pending is not None
+        survivors = [(w, v) for w, v in pending.values() if w > 0 and v is not None]
+        if not survivors:
+            return
+        # in float64: finite values cannot overflow there, so neither can their aggregate
+        stack = torch.stack([v.to(torch.float64) for _, v in survivors])  # [n, numel]
+        average = aggregate(self.aggregator, stack, [w for w, _ in survivors])
+        results[self.offsets[index] : self.offsets[index + 1]].copy_(average)
+
+    def _release(self, ready: list[int], results: torch.Tensor) -> list[FinishedPart]:
         done = []
         for index in ready:
             pending = self._pending[index]
@@ -380,14 +417,18 @@ class WeightedMeanReducer:
             done.append(FinishedPart(index, average, total, contributors))
         return done
 
-    def _screen(self, ready: list[int]) -> dict[Hashable, int]:
+    def _screen(self, ready: list[int]) -> dict[Hashable, tuple[int, str]]:
         """Check the sums of complete parts for NaN/Inf (one pass over each run of adjacent
         accumulated parts); for a part that fails, find the senders with non-finite values
-        in it. Returns them, each with the first such part. Finite values whose sum
-        overflows are not an offence: that part stays as it is."""
+        in it, or if all are finite (their weighted sum overflows), the sender with the
+        largest ``w·max|x|``. Returns them, each with the first such part and why. Without
+        a sum (robust aggregator), every contribution of the complete parts is checked."""
         offsets, lone, buffer = self.offsets, self._lone, self.buffer
         suspects: list[int] = []
         summed: list[int] = []  # parts whose sum is in the accumulator, in order
+        if not self._streamed:
+            suspects = [i for i in ready if self._total_weight[i] > 0]
+            ready = []
         for index in ready:
             first = lone[index]
             if first is not None:  # a single contributor: its values are the average
@@ -403,13 +444,26 @@ class WeightedMeanReducer:
                     for i in range(low, high + 1)
                     if not all_finite(buffer[offsets[i] : offsets[i + 1]])
                 )
-        culprits: dict[Hashable, int] = {}
+        culprits: dict[Hashable, tuple[int, str]] = {}
         for index in suspects:
             pending = self._pending[index]
             assert pending is not None
+            found = False
             for sender, (weight, contribution) in pending.items():
                 if weight > 0 and contribution is not None and not all_finite(contribution):
-                    culprits.setdefault(sender, index)
+                    culprits.setdefault(sender, (index, "NaN or Inf values"))
+                    found = True
+            if not found and self._streamed:  # finite values, but their sum overflows
+                sender, size = max(
+                    (
+                        (s, w * float(x.abs().max()))
+                        for s, (w, x) in pending.items()
+                        if w > 0 and x is not None and x.numel()
+                    ),
+                    key=lambda item: item[1],
+                )
+                reason = f"its values overflow the sum (weight * largest |value| = {size:.3g})"
+                culprits.setdefault(sender, (index, reason))
         return culprits
 
     def _check_weight(self, sender: Hashable, index: int, weight: float) -> float:
@@ -419,6 +473,13 @@ class WeightedMeanReducer:
             raise BadContribution(sender, index, f"weight {weight!r} is not a number") from None
         if not math.isfinite(weight) or weight < 0:
             raise BadContribution(sender, index, f"weight {weight} must be finite and >= 0")
+        if self.declared is not None:
+            declared = self.declared.get(sender)
+            if declared is None or declared != weight:
+                said = "no weight" if declared is None else f"the {declared:g}"
+                raise BadContribution(
+                    sender, index, f"weight {weight:g} differs from {said} it declared"
+                )
         if weight > self.max_weight:
             raise BadContribution(
                 sender, index, f"weight {weight:g} is over the bound of {self.max_weight:g}"

@@ -1,4 +1,4 @@
-"""Bulk lanes: plain TCP side connections for large one-way frames (tensor parts).
+"""Bulk lanes: TCP side connections for large one-way frames (tensor parts).
 
 Why: a WebSocket message costs several user-space copies on each side (framing, masking,
 the stream reader's buffer, fragment joins). Averaging moves the model's size through every
@@ -17,9 +17,14 @@ Trust: a lane is only opened after an authenticated link (:mod:`peer.node.links`
 The dialer asks the listener over that link for a *ticket* (16 random bytes, single use,
 valid :data:`TICKET_TTL` seconds, bound to the dialer's peer id) and presents it as the
 first bytes of the TCP connection; the listener then knows which authenticated peer the
-lane belongs to. Frames on a lane are validated exactly like frames on a link, and only the
-message types registered as bulk (:meth:`BulkLanes.accept`) are accepted; anything else,
-or a malformed frame, closes the lane (the sender falls back to its link).
+lane belongs to. With encryption (the default), both ends derive the lane's keys from the
+link's session and the ticket (:meth:`peer.transport.secure.SessionKeys.lane`), the dialer
+follows the ticket with a proof that it holds them, and every frame travels sealed
+(:class:`~peer.transport.secure.LaneSealer`): a ticket seen or stolen by someone else opens
+nothing, and a record altered, replayed or injected on the way closes the lane. Frames on
+a lane are validated exactly like frames on a link, and only the message types registered
+as bulk (:meth:`BulkLanes.accept`) are accepted; anything else, or a malformed frame,
+closes the lane (the sender falls back to its link).
 
 Fallback: a peer without a lane listener (client mode, a transport that is not TCP, a
 firewalled port) is reached over the link: :meth:`BulkLanes.send` never fails for lack of
@@ -41,6 +46,7 @@ from typing import Any
 
 from peer.exceptions import FrameTooLarge, ProtocolError, SwarmgradError, TransportError
 from peer.node.buffers import BufferPool
+from peer.transport.secure import LaneKeys, LaneOpener, LaneSealer, lane_proof_ok
 from peer.wire import (
     BYTES,
     INT,
@@ -63,6 +69,7 @@ BULK_TICKET = "bulk.ticket"
 BULK_TICKET_OK = "bulk.ticket_ok"
 MAGIC = b"SWGB"  # "swarmgrad bulk", version 1 of the lane preamble
 TICKET_BYTES = 16
+PROOF_BYTES = 32  # after the ticket on an encrypted lane: the dialer holds the lane's keys
 TICKET_TTL = 30.0
 _PAYLOAD_LOWAT = 512 << 10  # bytes of a payload worth waking up for (at most)
 _READ_BUDGET = 8 << 20  # bytes read per wake-up of a lane before the loop's other work runs
@@ -111,11 +118,28 @@ class _Lane:
 
     _HEADER_READ = 4096  # bytes read ahead while looking for a header (spill is copied)
 
-    def __init__(self, owner: BulkLanes, peer_id: str, sock: socket.socket) -> None:
+    def __init__(
+        self,
+        owner: BulkLanes,
+        peer_id: str,
+        sock: socket.socket,
+        keys: LaneKeys | None = None,
+        *,
+        dialer: bool = False,
+    ) -> None:
         self.owner = owner
         self.peer_id = peer_id
         self.sock = sock
         self.closed = False
+        # encryption: one key per direction (None: a lane in clear, on a trusted network)
+        self._sealer: LaneSealer | None = None
+        self._opener: LaneOpener | None = None
+        if keys is not None:
+            mine, theirs = (keys.dialer, keys.listener) if dialer else (keys.listener, keys.dialer)
+            self._sealer = LaneSealer(mine)
+            self._opener = LaneOpener(
+                theirs, owner.registry, owner.limits, check=self._check, take=owner.buffers.take
+            )
         self._send_lock = asyncio.Lock()
         # reading state: read-ahead buffer for headers, and the payload being filled
         self._staging = bytearray(self._HEADER_READ)
@@ -125,6 +149,7 @@ class _Lane:
         self._payload: memoryview | None = None
         self._got = 0  # bytes of that payload received
         self._lowat = 1
+        self._read_now = 0  # bytes read in the current wake-up
         self._backlog: collections.deque[Frame] = collections.deque()
         self._delivery: asyncio.Task[None] | None = None
         self._reading = False
@@ -152,19 +177,16 @@ class _Lane:
             if self.closed:
                 raise ConnectionError(f"bulk lane to {self.peer_id} is closed")
             self.owner.core.count_sent(len(header) + payload.nbytes)
-            views = [memoryview(header), payload] if payload.nbytes else [memoryview(header)]
             try:
-                # header and payload in one system call (one TCP push, not a tiny segment
-                # first); whatever the socket buffer did not take goes out as it drains
-                try:
-                    sent = self.sock.sendmsg(views)
-                except (BlockingIOError, InterruptedError):
-                    sent = 0
-                if sent:
-                    self.owner.taken[self.peer_id] = self.owner.loop.time()
-                    views = _after(views, sent)
-                if views:
-                    await self._send_rest(views, idle_timeout)
+                if self._sealer is None:
+                    views = (
+                        [memoryview(header), payload] if payload.nbytes else [memoryview(header)]
+                    )
+                    await self._send_views(views, idle_timeout)
+                else:
+                    # sealed in batches of records into one reused buffer, each sent in turn
+                    for batch in self._sealer.seal(header, payload):
+                        await self._send_views(batch, idle_timeout)
             except asyncio.CancelledError:
                 self.close()  # a frame abandoned midway leaves the stream unusable
                 raise
@@ -176,6 +198,19 @@ class _Lane:
             except OSError as exc:
                 self.close()
                 raise ConnectionError(f"bulk lane to {self.peer_id} failed: {exc}") from None
+
+    async def _send_views(self, views: list[memoryview], idle_timeout: float | None) -> None:
+        # all of them in one system call (one TCP push, not a tiny header segment first);
+        # whatever the socket buffer did not take goes out as it drains
+        try:
+            sent = self.sock.sendmsg(views)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent:
+            self.owner.taken[self.peer_id] = self.owner.loop.time()
+            views = _after(views, sent)
+        if views:
+            await self._send_rest(views, idle_timeout)
 
     async def _send_rest(self, views: list[memoryview], idle_timeout: float | None) -> None:
         """Send ``views`` as the socket drains; TimeoutError once it has taken nothing for
@@ -205,7 +240,8 @@ class _Lane:
         if not self._reading and not self._ended:
             self.owner.loop.add_reader(self.sock, self._on_readable)
             self._reading = True
-            if self._have:  # frames read ahead while paused: before waiting for more
+            read_ahead = self._have if self._opener is None else self._opener.pending
+            if read_ahead:  # frames read ahead while paused: before waiting for more
                 self.owner.loop.call_soon(self._on_readable, True)
 
     def _pause(self) -> None:
@@ -216,38 +252,12 @@ class _Lane:
     def _on_readable(self, parse_first: bool = False) -> None:
         """Read what the socket has (up to :data:`_READ_BUDGET` bytes: then the loop's other
         work goes first), handing out every frame completed."""
-        sock = self.sock
-        budget = _READ_BUDGET
+        self._read_now = 0
         try:
-            if parse_first and self._payload is None and self._reading:
-                self._parse()
-            while budget > 0 and self._reading:
-                payload = self._payload
-                if payload is not None:  # straight from the socket into the payload
-                    size = len(payload)
-                    want = size - self._got
-                    n = sock.recv_into(payload[self._got :])
-                    if not n:
-                        raise ConnectionError("lane closed by the remote")
-                    self._got += n
-                    budget -= n
-                    if n == want:
-                        head, self._head, self._payload = self._head, None, None
-                        assert head is not None
-                        self._deliver(Frame(head.type, head.fields, payload))
-                        del payload  # the handler owns it: nothing here may keep it alive
-                    elif n < want:
-                        break  # drained for now
-                else:
-                    want = len(self._view) - self._have
-                    n = sock.recv_into(self._view[self._have :])
-                    if not n:
-                        raise ConnectionError("lane closed by the remote")
-                    self._have += n
-                    budget -= n
-                    self._parse()
-                    if n < want and self._payload is None:
-                        break  # drained for now
+            if self._opener is None:
+                self._read_clear(parse_first)
+            else:
+                self._read_sealed(self._opener)
         except (BlockingIOError, InterruptedError):
             pass
         except ProtocolError as exc:
@@ -259,19 +269,85 @@ class _Lane:
             return
         if self._ended:
             return
-        if budget < _READ_BUDGET:
+        if self._read_now:
             self.owner.heard[self.peer_id] = self.owner.loop.time()
         # In a payload, wake up only once a good stretch of it is there (SO_RCVLOWAT):
         # fewer wake-ups and larger reads than one per arriving segment.
         lowat = 1
-        if self._payload is not None:
+        if self._opener is not None:
+            if self._opener.in_payload:
+                lowat = min(self._opener.wanted(), _PAYLOAD_LOWAT)
+        elif self._payload is not None:
             lowat = min(len(self._payload) - self._got, _PAYLOAD_LOWAT)
         if lowat != self._lowat:
             try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
             except OSError:
                 pass  # an old kernel: one wake-up per segment, still correct
             self._lowat = lowat
+
+    def _read_clear(self, parse_first: bool) -> None:
+        """Frames in clear: the payload goes from the socket straight into its buffer."""
+        sock = self.sock
+        if parse_first and self._payload is None and self._reading:
+            self._parse()
+        while self._read_now < _READ_BUDGET and self._reading:
+            payload = self._payload
+            if payload is not None:  # straight from the socket into the payload
+                size = len(payload)
+                want = size - self._got
+                n = sock.recv_into(payload[self._got :])
+                if not n:
+                    raise ConnectionError("lane closed by the remote")
+                self._got += n
+                self._read_now += n
+                if n == want:
+                    head, self._head, self._payload = self._head, None, None
+                    assert head is not None
+                    self._deliver(Frame(head.type, head.fields, payload))
+                    del payload  # the handler owns it: nothing here may keep it alive
+                elif n < want:
+                    break  # drained for now
+            else:
+                want = len(self._view) - self._have
+                n = sock.recv_into(self._view[self._have :])
+                if not n:
+                    raise ConnectionError("lane closed by the remote")
+                self._have += n
+                self._read_now += n
+                self._parse()
+                if n < want and self._payload is None:
+                    break  # drained for now
+
+    def _read_sealed(self, opener: LaneOpener) -> None:
+        """Frames sealed: records go from the socket into a staging buffer and are opened
+        from there into the payload's buffer."""
+        self._open_frames(opener)
+        while self._read_now < _READ_BUDGET and self._reading:
+            view = opener.buffer()
+            want = len(view)
+            n = self.sock.recv_into(view)
+            del view
+            if not n:
+                raise ConnectionError("lane closed by the remote")
+            self._read_now += n
+            opener.received(n)
+            self._open_frames(opener)
+            if n < want:
+                break  # drained for now
+
+    def _open_frames(self, opener: LaneOpener) -> None:
+        """Hand out the frames whose records arrived, until the handlers fall behind."""
+        while self._reading:
+            frame = opener.next_frame()
+            if frame is None:
+                return
+            self._deliver(frame)
+            del frame  # the handler owns the payload: nothing here may keep it alive
+
+    def _check(self, head: Header) -> None:
+        if head.type not in self.owner.accepted or head.request_id or head.reply_to:
+            raise ProtocolError(f"{head.type!r} is not accepted on a bulk lane")
 
     def _parse(self) -> None:
         """Take the complete frames out of the staging buffer; start the payload of one that
@@ -288,8 +364,7 @@ class _Lane:
                 grow_to = need  # a large header: the staging buffer must hold it whole
                 break
             head = decode_header(view[pos + LENGTH_BYTES : pos + need], owner.registry, limits)
-            if head.type not in owner.accepted or head.request_id or head.reply_to:
-                raise ProtocolError(f"{head.type!r} is not accepted on a bulk lane")
+            self._check(head)
             pos += need
             size = head.payload_length
             if not size:
@@ -421,7 +496,8 @@ class BulkLanes:
         self._all: set[_Lane] = set()
         self._dialing: dict[str, asyncio.Future[_Lane | None]] = {}
         self._refused_at: dict[str, float] = {}
-        self._tickets: dict[bytes, tuple[str, float]] = {}
+        # ticket → (peer id, expiry, the lane's keys when encrypting)
+        self._tickets: dict[bytes, tuple[str, float, LaneKeys | None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._opening: set[asyncio.Task[Any]] = set()  # admissions and dials: close() cancels
         self.closing = False
@@ -511,24 +587,52 @@ class BulkLanes:
             logger.warning("refusing a bulk lane without a valid ticket")
             conn.close()
             return
+        peer_id, _, keys = claim
+        if keys is not None and not await self._proven(conn, keys):
+            logger.warning(
+                "refusing a bulk lane with the ticket of peer %s but without proof of the "
+                "link's keys: the ticket was stolen, or the dialer is not that peer",
+                peer_id,
+            )
+            conn.close()
+            return
         if self.closing:
             conn.close()
             return
         _tune(conn)
-        self._add(_Lane(self, claim[0], conn))
+        self._add(_Lane(self, peer_id, conn, keys))
+
+    async def _proven(self, conn: socket.socket, keys: LaneKeys) -> bool:
+        """Whether the dialer follows its ticket with the proof that it holds the lane's keys."""
+        proof = bytearray(PROOF_BYTES)
+        got = 0
+        try:
+            async with asyncio.timeout(5.0):
+                while got < PROOF_BYTES:
+                    n = await self.loop.sock_recv_into(conn, memoryview(proof)[got:])
+                    if n == 0:
+                        break
+                    got += n
+        except (OSError, TimeoutError):
+            return False
+        except BaseException:  # cancelled by close()
+            conn.close()
+            raise
+        return got == PROOF_BYTES and lane_proof_ok(keys, bytes(proof))
 
     async def on_ticket(self, link: Any, frame: Frame) -> Frame:
         """Handler of ``bulk.ticket`` (a request over an authenticated link)."""
         if self.port is None or self.closing:
             raise ValueError("this peer has no bulk lanes")
         now = time.monotonic()
-        for ticket, (_, expiry) in list(self._tickets.items()):
+        for ticket, (_, expiry, _) in list(self._tickets.items()):
             if expiry < now:
                 del self._tickets[ticket]
         if len(self._tickets) > 4096:
             raise ValueError("too many bulk tickets outstanding")
         ticket = os.urandom(TICKET_BYTES)
-        self._tickets[ticket] = (link.peer_id, now + TICKET_TTL)
+        keys: LaneKeys | None = link.keys.lane(ticket) if link.keys is not None else None
+        self._tickets[ticket] = (link.peer_id, now + TICKET_TTL, keys)
         return Frame(BULK_TICKET_OK, {"port": self.port, "ticket": ticket})
 
     # ------------------------------------------------------------------- sending
@@ -579,17 +683,20 @@ class BulkLanes:
             host = _host_of(link.conn.remote_address)
             if host is None:
                 raise ConnectionError("the link's remote address names no host")
+            ticket = reply.fields["ticket"]
+            keys = link.keys.lane(ticket) if link.keys is not None else None
             sock = await self._connect(host, reply.fields["port"])
             try:
                 async with asyncio.timeout(self.core.config.request_timeout):
-                    await self.loop.sock_sendall(sock, MAGIC + reply.fields["ticket"])
+                    preamble = MAGIC + ticket + (keys.proof if keys is not None else b"")
+                    await self.loop.sock_sendall(sock, preamble)
             except BaseException:  # a failure, or cancelled by close()
                 sock.close()
                 raise
             if self.closing:
                 sock.close()
             else:
-                lane = _Lane(self, peer_id, sock)
+                lane = _Lane(self, peer_id, sock, keys, dialer=True)
                 self._add(lane)
         except (SwarmgradError, OSError, TimeoutError) as exc:
             self._refused_at[peer_id] = time.monotonic()

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +101,9 @@ class NodeConfig:
     max_pending_handshakes: int = 64
     bulk_lanes: bool = True  # TCP side lanes for tensor parts (peer.node.bulk), if TCP
     bulk_port: int = 0  # the lanes' listening port (0: any free one; set it behind a firewall)
+    # links and lanes sealed with keys from each handshake (peer.transport.secure); False
+    # only on a network where nobody can read or alter traffic: every peer must agree
+    encryption: bool = True
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -174,6 +177,9 @@ class AsyncNode:
         self._member_cache: dict[bytes, Member] = {}
         self._watchers: dict[str, list[Callable[[], None]]] = {}  # key → callbacks (watch)
         self._bootstrapped: set[str] = set()  # initial peers reached at least once
+        # peers and addresses with a gossip exchange under way: a round skips them, so one
+        # that does not answer holds up only its own exchange, never the rounds
+        self._exchanging: set[str] = set()
         self._added_peers: set[str] = set()  # initial peers from add_initial_peers
         self._reconnect = Reconnector(
             interval=self.config.reconnect_interval or self.config.member_ttl,
@@ -368,6 +374,11 @@ class AsyncNode:
                 out[member.peer_id] = member
         self._member_cache = cache
         return out
+
+    def certified_role(self, peer_id: str) -> str | None:
+        """The role the run's authority gave ``peer_id`` in its certificate (certificate
+        mode, once this node has seen that certificate); None otherwise."""
+        return self.certificates.role(peer_id) if self.certificates is not None else None
 
     def _next_seq(self) -> int:
         self._seq = next_sequence(self._seq, self.now())
@@ -649,9 +660,11 @@ class AsyncNode:
             if peer_id is not None and self._dialing.get(peer_id) is result:
                 del self._dialing[peer_id]
 
-    async def _handshake(self, conn: Connection, expected_peer_id: str | None) -> RemotePeer:
+    async def _handshake(
+        self, conn: Connection, expected_peer_id: str | None
+    ) -> tuple[RemotePeer, Connection]:
         cfg = self.config
-        remote = await handshake(
+        remote, conn = await handshake(
             conn,
             identity=self.identity,
             auth=self.auth,
@@ -661,15 +674,16 @@ class AsyncNode:
             limits=cfg.limits,
             timeout=cfg.request_timeout,
             expected_peer_id=expected_peer_id,
+            encrypt=cfg.encryption,
         )
         if self._banned(remote.public_key):
             raise AuthenticationError(f"peer {remote.peer_id} is banned by the run's authority")
-        return remote
+        return remote, conn
 
     async def _connect(self, address: str, expected_peer_id: str | None) -> PeerLink:
         conn = await self.transport.connect(address, timeout=self.config.request_timeout)
         try:
-            remote = await self._handshake(conn, expected_peer_id)
+            remote, conn = await self._handshake(conn, expected_peer_id)
         except BaseException:
             with contextlib.suppress(Exception):
                 await conn.close("handshake failed")
@@ -692,7 +706,7 @@ class AsyncNode:
             return
         self._handshaking += 1
         try:
-            remote = await self._handshake(conn, None)
+            remote, conn = await self._handshake(conn, None)
         except (AuthenticationError, ProtocolError) as exc:
             logger.warning("refused connection from %s: %s", conn.remote_address, exc)
             with contextlib.suppress(Exception):
@@ -825,7 +839,7 @@ class AsyncNode:
         self._bootstrapped.add(address)
 
     def _gossip_targets(self, exclude: str | None = None) -> list[str]:
-        candidates = self._gossip_candidates(exclude)
+        candidates = [p for p in self._gossip_candidates(exclude) if p not in self._exchanging]
         return self.random.sample(candidates, min(self.config.fanout, len(candidates)))
 
     def _gossip_candidates(self, exclude: str | None = None) -> list[str]:
@@ -854,11 +868,20 @@ class AsyncNode:
         if departed is not None and departed[1] not in retry:
             logger.debug("dialing departed peer %s at %s again", *departed)
             retry.append(departed[1])
+        retry = [a for a in retry if a not in self._exchanging]
         await asyncio.gather(
-            *(self._exchange_with_peer(p) for p in targets),
-            *(self._exchange_with_address(a) for a in retry),
+            *(self._exclusively(p, self._exchange_with_peer(p)) for p in targets),
+            *(self._exclusively(a, self._exchange_with_address(a)) for a in retry),
             return_exceptions=True,
         )
+
+    async def _exclusively(self, key: str, exchange: Coroutine[Any, Any, None]) -> None:
+        """Run one gossip exchange, marking ``key`` (a peer id or an address) as under way."""
+        self._exchanging.add(key)
+        try:
+            await exchange
+        finally:
+            self._exchanging.discard(key)
 
     async def _exchange_with_peer(self, peer_id: str) -> None:
         link: PeerLink | None = None
@@ -1015,10 +1038,17 @@ class AsyncNode:
         period = self.config.gossip_period
         while True:
             await asyncio.sleep(period * self.random.uniform(0.75, 1.25))
-            try:
-                await self._gossip_round()
-            except SwarmgradError as exc:
-                logger.debug("gossip round failed: %s", exc)
+            # Not awaited: a round lasts as long as its slowest exchange (up to the request
+            # timeout for a peer that stopped answering, e.g. across a network partition),
+            # and the others must still hear from this node every period. A peer whose
+            # exchange is still under way is left out of the next rounds meanwhile.
+            self._spawn(self._gossip_round_logged(), "gossip-round")
+
+    async def _gossip_round_logged(self) -> None:
+        try:
+            await self._gossip_round()
+        except SwarmgradError as exc:
+            logger.debug("gossip round failed: %s", exc)
 
     async def _maintenance_loop(self) -> None:
         cfg = self.config

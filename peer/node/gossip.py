@@ -401,6 +401,7 @@ class OwnerCertificate:
 
     certificate: bytes
     expires_at: float | None  # None: the verifier did not say; valid until replaced
+    role: str | None = None  # the role the authority gave it, when the verifier says
 
 
 class CertificateBook:
@@ -433,9 +434,16 @@ class CertificateBook:
         self.send_margin = send_margin
         self.max_owners = max_owners
         self._owners: dict[bytes, OwnerCertificate] = {}
+        self._keys: dict[str, bytes] = {}  # peer id → owner key, for :meth:`role`
 
     def __len__(self) -> int:
         return len(self._owners)
+
+    def role(self, peer_id: str) -> str | None:
+        """The role in ``peer_id``'s certificate (e.g. ``"peer"``, ``"client"``), or None
+        when this node holds no certificate of that peer or the verifier gives no role."""
+        held = self._owners.get(self._keys.get(peer_id, b""))
+        return held.role if held is not None else None
 
     def __contains__(self, owner: bytes) -> bool:
         return owner in self._owners
@@ -462,7 +470,11 @@ class CertificateBook:
             and held.expires_at > expires_at
         ):
             return True
-        self._owners[owner] = OwnerCertificate(bytes(certificate), expires_at)
+        role = getattr(verified, "role", None)
+        self._owners[owner] = OwnerCertificate(
+            bytes(certificate), expires_at, role if isinstance(role, str) else None
+        )
+        self._keys[peer_id_from_public_key(owner)] = owner
         return True
 
     def offer(self, owner: bytes, certificate: bytes, now: float) -> None:
@@ -508,6 +520,7 @@ class CertificateBook:
         gone = [owner for owner in self._owners if not self.valid(owner, now)]
         for owner in gone:
             del self._owners[owner]
+            self._keys.pop(peer_id_from_public_key(owner), None)
         return gone
 
 

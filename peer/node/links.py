@@ -3,7 +3,7 @@ messages multiplexed over one transport connection.
 
 Handshake (both sides run the same steps, so it does not matter who dialed)::
 
-    → hello {public_key, nonce, mode, credential, addresses, client_mode}
+    → hello {public_key, nonce, mode, credential, addresses, client_mode, encrypt, kx}
     ← hello {...}
     → auth  {signature, proof}
     ← auth  {...}
@@ -15,6 +15,13 @@ in certificate mode ``credential`` is a run certificate checked with the pluggab
 before anything else is accepted. Modes must match exactly; a mismatch is refused, never
 downgraded. Until both ``auth`` messages are verified, any other frame closes the
 connection: an unauthenticated peer cannot send a gossip record or a tensor.
+
+Encryption: ``kx`` is a fresh X25519 public key, signed with the rest of the hello, and the
+link's keys derive from the two (:mod:`peer.transport.secure`): every message after the
+handshake is sealed, so whoever relays a handshake can neither read the link nor inject a
+frame into it. ``encrypt`` says whether a peer seals its links (``False`` only on a trusted
+network, :attr:`~peer.node.core.NodeConfig.encryption`); both sides must agree, and a
+mismatch is refused like a mode mismatch.
 """
 
 from __future__ import annotations
@@ -50,6 +57,14 @@ from peer.identity import (
     verify_signature,
 )
 from peer.transport.base import Connection
+from peer.transport.secure import (
+    KX_BYTES,
+    LINK_OVERHEAD,
+    KeyExchange,
+    SecureConnection,
+    SessionKeys,
+    derive_session,
+)
 from peer.wire import (
     BOOL,
     BYTES,
@@ -87,7 +102,11 @@ def register_link_messages(registry: MessageRegistry) -> None:
                 "addresses": ListOf(Scalar(str, max_length=256), max_length=16),
                 "client_mode": BOOL,
             },
-            optional={"agent": Scalar(str, max_length=128)},
+            optional={
+                "agent": Scalar(str, max_length=128),
+                "encrypt": BOOL,
+                "kx": Scalar(bytes, max_length=KX_BYTES),
+            },
         ),
     )
     registry.register(
@@ -127,13 +146,24 @@ async def handshake(
     limits: Limits,
     timeout: float,
     expected_peer_id: str | None = None,
-) -> RemotePeer:
-    """Authenticate both ends of ``conn``. Raises AuthenticationError (after telling the other
-    side why) or ProtocolError/TransportError; the caller closes the connection on failure."""
+    encrypt: bool = True,
+) -> tuple[RemotePeer, Connection]:
+    """Authenticate both ends of ``conn``; the remote peer and the connection to use from
+    now on (``conn`` sealed with the session's keys, unless ``encrypt`` is off). Raises
+    AuthenticationError (after telling the other side why) or ProtocolError/TransportError;
+    the caller closes the connection on failure."""
     try:
         async with asyncio.timeout(timeout):
             return await _handshake(
-                conn, identity, auth, addresses, client_mode, registry, limits, expected_peer_id
+                conn,
+                identity,
+                auth,
+                addresses,
+                client_mode,
+                registry,
+                limits,
+                expected_peer_id,
+                encrypt,
             )
     except TimeoutError:
         raise AuthenticationError("handshake timed out") from None
@@ -148,8 +178,10 @@ async def _handshake(
     registry: MessageRegistry,
     limits: Limits,
     expected_peer_id: str | None,
-) -> RemotePeer:
+    encrypt: bool,
+) -> tuple[RemotePeer, Connection]:
     credential = auth.certificate if isinstance(auth, CertificateAuth) else b""
+    kx = KeyExchange() if encrypt else None
     my_hello = encode_frame(
         Frame(
             HELLO,
@@ -161,6 +193,8 @@ async def _handshake(
                 "addresses": list(addresses),
                 "client_mode": client_mode,
                 "agent": "swarmgrad/0.1",
+                "encrypt": encrypt,
+                "kx": kx.public if kx is not None else b"",
             },
         ),
         limits,
@@ -187,6 +221,16 @@ async def _handshake(
             f"authentication mode mismatch: this swarm uses {auth.mode!r}, not {fields['mode']!r}",
             limits,
         )
+    their_encrypt = fields.get("encrypt", False)
+    if their_encrypt != encrypt:
+        here, there = ("encrypts", "does not") if encrypt else ("does not encrypt", "does")
+        await _refuse(
+            conn,
+            f"link encryption mismatch: peer {identity.peer_id} {here} its links and peer "
+            f"{their_id} {there} (encryption=False is for trusted networks, and every peer "
+            "of a swarm must agree on it)",
+            limits,
+        )
     verified: Any = None
     if isinstance(auth, CertificateAuth):
         try:
@@ -195,9 +239,15 @@ async def _handshake(
             await _refuse(conn, f"certificate refused: {exc}", limits)
         except Exception as exc:  # a verifier is user code: never let it crash the node
             await _refuse(conn, f"certificate refused: {type(exc).__name__}: {exc}", limits)
+    shared = b""
+    if kx is not None:
+        try:
+            shared = kx.shared(fields.get("kx", b""))
+        except ValueError as exc:
+            await _refuse(conn, f"bad key-exchange key: {exc}", limits)
     # Their credential holds: from here on they may send full-size frames (raised before
     # our auth goes out, so nothing they send after reading it can meet the small limit).
-    conn.limit_incoming(limits.max_frame_bytes)
+    conn.limit_incoming(limits.max_frame_bytes + (LINK_OVERHEAD if encrypt else 0))
 
     def transcript(first: bytes, second: bytes) -> bytes:
         return HANDSHAKE_CONTEXT + hashlib.sha256(first).digest() + hashlib.sha256(second).digest()
@@ -220,7 +270,7 @@ async def _handshake(
         frame.fields["proof"], auth.proof(theirs)
     ):
         await _refuse(conn, "wrong swarm key", limits)
-    return RemotePeer(
+    remote = RemotePeer(
         their_id,
         their_key,
         tuple(fields["addresses"]),
@@ -228,6 +278,11 @@ async def _handshake(
         verified,
         fields["credential"] if isinstance(auth, CertificateAuth) else b"",
     )
+    if kx is None:
+        return remote, conn
+    # the signatures just verified cover both hellos, their key-exchange keys included
+    keys = derive_session(shared, identity.public_key, my_hello, their_key, their_hello)
+    return remote, SecureConnection(conn, keys)
 
 
 async def _refuse(conn: Connection, reason: str, limits: Limits) -> None:
@@ -263,6 +318,8 @@ class PeerLink:
         on_sent: Callable[[int], None] | None = None,  # bytes of each frame sent
     ) -> None:
         self.conn = conn
+        # the session's keys (None on a trusted network): bulk lanes derive theirs from them
+        self.keys: SessionKeys | None = conn.keys if isinstance(conn, SecureConnection) else None
         self._on_sent = on_sent
         self.remote = remote
         self.inbound = inbound

@@ -86,6 +86,11 @@ class Node:
     (local experiments): to listen elsewhere without authentication, pass ``auth=OpenAuth()``
     on purpose (``ValueError`` otherwise).
 
+    Encryption: every link and bulk lane is sealed (AES-256-GCM, keys agreed in each
+    authenticated handshake). ``encryption=False`` sends everything in clear, for a network
+    where nobody can read or alter traffic (a private cluster); every peer of the swarm must
+    pass the same, and a peer that does not is refused at the handshake.
+
     Use as a context manager, or call :meth:`shutdown` when done.
     """
 
@@ -110,6 +115,7 @@ class Node:
         loop_thread: LoopThread | None = None,
         bulk_lanes: bool = True,
         bulk_port: int = 0,
+        encryption: bool = True,
     ) -> None:
         if isinstance(initial_peers, str):
             raise TypeError('initial_peers is a list of addresses, e.g. ["ws://127.0.0.1:4000"]')
@@ -132,6 +138,7 @@ class Node:
             limits=limits or Limits(),
             bulk_lanes=bulk_lanes,
             bulk_port=bulk_port,
+            encryption=encryption,
         )
         self._transport = transport or WebSocketTransport(
             max_message_bytes=self.config.limits.max_frame_bytes

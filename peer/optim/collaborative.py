@@ -33,7 +33,12 @@ Rules that keep the swarm moving:
   with the gradients it has — the round's partial average or its own — and periodic state
   averaging (``average_state_every`` epochs) pulls diverged parameters back together;
 * a peer alone in the run (no other live progress report) skips the rounds instead of
-  waiting out ``averaging_timeout`` for a group that cannot form.
+  waiting out ``averaging_timeout`` for a group that cannot form;
+* a peer whose gradient round nobody can join any more — every other peer announced a later
+  epoch or withdrew from the round's matchmaking because its group began without this peer
+  (it came back late: a laptop lid, a network partition healed, a slow state download) —
+  calls the round off and skips the epoch's step: it loads the others' state at its next
+  step, rather than step alone and drift from them.
 
 Each epoch runs three phases (:class:`peer.optim.epochs.Phase`): the gradient round, the
 optimizer step (with the scheduler step), the state round (every ``average_state_every``
@@ -74,6 +79,7 @@ from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.control import StepControl
 from peer.averaging.exceptions import StepFailed
 from peer.averaging.partition import zeros_back_to_back
+from peer.averaging.robust import check_aggregator
 from peer.compression import Compression, NoCompression
 from peer.optim.epochs import EpochRun, Phase, plan_epoch
 from peer.optim.joining import JoiningSwarm
@@ -140,6 +146,13 @@ class Optimizer(JoiningSwarm):
       never call ``zero_grad``). ``use_local_updates`` — step on every call with local
       gradients; average parameters and optimizer state every epoch.
 
+    Against bad peers in open runs (not in hivemind; see ``docs/averaging.md``):
+
+    * ``aggregator`` — ``"mean"`` (default), ``"trimmed_mean"`` or ``"centered_clip"``: how
+      both rounds combine the peers' contributions; every peer of a run must use the same.
+    * ``relative_weight_bound`` — a peer whose gradient round weight (its samples) is over
+      this factor times the group's median is left out of the round. Default: no bound.
+
     Combinations that cannot work raise ``ValueError`` naming the reason (see
     :func:`resolve_options`). Call :meth:`shutdown` when done (the node is not shut down).
     """
@@ -168,6 +181,8 @@ class Optimizer(JoiningSwarm):
         state_averaging_compression: Compression = NoCompression(),
         client_mode: bool | None = None,
         auxiliary: bool = False,
+        aggregator: str = "mean",
+        relative_weight_bound: float | None = None,
         averager_opts: Mapping[str, Any] | None = None,
         verbose: bool = False,
     ) -> None:
@@ -230,6 +245,9 @@ class Optimizer(JoiningSwarm):
         # nobody to average with (a lone peer) count as neither.
         self.rounds_done = 0
         self.rounds_failed = 0
+        # set when this epoch's gradient round was called off because the others averaged
+        # without this peer: it loads their state at its next step instead of stepping alone
+        self._behind = False
         self.last_group_size: int | None = None
         self.last_failure: str | None = None  # class name of the last failed round's error
         self._closed = False
@@ -237,6 +255,8 @@ class Optimizer(JoiningSwarm):
         self._model_grads = _ModelGradients(self.params)
 
         opts = dict(averager_opts or {})
+        opts.setdefault("aggregator", check_aggregator(aggregator))
+        opts.setdefault("relative_weight_bound", relative_weight_bound)
         opts.setdefault("min_matchmaking_time", matchmaking_time)
         opts.setdefault("allreduce_timeout", averaging_timeout)
         self._epoch_in_group_bits = opts.get("target_group_size") is None
@@ -382,12 +402,13 @@ class Optimizer(JoiningSwarm):
             self._settle_pending()
 
         progress = self.global_progress
-        if progress.epoch > self.local_epoch:
+        if progress.epoch > self.local_epoch or self._behind:
             logger.info(
                 "epoch %d is behind the swarm's %d: loading state from peers",
                 self.local_epoch,
                 progress.epoch,
             )
+            self._behind = False
             self.load_state_from_peers()
             return loss
 
@@ -491,7 +512,8 @@ class Optimizer(JoiningSwarm):
             self._load_round_gradients(float(self._samples))
         self._run_phases(run, plan.inline)
         self._consume_model_gradients()
-        self.local_epoch = plan.epoch + 1
+        if not run.cancelled:  # (called off as behind: the epoch comes with the others' state)
+            self.local_epoch = plan.epoch + 1
         self._samples = 0
         if plan.background:
             assert self._executor is not None
@@ -558,8 +580,10 @@ class Optimizer(JoiningSwarm):
         )
         if self.verbose and group is not None:
             logger.info("epoch %d: averaged gradients with %d peers", epoch, len(group))
+        if group is None and self._behind:
+            run.cancelled = True  # no step: the others' state replaces this epoch
         with self.grad_averager.get_tensors() as grads, torch.no_grad():
-            if run.plan.optimizer_step:
+            if run.plan.optimizer_step and not run.cancelled:
                 with self._live_state():
                     self.live.set_grads(list(grads))
             for g in grads:
@@ -620,9 +644,9 @@ class Optimizer(JoiningSwarm):
             )
             assert isinstance(control, StepControl)  # wait=False always returns one
             self._round = control
-            result = self._await_round(control, epoch)
+            result = self._await_round(averager, control, epoch)
         except StepFailed as exc:
-            if not self._closed:
+            if not self._closed and not (self._behind and averager is self.grad_averager):
                 self.rounds_failed += 1
                 self.last_failure = type(exc).__name__
                 logger.log(level, "%s failed (%s); %s", what, exc, fallback)
@@ -638,11 +662,15 @@ class Optimizer(JoiningSwarm):
         self.last_group_size = len(group)
         return group
 
-    def _await_round(self, control: StepControl, epoch: int) -> Any:
+    def _await_round(
+        self, averager: DecentralizedAverager, control: StepControl, epoch: int
+    ) -> Any:
         """The round's result. While it looks for a group, it is called off as soon as
-        nobody can join it any more: every other peer reports an epoch past ``epoch + 1``
-        (they finished this epoch's rounds long ago) or none reports at all. Such a peer is
-        behind; it catches up at its next step instead of waiting out ``averaging_timeout``."""
+        nobody can join it any more: every other peer either reports a later epoch (it
+        announced it only after this epoch's rounds ended) or withdrew from this round's
+        matchmaking (its group began without this peer), or none reports at all. If others
+        moved on, this peer is behind: rather than step alone and drift from them, it skips
+        this epoch and loads their state at its next step (:attr:`_behind`)."""
         while True:
             try:
                 return control.result(timeout=ROUND_RECHECK_S)
@@ -651,8 +679,17 @@ class Optimizer(JoiningSwarm):
             if control.began_allreduce:
                 return control.result()
             others = [r for r in self.tracker.fetch() if r.peer_id != self.node.peer_id]
-            if all(r.epoch > epoch + 1 for r in others) and control.cancel():
-                logger.info("epoch %d: the other peers moved on; calling its round off", epoch)
+            withdrawn = averager.withdrawn_peers()
+            if all(r.epoch > epoch or r.peer_id in withdrawn for r in others) and control.cancel():
+                if others and averager is self.grad_averager:
+                    self._behind = True
+                    logger.info(
+                        "epoch %d: the other peers averaged without this one; it will load "
+                        "their state instead of stepping alone",
+                        epoch,
+                    )
+                else:
+                    logger.info("epoch %d: the other peers moved on; calling its round off", epoch)
                 return control.result()
 
     def _apply(self, run: EpochRun) -> None:

@@ -26,6 +26,7 @@ from peer.node.core import AsyncNode, NodeConfig
 from peer.node.links import PeerLink
 from peer.testing import wait_until
 from peer.transport.memory import MemoryNetwork
+from peer.transport.secure import LaneSealer
 from peer.transport.websocket import WebSocketTransport
 from peer.wire import BYTES, INT, Frame, Limits, Schema, encode_header
 from tests.conftest import scaled
@@ -138,6 +139,26 @@ async def _ticket(dialer: Peer, listener: Peer) -> bytes:
     assert reply.fields["port"] == _lane_port(listener)
     ticket: bytes = reply.fields["ticket"]
     return ticket
+
+
+async def _opening(dialer: Peer, listener: Peer) -> tuple[bytes, LaneSealer | None]:
+    """What a dialer sends first on a lane (magic, ticket, and the proof of the lane's keys
+    when the link is encrypted), and the sealer of what it sends next (None in clear)."""
+    ticket = await _ticket(dialer, listener)
+    link = await dialer.core.link(listener.peer_id)
+    if link.keys is None:
+        return MAGIC + ticket, None
+    keys = link.keys.lane(ticket)
+    return MAGIC + ticket + keys.proof, LaneSealer(keys.dialer)
+
+
+def _lane_bytes(sealer: LaneSealer | None, header: bytes, payload: bytes = b"") -> bytes:
+    """A frame as it travels on a lane: as is in clear, else sealed into records."""
+    if sealer is None:
+        return header + payload
+    return b"".join(
+        bytes(view) for batch in sealer.seal(header, memoryview(payload)) for view in batch
+    )
 
 
 def _over_lane(sender: Any, peer: Peer) -> bool:
@@ -373,13 +394,15 @@ async def test_connections_without_a_valid_ticket_are_refused(
     assert b.received == []
 
 
+@pytest.mark.parametrize("encryption", [True, False])
 async def test_a_ticket_is_single_use(
-    make_peer: MakePeer, caplog: pytest.LogCaptureFixture
+    make_peer: MakePeer, caplog: pytest.LogCaptureFixture, encryption: bool
 ) -> None:
-    a, b = await _pair(make_peer)
+    a, b = await _pair(make_peer, encryption=encryption)
     assert b.core.bulk is not None
-    preamble = MAGIC + await _ticket(a, b)
-    async with _raw_lane(_lane_port(b), preamble + encode_header(Frame(BLOB, {"seq": 1}))):
+    preamble, sealer = await _opening(a, b)
+    first = _lane_bytes(sealer, encode_header(Frame(BLOB, {"seq": 1})))
+    async with _raw_lane(_lane_port(b), preamble + first):
         # The first use opens a lane bound to the peer the ticket was issued to.
         [(sender, frame)] = await b.wait_for(1)
         assert _over_lane(sender, a) and frame.fields == {"seq": 1}
@@ -390,6 +413,53 @@ async def test_a_ticket_is_single_use(
         assert any("without a valid ticket" in r.getMessage() for r in caplog.records)
         assert b.core.bulk.open_lanes == 1
     await _eventually(lambda: b.core.bulk is not None and b.core.bulk.open_lanes == 0)
+
+
+async def test_a_stolen_ticket_opens_no_lane(
+    make_peer: MakePeer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An eavesdropper who saw a ticket (or a relay that took it) holds no lane keys: the
+    listener refuses it before reading any frame, whatever follows the ticket."""
+    a, b = await _pair(make_peer)
+    assert b.core.bulk is not None
+    for attempt in ("no proof", "a guessed proof"):
+        ticket = await _ticket(a, b)
+        follow = b"" if attempt == "no proof" else bytes(32)
+        frame = encode_header(Frame(BLOB, {"seq": 1}))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="peer.node.bulk"):
+            async with _raw_lane(_lane_port(b), MAGIC + ticket + follow + frame) as reader:
+                assert await _closed_by_remote(reader), attempt
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("stolen" in m and a.peer_id in m for m in messages), (attempt, messages)
+        assert b.core.bulk.open_lanes == 0 and b.received == []
+    # the real peer still opens its lanes
+    await a.core.send_bulk(b.peer_id, Frame(BLOB, {"seq": 2}, b"mine"))
+    [(sender, frame)] = await b.wait_for(1)
+    assert _over_lane(sender, a) and bytes(frame.payload) == b"mine"
+
+
+@pytest.mark.parametrize("attack", ["tamper", "replay"])
+async def test_a_tampered_or_replayed_record_closes_the_lane(
+    make_peer: MakePeer, caplog: pytest.LogCaptureFixture, attack: str
+) -> None:
+    a, b = await _pair(make_peer)
+    assert b.core.bulk is not None
+    preamble, sealer = await _opening(a, b)
+    assert sealer is not None
+    good = _lane_bytes(sealer, encode_header(Frame(BLOB, {"seq": 0}, b"ok")), b"ok")
+    if attack == "tamper":
+        second = _lane_bytes(sealer, encode_header(Frame(BLOB, {"seq": 1}, b"no")), b"no")
+        bad = second[:-1] + bytes([second[-1] ^ 1])  # one bit of the payload's tag
+    else:
+        bad = good  # the same records again
+    with caplog.at_level(logging.WARNING, logger="peer.node.bulk"):
+        async with _raw_lane(_lane_port(b), preamble + good + bad) as reader:
+            assert await _closed_by_remote(reader)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("failed authentication" in m and a.peer_id in m for m in messages), messages
+    [(sender, frame)] = b.received  # the good frame, nothing after it
+    assert _over_lane(sender, a) and bytes(frame.payload) == b"ok"
 
 
 # --------------------------------------------------------------------------- bad frames
@@ -411,16 +481,21 @@ BAD_FRAMES = {
 }
 
 
+@pytest.mark.parametrize("encryption", [True, False])
 @pytest.mark.parametrize("case", list(BAD_FRAMES))
 async def test_a_bad_frame_closes_only_that_lane(
-    make_peer: MakePeer, caplog: pytest.LogCaptureFixture, case: str
+    make_peer: MakePeer, caplog: pytest.LogCaptureFixture, case: str, encryption: bool
 ) -> None:
+    """Frames are checked the same in clear and sealed (where ``bad`` is what a peer with
+    the lane's keys sealed)."""
     bad, reason = BAD_FRAMES[case]
-    a, b = await _pair(make_peer)
+    a, b = await _pair(make_peer, encryption=encryption)
     assert a.core.bulk is not None and b.core.bulk is not None
-    good = encode_header(Frame(BLOB, {"seq": 0}, b"ok")) + b"ok"
+    preamble, sealer = await _opening(a, b)
+    good = _lane_bytes(sealer, encode_header(Frame(BLOB, {"seq": 0}, b"ok")), b"ok")
+    bad = bad if sealer is None else _lane_bytes(sealer, bad)
     with caplog.at_level(logging.WARNING, logger="peer.node.bulk"):
-        async with _raw_lane(_lane_port(b), MAGIC + await _ticket(a, b) + good + bad) as reader:
+        async with _raw_lane(_lane_port(b), preamble + good + bad) as reader:
             assert await _closed_by_remote(reader)
     messages = [r.getMessage() for r in caplog.records]
     assert any(reason in m and a.peer_id in m for m in messages), messages

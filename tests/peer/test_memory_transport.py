@@ -41,6 +41,24 @@ async def _until(predicate) -> None:
         await asyncio.sleep(0.001)
 
 
+async def _chain(net: MemoryNetwork, n: int, config: NodeConfig) -> list[AsyncNode]:
+    """``n`` started nodes on ``net`` (hosts ``n0``...), each bootstrapped from the one
+    before it, on the running (virtual-time) loop's clock."""
+    loop = asyncio.get_running_loop()
+    nodes: list[AsyncNode] = []
+    for i in range(n):
+        node = AsyncNode(
+            nodes[i - 1].visible_addresses if i else [],
+            transport=net.transport(f"n{i}"),
+            config=config,
+            clock=lambda: EPOCH + loop.time(),
+            seed=i,
+        )
+        await node.start()
+        nodes.append(node)
+    return nodes
+
+
 def test_latency_and_order(vloop: VirtualTimeLoop) -> None:
     async def main():
         net = MemoryNetwork(latency=0.5)
@@ -104,20 +122,9 @@ def test_gossip_survives_a_lossy_slow_network(vloop: VirtualTimeLoop) -> None:
     a crashed node's membership expires everywhere."""
 
     async def main():
-        loop = asyncio.get_running_loop()
         net = MemoryNetwork(latency=0.05, drop_rate=0.1, seed=3)
         config = NodeConfig(gossip_period=1.0, member_ttl=6.0, request_timeout=2.0)
-        nodes = []
-        for i in range(12):
-            node = AsyncNode(
-                nodes[i - 1].visible_addresses if i else [],
-                transport=net.transport(f"n{i}"),
-                config=config,
-                clock=lambda: EPOCH + loop.time(),
-                seed=i,
-            )
-            await node.start()
-            nodes.append(node)
+        nodes = await _chain(net, 12, config)
         ids = {n.peer_id for n in nodes}
         for _ in range(60):
             if all(set(n.members()) == ids for n in nodes):
@@ -148,17 +155,7 @@ def test_a_swarm_split_longer_than_member_ttl_heals(vloop: VirtualTimeLoop) -> N
         loop = asyncio.get_running_loop()
         net = MemoryNetwork(latency=0.01)
         config = NodeConfig(gossip_period=1.0, member_ttl=5.0, request_timeout=1.0)
-        nodes: list[AsyncNode] = []
-        for i in range(6):
-            node = AsyncNode(
-                nodes[i - 1].visible_addresses if i else [],
-                transport=net.transport(f"n{i}"),
-                config=config,
-                clock=lambda: EPOCH + loop.time(),
-                seed=i,
-            )
-            await node.start()
-            nodes.append(node)
+        nodes = await _chain(net, 6, config)
         ids = {n.peer_id for n in nodes}
 
         def sizes() -> list[int]:
@@ -182,6 +179,35 @@ def test_a_swarm_split_longer_than_member_ttl_heals(vloop: VirtualTimeLoop) -> N
     joined, split, healed = vloop.run_until_complete(main())
     assert joined and split
     assert healed, "the two halves never found each other again"
+
+
+def test_a_side_of_a_split_never_forgets_its_own_members(vloop: VirtualTimeLoop) -> None:
+    """Exchanges with peers across a partition hang until the request timeout, longer than
+    a membership lives here: they must not hold up the gossip within each side."""
+
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+        net = MemoryNetwork(latency=0.01)
+        config = NodeConfig(gossip_period=0.2, member_ttl=3.0, request_timeout=5.0)
+        nodes = await _chain(net, 4, config)
+        ids = [n.peer_id for n in nodes]
+        sides = ([0, 1], [2, 3])
+        deadline = loop.time() + 10
+        while any(set(ids) - set(n.members()) for n in nodes) and loop.time() < deadline:  # noqa: ASYNC110 - virtual time
+            await asyncio.sleep(0.1)
+        net.cut(["n0", "n1"], ["n2", "n3"])
+        forgot = []  # times a node did not know the other node of its side
+        for _ in range(200):  # 20 s: several request timeouts and membership lifetimes
+            await asyncio.sleep(0.1)
+            for side in sides:
+                for me, other in (side, side[::-1]):
+                    if ids[other] not in nodes[me].members():
+                        forgot.append(me)
+        for node in nodes:
+            await node.shutdown()
+        return forgot
+
+    assert vloop.run_until_complete(main()) == []
 
 
 @pytest.mark.slow

@@ -81,6 +81,26 @@ def test_peers_reach_each_other_and_a_cut_peer_is_unreachable(lab: NetLab) -> No
     assert _reach(lab, 1, 0, scaled(10)) == "ok"
 
 
+def test_a_partition_splits_the_lab_in_sides_until_healed(lab: NetLab) -> None:
+    lab.partition([0, 1], [2])
+    assert _reach(lab, 1, 0, scaled(10)) == "ok", "a side keeps its own links"
+    assert _reach(lab, 2, 0, 1.0) == "unreachable"
+    assert _reach(lab, 0, 2, 1.0) == "unreachable"
+    lab.partition([0], [1, 2])  # a new split replaces the old one
+    assert _reach(lab, 2, 1, scaled(10)) == "ok"
+    assert _reach(lab, 1, 0, 1.0) == "unreachable"
+    lab.heal()
+    assert _reach(lab, 2, 0, scaled(10)) == "ok"
+    assert _reach(lab, 0, 1, scaled(10)) == "ok"
+    lab.heal()  # whole already: nothing to do
+    with pytest.raises(ValueError, match="exactly one"):
+        lab.partition([0, 1], [1, 2])
+    with pytest.raises(ValueError, match="exactly one"):
+        lab.partition([0, 1, 2])
+    with pytest.raises(ValueError, match="exactly one"):
+        lab.partition([0], [2])
+
+
 def test_shape_puts_a_token_bucket_on_both_ends_of_every_link(lab: NetLab) -> None:
     lab.shape(50)
 

@@ -231,6 +231,27 @@ def test_back_to_back_steps_with_the_same_key(make_swarm) -> None:
     assert torch.allclose(tensors[0][0], torch.full((5,), 0.5))
 
 
+def test_a_late_step_sees_who_already_averaged_without_it(make_swarm) -> None:
+    """Two peers average as a pair; a third that comes under the same key afterwards finds
+    nobody, and sees that both withdrew (their group began without it): its caller may call
+    the step off rather than wait for its timeout."""
+    swarm = make_swarm(3)
+    tensors = [[torch.zeros(3)], [torch.ones(3)], [torch.ones(3)]]
+    a, b, late = swarm.add_averagers(tensors, target_group_size=2)
+    assert late.withdrawn_peers() == frozenset(), "not looking for a group: nobody withdrew"
+    results = step_all([a, b], [{"timeout": scaled(10)}] * 2)
+    assert all(isinstance(r, dict) and len(r) == 2 for r in results), results
+    control = late.step(wait=False, timeout=scaled(20))
+    pair = {swarm.nodes[0].peer_id, swarm.nodes[1].peer_id}
+    try:
+        assert wait_for(lambda: late.withdrawn_peers() == pair, 10), late.withdrawn_peers()
+    finally:
+        assert control.cancel()
+    with pytest.raises(StepCancelled):
+        control.result(timeout=scaled(10))
+    assert torch.equal(tensors[2][0], torch.ones(3)), "a step called off leaves the values"
+
+
 class _GatedRunner(AllreduceRunner):
     """Holds every send until ``gate`` opens: the round stays in its all-reduce."""
 

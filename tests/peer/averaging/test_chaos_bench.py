@@ -1,6 +1,7 @@
 """bench/chaos.py in a small configuration: a round per way a victim can die; whatever
 happens, every survivor ends with a result the protocol allows (its group's exact mean, with
-or without the victim, or its own values), and the figures the docs quote are printed."""
+or without the victim, or its own values; a state download gives another donor's state
+exactly), and the figures the docs quote are printed."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_survivors_of_rounds_in_which_a_peer_is_killed_end_with_allowed_values()
             sys.executable,
             str(BENCH),
             "--rounds",
-            "3",
+            "4",
             "--peers",
             "4",
             "--seed",
@@ -36,10 +37,11 @@ def test_survivors_of_rounds_in_which_a_peer_is_killed_end_with_allowed_values()
         stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(r"^rounds survived: \d/3$", done.stdout, re.M), done.stdout
+    assert re.search(r"^rounds survived: \d/4$", done.stdout, re.M), done.stdout
     assert re.search(r"results no rule allows: 0$", done.stdout, re.M), done.stdout
     assert re.search(
-        r"^victims died: matchmaking 1, kill_after_first_part 1, kill_while_reducing 1$",
+        r"^victims died: matchmaking 1, kill_after_first_part 1, kill_while_reducing 1, "
+        r"kill_mid_state 1$",
         done.stdout,
         re.M,
     ), done.stdout

@@ -245,13 +245,27 @@ def test_non_finite_values_of_a_single_contributor_leave_no_average() -> None:
     assert done.average is None and [o.sender for o in r.take_rejected()] == ["a"]
 
 
-def test_finite_values_whose_sum_overflows_are_not_an_offence() -> None:
-    big = torch.tensor([3e38, 1.0])
-    r = WeightedMeanReducer([2], ["a", "b"])
-    r.accumulate("a", 0, big)
-    (done,) = r.accumulate("b", 0, big)
-    assert r.take_rejected() == [] and done.senders == {"a", "b"}
-    assert math.isinf(done.average[0]) and done.average[1] == 1.0
+def test_an_overflowing_sum_is_blamed_on_its_largest_contribution() -> None:
+    """Finite values whose weighted sum overflows: the sender with the largest w·max|x| is
+    excluded and named, the part rebuilt from the others; no average is ever infinite."""
+    r = WeightedMeanReducer([2, 2], ["a", "b", "c"])
+    r.accumulate("a", 0, torch.tensor([1.0, 2.0]))
+    r.accumulate("b", 0, torch.tensor([3e38, 1.0]), weight=1.0)
+    (done,) = r.accumulate("c", 0, torch.tensor([3e38, 5.0]), weight=1.0)
+    (offence,) = r.take_rejected()
+    assert offence.sender == "b" and "overflow" in str(offence), offence
+    assert done.senders == {"a", "c"}
+    torch.testing.assert_close(done.average, torch.tensor([1.5e38, 3.5]))
+    # a weight that makes finite values overflow: blamed on the weight, not the values
+    r.accumulate("a", 1, torch.tensor([1.0, 1.0]), weight=1.0)
+    (done,) = r.accumulate("c", 1, torch.tensor([1e30, 0.0]), weight=1.0)
+    assert torch.isfinite(done.average).all() and r.take_rejected() == []
+    w = WeightedMeanReducer([1], ["a", "b"])
+    w.accumulate("a", 0, torch.tensor([1e30]), weight=1.0)
+    (done,) = w.accumulate("b", 0, torch.tensor([1e10]), weight=1e30)
+    (offence,) = w.take_rejected()
+    assert offence.sender == "b" and done.senders == {"a"}
+    assert torch.equal(done.average, torch.tensor([1e30]))
 
 
 def test_duplicates_unknown_senders_and_weight_changes() -> None:

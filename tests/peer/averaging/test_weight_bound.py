@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from peer.averaging.reducer import BadContribution, WeightedMeanReducer
+from tests.conftest import scaled
 from tests.peer.averaging.conftest import step_all
 
 
@@ -32,7 +33,9 @@ def test_a_peer_claiming_a_weight_of_1e30_is_excluded(make_swarm, caplog) -> Non
         tensors, part_size_bytes=4096, max_weight=1e6, per_peer=[{}, {}, {"bandwidth": 0.0}]
     )
     with caplog.at_level(logging.WARNING, logger="peer.averaging.allreduce"):
-        results = step_all(averagers, [{"weight": 3.0}, {"weight": 3.0}, {"weight": 1e30}])
+        # the attacker, excluded, hears no average: its own step only ends at its timeout
+        attack = {"weight": 1e30, "timeout": scaled(6)}
+        results = step_all(averagers, [{"weight": 3.0}, {"weight": 3.0}, attack])
     for i in (0, 1):
         assert isinstance(results[i], dict), results[i]
         torch.testing.assert_close(tensors[i][0], honest_mean, atol=1e-6, rtol=0)

@@ -1,7 +1,8 @@
 """One peer of a collaborative-optimizer test, as its own process (not collected by pytest).
 
 Prints one JSON line with its addresses, trains ``--epochs`` epochs on its deterministic
-shard, then writes its final parameters (and epoch) to ``--out`` with torch.save.
+shard (printing ``{"epoch": n}`` as it reaches each), then writes its final parameters (and
+epoch) to ``--out`` with torch.save.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from peer import Node
+from peer.identity import OpenAuth
 from peer.optim.collaborative import Optimizer
 from peer.optim.progress import ProgressTracker
 
@@ -68,10 +70,24 @@ def main() -> None:
     )
     parser.add_argument("--matchmaking-time", type=float, default=1.5)
     parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (an emulated network's, e.g.): the swarm is open",
+    )
+    parser.add_argument(
+        "--member-ttl", type=float, default=30.0, help="a silent peer leaves after this long"
+    )
+    parser.add_argument(
         "--target-group-size",
         type=int,
         default=0,
         help="groups assemble as soon as this many peers are in (0: after the matchmaking time)",
+    )
+    parser.add_argument(
+        "--sender-timeout",
+        type=float,
+        default=10.0,
+        help="a round excludes a member silent this long as a sender (twice as long as a reducer)",
     )
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--average-state-every", type=int, default=1)
@@ -92,7 +108,13 @@ def main() -> None:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     sizes = [int(s) for s in args.batch_sizes.split(",")]
-    node = Node([args.initial_peer] if args.initial_peer else None, gossip_period=0.2)
+    node = Node(
+        [args.initial_peer] if args.initial_peer else None,
+        host=args.host,
+        auth=OpenAuth(),
+        gossip_period=0.2,
+        member_ttl=args.member_ttl,
+    )
     logging.getLogger("collab_worker").info("rank %d is peer %s", args.rank, node.peer_id)
     print(json.dumps({"addresses": node.visible_addresses, "peer_id": node.peer_id}), flush=True)
     deadline = time.monotonic() + 300
@@ -119,7 +141,11 @@ def main() -> None:
         average_state_every=args.average_state_every,
         delay_grad_averaging=args.delay_grad_averaging,
         delay_optimizer_step=args.delay_optimizer_step or None,
-        averager_opts={"target_group_size": args.target_group_size or None},
+        averager_opts={
+            "target_group_size": args.target_group_size or None,
+            "sender_timeout": args.sender_timeout,
+            "reducer_timeout": 2 * args.sender_timeout,
+        },
     )
     while opt.tracker.others_reporting() < args.wait_peers - 1 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -153,6 +179,7 @@ def main() -> None:
             time.sleep(0.05)
         if opt.local_epoch != epoch:
             trace.append([p.detach().clone() for p in model.parameters()])
+            print(json.dumps({"epoch": opt.local_epoch}), flush=True)
     if not opt.wait_for_pending(timeout=120):  # the last epoch's delayed update, if any
         raise SystemExit("the last background epoch did not finish")
     result = {

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-WORKER = Path(__file__).with_name("collab_worker.py")
+from tests.peer.optim.collab_swarm import (
+    WORKER,
+    all_logs,
+    assert_same_model,
+    finish_workers,
+    first_address,
+    start_worker,
+)
+
 sys.path.insert(0, str(WORKER.parent))
 
-from collab_worker import batch, make_model, make_optimizer  # noqa: E402
+from collab_worker import batch, make_model, make_optimizer
 
 
 def _reference(
@@ -46,13 +52,13 @@ def _run_swarm(
     """One worker per batch size, each doing one batch per epoch; their final states."""
     (tmp_path / "done").mkdir()
     opts = ("--optimizer", optimizer, *extra)
-    procs = [_start(tmp_path, 0, sizes, epochs, None, *opts, continuous=False)]
-    first = json.loads(procs[0].stdout.readline())["addresses"][0]
+    procs = [start_worker(tmp_path, 0, sizes, epochs, None, *opts, continuous=False)]
+    first = first_address(procs[0])
     procs += [
-        _start(tmp_path, r, sizes, epochs, first, *opts, continuous=False)
+        start_worker(tmp_path, r, sizes, epochs, first, *opts, continuous=False)
         for r in range(1, len(sizes))
     ]
-    for proc, log in zip(procs, _finish(procs), strict=True):
+    for proc, log in zip(procs, finish_workers(tmp_path, procs), strict=True):
         assert proc.returncode == 0, log
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(len(sizes))]
 
@@ -114,79 +120,28 @@ def test_uneven_peers_average_the_sample_weighted_gradient(tmp_path: Path) -> No
             assert not torch.allclose(p.grad, sum(per_peer) / 3, atol=1e-4)
 
 
-def _start(
-    tmp_path: Path,
-    rank: int,
-    sizes: list[int],
-    epochs: int,
-    first: str | None,
-    *extra: str,
-    continuous: bool = True,
-) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        str(WORKER),
-        "--rank",
-        str(rank),
-        "--batch-sizes",
-        ",".join(map(str, sizes)),
-        "--epochs",
-        str(epochs),
-        "--out",
-        str(tmp_path / f"rank{rank}.pt"),
-        "--done-dir",
-        str(tmp_path / "done"),
-        *(["--continuous"] if continuous else []),
-        *extra,
-    ]
-    if first:
-        cmd += ["--initial-peer", first]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _all_logs(logs: list[str]) -> str:
-    """The workers' stderr, for a failure message."""
-    return "\n".join(f"--- rank {rank} ---\n{log}" for rank, log in enumerate(logs))
-
-
-def _finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
-    logs = []
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=timeout)
-            logs.append(err)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return logs
-
-
 @pytest.mark.slow
 def test_latecomer_downloads_state_and_ends_in_step(tmp_path: Path) -> None:
     (tmp_path / "done").mkdir()
     sizes, epochs = [8, 8, 8, 8], 10
     # --verbose: each worker logs its peer id, its rounds and where it loaded state from
     founders = ("--verbose", "--wait-peers", "3")  # train together from the start
-    procs = [_start(tmp_path, 0, sizes, epochs, None, *founders)]
-    first = json.loads(procs[0].stdout.readline())["addresses"][0]
-    procs += [_start(tmp_path, r, sizes, epochs, first, *founders) for r in (1, 2)]
-    procs.append(_start(tmp_path, 3, sizes, epochs, first, "--start-epoch-wait", "5", "--verbose"))
-    logs = _finish(procs)
+    procs = [start_worker(tmp_path, 0, sizes, epochs, None, *founders)]
+    first = first_address(procs[0])
+    procs += [start_worker(tmp_path, r, sizes, epochs, first, *founders) for r in (1, 2)]
+    procs.append(
+        start_worker(tmp_path, 3, sizes, epochs, first, "--start-epoch-wait", "5", "--verbose")
+    )
+    logs = finish_workers(tmp_path, procs)
     for proc in procs:
-        assert proc.returncode == 0, _all_logs(logs)
+        assert proc.returncode == 0, all_logs(logs)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     assert results[3]["joined_at"] >= 5, (
-        "the latecomer starts from the swarm's state, not from scratch\n" + _all_logs(logs)
+        "the latecomer starts from the swarm's state, not from scratch\n" + all_logs(logs)
     )
-    assert [r["epoch"] for r in results] == [epochs] * 4, _all_logs(logs)
+    assert [r["epoch"] for r in results] == [epochs] * 4, all_logs(logs)
     # Everyone ends on the same model: the latecomer's state is the swarm's, not its own.
-    for result in results[1:]:
-        for mine, first_peer in zip(result["params"], results[0]["params"], strict=True):
-            torch.testing.assert_close(
-                mine, first_peer, atol=1e-5, rtol=0, msg=lambda m: m + "\n" + _all_logs(logs)
-            )
+    assert_same_model(results, logs)
 
 
 @pytest.mark.slow
@@ -196,11 +151,11 @@ def test_peer_killed_during_gradient_averaging(tmp_path: Path) -> None:
         (tmp_path / "done" / f"{rank}.expected").touch()  # survivors wait for each other only
     sizes, epochs = [8, 8, 8, 8], 5
     together = ("--wait-peers", "4")  # else the first one trains ahead alone
-    procs = [_start(tmp_path, 0, sizes, epochs, None, *together)]
-    first = json.loads(procs[0].stdout.readline())["addresses"][0]
-    procs += [_start(tmp_path, r, sizes, epochs, first, *together) for r in (1, 2)]
-    procs.append(_start(tmp_path, 3, sizes, epochs, first, *together, "--die-in-round", "2"))
-    logs = _finish(procs)
+    procs = [start_worker(tmp_path, 0, sizes, epochs, None, *together)]
+    first = first_address(procs[0])
+    procs += [start_worker(tmp_path, r, sizes, epochs, first, *together) for r in (1, 2)]
+    procs.append(start_worker(tmp_path, 3, sizes, epochs, first, *together, "--die-in-round", "2"))
+    logs = finish_workers(tmp_path, procs)
     assert procs[3].returncode == -9, "the victim was SIGKILLed"
     for proc, log in zip(procs[:3], logs[:3], strict=True):
         assert proc.returncode == 0, log

@@ -106,8 +106,11 @@ def test_four_peers_with_levels_match_one_process(method: str) -> None:
 def test_bench_train_prints_the_methods_side_by_side() -> None:
     bench = Path(__file__).resolve().parents[3] / "bench" / "train.py"
     small = ["--peers", "2", "--epochs", "2", "--batch-size", "64"]
+    # Two methods show the table and its ratios against the reference; each method's
+    # training is checked by the tests above (the docs' figures run them all).
+    shown = ("collaborative", "hierarchical")
     done = subprocess.run(
-        [sys.executable, str(bench), "--methods", "all", *small],
+        [sys.executable, str(bench), "--methods", ",".join(shown), *small],
         capture_output=True,
         text=True,
         timeout=scaled(300),
@@ -118,9 +121,9 @@ def test_bench_train_prints_the_methods_side_by_side() -> None:
         for line in done.stdout.splitlines()
         if line.strip().split(" ")[0] in METHODS
     }
-    assert set(rows) == set(METHODS), done.stdout
+    assert set(rows) == set(shown), done.stdout
     assert rows["collaborative"][-2:] == ["1.00", "1.00"]  # the reference
-    for method in set(METHODS) - {"collaborative"}:
+    for method in set(shown) - {"collaborative"}:
         accuracy, _gap, samples, per_sample, per_epoch, *ratios = rows[method]
         assert 0.5 < float(accuracy) <= 1 and int(samples) > 0
         assert float(per_sample) > 0 and float(per_epoch) > 0 and len(ratios) == 2
