@@ -418,7 +418,7 @@ class AllreduceRunner:
 
     async def _next_item(self, peer_id: str, box: _Outbox, r: int) -> tuple[str, int] | None:
         while True:
-            if peer_id in self.failed:
+            if peer_id in self.failed or self._own_error is not None:
                 return None
             # contributions first: the member can then reduce (and trust this peer's
             # averages, see the module docstring) as early as possible
@@ -537,6 +537,8 @@ class AllreduceRunner:
         calls this inline: only decoding and in-place arithmetic happen here)."""
         if sender not in self.peer_index or sender == self.me or sender in self.failed:
             return
+        if self._own_error is not None:
+            return  # this peer is leaving the round
         if frame.type == PART:
             self._on_part(sender, frame)
         elif frame.type == AVERAGE:
@@ -559,11 +561,21 @@ class AllreduceRunner:
         ):
             start, stop = self.partition.spans[r]
             if not all_finite(self.flat[start:stop]):
-                self._own_error = BadContribution(
-                    self.me, None, "this peer's own values are not finite"
-                )
-                self._done.set()
+                self._leave(BadContribution(self.me, None, "this peer's own values are not finite"))
+                return
         self._peer_failed(sender, f"it left the round ({why})")
+
+    def _leave(self, error: BadContribution) -> None:
+        """This peer's own values are bad: it stops at once. Nothing more is reduced or
+        sent (an average finished from here on would leave out the member that found the
+        fault, whose values are good), and ``run()`` raises ``error``."""
+        self._own_error = error
+        for box in self._outboxes.values():
+            while box.averages:
+                self._release_wire(box.averages.popleft())
+            box.contributions.clear()
+            box.event.set()
+        self._done.set()
 
     def _on_part(self, sender: str, frame: Frame) -> None:
         reducer = self.reducer
