@@ -30,11 +30,15 @@ browser:
 		echo "the browser tests need Debian's chromium at $(CHROMIUM): run 'sudo apt-get install chromium'" >&2; exit 1; \
 	fi
 
+# Two passes: the quick tests spread over two workers, then the multi-process scenarios one at
+# a time (they time real peers, which must not compete with other tests for the two cores).
 test: $(STAMP) browser
-	$(BIN)/python -m pytest
+	@fast=0; $(BIN)/python -m pytest -m "not slow" -n 2 || fast=$$?; \
+	slow=0; $(BIN)/python -m pytest -m slow || slow=$$?; \
+	[ $$fast -eq 0 ] && [ $$slow -eq 0 ]
 
 test-fast: $(STAMP) browser
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" -n 2
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -210,7 +210,6 @@ def test_a_side_of_a_split_never_forgets_its_own_members(vloop: VirtualTimeLoop)
     assert vloop.run_until_complete(main()) == []
 
 
-@pytest.mark.slow
 def test_five_hundred_nodes_in_one_process() -> None:
     result = simulate(500, seed=0, max_rounds=40)
     assert result.converged

@@ -103,7 +103,7 @@ def test_uneven_peers_average_the_sample_weighted_gradient(tmp_path: Path) -> No
     """Batch sizes 8, 16 and 32, plain SGD with lr=1 for one epoch: every peer's parameter
     change is exactly minus the gradient of the mean loss over all 56 samples."""
     sizes = [8, 16, 32]
-    results = _run_swarm(tmp_path, sizes, 1, "plain-sgd")
+    results = _run_swarm(tmp_path, sizes, 1, "plain-sgd", "--target-group-size", "3")
     model = make_model()
     xs, ys = zip(*(batch(rank, 0, size) for rank, size in enumerate(sizes)), strict=True)
     torch.nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
@@ -125,13 +125,14 @@ def test_latecomer_downloads_state_and_ends_in_step(tmp_path: Path) -> None:
     (tmp_path / "done").mkdir()
     sizes, epochs = [8, 8, 8, 8], 10
     # --verbose: each worker logs its peer id, its rounds and where it loaded state from
-    founders = ("--verbose", "--wait-peers", "3")  # train together from the start
+    # once the latecomer is in, every round assembles as soon as the four are (before, the
+    # three founders' rounds take the whole matchmaking time)
+    four = ("--verbose", "--target-group-size", "4")
+    founders = (*four, "--wait-peers", "3")  # train together from the start
     procs = [start_worker(tmp_path, 0, sizes, epochs, None, *founders)]
     first = first_address(procs[0])
     procs += [start_worker(tmp_path, r, sizes, epochs, first, *founders) for r in (1, 2)]
-    procs.append(
-        start_worker(tmp_path, 3, sizes, epochs, first, "--start-epoch-wait", "5", "--verbose")
-    )
+    procs.append(start_worker(tmp_path, 3, sizes, epochs, first, "--start-epoch-wait", "5", *four))
     logs = finish_workers(tmp_path, procs)
     for proc in procs:
         assert proc.returncode == 0, all_logs(logs)

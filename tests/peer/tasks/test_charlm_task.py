@@ -99,7 +99,6 @@ def test_parameters_that_do_not_fit(task: CharLMTask) -> None:
         TrainingConfig.from_run_config(task, {"context": 0})
 
 
-@pytest.mark.slow
 def test_one_process_learns_in_seconds(task: CharLMTask) -> None:
     """30 AdamW steps on 128 windows (3840 windows, ~20 s on one idle core). Measured when
     written: 5.13 -> 2.21 nats; the plateau of byte frequencies is ~2.6-2.7."""

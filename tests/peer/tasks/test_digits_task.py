@@ -1,23 +1,19 @@
 """DigitsTask: per-peer batch streams, and defaults that reach 0.93 test accuracy in 40
-collaborative epochs of 4 peers — simulated in one process, and with real peers."""
+collaborative epochs of 4 peers, simulated in one process (with real peers: the demo's test,
+tests/e2e/test_demo.py, which trains the task's defaults with four volunteers)."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import threading
 from typing import Any
 
 import pytest
 import torch
 
-from peer import Node
-from peer.optim.collaborative import Optimizer
 from peer.tasks import TrainingConfig, load_task
 from peer.tasks.digits import DigitsTask
 from peer.tasks.simulate import simulate_swarm
-from peer.testing import wait_until
-from tests.conftest import scaled
 
 TARGET_ACCURACY = 0.93
 
@@ -91,66 +87,3 @@ def test_four_simulated_peers_reach_the_target_within_40_epochs(
     assert result.samples == 40 * config.target_batch_size
     assert accuracies[0] < 0.2, accuracies  # it starts at chance
     assert accuracies[-1] >= TARGET_ACCURACY + 0.01, accuracies
-
-
-@pytest.mark.slow
-def test_four_real_peers_reach_the_target_within_40_epochs(
-    task: DigitsTask, config: TrainingConfig
-) -> None:
-    """Four peers with peer.Optimizer and the task's config, as threads of this process,
-    each with its own Node over WebSocket on loopback."""
-    peers, epochs = 4, config.epochs or 40
-    nodes = [Node(gossip_period=0.2)]
-    nodes += [Node(nodes[0].visible_addresses, gossip_period=0.2) for _ in range(peers - 1)]
-    accuracies: dict[int, float] = {}
-    rounds: dict[int, tuple[int, int, int | None]] = {}
-    errors: list[BaseException] = []
-    finished = threading.Semaphore(0)
-    done: set[int] = set()
-
-    def train(i: int) -> None:
-        node = nodes[i]
-        model = task.build_model(config)
-        opt = Optimizer(
-            node=node,
-            run_id="digits-test",
-            params=model.parameters(),
-            **config.optimizer_options(),
-        )
-        try:
-            # a peer alone skips the rounds: start together
-            assert wait_until(lambda: opt.tracker.others_reporting() >= peers - 1, scaled(30))
-            batches = task.train_batches(config, node.peer_id)
-            while opt.local_epoch < epochs:
-                batch = next(batches)
-                task.loss(model, batch).backward()
-                opt.step(batch_size=task.batch_size(batch))
-                opt.zero_grad()
-            accuracies[i] = task.evaluate(model, config)
-            rounds[i] = (opt.rounds_done, opt.rounds_failed, opt.last_group_size)
-            done.add(i)
-            # stay for the others' last rounds and state downloads
-            wait_until(lambda: opt.step(batch_size=0) or len(done) == peers, scaled(60), 0.05)
-        except BaseException as exc:
-            errors.append(exc)
-            done.add(i)
-        finally:
-            opt.shutdown()
-            finished.release()
-
-    try:
-        assert wait_until(lambda: all(len(n.members()) == peers for n in nodes), scaled(15))
-        threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(peers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(scaled(240))
-        assert not any(thread.is_alive() for thread in threads)
-    finally:
-        for node in nodes:
-            node.shutdown()
-    assert not errors, errors
-    assert len(accuracies) == peers
-    assert min(accuracies.values()) >= TARGET_ACCURACY, (accuracies, rounds)
-    # they trained together: rounds took place in groups of several peers
-    assert all(done >= epochs for done, _, _ in rounds.values()), rounds
