@@ -27,7 +27,6 @@ from peer.exceptions import (
     TransportError,
 )
 from peer.identity import Authenticator, CertificateAuth, Identity, OpenAuth
-from peer.node.bulk import BULK_TICKET, BulkLanes, BulkSender
 from peer.node.gossip import (
     MEMBERS_KEY,
     RECORD_ID_BYTES,
@@ -47,6 +46,7 @@ from peer.node.links import Handler, PeerLink, RemotePeer, handshake, register_l
 from peer.node.reconnect import Reconnector
 from peer.revocation import MAX_LIST_BYTES, RevocationBook
 from peer.transport.base import Connection, Listener, Transport
+from peer.transport.bulk import BULK_TICKET, BulkLanes, BulkSender
 from peer.wire import (
     BYTES,
     INT,
@@ -99,7 +99,7 @@ class NodeConfig:
     # inbound connections still in their handshake; more are closed at once (each one may
     # hold a small pre-authentication buffer until its handshake times out)
     max_pending_handshakes: int = 64
-    bulk_lanes: bool = True  # TCP side lanes for tensor parts (peer.node.bulk), if TCP
+    bulk_lanes: bool = True  # TCP side lanes for tensor parts (peer.transport.bulk), if TCP
     bulk_port: int = 0  # the lanes' listening port (0: any free one; set it behind a firewall)
     # links and lanes sealed with keys from each handshake (peer.transport.secure); False
     # only on a network where nobody can read or alter traffic: every peer must agree

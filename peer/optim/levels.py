@@ -44,7 +44,9 @@ def params_to_average(params: Iterable[Any]) -> list[torch.Tensor]:
         elif isinstance(item, Mapping) and "params" in item:
             chosen.extend(p for p in item["params"] if p.grad is not None)
         else:
-            raise NotImplementedError(f"Parameter input of type {type(item)} is not supported")
+            raise TypeError(
+                f"expected tensors or param_groups (dicts with 'params'), got {type(item).__name__}"
+            )
     return chosen
 
 

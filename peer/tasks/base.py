@@ -125,6 +125,8 @@ BASE_DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "seed": 0,
         "matchmaking_time": 5.0,
         "averaging_timeout": 30.0,
+        "aggregator": "mean",
+        "relative_weight_bound": None,
     }
 )
 
@@ -148,6 +150,12 @@ class TrainingConfig:
     seed: int = 0  # model initialisation, data split and each peer's data order
     matchmaking_time: float = 5.0  # seconds a peer waits to gather a group for a round
     averaging_timeout: float = 30.0  # seconds of silence before a round is given up
+    # how reducers combine contributions: "mean", or for open runs "trimmed_mean" or
+    # "centered_clip", which bound what any one peer can move (peer.averaging.robust)
+    aggregator: str = "mean"
+    # a member declaring more than this factor times its group's median weight (samples) is
+    # excluded from the round; None: no bound
+    relative_weight_bound: float | None = None
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the task's own
 
     def __post_init__(self) -> None:
@@ -203,6 +211,8 @@ class TrainingConfig:
             "optimizer": self.make_optimizer(),
             "matchmaking_time": self.matchmaking_time,
             "averaging_timeout": self.averaging_timeout,
+            "aggregator": self.aggregator,
+            "relative_weight_bound": self.relative_weight_bound,
         }
 
     def make_optimizer(self) -> OptimizerFactory:
@@ -285,6 +295,23 @@ def _epochs(key: str, value: Any) -> int | None:
     return None if value is None else _integer(key, value, minimum=1)
 
 
+def _aggregator(key: str, value: Any) -> str:
+    from peer.averaging.robust import AGGREGATORS
+
+    if not isinstance(value, str) or value not in AGGREGATORS:
+        raise ValueError(f"{key}: expected one of {', '.join(AGGREGATORS)}, got {value!r}")
+    return value
+
+
+def _weight_bound(key: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    number = _number(key, value)
+    if number < 1:
+        raise ValueError(f"{key}: a factor of the group's median weight, at least 1; got {value}")
+    return number
+
+
 _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "target_batch_size": functools.partial(_integer, minimum=1),
     "batch_size": functools.partial(_integer, minimum=1),
@@ -297,6 +324,8 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "seed": functools.partial(_integer, minimum=0, maximum=2**63 - 1),
     "matchmaking_time": _positive,
     "averaging_timeout": _positive,
+    "aggregator": _aggregator,
+    "relative_weight_bound": _weight_bound,
 }
 
 

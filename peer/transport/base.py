@@ -81,5 +81,5 @@ class Transport(abc.ABC):
     def max_message_bytes(self) -> int: ...
 
     #: whether peers on this transport are TCP hosts that can also open bulk lanes
-    #: (:mod:`peer.node.bulk`) for large one-way frames
+    #: (:mod:`peer.transport.bulk`) for large one-way frames
     supports_bulk_lanes: bool = False

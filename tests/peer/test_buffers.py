@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from peer.node.buffers import BufferPool
+from peer.transport.buffers import BufferPool
 
 
 def _address(buffer: memoryview) -> int:

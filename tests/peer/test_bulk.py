@@ -1,4 +1,4 @@
-"""Bulk lanes (peer.node.bulk) between real nodes on loopback: delivery, order, tickets,
+"""Bulk lanes (peer.transport.bulk) between real nodes on loopback: delivery, order, tickets,
 malformed input, fallbacks and shutdown."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import msgpack
 import pytest
 import torch
 
-import peer.node.bulk as bulk_module
+import peer.transport.bulk as bulk_module
 from peer import Node
 from peer.exceptions import FrameTooLarge, NodeShutdown, TransportError
-from peer.node.bulk import MAGIC, BulkSender
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.links import PeerLink
 from peer.testing import wait_until
+from peer.transport.bulk import MAGIC, BulkSender
 from peer.transport.memory import MemoryNetwork
 from peer.transport.secure import LaneSealer
 from peer.transport.websocket import WebSocketTransport
@@ -276,7 +276,7 @@ async def test_a_handler_that_raises_loses_its_frame_not_the_lane(
     b.core.register_handler(INLINE, BLOB_SCHEMA, b.handle)
     b.core.accept_bulk(INLINE, inline=handler)
     a.core.registry.register(INLINE, BLOB_SCHEMA)
-    with caplog.at_level(logging.ERROR, logger="peer.node.bulk"):
+    with caplog.at_level(logging.ERROR, logger="peer.transport.bulk"):
         for seq in range(4):
             await a.core.send_bulk(b.peer_id, Frame(INLINE, {"seq": seq}, b"x" * 100_000))
         await _eventually(lambda: len(seen) == 3)
@@ -386,7 +386,7 @@ async def test_connections_without_a_valid_ticket_are_refused(
     }
     for case, preamble in cases.items():
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="peer.node.bulk"):
+        with caplog.at_level(logging.WARNING, logger="peer.transport.bulk"):
             async with _raw_lane(port, preamble) as reader:
                 assert await _closed_by_remote(reader), case
         assert any("without a valid ticket" in r.getMessage() for r in caplog.records), case
@@ -407,7 +407,7 @@ async def test_a_ticket_is_single_use(
         [(sender, frame)] = await b.wait_for(1)
         assert _over_lane(sender, a) and frame.fields == {"seq": 1}
         assert b.core.bulk.has_lane(a.peer_id)
-        with caplog.at_level(logging.WARNING, logger="peer.node.bulk"):
+        with caplog.at_level(logging.WARNING, logger="peer.transport.bulk"):
             async with _raw_lane(_lane_port(b), preamble) as replay:
                 assert await _closed_by_remote(replay)
         assert any("without a valid ticket" in r.getMessage() for r in caplog.records)
@@ -427,7 +427,7 @@ async def test_a_stolen_ticket_opens_no_lane(
         follow = b"" if attempt == "no proof" else bytes(32)
         frame = encode_header(Frame(BLOB, {"seq": 1}))
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="peer.node.bulk"):
+        with caplog.at_level(logging.WARNING, logger="peer.transport.bulk"):
             async with _raw_lane(_lane_port(b), MAGIC + ticket + follow + frame) as reader:
                 assert await _closed_by_remote(reader), attempt
         messages = [r.getMessage() for r in caplog.records]
@@ -453,7 +453,7 @@ async def test_a_tampered_or_replayed_record_closes_the_lane(
         bad = second[:-1] + bytes([second[-1] ^ 1])  # one bit of the payload's tag
     else:
         bad = good  # the same records again
-    with caplog.at_level(logging.WARNING, logger="peer.node.bulk"):
+    with caplog.at_level(logging.WARNING, logger="peer.transport.bulk"):
         async with _raw_lane(_lane_port(b), preamble + good + bad) as reader:
             assert await _closed_by_remote(reader)
     messages = [r.getMessage() for r in caplog.records]
@@ -494,7 +494,7 @@ async def test_a_bad_frame_closes_only_that_lane(
     preamble, sealer = await _opening(a, b)
     good = _lane_bytes(sealer, encode_header(Frame(BLOB, {"seq": 0}, b"ok")), b"ok")
     bad = bad if sealer is None else _lane_bytes(sealer, bad)
-    with caplog.at_level(logging.WARNING, logger="peer.node.bulk"):
+    with caplog.at_level(logging.WARNING, logger="peer.transport.bulk"):
         async with _raw_lane(_lane_port(b), preamble + good + bad) as reader:
             assert await _closed_by_remote(reader)
     messages = [r.getMessage() for r in caplog.records]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import peer.node.bulk as bulk_module
+import peer.transport.bulk as bulk_module
 from peer.averaging.allreduce import AllreduceRunner
 from peer.averaging.exceptions import NonFiniteTensors
 from peer.averaging.testing import AveragerProcess, FaultyRunner

@@ -83,6 +83,11 @@ def test_json_numbers_are_taken_as_json_gives_them() -> None:
         ("seed", 2**64),
         ("matchmaking_time", 0),
         ("averaging_timeout", float("inf")),
+        ("aggregator", "median"),
+        ("aggregator", None),
+        ("relative_weight_bound", 0.5),
+        ("relative_weight_bound", float("inf")),
+        ("relative_weight_bound", "4"),
         ("width", "wide"),  # task parameters: the default's type
         ("width", 2.5),
         ("width", 0),  # ... and the task's own range check
@@ -156,3 +161,31 @@ def test_peer_seeds_differ_across_peers_and_seeds_and_stay_put() -> None:
 
 def test_task_error_belongs_to_the_library_root() -> None:
     assert issubclass(TaskError, SwarmgradError)
+
+
+def test_an_open_runs_robust_averaging_reaches_every_peers_optimizer() -> None:
+    """The organizer sets the aggregator and the weight bound in the run's config; each
+    volunteer's Optimizer (built from ``optimizer_options``) averages with them."""
+    from peer import Node
+    from peer.optim.collaborative import Optimizer
+
+    run = {"aggregator": "trimmed_mean", "relative_weight_bound": 4}
+    config = TrainingConfig.from_run_config(Toy(), run)
+    assert (config.aggregator, config.relative_weight_bound) == ("trimmed_mean", 4.0)
+    assert TrainingConfig.from_run_config(Toy(), config.to_run_config()) == config
+    node = Node(gossip_period=0.2)
+    try:
+        model = torch.nn.Linear(2, 1)
+        opt = Optimizer(
+            node=node, run_id="r", params=model.parameters(), **config.optimizer_options()
+        )
+        try:
+            for averager in (opt.grad_averager, opt.state_averager):
+                assert averager.allreduce_config.aggregator == "trimmed_mean"
+                assert averager.allreduce_config.relative_weight_bound == 4.0
+        finally:
+            opt.shutdown()
+    finally:
+        node.shutdown()
+    default = TrainingConfig.from_run_config(Toy(), {})
+    assert (default.aggregator, default.relative_weight_bound) == ("mean", None)

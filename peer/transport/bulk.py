@@ -6,7 +6,7 @@ peer each round, so those copies, not the network, bounded all-reduce throughput
 links. A bulk lane carries the *same frames* (the :mod:`peer.wire` layout: u32 header
 length, msgpack header, raw payload) over a plain non-blocking TCP socket driven by the
 event loop (a reader callback, and writes as the socket drains): the payload goes from the
-socket straight into a buffer of the payload's size (reused: :mod:`peer.node.buffers`), and
+socket straight into a buffer of the payload's size (reused: :mod:`peer.transport.buffers`), and
 out of the sender's tensor memory, with no copy in user space on either side. (Threads with
 blocking calls were tried first: on a 2-core machine their wake-ups cost more CPU than the
 copies.) Senders and the averager's watchdog see the progress of frames under way
@@ -45,7 +45,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from peer.exceptions import FrameTooLarge, ProtocolError, SwarmgradError, TransportError
-from peer.node.buffers import BufferPool
+from peer.transport.buffers import BufferPool
+from peer.transport.lane_stream import LaneReader
 from peer.transport.secure import LaneKeys, LaneOpener, LaneSealer, lane_proof_ok
 from peer.wire import (
     BYTES,
@@ -56,12 +57,10 @@ from peer.wire import (
     Limits,
     MessageRegistry,
     Schema,
-    decode_header,
-    decode_length,
     encode_header,
 )
 
-logger = logging.getLogger("peer.node.bulk")
+logger = logging.getLogger("peer.transport.bulk")
 
 __all__ = ["BULK_TICKET", "BulkLanes", "BulkSender"]
 
@@ -116,8 +115,6 @@ class _Lane:
     call first and only waits for the socket to drain when it would block. No thread
     hand-offs: on a 2-core machine they cost more than the copies they would overlap."""
 
-    _HEADER_READ = 4096  # bytes read ahead while looking for a header (spill is copied)
-
     def __init__(
         self,
         owner: BulkLanes,
@@ -133,21 +130,19 @@ class _Lane:
         self.closed = False
         # encryption: one key per direction (None: a lane in clear, on a trusted network)
         self._sealer: LaneSealer | None = None
-        self._opener: LaneOpener | None = None
+        # what parses the frames out of the bytes received (no I/O of its own)
+        self._stream: LaneOpener | LaneReader
         if keys is not None:
             mine, theirs = (keys.dialer, keys.listener) if dialer else (keys.listener, keys.dialer)
             self._sealer = LaneSealer(mine)
-            self._opener = LaneOpener(
+            self._stream = LaneOpener(
                 theirs, owner.registry, owner.limits, check=self._check, take=owner.buffers.take
             )
+        else:
+            self._stream = LaneReader(
+                owner.registry, owner.limits, check=self._check, take=owner.buffers.take
+            )
         self._send_lock = asyncio.Lock()
-        # reading state: read-ahead buffer for headers, and the payload being filled
-        self._staging = bytearray(self._HEADER_READ)
-        self._view = memoryview(self._staging)
-        self._have = 0  # bytes at the start of the staging buffer not yet consumed
-        self._head: Header | None = None  # header of the frame whose payload is arriving
-        self._payload: memoryview | None = None
-        self._got = 0  # bytes of that payload received
         self._lowat = 1
         self._read_now = 0  # bytes read in the current wake-up
         self._backlog: collections.deque[Frame] = collections.deque()
@@ -240,24 +235,21 @@ class _Lane:
         if not self._reading and not self._ended:
             self.owner.loop.add_reader(self.sock, self._on_readable)
             self._reading = True
-            read_ahead = self._have if self._opener is None else self._opener.pending
-            if read_ahead:  # frames read ahead while paused: before waiting for more
-                self.owner.loop.call_soon(self._on_readable, True)
+            if self._stream.pending:  # frames read ahead while paused: before waiting for more
+                self.owner.loop.call_soon(self._on_readable)
 
     def _pause(self) -> None:
         if self._reading:
             self.owner.loop.remove_reader(self.sock)
             self._reading = False
 
-    def _on_readable(self, parse_first: bool = False) -> None:
+    def _on_readable(self) -> None:
         """Read what the socket has (up to :data:`_READ_BUDGET` bytes: then the loop's other
         work goes first), handing out every frame completed."""
         self._read_now = 0
+        stream = self._stream
         try:
-            if self._opener is None:
-                self._read_clear(parse_first)
-            else:
-                self._read_sealed(self._opener)
+            self._read(stream)
         except (BlockingIOError, InterruptedError):
             pass
         except ProtocolError as exc:
@@ -273,12 +265,7 @@ class _Lane:
             self.owner.heard[self.peer_id] = self.owner.loop.time()
         # In a payload, wake up only once a good stretch of it is there (SO_RCVLOWAT):
         # fewer wake-ups and larger reads than one per arriving segment.
-        lowat = 1
-        if self._opener is not None:
-            if self._opener.in_payload:
-                lowat = min(self._opener.wanted(), _PAYLOAD_LOWAT)
-        elif self._payload is not None:
-            lowat = min(len(self._payload) - self._got, _PAYLOAD_LOWAT)
+        lowat = min(stream.wanted(), _PAYLOAD_LOWAT) if stream.in_payload else 1
         if lowat != self._lowat:
             try:
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
@@ -286,60 +273,27 @@ class _Lane:
                 pass  # an old kernel: one wake-up per segment, still correct
             self._lowat = lowat
 
-    def _read_clear(self, parse_first: bool) -> None:
-        """Frames in clear: the payload goes from the socket straight into its buffer."""
-        sock = self.sock
-        if parse_first and self._payload is None and self._reading:
-            self._parse()
+    def _read(self, stream: LaneOpener | LaneReader) -> None:
+        """Bytes go from the socket into the stream's buffer (a payload's own, in clear);
+        the frames they complete are handed out as they do."""
+        self._take_frames(stream)
         while self._read_now < _READ_BUDGET and self._reading:
-            payload = self._payload
-            if payload is not None:  # straight from the socket into the payload
-                size = len(payload)
-                want = size - self._got
-                n = sock.recv_into(payload[self._got :])
-                if not n:
-                    raise ConnectionError("lane closed by the remote")
-                self._got += n
-                self._read_now += n
-                if n == want:
-                    head, self._head, self._payload = self._head, None, None
-                    assert head is not None
-                    self._deliver(Frame(head.type, head.fields, payload))
-                    del payload  # the handler owns it: nothing here may keep it alive
-                elif n < want:
-                    break  # drained for now
-            else:
-                want = len(self._view) - self._have
-                n = sock.recv_into(self._view[self._have :])
-                if not n:
-                    raise ConnectionError("lane closed by the remote")
-                self._have += n
-                self._read_now += n
-                self._parse()
-                if n < want and self._payload is None:
-                    break  # drained for now
-
-    def _read_sealed(self, opener: LaneOpener) -> None:
-        """Frames sealed: records go from the socket into a staging buffer and are opened
-        from there into the payload's buffer."""
-        self._open_frames(opener)
-        while self._read_now < _READ_BUDGET and self._reading:
-            view = opener.buffer()
+            view = stream.buffer()
             want = len(view)
             n = self.sock.recv_into(view)
             del view
             if not n:
                 raise ConnectionError("lane closed by the remote")
             self._read_now += n
-            opener.received(n)
-            self._open_frames(opener)
+            stream.received(n)
+            self._take_frames(stream)
             if n < want:
                 break  # drained for now
 
-    def _open_frames(self, opener: LaneOpener) -> None:
-        """Hand out the frames whose records arrived, until the handlers fall behind."""
+    def _take_frames(self, stream: LaneOpener | LaneReader) -> None:
+        """Hand out the frames received, until the handlers fall behind."""
         while self._reading:
-            frame = opener.next_frame()
+            frame = stream.next_frame()
             if frame is None:
                 return
             self._deliver(frame)
@@ -348,47 +302,6 @@ class _Lane:
     def _check(self, head: Header) -> None:
         if head.type not in self.owner.accepted or head.request_id or head.reply_to:
             raise ProtocolError(f"{head.type!r} is not accepted on a bulk lane")
-
-    def _parse(self) -> None:
-        """Take the complete frames out of the staging buffer; start the payload of one that
-        is not complete yet."""
-        owner = self.owner
-        limits, view, have = owner.limits, self._view, self._have
-        pos = 0
-        grow_to = 0
-        while self._payload is None and self._reading:
-            if have - pos < LENGTH_BYTES:
-                break
-            need = LENGTH_BYTES + decode_length(view[pos : pos + LENGTH_BYTES], limits)
-            if have - pos < need:
-                grow_to = need  # a large header: the staging buffer must hold it whole
-                break
-            head = decode_header(view[pos + LENGTH_BYTES : pos + need], owner.registry, limits)
-            self._check(head)
-            pos += need
-            size = head.payload_length
-            if not size:
-                self._deliver(Frame(head.type, head.fields, b""))
-                continue
-            # a writable buffer from the pool (no zero-fill, pages reused)
-            payload = owner.buffers.take(size)
-            spilled = min(have - pos, size)
-            payload[:spilled] = view[pos : pos + spilled]
-            pos += spilled
-            if spilled < size:
-                self._head, self._payload, self._got = head, payload, spilled
-            else:
-                self._deliver(Frame(head.type, head.fields, payload))
-            del payload
-        rest = have - pos
-        if pos and rest:
-            view[:rest] = view[pos:have]
-        self._have = rest
-        if grow_to > len(self._staging):
-            grown = bytearray(grow_to + self._HEADER_READ)
-            grown[:rest] = view[:rest]
-            view.release()
-            self._staging, self._view = grown, memoryview(grown)
 
     def _deliver(self, frame: Frame) -> None:
         owner = self.owner
@@ -438,7 +351,6 @@ class _Lane:
             return
         self._ended = True
         self._pause()
-        self._payload = self._head = None
         self.close()
         self.owner.forget(self, reason)
 

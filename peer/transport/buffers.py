@@ -1,7 +1,7 @@
 """Receive buffers for large payloads, reused instead of freed.
 
 A bulk lane reads each payload straight from the socket into a buffer of the payload's
-size (:mod:`peer.node.bulk`); an all-reduce round receives the model's size that way, in
+size (:mod:`peer.transport.bulk`); an all-reduce round receives the model's size that way, in
 parts of a few hundred kilobytes to a few megabytes, and keeps some of them (contributions
 not yet reduced) while others arrive. Fresh allocations of that size cost twice: the
 allocator hands out new pages to fault in (the kernel zeroes each one), and it keeps what
