@@ -72,6 +72,7 @@ from peer.averaging.protocol import (
     PART,
     STATE_BEGIN,
     STATE_CHUNK,
+    STATE_DIGEST,
     Router,
 )
 from peer.averaging.state import StateServer, download_state, state_key
@@ -718,6 +719,10 @@ class DecentralizedAverager:
         if kind == STATE_CHUNK:
             assert self._state_server is not None
             return await self._state_server.on_chunk(link, frame)
+        if kind == STATE_DIGEST:
+            if not self._allow_state_sharing or self._state_server is None:
+                raise ValueError("this peer does not share its state")
+            return await self._state_server.on_digest(link, frame, self._state_sharing_priority)
         return None
 
     def _route_round(self, sender: str, frame: Frame) -> None:

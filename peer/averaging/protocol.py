@@ -50,6 +50,8 @@ STATE_BEGIN = "avg.state_begin"
 STATE_INFO = "avg.state_info"
 STATE_CHUNK = "avg.state_chunk"
 STATE_DATA = "avg.state_data"
+STATE_DIGEST = "avg.state_digest"  # a donor's digest of the state it would serve now
+STATE_HASH = "avg.state_hash"
 
 PREFIX = Scalar(str, max_length=512)
 GROUP_ID = Scalar(bytes, max_length=64)
@@ -73,11 +75,13 @@ HANDLED: dict[str, Schema] = {
     ABORT: Schema(required={"p": PREFIX, "g": GROUP_ID}, optional={"why": STR}),
     STATE_BEGIN: Schema(required={"p": PREFIX}),
     STATE_CHUNK: Schema(required={"p": PREFIX, "t": INT, "i": INT}),
+    STATE_DIGEST: Schema(required={"p": PREFIX}),
 }
 REPLIES: dict[str, Schema] = {
     JOIN_REPLY: Schema(required={"s": STR}, optional={"r": STR, "d": AnyValue()}),
     STATE_INFO: Schema(required={"t": INT, "m": BYTES, "x": AnyValue(), "n": INT, "b": INT}),
     STATE_DATA: Schema(payload=True),
+    STATE_HASH: Schema(required={"e": FLOAT, "d": Scalar(bytes, max_length=64)}),
 }
 
 Endpoint = Callable[[Any, Frame], Awaitable[Frame | None]]
@@ -284,6 +288,8 @@ __all__ = [
     "STATE_BEGIN",
     "STATE_CHUNK",
     "STATE_DATA",
+    "STATE_DIGEST",
+    "STATE_HASH",
     "STATE_INFO",
     "Router",
     "decode_declaration",

@@ -17,11 +17,24 @@ Transfer (one donor at a time; highest priority first, random order among equal 
 A donor that fails to answer within ``next_chunk_timeout`` (or dies, or sends anything
 malformed) is abandoned and the next donor is tried from the start. Nothing is unpickled:
 metadata is msgpack, tensors are validated by :meth:`CompressedTensor.from_wire`.
+
+Checked against the swarm: a donor could serve any weights under any priority, so a state
+downloaded is compared with what other donors hold before it is used. The newcomer asks up
+to :data:`CORROBORATORS` other donors (``avg.state_digest`` → ``avg.state_hash``: their
+priority and the digest of the state they would serve now, over its wire form, so that it
+is compared as served). A donor whose digest equals the state's confirms it. If none does
+but two or more of them agree with each other on another state, the donor is outvoted: its
+state is dropped, the donor is named in a warning, and the next donor is tried. Otherwise
+(no other donor, or donors whose states all differ, as peers that train alone do) the state
+cannot be checked and is used, as it was before this check; a swarm whose peers hold equal
+states (the collaborative optimizer's, after each epoch) therefore needs two honest donors
+to outvote one that lies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import math
@@ -33,20 +46,40 @@ from typing import Any
 import msgpack
 import torch
 
-from peer.averaging.protocol import STATE_BEGIN, STATE_CHUNK, STATE_DATA, STATE_INFO
+from peer.averaging.protocol import (
+    STATE_BEGIN,
+    STATE_CHUNK,
+    STATE_DATA,
+    STATE_DIGEST,
+    STATE_HASH,
+    STATE_INFO,
+)
 from peer.compression import CompressedTensor, Compression, CompressionError, extract
 from peer.exceptions import SwarmgradError
 from peer.wire import Frame
 
 logger = logging.getLogger("peer.averaging.state")
 
-__all__ = ["StateServer", "download_state", "state_key"]
+__all__ = ["CORROBORATORS", "StateServer", "download_state", "state_digest", "state_key"]
 
 #: a transfer idle this long is dropped by the donor
 _TRANSFER_TTL = 60.0
 _MAX_TRANSFERS = 4
 _WINDOW = 4  # chunk requests in flight
 _MAX_STATE_BYTES = 1 << 40
+#: other donors asked to check a downloaded state against theirs
+CORROBORATORS = 3
+
+
+def state_digest(wires: Sequence[tuple[Any, Any]]) -> bytes:
+    """The digest of a state in its wire form: each tensor's compressed header and payload."""
+    digest = hashlib.blake2b(digest_size=32)
+    for header, payload in wires:
+        packed = msgpack.packb(header, use_bin_type=True)
+        data = memoryview(payload).cast("B")
+        digest.update(len(packed).to_bytes(8, "big") + packed + data.nbytes.to_bytes(8, "big"))
+        digest.update(data)
+    return digest.digest()
 
 
 def state_key(prefix: str) -> str:
@@ -81,6 +114,26 @@ class StateServer:
         self.lock = lock  # async context manager factory guarding the tensors
         self._transfers: dict[int, _Transfer] = {}
         self._ids = itertools.count(1)
+        self._digesting = 0
+
+    def _snapshot(self) -> tuple[Any, list[tuple[Any, Any]]]:
+        """``(metadata, wire forms of the tensors)``: call with the tensors locked."""
+        metadata, tensors = self.get_state()
+        compressed = [self.compression.compress(t.detach().cpu()) for t in tensors]
+        return metadata, [c.to_wire() for c in compressed]
+
+    async def on_digest(self, link: Any, frame: Frame, priority: float) -> Frame:
+        """The digest of the state this peer would serve now, and its priority."""
+        if self._digesting >= _MAX_TRANSFERS:
+            raise ValueError("too many state digests in progress")
+        self._digesting += 1
+        try:
+            async with self.lock():
+                _, wires = self._snapshot()
+                digest = state_digest(wires)
+        finally:
+            self._digesting -= 1
+        return Frame(STATE_HASH, {"e": priority, "d": digest})
 
     async def on_begin(self, link: Any, frame: Frame) -> Frame:
         now = asyncio.get_running_loop().time()
@@ -90,9 +143,7 @@ class StateServer:
         if len(self._transfers) >= _MAX_TRANSFERS:
             raise ValueError("too many state downloads in progress; try another donor")
         async with self.lock():
-            metadata, tensors = self.get_state()
-            compressed = [self.compression.compress(t.detach().cpu()) for t in tensors]
-            wires = [c.to_wire() for c in compressed]
+            metadata, wires = self._snapshot()
             total = sum(memoryview(payload).nbytes for _, payload in wires)
             buffer = bytearray(total)
             offset = 0
@@ -164,10 +215,11 @@ async def download_state(
 ) -> tuple[Any, list[torch.Tensor], str] | None:
     """Download from the best donor that works; ``(metadata, tensors, donor)`` or None.
     A donor announcing a state of more than ``max_bytes`` is skipped before anything is
-    allocated."""
-    for priority, donor in await list_donors(core, prefix):
+    allocated; a state that other donors outvote is dropped (see the module docstring)."""
+    donors = await list_donors(core, prefix)
+    for priority, donor in donors:
         try:
-            metadata, tensors = await _download_from(
+            metadata, tensors, digest = await _download_from(
                 core, prefix, donor, request_timeout, chunk_timeout, max_bytes
             )
         except (
@@ -186,7 +238,41 @@ async def download_state(
                 exc or type(exc).__name__,
             )
             continue
+        others = [d for p, d in sorted(donors, key=lambda d: d[0] != priority) if d != donor]
+        verdict = await _corroborate(core, prefix, others[:CORROBORATORS], digest, request_timeout)
+        if verdict is not None:
+            logger.warning(
+                "state from %s (priority %g) dropped: %s; trying the next donor",
+                donor,
+                priority,
+                verdict,
+            )
+            continue
         return metadata, tensors, donor
+    return None
+
+
+async def _corroborate(
+    core: Any, prefix: str, others: list[str], digest: bytes, timeout: float
+) -> str | None:
+    """Why the state of ``digest`` is outvoted by ``others`` (their own states' digests),
+    or None: confirmed by one of them, or not decided (no answer, or no two of them agree)."""
+
+    async def ask(peer_id: str) -> bytes | None:
+        try:
+            reply = await core.request(peer_id, Frame(STATE_DIGEST, {"p": prefix}), timeout)
+        except (SwarmgradError, TimeoutError, ValueError):
+            return None
+        return reply.fields["d"] if reply.type == STATE_HASH else None
+
+    answers = [a for a in await asyncio.gather(*(ask(p) for p in others)) if a is not None]
+    if digest in answers:
+        return None
+    agreeing = max((answers.count(a) for a in answers), default=0)
+    if agreeing >= 2:
+        return f"{agreeing} other donors hold another state, and none holds this one"
+    if answers:
+        logger.info("a downloaded state could not be checked: the other donors' states differ")
     return None
 
 
@@ -229,7 +315,8 @@ async def _download_from(
     request_timeout: float,
     chunk_timeout: float,
     max_bytes: int,
-) -> tuple[Any, list[torch.Tensor]]:
+) -> tuple[Any, list[torch.Tensor], bytes]:
+    """``(metadata, tensors, the state's digest as received)`` from ``donor``."""
     info = await core.request(donor, Frame(STATE_BEGIN, {"p": prefix}), request_timeout)
     if info.type != STATE_INFO:
         raise ValueError(f"expected {STATE_INFO}, got {info.type}")
@@ -258,10 +345,12 @@ async def _download_from(
     except ExceptionGroup as group:
         raise group.exceptions[0] from None
     tensors = []
+    wires = []
     offset = 0
     view = memoryview(buffer)
     for header, nbytes in items:
+        wires.append((header, view[offset : offset + nbytes]))
         compressed = CompressedTensor.from_wire(header, view[offset : offset + nbytes])
         tensors.append(extract(compressed).clone())
         offset += nbytes
-    return metadata, tensors
+    return metadata, tensors, state_digest(wires)

@@ -551,8 +551,8 @@ def _read_slowly(lane: Any, monkeypatch: pytest.MonkeyPatch, pause: float) -> No
     monkeypatch.setattr(bulk_module, "_READ_BUDGET", SMALL_BUFFER)
     read = lane._on_readable
 
-    def then_pause(parse_first: bool = False) -> None:
-        read(parse_first)
+    def then_pause() -> None:
+        read()
         if lane._reading:
             lane._pause()
             lane.owner.loop.call_later(pause, lane._resume)

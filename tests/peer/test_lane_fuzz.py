@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from peer.averaging.protocol import AVERAGE, PART
+from peer.averaging.protocol import ABORT, AVERAGE, JOIN, PART, STATE_BEGIN, STATE_CHUNK
 from peer.exceptions import ProtocolError
 from peer.transport.lane_stream import LaneReader
 from peer.transport.secure import LaneOpener, LaneSealer
@@ -24,6 +24,7 @@ from tests.peer.test_fuzz import TYPED, full_registry, mutate_bytes, mutated_inp
 INPUTS = int(os.environ.get("SWARMGRAD_FUZZ_INPUTS", "10000"))
 SEED = int(os.environ.get("SWARMGRAD_FUZZ_SEED", "0"))
 LANE_TYPES = [PART, AVERAGE]  # what averaging sends on lanes
+OTHER_TYPES = [ABORT, JOIN, STATE_BEGIN, STATE_CHUNK]
 # small limits: a mutated length asks for at most this much memory
 LIMITS = Limits(max_header_bytes=64 << 10, max_payload_bytes=1 << 20)
 KEY = bytes(range(32))
@@ -96,6 +97,13 @@ def _run(message_type: str, make: Callable[[], Stream], sealed: bool) -> tuple[i
     refused = intact = 0
     for _ in range(INPUTS):
         sent = [_valid_frame(message_type, rng) for _ in range(rng.randrange(1, 4))]
+        foreign = rng.random() < 0.05
+        if foreign:  # a valid frame that lanes do not carry: another type, or a request
+            i = rng.randrange(len(sent))
+            other = seed_frame(rng.choice(OTHER_TYPES), full_registry(), rng)
+            if rng.random() < 0.5:
+                other = Frame(sent[i].type, sent[i].fields, sent[i].payload, request_id=1)
+            sent[i] = other
         if sealed:
             data = _sealed(sent)
             altered = rng.random() < 0.9
@@ -116,13 +124,14 @@ def _run(message_type: str, make: Callable[[], Stream], sealed: bool) -> tuple[i
             got = feed(make(), data, rng)
         except TYPED:
             refused += 1
-            assert altered, "an intact stream was refused"
+            assert altered or foreign, "an intact stream was refused"
             continue
+        assert altered or not foreign, "a frame lanes do not carry was accepted"
         if not altered or _same(got, sent):
             assert _same(got, sent), "an intact stream gave other frames"
             intact += 1
         for frame in got:
-            assert frame.type in LANE_TYPES
+            assert frame.type in LANE_TYPES and not frame.request_id and not frame.reply_to
             assert len(frame.payload) <= LIMITS.max_payload_bytes
         if sealed and altered:
             # what the keys did not seal is refused; a cut stream gives a prefix at most

@@ -50,3 +50,70 @@ def test_a_donor_claiming_a_huge_state_is_skipped(
     assert newcomer.last_state_donor == honest.node.peer_id
     refusals = [r.getMessage() for r in caplog.records if "expects at most" in r.getMessage()]
     assert refusals and hostile.node.peer_id in refusals[0]
+
+
+class _Liar(DecentralizedAverager):
+    """Serves other weights than the swarm's (and the digest of what it serves)."""
+
+    def get_current_state(self) -> tuple[Any, list[torch.Tensor]]:
+        return {"epoch": 99}, [torch.full((1000,), -7.0)]
+
+
+def test_a_donor_serving_wrong_weights_is_outvoted_by_the_honest_donors(
+    make_swarm, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The liar claims the top priority, so its state is downloaded first; the two honest
+    donors, asked for their states' digests, agree with each other and not with it: its
+    state is dropped, it is named, and the newcomer takes the honest state."""
+    swarm = make_swarm(4)
+    base = dict(prefix="test", min_matchmaking_time=1.0, request_timeout=3.0, start=True)
+    honest = [
+        DecentralizedAverager(
+            [torch.full((1000,), 2.0)], swarm.nodes[i], allow_state_sharing=True, **base
+        )
+        for i in (0, 1)
+    ]
+    liar = _Liar([torch.zeros(1000)], swarm.nodes[2], allow_state_sharing=True, **base)
+    newcomer = DecentralizedAverager([torch.zeros(1000)], swarm.nodes[3], **base)
+    swarm.averagers += [*honest, liar, newcomer]
+    for averager in honest:
+        averager.state_sharing_priority = 1.0
+    liar.state_sharing_priority = 100.0
+
+    def all_declared() -> bool:
+        record = newcomer.node.get(state_key("test"))
+        return record is not None and len(record.value) >= 3
+
+    assert wait_for(all_declared, 15)
+    with caplog.at_level(logging.WARNING, logger="peer.averaging.state"):
+        found = newcomer.load_state_from_peers(timeout=scaled(30))
+    assert found is not None
+    assert torch.equal(found[1][0], torch.full((1000,), 2.0))
+    assert newcomer.last_state_donor in {h.node.peer_id for h in honest}
+    dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(dropped) == 1 and liar.node.peer_id in dropped[0], dropped
+    assert "2 other donors hold another state" in dropped[0]
+
+
+def test_a_state_no_other_donor_can_vouch_for_is_used_as_before(make_swarm) -> None:
+    """Peers whose states all differ (as peers training alone do) cannot outvote anyone:
+    the best donor's state is used, unchecked."""
+    swarm = make_swarm(3)
+    base = dict(prefix="test", min_matchmaking_time=1.0, request_timeout=3.0, start=True)
+    donors = [
+        DecentralizedAverager(
+            [torch.full((10,), float(i))], swarm.nodes[i], allow_state_sharing=True, **base
+        )
+        for i in (0, 1)
+    ]
+    newcomer = DecentralizedAverager([torch.zeros(10)], swarm.nodes[2], **base)
+    swarm.averagers += [*donors, newcomer]
+    donors[1].state_sharing_priority = 5.0
+
+    def both_declared() -> bool:
+        record = newcomer.node.get(state_key("test"))
+        return record is not None and len(record.value) >= 2
+
+    assert wait_for(both_declared, 15)
+    found = newcomer.load_state_from_peers(timeout=scaled(30))
+    assert found is not None and torch.equal(found[1][0], torch.full((10,), 1.0))

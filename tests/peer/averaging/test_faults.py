@@ -150,8 +150,8 @@ def test_a_slow_link_is_not_taken_for_a_dead_peer(make_swarm, monkeypatch) -> No
 
     read = bulk_module._Lane._on_readable
 
-    def read_then_pause(lane, parse_first: bool = False) -> None:  # about 2 MB/s
-        read(lane, parse_first)
+    def read_then_pause(lane) -> None:  # about 2 MB/s
+        read(lane)
         if lane._reading:
             lane._pause()
             lane.owner.loop.call_later(0.05, lane._resume)
