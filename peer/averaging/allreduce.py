@@ -80,6 +80,7 @@ from peer.averaging.partition import FlatLayout, Partition
 from peer.averaging.protocol import ABORT, AVERAGE, PART
 from peer.averaging.reducer import FinishedPart, WeightedMeanReducer
 from peer.averaging.robust import check_aggregator, weight_bound
+from peer.averaging.seam import Link, NodeCore
 from peer.compression import (
     CompressedTensor,
     Compression,
@@ -143,6 +144,10 @@ class MemberInfo:
 _NOT_YET: dict[str, Any] = {}  # a wire cache entry whose average is not compressed yet
 
 
+def _never(peer_id: str) -> float:
+    return 0.0
+
+
 class _Outbox:
     __slots__ = ("averages", "contributions", "event")
 
@@ -161,7 +166,7 @@ class AllreduceRunner:
 
     def __init__(
         self,
-        core: Any,
+        core: NodeCore,
         prefix: str,
         group: GroupInfo,
         members: Sequence[MemberInfo],
@@ -365,7 +370,7 @@ class AllreduceRunner:
 
     # ---------------------------------------------------------------- sending
 
-    async def _link_to(self, peer_id: str) -> Any:
+    async def _link_to(self, peer_id: str) -> Link:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.sender_timeout
         while True:
@@ -813,8 +818,8 @@ class AllreduceRunner:
         bulk = self.core.bulk
         # bytes of frames still under way count as signs of life (on a slow link one frame
         # can take longer than the timeouts); without lanes, only complete frames show
-        heard: dict[str, float] = bulk.heard if bulk is not None else {}
-        taken: dict[str, float] = bulk.taken if bulk is not None else {}
+        heard = bulk.last_heard if bulk is not None else _never
+        taken = bulk.last_taken if bulk is not None else _never
         while not self._done.is_set():
             await asyncio.sleep(tick)
             now = loop.time()
@@ -824,16 +829,16 @@ class AllreduceRunner:
                 for i in range(reducer.num_parts):
                     owing |= reducer.waiting_for(i)
                 for sender in owing - {self.me}:
-                    last = max(self.last_from[sender], heard.get(sender, 0.0))
+                    last = max(self.last_from[sender], heard(sender))
                     if now - last > cfg.sender_timeout:
                         self._exclude_sender(sender, f"silent for {cfg.sender_timeout:g} s")
             for r, pending in self.unresolved.items():
                 if not pending:
                     continue
                 peer_id = self.members[r].peer_id
-                last = max(self.last_progress[r], heard.get(peer_id, 0.0))
+                last = max(self.last_progress[r], heard(peer_id))
                 if r in self._contributing:
-                    last = max(last, taken.get(peer_id, 0.0))
+                    last = max(last, taken(peer_id))
                 if now - last > cfg.reducer_timeout:
                     self._fail_reducer(r, f"silent for {cfg.reducer_timeout:g} s")
 

@@ -75,6 +75,7 @@ from peer.averaging.protocol import (
     STATE_DIGEST,
     Router,
 )
+from peer.averaging.seam import Link, NodeCore
 from peer.averaging.state import StateServer, download_state, state_key
 from peer.compression import Compression, CompressionInfo, NoCompression, TensorRole
 from peer.exceptions import SwarmgradError
@@ -248,7 +249,7 @@ class DecentralizedAverager:
         self._shut = False
         self._step_futures: set[concurrent.futures.Future[Any]] = set()
         # loop-side state, created in run()
-        self._core: Any = None
+        self._core: NodeCore | None = None
         self._driver: MatchmakingDriver | None = None
         self._state_server: StateServer | None = None
         self._runners: dict[bytes, AllreduceRunner] = {}
@@ -327,7 +328,7 @@ class DecentralizedAverager:
             future.result(self.config.shutdown_timeout)
 
     async def _stop(self) -> None:
-        core = self._core
+        core = self.core
         Router.of(core).remove(self.config.prefix)
         if self._declare_task is not None:
             self._declare_task.cancel()
@@ -492,7 +493,7 @@ class DecentralizedAverager:
     async def _step_attempts(
         self, control: StepControl, metadata: bytes, deadline: float | None, allow_retries: bool
     ) -> dict[str, Any]:
-        core = self._core
+        core = self.core
         mm = self.matchmaking_config
         first = True
         while True:
@@ -534,7 +535,7 @@ class DecentralizedAverager:
     async def _run_group(
         self, control: StepControl, group: GroupInfo, deadline: float | None
     ) -> dict[str, Any]:
-        core = self._core
+        core = self.core
         members, gathered = _parse_members(group)
         members = [_certified(member, core.certified_role(member.peer_id)) for member in members]
         if control.require_trigger and not control._trigger.is_set():
@@ -609,7 +610,7 @@ class DecentralizedAverager:
                 flat = alias
         try:
             runner = self._runner_cls(
-                self._core,
+                self.core,
                 self.config.prefix,
                 group,
                 members,
@@ -686,7 +687,7 @@ class DecentralizedAverager:
         async def tell(peer_id: str) -> None:
             with contextlib.suppress(SwarmgradError, TimeoutError):
                 async with asyncio.timeout(1.0):
-                    await self._core.send(peer_id, frame)
+                    await self.core.send(peer_id, frame)
 
         await asyncio.gather(*(tell(p) for p in group.peer_ids if p != self.peer_id))
 
@@ -700,7 +701,7 @@ class DecentralizedAverager:
 
     # ------------------------------------------------------------------- routing
 
-    async def _endpoint(self, link: Any, frame: Frame) -> Frame | None:
+    async def _endpoint(self, link: Link, frame: Frame) -> Frame | None:
         kind = frame.type
         if kind in (PART, AVERAGE, ABORT):
             self._route_round(link.peer_id, frame)
@@ -772,7 +773,14 @@ class DecentralizedAverager:
     async def _send_quietly(self, peer_id: str, frame: Frame) -> None:
         with contextlib.suppress(SwarmgradError, TimeoutError):
             async with asyncio.timeout(2.0):
-                await self._core.send(peer_id, frame)
+                await self.core.send(peer_id, frame)
+
+    @property
+    def core(self) -> NodeCore:
+        """The node's event-loop side this averager runs on (once started)."""
+        if self._core is None:
+            raise RuntimeError("the averager has not started: call run() first")
+        return self._core
 
     # --------------------------------------------------------------------- state
 
@@ -795,7 +803,7 @@ class DecentralizedAverager:
             try:
                 async with asyncio.timeout(timeout):
                     found = await download_state(
-                        self._core,
+                        self.core,
                         self.config.prefix,
                         request_timeout=self.matchmaking_config.request_timeout,
                         chunk_timeout=self.config.next_chunk_timeout,
@@ -851,7 +859,7 @@ class DecentralizedAverager:
             self.node.loop.call_soon_threadsafe(self._declare_wake.set)
 
     async def _declare_state_loop(self) -> None:
-        core = self._core
+        core = self.core
         period = self.config.declare_state_period
         assert self._declare_wake is not None
         while True:

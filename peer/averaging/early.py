@@ -10,7 +10,7 @@ plus :data:`FRAME_OVERHEAD` bytes, so a flood of empty frames is bounded too.
 
 from __future__ import annotations
 
-from typing import Any
+from peer.wire import Frame
 
 __all__ = ["FRAME_OVERHEAD", "EarlyFrames"]
 
@@ -18,7 +18,7 @@ __all__ = ["FRAME_OVERHEAD", "EarlyFrames"]
 FRAME_OVERHEAD = 256
 
 
-def frame_cost(frame: Any) -> int:
+def frame_cost(frame: Frame) -> int:
     return memoryview(frame.payload).nbytes + FRAME_OVERHEAD
 
 
@@ -31,11 +31,11 @@ class EarlyFrames:
             raise ValueError("the limits must be positive")
         self.total_limit = total_limit
         self.sender_limit = sender_limit
-        self._groups: dict[bytes, list[tuple[str, Any]]] = {}
+        self._groups: dict[bytes, list[tuple[str, Frame]]] = {}
         self._by_sender: dict[str, int] = {}
         self.nbytes = 0
 
-    def add(self, group_id: bytes, sender: str, frame: Any) -> bool:
+    def add(self, group_id: bytes, sender: str, frame: Frame) -> bool:
         """Keep ``frame``; False (nothing kept) if it would take its sender or the room
         past a limit."""
         cost = frame_cost(frame)
@@ -47,7 +47,7 @@ class EarlyFrames:
         self.nbytes += cost
         return True
 
-    def take(self, group_id: bytes) -> list[tuple[str, Any]]:
+    def take(self, group_id: bytes) -> list[tuple[str, Frame]]:
         """The group's frames, in arrival order, removed from the room."""
         frames = self._groups.pop(group_id, [])
         for sender, frame in frames:
@@ -66,7 +66,7 @@ class EarlyFrames:
     def __len__(self) -> int:
         return sum(len(frames) for frames in self._groups.values())
 
-    def _release(self, sender: str, frame: Any) -> None:
+    def _release(self, sender: str, frame: Frame) -> None:
         cost = frame_cost(frame)
         self.nbytes -= cost
         left = self._by_sender[sender] - cost

@@ -50,6 +50,7 @@ from peer.averaging.protocol import (
     encode_notice,
     encode_response,
 )
+from peer.averaging.seam import Link, NodeCore
 from peer.exceptions import SwarmgradError
 from peer.wire import Frame
 
@@ -63,7 +64,7 @@ class MatchmakingDriver:
     """One per averager; runs one matchmaking attempt at a time (``find_group``)."""
 
     def __init__(
-        self, core: Any, prefix: str, config: MatchmakingConfig, poll_interval: float
+        self, core: NodeCore, prefix: str, config: MatchmakingConfig, poll_interval: float
     ) -> None:
         self.core = core
         self.prefix = prefix
@@ -307,7 +308,7 @@ class MatchmakingDriver:
 
     # --------------------------------------------------------------- handlers
 
-    async def on_join(self, link: Any, frame: Frame) -> Frame:
+    async def on_join(self, link: Link, frame: Frame) -> Frame:
         fields = frame.fields
         requester = decode_declaration(fields["d"])  # ValueError → error reply
         if requester.peer_id != link.peer_id:
@@ -322,7 +323,7 @@ class MatchmakingDriver:
         self._wake.set()
         return encode_response(replies[0].response)
 
-    async def on_notice(self, link: Any, frame: Frame) -> None:
+    async def on_notice(self, link: Link, frame: Frame) -> None:
         try:
             notice = decode_notice(link.peer_id, frame)
         except ValueError as exc:

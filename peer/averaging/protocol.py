@@ -38,6 +38,7 @@ from peer.averaging.matchmaking import (
     RefuseReason,
     ResponseStatus,
 )
+from peer.averaging.seam import Link, NodeCore
 from peer.wire import BYTES, FLOAT, INT, STR, AnyValue, Frame, Scalar, Schema
 
 JOIN = "avg.join"
@@ -93,7 +94,7 @@ class Router:
 
     _by_node: weakref.WeakKeyDictionary[Any, Router] = weakref.WeakKeyDictionary()
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: NodeCore) -> None:
         self.endpoints: dict[str, Endpoint] = {}
         self.rounds: dict[str, RoundEndpoint] = {}
         for message_type, schema in REPLIES.items():
@@ -104,7 +105,7 @@ class Router:
             core.accept_bulk(message_type, inline=self._dispatch_round)
 
     @classmethod
-    def of(cls, core: Any) -> Router:
+    def of(cls, core: NodeCore) -> Router:
         router = cls._by_node.get(core)
         if router is None:
             router = cls._by_node[core] = cls(core)
@@ -127,7 +128,7 @@ class Router:
         if rounds is not None:
             rounds(peer_id, frame)
 
-    async def _dispatch(self, link: Any, frame: Frame) -> Frame | None:
+    async def _dispatch(self, link: Link, frame: Frame) -> Frame | None:
         endpoint = self.endpoints.get(frame.fields["p"])
         if endpoint is None:
             if frame.request_id:

@@ -54,6 +54,7 @@ from peer.averaging.protocol import (
     STATE_HASH,
     STATE_INFO,
 )
+from peer.averaging.seam import Link, NodeCore
 from peer.compression import CompressedTensor, Compression, CompressionError, extract
 from peer.exceptions import SwarmgradError
 from peer.wire import Frame
@@ -122,7 +123,7 @@ class StateServer:
         compressed = [self.compression.compress(t.detach().cpu()) for t in tensors]
         return metadata, [c.to_wire() for c in compressed]
 
-    async def on_digest(self, link: Any, frame: Frame, priority: float) -> Frame:
+    async def on_digest(self, link: Link, frame: Frame, priority: float) -> Frame:
         """The digest of the state this peer would serve now, and its priority."""
         if self._digesting >= _MAX_TRANSFERS:
             raise ValueError("too many state digests in progress")
@@ -135,7 +136,7 @@ class StateServer:
             self._digesting -= 1
         return Frame(STATE_HASH, {"e": priority, "d": digest})
 
-    async def on_begin(self, link: Any, frame: Frame) -> Frame:
+    async def on_begin(self, link: Link, frame: Frame) -> Frame:
         now = asyncio.get_running_loop().time()
         for tid, transfer in list(self._transfers.items()):
             if now - transfer.last_used > _TRANSFER_TTL:
@@ -165,7 +166,7 @@ class StateServer:
             },
         )
 
-    async def on_chunk(self, link: Any, frame: Frame) -> Frame:
+    async def on_chunk(self, link: Link, frame: Frame) -> Frame:
         tid, index = frame.fields["t"], frame.fields["i"]
         transfer = self._transfers.get(tid)
         if transfer is None or index >= transfer.num_chunks:
@@ -184,7 +185,7 @@ class StateServer:
         """Hook for fault-injection tests; does nothing here."""
 
 
-async def list_donors(core: Any, prefix: str) -> list[tuple[float, str]]:
+async def list_donors(core: NodeCore, prefix: str) -> list[tuple[float, str]]:
     """``(priority, peer_id)`` of the declared donors other than this peer, best first
     (random order among equal priorities)."""
     entry = await core.get(state_key(prefix), latest=True)
@@ -206,7 +207,7 @@ async def list_donors(core: Any, prefix: str) -> list[tuple[float, str]]:
 
 
 async def download_state(
-    core: Any,
+    core: NodeCore,
     prefix: str,
     *,
     request_timeout: float,
@@ -253,7 +254,7 @@ async def download_state(
 
 
 async def _corroborate(
-    core: Any, prefix: str, others: list[str], digest: bytes, timeout: float
+    core: NodeCore, prefix: str, others: list[str], digest: bytes, timeout: float
 ) -> str | None:
     """Why the state of ``digest`` is outvoted by ``others`` (their own states' digests),
     or None: confirmed by one of them, or not decided (no answer, or no two of them agree)."""
@@ -309,7 +310,7 @@ def parse_state_info(fields: Any, max_bytes: int) -> tuple[Any, list[Any], int]:
 
 
 async def _download_from(
-    core: Any,
+    core: NodeCore,
     prefix: str,
     donor: str,
     request_timeout: float,

@@ -10,7 +10,7 @@ socket straight into a buffer of the payload's size (reused: :mod:`peer.transpor
 out of the sender's tensor memory, with no copy in user space on either side. (Threads with
 blocking calls were tried first: on a 2-core machine their wake-ups cost more CPU than the
 copies.) Senders and the averager's watchdog see the progress of frames under way
-(:attr:`BulkLanes.heard`, :attr:`BulkLanes.taken`): a send times out when the socket takes
+(:meth:`BulkLanes.last_heard`, :meth:`BulkLanes.last_taken`): a send times out when the socket takes
 nothing for a while, not when a frame takes long.
 
 Trust: a lane is only opened after an authenticated link (:mod:`peer.node.links`) exists.
@@ -421,6 +421,14 @@ class BulkLanes:
         self.taken: dict[str, float] = {}
         registry.register(BULK_TICKET, Schema())
         registry.register(BULK_TICKET_OK, Schema(required={"port": INT, "ticket": BYTES}))
+
+    def last_heard(self, peer_id: str) -> float:
+        """Loop time bytes last arrived from ``peer_id`` on a lane (0.0: never)."""
+        return self.heard.get(peer_id, 0.0)
+
+    def last_taken(self, peer_id: str) -> float:
+        """Loop time the lane to ``peer_id`` last took bytes to send (0.0: never)."""
+        return self.taken.get(peer_id, 0.0)
 
     def accept(self, message_type: str, inline: Callable[[str, Frame], None] | None = None) -> None:
         """Accept one-way frames of ``message_type`` on lanes (the type must be registered

@@ -1,0 +1,88 @@
+"""What averaging needs of a node, typed: the seam between :mod:`peer.averaging` and
+:mod:`peer.node`.
+
+Averaging talks to its node's event-loop side (:class:`peer.node.AsyncNode`) through
+:class:`NodeCore` only: gossip records, requests and one-way frames to peers, the handlers
+it registers, and the bulk lanes' signs of life. Anything satisfying these protocols can
+carry averaging (the node over WebSockets, or over the in-memory transport of the tests);
+mypy checks that the node does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from peer.node.gossip import ValueWithExpiration
+from peer.wire import Frame, MessageRegistry, Schema
+
+__all__ = ["Handler", "Lanes", "Link", "NodeCore"]
+
+#: a request or message handler: ``(link it came over, frame) -> reply or None``
+Handler = Callable[[Any, Frame], Awaitable[Frame | None]]
+
+
+class Link(Protocol):
+    """An authenticated connection to one peer."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    async def send(self, frame: Frame) -> None: ...
+
+
+class Lanes(Protocol):
+    """The node's bulk lanes, as a round sees them: a way to send large frames, and when
+    bytes last moved on them (a frame under way is a sign of life before it is complete)."""
+
+    def last_heard(self, peer_id: str) -> float:
+        """Loop time bytes last arrived from ``peer_id`` on a lane (0.0: never)."""
+        ...
+
+    def last_taken(self, peer_id: str) -> float:
+        """Loop time the lane to ``peer_id`` last took bytes to send (0.0: never)."""
+        ...
+
+    async def send(self, peer_id: str, frame: Frame, idle_timeout: float | None = None) -> None: ...
+
+
+class NodeCore(Protocol):
+    """A node's event-loop side, as averaging uses it."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    @property
+    def registry(self) -> MessageRegistry: ...
+
+    @property
+    def bulk(self) -> Lanes | None: ...
+
+    def now(self) -> float:
+        """The node's wall clock (seconds): what gossip expirations are measured in."""
+        ...
+
+    def certified_role(self, peer_id: str) -> str | None: ...
+
+    async def get(self, key: str, latest: bool = False) -> ValueWithExpiration[Any] | None: ...
+
+    async def store(
+        self, key: str, value: Any, expiration_time: float, subkey: Any = None
+    ) -> bool: ...
+
+    def watch(self, key: str, callback: Callable[[], None]) -> Callable[[], None]: ...
+
+    async def link(self, peer_id: str) -> Link: ...
+
+    async def request(self, peer_id: str, frame: Frame, timeout: float | None = None) -> Frame: ...
+
+    async def send(self, peer_id: str, frame: Frame) -> None: ...
+
+    def register_handler(self, message_type: str, schema: Schema, handler: Handler) -> None: ...
+
+    def accept_bulk(
+        self, message_type: str, inline: Callable[[str, Frame], None] | None = None
+    ) -> None: ...
