@@ -47,7 +47,7 @@ Faults (each decision is local; survivors always finish):
 * a member that takes nothing of a frame sent to it for ``sender_timeout`` (it stopped
   reading: a frozen process) is excluded in both roles. Silence is the absence of bytes,
   not of complete frames: on a bulk lane, the bytes of a frame still under way count
-  (``BulkLanes.heard`` / ``taken``), so a slow link whose frames take longer than the
+  (``BulkLanes.last_heard`` / ``last_taken``), so a slow link whose frames take longer than the
   timeouts is not taken for a dead peer;
 * a link that breaks, a bad part (wrong size or dtype, NaN/Inf, undecodable), or an
   ``avg.abort`` from a member excludes that member in both roles; bad input is logged once;

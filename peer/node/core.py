@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -870,16 +870,18 @@ class AsyncNode:
             retry.append(departed[1])
         retry = [a for a in retry if a not in self._exchanging]
         await asyncio.gather(
-            *(self._exclusively(p, self._exchange_with_peer(p)) for p in targets),
-            *(self._exclusively(a, self._exchange_with_address(a)) for a in retry),
+            *(self._exclusively(p, self._exchange_with_peer) for p in targets),
+            *(self._exclusively(a, self._exchange_with_address) for a in retry),
             return_exceptions=True,
         )
 
-    async def _exclusively(self, key: str, exchange: Coroutine[Any, Any, None]) -> None:
-        """Run one gossip exchange, marking ``key`` (a peer id or an address) as under way."""
+    async def _exclusively(self, key: str, exchange: Callable[[str], Awaitable[None]]) -> None:
+        """Run one gossip exchange, ``exchange(key)``, marking ``key`` (a peer id or an
+        address) as under way. The exchange's coroutine is only made here: a round cancelled
+        before this task starts (the node shutting down) leaves none behind unawaited."""
         self._exchanging.add(key)
         try:
-            await exchange
+            await exchange(key)
         finally:
             self._exchanging.discard(key)
 
