@@ -80,7 +80,9 @@ def test_a_swarm_split_in_two_trains_on_both_sides_and_is_one_again_once_healed(
     tmp_path: Path,
 ) -> None:
     (tmp_path / "done").mkdir()
-    sizes, epochs = [8, 8, 8, 8], 15
+    # enough epochs that neither side can finish while cut off, even when the other side's
+    # rounds stall for a while after the cut (the heal waits for both sides to go on)
+    sizes, epochs = [8, 8, 8, 8], 30
     member_ttl = 3.0  # each side forgets the other after this long
     options = (*FAST, "--wait-peers", "4", "--member-ttl", str(member_ttl))
     with NetLab(len(sizes)) as lab:
