@@ -24,7 +24,9 @@ from tests.web.conftest import expect_network_errors
 
 pytestmark = pytest.mark.slow
 
-CONFIG = {"epochs": 100000, "matchmaking_time": 0.5}
+# Epochs of 8192 samples: a volunteer that trains alone before the other one is found
+# (it does not wait for a group) covers a few epochs, not hundreds, before they average.
+CONFIG = {"epochs": 100000, "matchmaking_time": 0.5, "target_batch_size": 8192}
 
 
 @dataclass
