@@ -14,6 +14,12 @@ from tests.conftest import scaled
 from tests.peer.averaging.conftest import wait_for
 
 
+def _donors_declared(newcomer: DecentralizedAverager, count: int) -> bool:
+    """Whether ``newcomer`` sees ``count`` state donors declared."""
+    record = newcomer.node.get(state_key("test"))
+    return record is not None and len(record.value) >= count
+
+
 class _Bloated(DecentralizedAverager):
     """Serves a state far larger than any peer of this run holds."""
 
@@ -37,11 +43,7 @@ def test_a_donor_claiming_a_huge_state_is_skipped(
     honest.state_sharing_priority = 1.0
     hostile.state_sharing_priority = 100.0
 
-    def both_declared() -> bool:
-        record = newcomer.node.get(state_key("test"))
-        return record is not None and len(record.value) >= 2
-
-    assert wait_for(both_declared, 15)
+    assert wait_for(lambda: _donors_declared(newcomer, 2), 15)
     with caplog.at_level(logging.WARNING, logger="peer.averaging.state"):
         found = newcomer.load_state_from_peers(timeout=scaled(30))
     assert found is not None
@@ -80,11 +82,7 @@ def test_a_donor_serving_wrong_weights_is_outvoted_by_the_honest_donors(
         averager.state_sharing_priority = 1.0
     liar.state_sharing_priority = 100.0
 
-    def all_declared() -> bool:
-        record = newcomer.node.get(state_key("test"))
-        return record is not None and len(record.value) >= 3
-
-    assert wait_for(all_declared, 15)
+    assert wait_for(lambda: _donors_declared(newcomer, 3), 15)
     with caplog.at_level(logging.WARNING, logger="peer.averaging.state"):
         found = newcomer.load_state_from_peers(timeout=scaled(30))
     assert found is not None
@@ -110,10 +108,6 @@ def test_a_state_no_other_donor_can_vouch_for_is_used_as_before(make_swarm) -> N
     swarm.averagers += [*donors, newcomer]
     donors[1].state_sharing_priority = 5.0
 
-    def both_declared() -> bool:
-        record = newcomer.node.get(state_key("test"))
-        return record is not None and len(record.value) >= 2
-
-    assert wait_for(both_declared, 15)
+    assert wait_for(lambda: _donors_declared(newcomer, 2), 15)
     found = newcomer.load_state_from_peers(timeout=scaled(30))
     assert found is not None and torch.equal(found[1][0], torch.full((10,), 1.0))
