@@ -11,6 +11,27 @@ A report is refused (422) when it claims what no honest peer can:
   bound — so no sequence of resets can add more than the limit allows;
 * an epoch more than ``report_max_epoch_lead`` past the swarm's epoch (:func:`swarm_epoch`).
 
+A refused report is never stored, so an epoch bound fed only by stored reports could lock an
+honest swarm out for good: volunteers that trained apart, or through a coordinator outage,
+for more than the lead would never be accepted again. So a refusal by the epoch bound
+counts for something: :func:`lift_on_refusal` records in the worker's view that the
+volunteer reached the bound it broke, at most once per volunteer per view (a view is read
+again at most every ``report_swarm_refresh_s``, and only when a report would be refused).
+The recorded epoch is never written, only carried from view to view, and it is never more
+than the volunteer could have reported and had accepted instead — so it gives a liar nothing
+it could not take anyway, and an honest swarm a way back in. What the bound guarantees:
+
+* with at least two other volunteers online, a volunteer's bound depends only on *their*
+  epochs: one liar can neither climb step by step nor lift itself by being refused. Its
+  refusals do loosen the others' bounds (to the lead past its own), which costs nothing
+  unless a second volunteer lies, and two colluders can climb report by report anyway;
+  counting them is what lets three or more honest volunteers who all ran ahead back in;
+* with fewer there is no majority to tell a liar from a laggard: the bound rises by at most
+  the lead per view (the volunteer's own lift counts for itself from the next view on, like
+  the epochs it reported), two colluders by a few times that. A lone volunteer ``n`` epochs
+  past what the run has stored is accepted again at most ``ceil(n / lead) - 1`` refreshes
+  after its first refusal; two such volunteers, lifting each other, often at once.
+
 Why a lifetime bound rather than one between consecutive reports: peers queue reports while
 the coordinator is unreachable and send them in a burst when it returns, so the time between
 two arrivals says nothing about the work between them; the time since joining does.
@@ -79,7 +100,7 @@ class SwarmView:
     the highest epoch of each volunteer with a peer online (``online``) and the highest any
     peer of the run ever reported (``highest``) — then raised in ``online`` by the reports
     the worker admits (:meth:`saw`), so that the swarm's progress counts before it is
-    written."""
+    written, and by the epoch bounds it refused reports at (:meth:`lift`)."""
 
     read_ms: int
     online: dict[int, int]
@@ -87,6 +108,11 @@ class SwarmView:
     # What :meth:`saw` added: volunteer -> (epoch, when), carried into the next view until
     # the database has it or it is older than the online TTL.
     admitted: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # What :meth:`lift` added, likewise (but never written, so carried until the database
+    # has the volunteer that far or the entry is older than the online TTL); and who was
+    # lifted in this view, at most once each.
+    lifted: dict[int, tuple[int, int]] = field(default_factory=dict)
+    lifted_here: set[int] = field(default_factory=set)
 
     def saw(self, volunteer_id: int, epoch: int, at_ms: int) -> None:
         if epoch > self.online.get(volunteer_id, -1):
@@ -94,8 +120,30 @@ class SwarmView:
         if epoch >= self.admitted.get(volunteer_id, (-1, 0))[0]:
             self.admitted[volunteer_id] = (epoch, at_ms)
 
+    def lift(self, volunteer_id: int, epoch: int, at_ms: int) -> bool:
+        """Count ``volunteer_id`` as at ``epoch`` at least, unless it was lifted in this view
+        already; whether it was. It counts at once for the other volunteers' bounds (in
+        ``online``) and, once carried into the next view, as reached by the run
+        (``highest``) — so, like the volunteer's own reports, never for its own bound in
+        the view it was lifted in."""
+        if volunteer_id in self.lifted_here:
+            return False
+        self.lifted_here.add(volunteer_id)
+        if epoch > self.online.get(volunteer_id, -1):
+            self.online[volunteer_id] = epoch
+        if epoch >= self.lifted.get(volunteer_id, (-1, 0))[0]:
+            self.lifted[volunteer_id] = (epoch, at_ms)
+        return True
+
     def carry(self, older: SwarmView, since_ms: int) -> None:
-        """Keep what ``older`` admitted since ``since_ms`` (it may not be written yet)."""
+        """Keep what ``older`` admitted and lifted since ``since_ms`` (the one may not be
+        written yet, the other never is). Call it on a view fresh from the database."""
+        for volunteer_id, (epoch, at_ms) in older.lifted.items():
+            # Once the database has the volunteer online that far, it has the run there too.
+            if at_ms >= since_ms and epoch > self.online.get(volunteer_id, -1):
+                self.online[volunteer_id] = epoch
+                self.highest = max(self.highest, epoch)
+                self.lifted[volunteer_id] = (epoch, at_ms)
         for volunteer_id, (epoch, at_ms) in older.admitted.items():
             if at_ms >= since_ms:
                 self.saw(volunteer_id, epoch, at_ms)
@@ -105,16 +153,32 @@ def swarm_epoch(view: SwarmView, volunteer_id: int) -> int:
     """The swarm's epoch as the bound sees it for a report of ``volunteer_id``: never raised
     by that volunteer's own reports since the view was read.
 
-    With at least two other volunteers online, the highest of *their* epochs: one volunteer
-    cannot climb step by step, and one stuck far behind cannot hold the others back. With
-    fewer there is no majority to tell a liar from a laggard, so the highest epoch the run
-    had reached when the view was read counts as well (the reporter's own included): a lone
-    volunteer can then move the epoch by at most the lead per refresh of the view.
+    With at least two other volunteers online, the highest of *their* epochs (those lifted
+    by refusals included): one volunteer cannot climb step by step, nor lift itself, and
+    one stuck far behind cannot hold the others back. With fewer there is no majority to
+    tell a liar from a laggard, so the highest epoch the run had reached when the view was
+    read counts as well (the reporter's own included, and the epochs it was lifted to in
+    earlier views): a lone volunteer can then move the epoch by at most the lead per view.
     """
     others = [epoch for v, epoch in view.online.items() if v != volunteer_id]
     if len(others) >= 2:
         return max(others)
     return max([view.highest, *others])
+
+
+def lift_on_refusal(
+    limits: ReportLimits, view: SwarmView, volunteer_id: int, epoch: int, at_ms: int
+) -> int | None:
+    """After the epoch bound refused ``volunteer_id``'s report of ``epoch``: record in
+    ``view`` that the volunteer reached the bound, ``min(epoch, allowed)``, unless it was
+    lifted in this view already. The epoch recorded, or None.
+
+    So an honest swarm that ran more than the lead ahead of what the coordinator has stored
+    is not locked out for good — its bound climbs by the lead per view — while a liar gains
+    at most the lead per view, not per report (see the module's guarantees)."""
+    allowed = swarm_epoch(view, volunteer_id) + limits.max_epoch_lead
+    reached = min(epoch, allowed)
+    return reached if view.lift(volunteer_id, reached, at_ms) else None
 
 
 def check(

@@ -4,7 +4,11 @@ applied with what one worker knows.
 Per worker, without a database round trip on the hot path: each peer's :class:`PeerTrack` is
 read when its token is verified (and kept up to date by the reports this worker admits), and
 each run's :class:`SwarmView` is read at most every ``refresh_s`` — and only when a report
-would be refused by the epoch bound, so an honest swarm never waits for it.
+would be refused by the epoch bound, so an honest swarm never waits for it. A report the
+epoch bound refuses lifts its volunteer in the view to that bound, once per view
+(:func:`lift_on_refusal`; while the database does not answer the view is not replaced, so
+no more than once until it does): refused reports are not stored, so without that a swarm
+that ran more than the lead past what the database has would be refused for good.
 
 With several workers each sees only its share of a peer's reports, so its track may be older
 than the database: that only makes the check looser, and the write clamps every peer's total
@@ -25,11 +29,13 @@ from server.exceptions import ImplausibleReport
 from server.models import Peer
 from server.schemas import ReportCreate
 from server.services.report_bounds import (
+    Bound,
     PeerTrack,
     Refusal,
     ReportLimits,
     SwarmView,
     check,
+    lift_on_refusal,
 )
 from server.services.reports import PendingReport, pending_report
 
@@ -108,7 +114,8 @@ class ReportGuard:
 
     def admit_known(self, run_id: str, peer_pk: int, body: ReportCreate) -> PendingReport | None:
         """The report to queue if everything needed is at hand and it passes; None means
-        "ask :meth:`admit`" (unknown peer or run, or a report that would be refused)."""
+        "ask :meth:`admit`" (unknown peer or run, or a report that would be refused: only
+        :meth:`admit` refuses, looking again first, and lifts the volunteer)."""
         track = self._tracks.get(peer_pk)
         view = self._views.get(run_id)
         if track is None or view is None:
@@ -134,6 +141,8 @@ class ReportGuard:
             view = await self._refresh(run_id, now)
             refusal = self._judge(track, view, body, now)
         if refusal is not None:
+            if refusal.bound is Bound.epoch and view is not None:
+                lift_on_refusal(self.limits, view, track.volunteer_id, body.epoch, now)
             raise ImplausibleReport(refusal.bound, refusal.detail)
         return self._accept(run_id, peer_pk, track, body, now)
 

@@ -3,6 +3,7 @@ a hostile peer's resets and absurd claims are refused, counted, and change nobod
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from server.services.report_bounds import (
     ReportLimits,
     SwarmView,
     check,
+    lift_on_refusal,
     swarm_epoch,
 )
 from server.services.reports import PendingReport, write_reports
@@ -68,6 +70,103 @@ def test_the_swarm_epoch_never_counts_the_reporters_own_volunteer_when_others_ca
     assert swarm_epoch(view, volunteer_id=2) == 1000  # the others include the liar: looser
     # One laggard alone cannot hold the front back: without two others, the run's highest.
     assert swarm_epoch(SwarmView(0, {1: 500, 2: 0}, 500), volunteer_id=1) == 500
+
+
+TTL_MS = 60_000  # the online TTL the views below are carried with
+
+
+def _refreshed(older: SwarmView, online: dict[int, int], highest: int, at_ms: int) -> SwarmView:
+    """What a worker's refresh makes of ``older`` when the database still holds ``online``
+    and ``highest`` (refused reports are never stored): a new view carrying the old one's."""
+    view = SwarmView(read_ms=at_ms, online=dict(online), highest=highest)
+    view.carry(older, at_ms - TTL_MS)
+    return view
+
+
+def _report(limits: ReportLimits, view: SwarmView, volunteer_id: int, epoch: int, at: int) -> bool:
+    """One report judged as the guard does: accepted (seen), or refused (lifted at most once
+    per view). Whether it was accepted."""
+    track = PeerTrack(0, volunteer_id, banked=0, samples=0, as_of_ms=None)
+    refusal = check(limits, track, view, epoch=epoch, samples=0, samples_per_second=0, now_ms=at)
+    if refusal is None:
+        view.saw(volunteer_id, epoch, at)
+        return True
+    assert refusal.bound is Bound.epoch
+    lift_on_refusal(limits, view, volunteer_id, epoch, at)
+    return False
+
+
+def test_a_lone_volunteer_that_ran_ahead_is_back_in_within_a_few_refreshes() -> None:
+    """Its first report (epoch 0) stored, then 220 epochs alone: refused at first, as before,
+    but every refresh lets the bound climb by the lead, so it is not locked out for good."""
+    limits = ReportLimits(max_samples_per_second=1000.0, max_epoch_lead=100)
+    stored = {1: 0}
+    view = SwarmView(read_ms=0, online=dict(stored), highest=0)
+    assert not _report(limits, view, 1, 220, 0)
+    allowed = []
+    for refresh in range(1, math.ceil(220 / 100) + 2):
+        at = refresh * 5_000
+        view = _refreshed(view, stored, 0, at)
+        allowed.append(swarm_epoch(view, 1) + 100)
+        if any(_report(limits, view, 1, 220, at) for _ in range(5)):
+            break
+    else:
+        pytest.fail(f"still refused after {refresh} refreshes; bounds {allowed}")
+    assert allowed == [200, 300]  # the lead per refresh, however many reports were refused
+    assert refresh <= math.ceil(220 / 100) + 1
+
+
+def test_volunteers_that_trained_apart_lift_each_other_back_in() -> None:
+    """Two (or three) volunteers each 220 epochs past the stored 0 count each other's lifts
+    (100, then 200): all are back in on one view, without waiting for a refresh."""
+    limits = ReportLimits(max_samples_per_second=1000.0, max_epoch_lead=100)
+    for volunteers, first_round in [([1, 2], [False, False]), ([1, 2, 3], [False, False, True])]:
+        view = SwarmView(read_ms=0, online=dict.fromkeys(volunteers, 0), highest=0)
+        assert [_report(limits, view, v, 220, 1) for v in volunteers] == first_round
+        assert all(_report(limits, view, v, 220, 2) for v in volunteers)
+
+
+def test_a_liar_among_two_honest_volunteers_stays_where_they_allow() -> None:
+    """Claiming 10**6 over and over through many refreshes: refused every time, its bound
+    never moves past the honest epochs plus the lead, and its recorded epoch gains at most
+    the lead per refresh (here: none after the first)."""
+    limits = ReportLimits(max_samples_per_second=1000.0, max_epoch_lead=100)
+    stored = {2: 10, 3: 12}
+    view = SwarmView(read_ms=0, online=dict(stored), highest=12)
+    recorded = [12]  # where the swarm was: the liar has nothing stored
+    for refresh in range(20):
+        at = refresh * 5_000
+        if refresh:
+            view = _refreshed(view, stored, 12, at)
+        for _ in range(10):
+            assert not _report(limits, view, 1, 10**6, at)
+        assert swarm_epoch(view, 1) + 100 == 112  # only the others' epochs count for it
+        assert not _report(limits, view, 1, 113, at) and _report(limits, view, 1, 112, at)
+        recorded.append(view.online[1])
+        assert recorded[-1] - recorded[-2] <= 100
+    assert max(recorded) == 112
+    # Its lift counts for the honest volunteers (a looser bound for them, nothing for it).
+    assert swarm_epoch(view, 2) == 112
+
+
+def test_a_volunteer_is_lifted_at_most_once_per_view() -> None:
+    limits = ReportLimits(max_samples_per_second=1000.0, max_epoch_lead=5)
+    view = SwarmView(read_ms=0, online={1: 0, 2: 0}, highest=0)
+    assert lift_on_refusal(limits, view, 1, 10**6, 1) == 5
+    assert [lift_on_refusal(limits, view, 1, 10**6, t) for t in range(2, 100)] == [None] * 98
+    assert view.online == {1: 5, 2: 0} and view.lifted == {1: (5, 1)}
+    # Another volunteer's lift in the same view counts for the first one's bound, but not
+    # a second lift of the first: it waits for the next view.
+    assert lift_on_refusal(limits, view, 2, 10**6, 2) == 10
+    assert lift_on_refusal(limits, view, 1, 10**6, 3) is None
+    # The next view carries both lifts (as reached by the run) and lifts each once more.
+    later = _refreshed(view, {1: 0, 2: 0}, 0, 5_000)
+    assert (later.online, later.highest, later.lifted_here) == ({1: 5, 2: 10}, 10, set())
+    assert lift_on_refusal(limits, later, 1, 10**6, 5_001) == 15
+    assert lift_on_refusal(limits, later, 1, 10**6, 5_002) is None
+    # A lift older than the online TTL, or one the database has caught up with, is dropped.
+    assert _refreshed(later, {}, 0, 5_000 + TTL_MS + 1).lifted == {1: (15, 5_001)}
+    assert _refreshed(later, {1: 15, 2: 3}, 15, 5_002).lifted == {2: (10, 2)}
 
 
 @pytest.fixture
