@@ -1,168 +1,63 @@
-"""One butterfly all-reduce round of an assembled group, over the node's links.
+"""One butterfly all-reduce round over the node's links: the driver of
+:class:`~peer.averaging.butterfly.ButterflyRound`.
 
-Roles (Moshpit SGD, Ryabinin et al. 2021; hivemind's ``AllReduceRunner``): the flat vector
-is split into one span per member (:func:`~peer.averaging.load_balancing.load_balance` over
-the members' bandwidths; client-mode members and ``bandwidth=0`` get none). Every member
-that is not auxiliary is a *sender*: it streams its values of span ``r`` to member ``r`` in
-parts of at most ``part_size_bytes`` after compression. Member ``r`` *reduces*: it adds each
-sender's part into a preallocated accumulator as it arrives
-(:class:`~peer.averaging.reducer.WeightedMeanReducer`) and, as soon as a part has every
-sender's values, sends its weighted mean back to every member.
+The round's rules — who reduces what, batching, in-place results, every fault decision —
+live in the machine (:mod:`peer.averaging.butterfly`); this module gives it time and I/O:
 
-Pipeline: one sender task per destination streams from an outbox (contributions first,
-then averages as they are ready), while the link readers reduce incoming parts inline and queue finished
-averages — so sending, reducing and returning overlap. Payloads are views of the flat
-buffer or of the accumulator (``NoCompression`` is zero-copy); received ``none`` payloads are
-decoded with one copy (the transport hands out read-only ``bytes``).
+* the link readers hand frames to :meth:`AllreduceRunner.on_frame` inline (decoding and
+  in-place arithmetic happen there, in the reader's turn of the event loop);
+* one sender task per member pulls that member's next frame from the machine and sends it
+  (on a bulk lane if the node has them, else on the link), waiting for a wake-up when there
+  is nothing yet — so sending, reducing and returning overlap, and one frame per member is
+  under way at a time;
+* a watchdog ticks the machine with the lanes' signs of life (bytes still arriving or
+  leaving count, so a slow link is not a dead one);
+* notices to excluded members go out in the background, best effort.
 
-In-place result: when the average of a part arrives, the part's slot in the flat buffer is
-rewritten (the local values were already sent, or are no longer needed by anyone: the
-reducer only finalises a part once it has them or has excluded this peer). Two modes:
-
-* ``in_place=False`` (*delta*): the slot becomes ``average - local``; the caller adds
-  ``alpha · delta`` to the tensors, so a failed reducer's span (delta 0) keeps the local
-  values and updates made to the tensors during the round are preserved.
-* ``in_place=True``: ``flat`` is the averaged tensors' memory (or a copy the caller writes
-  back) and the slot becomes ``local + alpha · (average - local)`` as soon as the average is
-  known — except that averages from a reducer whose own contributions to this peer's span
-  are not all in and checked yet are held until they are (a reducer found bad meanwhile
-  then leaves its whole span at the local values, as in delta mode; once they are all in
-  and valid, its held averages are written). Contributions are checked for NaN/Inf with
-  the sums of the parts they are in (:class:`~peer.averaging.reducer.WeightedMeanReducer`),
-  and a sender's values in parts still open when its last one arrives right then. Two
-  passes over the tensors fewer than delta mode, and no snapshot.
-
-Batching: consecutive uncompressed parts that are ready for the same member at once (all
-of a member's contributions are, at the start) go out as one frame of up to
-:attr:`AllreduceRunner.max_batch_bytes` (field ``k``: how many parts, from ``i`` on): the
-receiver handles them part by part, but per-frame costs (system calls, wake-ups, headers)
-are paid once per batch. Parts stay the unit of reduction, exclusion and fault handling.
-
-Faults (each decision is local; survivors always finish):
-
-* a sender silent for ``sender_timeout`` while still owing parts is excluded from this
-  reducer's parts not yet final;
-* a reducer silent for ``reducer_timeout`` (no average, no accepted send) fails: its span's
-  remaining parts keep the local values;
-* a member that takes nothing of a frame sent to it for ``sender_timeout`` (it stopped
-  reading: a frozen process) is excluded in both roles. Silence is the absence of bytes,
-  not of complete frames: on a bulk lane, the bytes of a frame still under way count
-  (``BulkLanes.last_heard`` / ``last_taken``), so a slow link whose frames take longer than the
-  timeouts is not taken for a dead peer;
-* a link that breaks, a bad part (wrong size or dtype, NaN/Inf, undecodable), or an
-  ``avg.abort`` from a member excludes that member in both roles; bad input is logged once;
-* this peer's own values with NaN/Inf: its span (all its values if it reduces nothing) is
-  checked before the round; values for another reducer's span are checked by that reducer,
-  which excludes this peer and tells it with ``avg.abort``, upon which this peer checks the
-  values it sent there itself. Either way ``run()`` then raises
-  :class:`~peer.averaging.exceptions.BadContribution` naming this peer (the caller leaves
-  the round);
-* the caller bounds the whole round with ``allreduce_timeout``.
+The caller bounds the whole round with ``allreduce_timeout`` and tells the members when it
+gives up (:meth:`AllreduceRunner.abort`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import logging
-import math
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from peer.averaging.exceptions import BadContribution
-from peer.averaging.load_balancing import load_balance
-from peer.averaging.matchmaking import GroupInfo
-from peer.averaging.partition import FlatLayout, Partition
-from peer.averaging.protocol import ABORT, AVERAGE, PART
-from peer.averaging.reducer import FinishedPart, WeightedMeanReducer
-from peer.averaging.robust import check_aggregator, weight_bound
-from peer.averaging.seam import Link, NodeCore
-from peer.compression import (
-    CompressedTensor,
-    Compression,
-    CompressionError,
-    NoCompression,
-    TensorRole,
-    all_finite,
-    byte_view,
-    dtype_name,
-    extract,
-    plain_values,
+from peer.averaging.butterfly import (
+    AllreduceConfig,
+    ButterflyRound,
+    Command,
+    Done,
+    Idle,
+    MemberInfo,
+    Tell,
+    Wake,
 )
+from peer.averaging.matchmaking import GroupInfo
+from peer.averaging.partition import FlatLayout
+from peer.averaging.seam import Link, NodeCore
+from peer.compression import Compression, TensorRole
 from peer.exceptions import SwarmgradError, TransportError
 from peer.wire import Frame
 
-logger = logging.getLogger("peer.averaging.allreduce")
-
 __all__ = ["AllreduceConfig", "AllreduceRunner", "MemberInfo"]
-
-
-@dataclass(frozen=True)
-class AllreduceConfig:
-    """Options of the all-reduce round (seed names: hivemind's ``DecentralizedAverager``)."""
-
-    part_size_bytes: int = 2**19
-    sender_timeout: float = 10.0
-    reducer_timeout: float = 20.0
-    min_vector_size: int = 0
-    # a contribution weighing more is refused and its sender excluded (one peer with a huge
-    # weight would otherwise be the whole mean)
-    max_weight: float = math.inf
-    # a member that declared a weight over this factor times the group's median is excluded
-    relative_weight_bound: float | None = None
-    # how a reducer combines the contributions to a part (peer.averaging.robust)
-    aggregator: str = "mean"
-
-    def __post_init__(self) -> None:
-        if self.part_size_bytes < 1:
-            raise ValueError("part_size_bytes must be positive")
-        if not self.max_weight > 0:
-            raise ValueError("max_weight must be positive")
-        bound = self.relative_weight_bound
-        if bound is not None and not (1 <= bound < math.inf):
-            raise ValueError("relative_weight_bound must be a finite factor of at least 1")
-        check_aggregator(self.aggregator)
-        if self.sender_timeout <= 0 or self.reducer_timeout <= 0:
-            raise ValueError("sender_timeout and reducer_timeout must be positive")
-
-
-@dataclass(frozen=True)
-class MemberInfo:
-    """What a member told the group through the gathered metadata."""
-
-    peer_id: str
-    client_mode: bool
-    bandwidth: float | None
-    auxiliary: bool
-    weight: float | None = None  # the weight it declared for the round
-
-
-_NOT_YET: dict[str, Any] = {}  # a wire cache entry whose average is not compressed yet
 
 
 def _never(peer_id: str) -> float:
     return 0.0
 
 
-class _Outbox:
-    __slots__ = ("averages", "contributions", "event")
-
-    def __init__(self) -> None:
-        self.averages: collections.deque[int] = collections.deque()
-        self.contributions: collections.deque[int] = collections.deque()
-        self.event = asyncio.Event()
-
-
 class AllreduceRunner:
-    """Run one round: ``await run()``; afterwards ``flat`` holds the round's result (see the
-    module docstring for the two modes)."""
+    """Run one round: ``await run()``; afterwards ``flat`` holds the round's result (see
+    :mod:`peer.averaging.butterfly` for the two modes). ``run()`` raises
+    :class:`~peer.averaging.exceptions.BadContribution` if this peer's own values are bad."""
 
-    #: consecutive uncompressed parts sent as one frame, up to this many bytes (0: never)
-    max_batch_bytes = 2 << 20
+    #: the round's rules (tests put a misbehaving one here)
+    round_cls: type[ButterflyRound] = ButterflyRound
 
     def __init__(
         self,
@@ -182,680 +77,149 @@ class AllreduceRunner:
         alpha: float = 1.0,
     ) -> None:
         self.core = core
-        self.prefix = prefix
-        self.group = group
-        self.members = list(members)
-        self.me = core.peer_id
-        self.index = group.index_of(self.me)
-        self.peer_index = {m.peer_id: i for i, m in enumerate(self.members)}
-        self.layout = layout
-        self.flat = flat  # [total], layout.dtype; local values, turned into results
-        self.in_place = in_place
-        self.alpha = float(alpha)
-        # in place: reducer index → (slot, average) held until that reducer's contributions
-        # to this peer's span are all in (see the module docstring)
-        self._deferred: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._accepted: collections.Counter[str] = collections.Counter()  # parts per sender
-        self.weight = float(weight)
-        self.config = config
-        bandwidths = [0.0 if m.client_mode else m.bandwidth for m in self.members]
-        spans = load_balance(layout.total, bandwidths, config.min_vector_size)
-        self.partition = Partition(layout, spans, config.part_size_bytes, compression, roles)
-        # per reducer: its parts' element counts, and whether each travels uncompressed
-        self._sizes = [self.partition.part_sizes(r) for r in range(len(self.members))]
-        self._plain = [
-            [isinstance(p.codec, NoCompression) for p in self.partition.parts_of(r)]
-            for r in range(len(self.members))
-        ]
-        self.is_sender = not self.members[self.index].auxiliary
-        senders = [m.peer_id for m in self.members if not m.auxiliary]
-        # the weights the senders declared in matchmaking, which their parts must carry, and
-        # those over the group's bound (every member computes the same: excluded at run())
-        declared: dict[Hashable, float] = {
-            m.peer_id: m.weight for m in self.members if not m.auxiliary and m.weight is not None
-        }
-        if len(declared) < len(senders):
-            declared = {}
-        bound = min(
-            config.max_weight, weight_bound(declared.values(), config.relative_weight_bound)
+        self.round = self.round_cls(
+            core.peer_id,
+            prefix,
+            group,
+            members,
+            layout,
+            flat,
+            weight=weight,
+            compression=compression,
+            roles=roles,
+            config=config,
+            scratch=scratch,
+            in_place=in_place,
+            alpha=alpha,
         )
-        self.weight_bound = bound
-        self.overweight = {
-            m.peer_id: m.weight
-            for m in self.members
-            if declared and m.weight is not None and m.weight > bound
-        }
-        if self.me in self.overweight:
-            raise ValueError(
-                f"this peer's weight {self.overweight[self.me]:g} is over the group's bound "
-                f"of {bound:g} (max_weight, relative_weight_bound)"
-            )
-        my_sizes = self.partition.part_sizes(self.index)
-        self.reducer: WeightedMeanReducer | None = None
-        if my_sizes and senders:
-            numel = sum(my_sizes)
-            acc_dtype = (
-                torch.float32 if layout.dtype in (torch.float16, torch.bfloat16) else layout.dtype
-            )
-            out = scratch(numel, acc_dtype) if scratch is not None else None
-            destination = None
-            if in_place and alpha == 1.0 and acc_dtype == layout.dtype:
-                # averages go straight into their slots (already the result, in place)
-                start, stop = self.partition.spans[self.index]
-                destination = flat[start:stop]
-            self.reducer = WeightedMeanReducer(
-                my_sizes,
-                senders,
-                dtype=layout.dtype,
-                out=out,
-                destination=destination,
-                max_weight=bound,
-                declared=declared or None,
-                aggregator=config.aggregator,
-            )
-        self.finished: dict[int, FinishedPart] = {}
-        # uncompressed frames are slices of these byte views (no tensor views per frame)
-        self._itemsize = flat.element_size()
-        self._dtype_name = dtype_name(flat.dtype)
-        self._flat_bytes = byte_view(flat)
-        self._results_bytes: memoryview | None = None  # where own averages end up
-        if self.reducer is not None:
-            reducer = self.reducer
-            results = reducer.destination if reducer.destination is not None else reducer.buffer
-            if results.dtype == flat.dtype:
-                self._results_bytes = byte_view(results)
-        sending_to_me = set(senders) if self.reducer is not None else set()
-        # reducers whose averages this peer writes at once: nothing (more) to check of them
-        self._trusted = {r for r, m in enumerate(self.members) if m.peer_id not in sending_to_me}
-        self._wire_cache: dict[int, tuple[dict[str, Any] | None, Any, int]] = {}
-        # other reducers' parts still waiting for their average
-        self.unresolved: dict[int, set[int]] = {
-            r: set(range(len(self.partition.parts_of(r))))
-            for r in range(len(self.members))
-            if r != self.index
-        }
-        self.failed: set[str] = set()  # excluded in both roles
-        self.failed_reducers: set[int] = set()
-        self.excluded_senders: set[str] = set()
-        self._logged: set[str] = set()
-        self._outboxes: dict[str, _Outbox] = {}
-        for r, member in enumerate(self.members):
-            if r == self.index:
-                continue
-            box = self._outboxes[member.peer_id] = _Outbox()
-            if self.is_sender:
-                box.contributions.extend(range(len(self.partition.parts_of(r))))
-        self._done = asyncio.Event()
-        self._tasks: list[asyncio.Task[Any]] = []
+        self.config = config
         self._loop = asyncio.get_running_loop()
-        loop_now = self._loop.time()
-        self.last_from: dict[str, float] = dict.fromkeys(senders, loop_now)
-        self.last_progress: dict[int, float] = dict.fromkeys(self.unresolved, loop_now)
-        # reducers a contribution frame is being sent to right now: only while one is under
-        # way do bytes the socket takes count as that reducer's progress (it cannot average
-        # before it has them). Bytes of averages, or of a frame into an empty socket buffer
-        # once nothing is owed, say nothing about whether the reducer is there.
-        self._contributing: set[int] = set()
+        self._wakeups = {peer_id: asyncio.Event() for peer_id in self.round.others_present}
+        self._done = asyncio.Event()
+        self._background: set[asyncio.Task[Any]] = set()
         self.started = False
         self.early: list[tuple[str, Frame]] = []  # frames that arrived before run()
-        self._own_error: BadContribution | None = None  # own values found not finite
-        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def failed(self) -> set[str]:
+        """Members excluded in both roles."""
+        return self.round.failed
+
+    @property
+    def contributors(self) -> set[str]:
+        """Members none of whose roles failed (for logging and tests)."""
+        return self.round.contributors
 
     # ------------------------------------------------------------------ run
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         self.started = True
-        start = loop.time()
-        for sender in self.last_from:
-            self.last_from[sender] = start
-        for r in self.last_progress:
-            self.last_progress[r] = start
-        for peer_id, declared in self.overweight.items():
-            self._bad(
-                peer_id, f"declared weight {declared:g} is over the bound of {self.weight_bound:g}"
-            )
-        my_parts = self.partition.parts_of(self.index)
-        start, stop = self.partition.spans[self.index]
-        if self.is_sender and self.weight > 0:
-            # this peer's own values, before anything is sent: those of its span, or all of
-            # them if it reduces nothing (the other reducers check what they receive, and
-            # a reducer that excludes this peer says so: see _on_abort)
-            mine = self.flat[start:stop] if my_parts else self.flat
-            if not all_finite(mine):
-                raise BadContribution(self.me, None, "this peer's own values are not finite")
-        if self.reducer is None:
-            for part in my_parts:  # nobody contributes: everyone keeps local values
-                self._keep_local(part.view(self.flat))
-        elif self.is_sender and my_parts:
-            # this peer's own contribution to its span: every part at once (nothing has
-            # arrived yet: frames that came early are handled below)
-            own = self.flat[start:stop]
-            finished = self.reducer.accumulate_range(self.me, 0, len(my_parts), own, self.weight)
-            self._reject_bad()
-            self._on_finished(finished)
+        machine = self.round
         early, self.early = self.early, []
-        for sender, frame in early:
-            self.on_frame(sender, frame)
-        for peer_id in self._outboxes:
-            self._tasks.append(loop.create_task(self._sender(peer_id)))
-        watchdog = loop.create_task(self._watchdog())
+        senders: list[asyncio.Task[None]] = []
+        watchdog: asyncio.Task[None] | None = None
         try:
-            self._check_done()
-            await self._done.wait()
-            if self._own_error is not None:
-                raise self._own_error
-            await asyncio.gather(*self._tasks)
+            self._apply(machine.start(loop.time(), early))
+            if machine.error is None:
+                senders = [loop.create_task(self._sender(p)) for p in self._wakeups]
+                watchdog = loop.create_task(self._watchdog())
+                await self._done.wait()
+            if machine.error is not None:
+                raise machine.error
+            await asyncio.gather(*senders)  # every average is out
         finally:
-            watchdog.cancel()
-            for task in self._tasks:
+            tasks = [*senders, *([watchdog] if watchdog is not None else [])]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(watchdog, *self._tasks, return_exceptions=True)
-            self._wire_cache.clear()
-            deferred, self._deferred = self._deferred, {}
-            for writes in deferred.values():
-                for view, average in writes:
-                    self._write_average(view, average)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            machine.finish()
+
+    def on_frame(self, sender: str, frame: Frame) -> None:
+        """A part, an average or an abort for this round from ``sender`` (a link reader
+        calls this inline)."""
+        self._apply(self.round.on_frame(self._loop.time(), sender, frame))
 
     async def abort(self, reason: str) -> None:
         """Tell every member this peer leaves the round (best effort, bounded)."""
-        frame = Frame(ABORT, {"p": self.prefix, "g": self.group.group_id, "why": reason[:200]})
+        frame = self.round.abort_frame(reason)
+        await asyncio.gather(*(self._send_quietly(p, frame) for p in self.round.others_present))
 
-        async def tell(peer_id: str) -> None:
-            with contextlib.suppress(SwarmgradError, TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await self.core.send(peer_id, frame)
-
-        await asyncio.gather(*(tell(p) for p in self._outboxes if p not in self.failed))
+    def _apply(self, commands: list[Command]) -> None:
+        for command in commands:
+            if isinstance(command, Wake):
+                self._wakeups[command.peer_id].set()
+            elif isinstance(command, Tell):
+                task = self._loop.create_task(self._send_quietly(command.peer_id, command.frame))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            elif isinstance(command, Done):
+                self._done.set()
 
     # ---------------------------------------------------------------- sending
 
     async def _link_to(self, peer_id: str) -> Link:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         deadline = loop.time() + self.config.sender_timeout
+        member = self.round.members[self.round.peer_index[peer_id]]
         while True:
             try:
                 return await self.core.link(peer_id)
             except TransportError:
                 # a client-mode peer has no address: wait for the link it opens to us
-                if not self.members[self.peer_index[peer_id]].client_mode:
-                    raise
-                if loop.time() >= deadline:
+                if not member.client_mode or loop.time() >= deadline:
                     raise
                 await asyncio.sleep(0.02)
 
     async def _sender(self, peer_id: str) -> None:
-        box = self._outboxes[peer_id]
-        r = self.peer_index[peer_id]
-        link = None
-        loop = asyncio.get_running_loop()
+        machine = self.round
+        wakeup = self._wakeups[peer_id]
+        link: Link | None = None
         bulk = self.core.bulk
         timeout = self.config.sender_timeout  # of a send that makes no progress
-        try:
-            while True:
-                item = await self._next_item(peer_id, box, r)
-                if item is None:
-                    return
+        while True:
+            send = machine.next_send(peer_id)
+            if send is Idle.CLOSED:
+                return
+            if send is Idle.WAIT:
+                wakeup.clear()
+                await wakeup.wait()
+                continue
+            error: str | None = None
+            try:
                 if link is None or link.closed:
                     # lazily: two client-mode members never exchange anything (nor can)
                     link = await self._link_to(peer_id)
-                kind, index = item
-                count = self._batch(kind, r, index, box)
-                await self._before_send(peer_id, kind, index)
-                frame = self._frame(kind, r, index, count)
-                if kind != "avg":
-                    self._contributing.add(r)
-                try:
-                    if bulk is not None:
-                        await bulk.send(peer_id, frame, timeout)  # a TCP lane if possible
-                    else:
-                        async with asyncio.timeout(timeout):
-                            await link.send(frame)
-                finally:
-                    self._contributing.discard(r)
-                if kind == "avg":
-                    for i in range(index, index + count):
-                        self._release_wire(i)
+                await self._before_send(peer_id, send.kind, send.index)
+                if bulk is not None:
+                    await bulk.send(peer_id, send.frame, timeout)  # a TCP lane if possible
                 else:
-                    self.last_progress[r] = loop.time()
-        except (SwarmgradError, TimeoutError, OSError) as exc:
-            self._peer_failed(peer_id, f"cannot send to it: {exc or type(exc).__name__}")
-
-    async def _next_item(self, peer_id: str, box: _Outbox, r: int) -> tuple[str, int] | None:
-        while True:
-            if peer_id in self.failed or self._own_error is not None:
-                return None
-            # contributions first: the member can then reduce (and trust this peer's
-            # averages, see the module docstring) as early as possible
-            pending = self.unresolved.get(r, set())
-            while box.contributions and r not in self.failed_reducers:
-                index = box.contributions.popleft()
-                if index in pending:
-                    return "part", index
-            box.contributions.clear()
-            if box.averages:
-                return "avg", box.averages.popleft()
-            if self.reducer is None or self.reducer.is_finished:
-                return None
-            box.event.clear()
-            await box.event.wait()
-
-    def _batch(self, kind: str, r: int, index: int, box: _Outbox) -> int:
-        """How many parts from ``index`` on go in this frame: take from the outbox the
-        consecutive uncompressed parts that are ready, contiguous in memory, and fit in
-        :attr:`max_batch_bytes` together."""
-        if not self.max_batch_bytes:
-            return 1
-        owner = r if kind == "part" else self.index
-        plain, sizes = self._plain[owner], self._sizes[owner]
-        if not plain[index]:
-            return 1
-        if kind == "avg" and (self._results_bytes is None or self.finished[index].average is None):
-            return 1
-        queue = box.contributions if kind == "part" else box.averages
-        pending = self.unresolved.get(r, set())
-        limit = self.max_batch_bytes // self.flat.element_size()  # in elements
-        numel, count = sizes[index], 1
-        while queue and queue[0] == index + count:
-            nxt = index + count
-            if not plain[nxt] or numel + sizes[nxt] > limit:
-                break
-            if kind == "part" and nxt not in pending:
-                break
-            if kind == "avg" and self.finished[nxt].average is None:
-                break
-            queue.popleft()
-            numel += sizes[nxt]
-            count += 1
-        return count
-
-    def _frame(self, kind: str, r: int, index: int, count: int = 1) -> Frame:
-        base = {"p": self.prefix, "g": self.group.group_id, "l": self.group.leader, "i": index}
-        payload: Any
-        if count > 1:  # uncompressed, adjacent parts (see _batch)
-            base["k"] = count
-            if kind == "part":
-                parts = self.partition.parts_of(r)
-                header, payload = self._plain_wire(
-                    self._flat_bytes, parts[index].start, parts[index + count - 1].stop
-                )
-                return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
-            assert self.reducer is not None and self._results_bytes is not None
-            offsets = self.reducer.offsets
-            header, payload = self._plain_wire(
-                self._results_bytes, offsets[index], offsets[index + count]
-            )
-            return Frame(AVERAGE, {**base, "c": header}, payload)
-        if kind == "part":
-            header, payload = self._contribution_wire(r, index)
-            return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
-        cached, payload, remaining = self._wire_cache[index]
-        if cached is _NOT_YET:
-            average = self.finished[index].average
-            assert average is not None and self.reducer is not None
-            if self._plain[self.index][index] and self._results_bytes is not None:
-                offsets = self.reducer.offsets
-                cached, payload = self._plain_wire(
-                    self._results_bytes, offsets[index], offsets[index + 1]
-                )
-            else:
-                average = average.to(self.flat.dtype)
-                part = self.partition.part(self.index, index)
-                cached, payload = part.codec.compress(average).to_wire()
-            self._wire_cache[index] = (cached, payload, remaining)
-        if cached is None:
-            return Frame(AVERAGE, base)
-        return Frame(AVERAGE, {**base, "c": cached}, payload)
-
-    def _contribution_wire(self, r: int, index: int) -> tuple[dict[str, Any], Any]:
-        part = self.partition.part(r, index)
-        if self._plain[r][index]:
-            return self._plain_wire(self._flat_bytes, part.start, part.stop)
-        return part.codec.compress(part.view(self.flat)).to_wire()
-
-    def _plain_wire(self, data: memoryview, start: int, stop: int) -> tuple[dict[str, Any], Any]:
-        """An uncompressed payload: elements ``start..stop`` of ``data`` (a byte view of
-        the flat buffer or of the reducer's results), with its ``none`` codec header."""
-        size = self._itemsize
-        header = {
-            "codec": NoCompression.name,
-            "dtype": self._dtype_name,
-            "shape": [stop - start],
-            "meta": {},
-        }
-        return header, data[start * size : stop * size]
-
-    def _release_wire(self, index: int) -> None:
-        header, payload, remaining = self._wire_cache[index]
-        if remaining <= 1:
-            del self._wire_cache[index]
-        else:
-            self._wire_cache[index] = (header, payload, remaining - 1)
+                    async with asyncio.timeout(timeout):
+                        await link.send(send.frame)
+            except (SwarmgradError, TimeoutError, OSError) as exc:
+                error = str(exc) or type(exc).__name__
+            self._apply(machine.sent(self._loop.time(), send, error))
+            if error is not None:
+                return
 
     async def _before_send(self, peer_id: str, kind: str, index: int) -> None:
         """Hook for fault-injection tests; does nothing here."""
-
-    # -------------------------------------------------------------- receiving
-
-    def on_frame(self, sender: str, frame: Frame) -> None:
-        """A part, an average or an abort for this round from ``sender`` (a link reader
-        calls this inline: only decoding and in-place arithmetic happen here)."""
-        if sender not in self.peer_index or sender == self.me or sender in self.failed:
-            return
-        if self._own_error is not None:
-            return  # this peer is leaving the round
-        if frame.type == PART:
-            self._on_part(sender, frame)
-        elif frame.type == AVERAGE:
-            self._on_average(sender, frame)
-        elif frame.type == ABORT:
-            self._on_abort(sender, frame.fields.get("why", ""))
-
-    def _on_abort(self, sender: str, why: str) -> None:
-        """``sender`` left the round, or excluded this peer. If it reduces a span, the values
-        this peer sent it are checked now (on this rare event only, not before every send):
-        non-finite, the round ends for this peer as if its own span held them (``run()``
-        raises); finite, the claim is a remote peer's and only that peer is dropped."""
-        r = self.peer_index[sender]
-        if (
-            self._own_error is None
-            and self.is_sender
-            and self.weight > 0
-            and r not in self.failed_reducers
-            and self.partition.parts_of(r)
-        ):
-            start, stop = self.partition.spans[r]
-            if not all_finite(self.flat[start:stop]):
-                self._leave(BadContribution(self.me, None, "this peer's own values are not finite"))
-                return
-        self._peer_failed(sender, f"it left the round ({why})")
-
-    def _leave(self, error: BadContribution) -> None:
-        """This peer's own values are bad: it stops at once. Nothing more is reduced or
-        sent (an average finished from here on would leave out the member that found the
-        fault, whose values are good), and ``run()`` raises ``error``."""
-        self._own_error = error
-        for box in self._outboxes.values():
-            while box.averages:
-                self._release_wire(box.averages.popleft())
-            box.contributions.clear()
-            box.event.set()
-        self._done.set()
-
-    def _on_part(self, sender: str, frame: Frame) -> None:
-        reducer = self.reducer
-        if reducer is None or sender not in reducer.senders:
-            self._bad(sender, "sent a part although it is not a sender to this peer")
-            return
-        if sender in reducer.excluded:
-            return
-        index, count = frame.fields["i"], frame.fields.get("k", 1)
-        try:
-            sizes = self._batch_sizes(reducer.part_sizes, index, count)
-            values = plain_values(frame.fields["c"], frame.payload, self.flat.dtype)
-            if values is None:
-                compressed = CompressedTensor.from_wire(frame.fields["c"], frame.payload)
-                # the reducer checks finiteness itself: skip extract's (second) pass
-                values = extract(compressed, check_finite=False).reshape(-1)
-            if count > 1 and values.numel() != sum(sizes):
-                raise ValueError(f"batch of {values.numel()} values, expected {sum(sizes)}")
-            finished = reducer.accumulate_range(sender, index, count, values, frame.fields["w"])
-            self._on_received_parts(sender, index, count)
-        except (BadContribution, CompressionError, ValueError, RuntimeError) as exc:
-            self._bad(sender, str(exc))
-            return
-        self.last_from[sender] = self._loop.time()
-        self._accepted[sender] += count
-        complete = self._accepted[sender] == reducer.num_parts
-        if complete and self.in_place:
-            # its values in parts still open are checked now rather than when those parts
-            # complete: its averages need not be held until then (see the module docstring)
-            finished += reducer.vouch(sender)
-        self._reject_bad()  # NaN/Inf found in parts this frame completed, or by vouch()
-        if complete and sender not in self.failed:
-            self._trust(self.peer_index[sender])
-        self._on_finished(finished)
-
-    def _reject_bad(self) -> None:
-        assert self.reducer is not None
-        for offence in self.reducer.take_rejected():
-            if offence.sender != self.me:  # own values are checked before the round
-                self._bad(offence.sender, str(offence))  # type: ignore[arg-type]
-
-    def _trust(self, r: int) -> None:
-        """Reducer ``r`` sent all its contributions to this peer, all checked and valid:
-        write the averages held from it, and any later ones at once."""
-        if r not in self._trusted:
-            self._trusted.add(r)
-            for view, average in self._deferred.pop(r, []):
-                self._write_average(view, average)
-
-    @staticmethod
-    def _batch_sizes(part_sizes: Sequence[int], index: Any, count: Any) -> Sequence[int]:
-        if type(count) is not int or count < 1 or type(index) is not int or index < 0:
-            raise ValueError(f"bad part range {index!r} + {count!r}")
-        if index + count > len(part_sizes):
-            raise ValueError(f"parts {index}..{index + count - 1} of {len(part_sizes)}")
-        return part_sizes[index : index + count]
-
-    def _on_received_parts(self, sender: str, index: int, count: int) -> None:
-        """Hook for fault-injection tests; does nothing here."""
-
-    def _on_average(self, sender: str, frame: Frame) -> None:
-        r = self.peer_index[sender]
-        pending = self.unresolved.get(r)
-        if pending is None:
-            return  # the reducer already failed
-        parts = self.partition.parts_of(r)
-        index, count = frame.fields["i"], frame.fields.get("k", 1)
-        try:
-            sizes = self._batch_sizes(self._sizes[r], index, count)
-            if count > 1 and "c" not in frame.fields:
-                raise ValueError("a batch of parts without averages")
-            average = None
-            if "c" in frame.fields:
-                average = plain_values(frame.fields["c"], frame.payload, self.flat.dtype)
-                if average is None:
-                    compressed = CompressedTensor.from_wire(frame.fields["c"], frame.payload)
-                    average = extract(compressed).reshape(-1)
-                elif not all_finite(average):
-                    raise CompressionError("none payload decodes to NaN or Inf")
-                if average.numel() != sum(sizes) or average.dtype != self.flat.dtype:
-                    raise ValueError(
-                        f"average of {average.numel()} {average.dtype}, expected "
-                        f"{sum(sizes)} {self.flat.dtype}"
-                    )
-        except (CompressionError, ValueError, RuntimeError) as exc:
-            self._bad(sender, f"bad average: {exc}")
-            return
-        # runs of consecutive parts still pending (late or duplicate ones are skipped): one
-        # write each
-        base = parts[index].start
-        run_start: int | None = None
-        for i in range(index, index + count + 1):
-            if i < index + count and i in pending:
-                pending.discard(i)
-                if run_start is None:
-                    run_start = i
-                continue
-            if run_start is not None:
-                lo, hi = parts[run_start].start, parts[i - 1].stop
-                view = self.flat[lo:hi]
-                if average is None:
-                    self._keep_local(view)  # no contributor with positive weight
-                else:
-                    values = average[lo - base : hi - base]
-                    if self.in_place and r not in self._trusted:
-                        self._deferred.setdefault(r, []).append((view, values))
-                    else:
-                        self._write_average(view, values)
-                run_start = None
-        self.last_progress[r] = self._loop.time()
-        if not pending:
-            self._outboxes[sender].event.set()
-        self._check_done()
-
-    def _on_finished(self, finished: list[FinishedPart]) -> None:
-        if not finished:
-            return
-        in_place_already = self.reducer is not None and self.reducer.destination is not None
-        readers = len(self._outboxes)
-        for done in finished:
-            if done.average is None:
-                self._keep_local(self.partition.part(self.index, done.index).view(self.flat))
-                self._wire_cache[done.index] = (None, b"", readers)
-            else:
-                if not in_place_already:  # else the reducer divided it into place
-                    view = self.partition.part(self.index, done.index).view(self.flat)
-                    self._write_average(view, done.average.to(view.dtype))
-                # compressed when first sent alone (a batch sends the averages as they are)
-                self._wire_cache[done.index] = (_NOT_YET, None, readers)
-            self.finished[done.index] = done
-        indices = [done.index for done in finished]
-        for peer_id, box in self._outboxes.items():
-            if peer_id in self.failed:
-                for index in indices:
-                    self._release_wire(index)
-                continue
-            box.averages.extend(indices)
-            box.event.set()
-        if self.reducer is not None and self.reducer.is_finished:
-            for box in self._outboxes.values():
-                box.event.set()
-        self._check_done()
-
-    # ----------------------------------------------------------------- results
-
-    def _write_average(self, view: torch.Tensor, average: torch.Tensor) -> None:
-        """The part's local values in ``view`` are no longer needed: write the result."""
-        if not self.in_place:
-            torch.sub(average, view, out=view)  # delta = average - local, one pass
-        elif self.alpha == 1.0:
-            if average.data_ptr() != view.data_ptr():  # else: the reducer wrote it there
-                view.copy_(average)
-        elif self.alpha:
-            view.lerp_(average, self.alpha)
-
-    def _keep_local(self, view: torch.Tensor) -> None:
-        if not self.in_place:
-            view.zero_()  # delta 0
-
-    # ----------------------------------------------------------------- faults
-
-    def _bad(self, sender: str, reason: str) -> None:
-        if sender not in self._logged:
-            self._logged.add(sender)
-            logger.warning("excluding %s from the round: %s", sender, reason)
-            # tell the offender, so that it stops waiting for our averages
-            frame = Frame(ABORT, {"p": self.prefix, "g": self.group.group_id, "why": "excluded"})
-            task = asyncio.get_running_loop().create_task(self._send_quietly(sender, frame))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-        r = self.peer_index[sender]
-        if r != self.index and sender not in self.failed:
-            # distrust everything it reduced, too: its whole span keeps the local values
-            start, stop = self.partition.spans[r]
-            if self.in_place:
-                self._deferred.pop(r, None)
-            else:
-                self.flat[start:stop].zero_()
-            self.unresolved[r].clear()
-        self._peer_failed(sender, reason, log=False)
 
     async def _send_quietly(self, peer_id: str, frame: Frame) -> None:
         with contextlib.suppress(SwarmgradError, TimeoutError):
             async with asyncio.timeout(1.0):
                 await self.core.send(peer_id, frame)
 
-    def _exclude_sender(self, sender: str, reason: str) -> None:
-        if sender in self.excluded_senders:
-            return
-        self.excluded_senders.add(sender)
-        logger.info("excluding sender %s: %s", sender, reason)
-        if self.reducer is not None and sender in self.reducer.senders:
-            finished = self.reducer.exclude(sender)
-            self._reject_bad()
-            self._on_finished(finished)
-        self._check_done()
-
-    def _fail_reducer(self, r: int, reason: str) -> None:
-        if r in self.failed_reducers or r == self.index:
-            return
-        self.failed_reducers.add(r)
-        pending = self.unresolved.get(r, set())
-        if pending:
-            logger.info(
-                "reducer %s failed (%s): %d parts keep local values",
-                self.members[r].peer_id,
-                reason,
-                len(pending),
-            )
-        for index in pending:
-            self._keep_local(self.partition.part(r, index).view(self.flat))
-        pending.clear()
-        self._outboxes[self.members[r].peer_id].event.set()
-        self._check_done()
-
-    def _peer_failed(self, peer_id: str, reason: str, *, log: bool = True) -> None:
-        if peer_id in self.failed or peer_id == self.me:
-            return
-        if log:
-            logger.info("peer %s left the round: %s", peer_id, reason)
-        self.failed.add(peer_id)
-        box = self._outboxes.get(peer_id)
-        if box is not None:
-            while box.averages:
-                self._release_wire(box.averages.popleft())
-            box.contributions.clear()
-            box.event.set()
-        self._exclude_sender(peer_id, reason)
-        self._fail_reducer(self.peer_index[peer_id], reason)
+    # ---------------------------------------------------------------- watchdog
 
     async def _watchdog(self) -> None:
         cfg = self.config
         tick = min(cfg.sender_timeout, cfg.reducer_timeout) / 4
-        loop = asyncio.get_running_loop()
         bulk = self.core.bulk
         # bytes of frames still under way count as signs of life (on a slow link one frame
         # can take longer than the timeouts); without lanes, only complete frames show
         heard = bulk.last_heard if bulk is not None else _never
         taken = bulk.last_taken if bulk is not None else _never
-        while not self._done.is_set():
+        while not self.round.done:
             await asyncio.sleep(tick)
-            now = loop.time()
-            reducer = self.reducer
-            if reducer is not None and not reducer.is_finished:
-                owing: set[Any] = set()
-                for i in range(reducer.num_parts):
-                    owing |= reducer.waiting_for(i)
-                for sender in owing - {self.me}:
-                    last = max(self.last_from[sender], heard(sender))
-                    if now - last > cfg.sender_timeout:
-                        self._exclude_sender(sender, f"silent for {cfg.sender_timeout:g} s")
-            for r, pending in self.unresolved.items():
-                if not pending:
-                    continue
-                peer_id = self.members[r].peer_id
-                last = max(self.last_progress[r], heard(peer_id))
-                if r in self._contributing:
-                    last = max(last, taken(peer_id))
-                if now - last > cfg.reducer_timeout:
-                    self._fail_reducer(r, f"silent for {cfg.reducer_timeout:g} s")
-
-    def _check_done(self) -> None:
-        if self._done.is_set():
-            return
-        if self.reducer is not None and not self.reducer.is_finished:
-            return
-        if any(self.unresolved.values()):
-            return
-        self._done.set()
-        for box in self._outboxes.values():
-            box.event.set()
-
-    # ----------------------------------------------------------------- report
-
-    @property
-    def contributors(self) -> set[str]:
-        """Members none of whose roles failed (for logging and tests)."""
-        return set(self.peer_index) - self.failed
+            self._apply(self.round.tick(self._loop.time(), heard, taken))

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from peer.averaging.allreduce import AllreduceRunner
+from peer.averaging.butterfly import ButterflyRound
 from peer.averaging.state import StateServer
 from peer.testing import ChildProcess, serve_json_lines
 from peer.wire import Frame
@@ -56,28 +57,11 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class FaultyRunner(AllreduceRunner):
-    """An all-reduce runner that misbehaves as ``fault`` says."""
+class FaultyRound(ButterflyRound):
+    """A round whose frames misbehave as ``fault`` says."""
 
     fault = ""
     max_batch_bytes = 0  # one part per frame: faults land between parts
-    _parts_sent = 0
-    _stalled: asyncio.Event | None = None
-
-    async def _before_send(self, peer_id: str, kind: str, index: int) -> None:
-        cls = type(self)
-        if cls._stalled is not None:
-            await asyncio.Event().wait()  # never: stay silent until cancelled
-        if kind == "part":
-            if cls._parts_sent >= 1:
-                if self.fault == "kill_after_first_part":
-                    _kill_self()
-                elif self.fault == "stall_after_first_part":
-                    cls._stalled = asyncio.Event()
-                    await asyncio.Event().wait()
-                elif self.fault == "freeze_after_first_part":
-                    os.kill(os.getpid(), signal.SIGSTOP)
-            cls._parts_sent += 1
 
     def _on_received_parts(self, sender: str, index: int, count: int) -> None:
         if self.fault == "kill_while_reducing":
@@ -102,6 +86,36 @@ class FaultyRunner(AllreduceRunner):
             fields = {**frame.fields, "k": len(self.partition.parts_of(r)) + 1}
             return Frame(frame.type, fields, frame.payload)
         return frame
+
+
+class FaultyRunner(AllreduceRunner):
+    """An all-reduce runner whose sends misbehave as ``fault`` says."""
+
+    fault = ""
+    round_cls = FaultyRound
+    _parts_sent = 0
+    _stalled: asyncio.Event | None = None
+
+    async def _before_send(self, peer_id: str, kind: str, index: int) -> None:
+        cls = type(self)
+        if cls._stalled is not None:
+            await asyncio.Event().wait()  # never: stay silent until cancelled
+        if kind == "part":
+            if cls._parts_sent >= 1:
+                if self.fault == "kill_after_first_part":
+                    _kill_self()
+                elif self.fault == "stall_after_first_part":
+                    cls._stalled = asyncio.Event()
+                    await asyncio.Event().wait()
+                elif self.fault == "freeze_after_first_part":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+            cls._parts_sent += 1
+
+
+def faulty_runner(fault: str) -> type[FaultyRunner]:
+    """A runner class that misbehaves as ``fault`` says, in its sends or its frames."""
+    machine = type("Faulty", (FaultyRound,), {"fault": fault})
+    return type("Faulty", (FaultyRunner,), {"fault": fault, "round_cls": machine})
 
 
 class FaultyStateServer(StateServer):
@@ -133,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.fault == "kill_mid_state":
         averager._state_server_cls = FaultyStateServer
     elif args.fault:
-        averager._runner_cls = type("Faulty", (FaultyRunner,), {"fault": args.fault})
+        averager._runner_cls = faulty_runner(args.fault)
     averager.run()
 
     def step(command: dict[str, Any]) -> Any:

@@ -19,7 +19,7 @@ import torch
 import peer.transport.bulk as bulk_module
 from peer.averaging.allreduce import AllreduceRunner
 from peer.averaging.exceptions import NonFiniteTensors
-from peer.averaging.testing import AveragerProcess, FaultyRunner
+from peer.averaging.testing import AveragerProcess, faulty_runner
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import step_all, wait_for
 
@@ -187,8 +187,8 @@ def test_bad_parts_exclude_the_sender(make_swarm, caplog, fault: str) -> None:
         sender_timeout=scaled(5.0),
         per_peer=[{}, {}, {}, {"bandwidth": 0.0}],  # the bad peer reduces nothing
     )
-    averagers[3]._runner_cls = type("Bad", (FaultyRunner,), {"fault": fault})
-    with caplog.at_level(logging.WARNING, logger="peer.averaging.allreduce"):
+    averagers[3]._runner_cls = faulty_runner(fault)
+    with caplog.at_level(logging.WARNING, logger="peer.averaging"):
         results = step_all(averagers)
     # no task of the round outlives it (a last abort notice may still be on its way)
     assert wait_for(lambda: not any(_round_tasks(n) for n in swarm.nodes), 5), [
@@ -213,7 +213,7 @@ def test_bad_reducer_span_keeps_local_values(make_swarm) -> None:
     local = [t[0].clone() for t in tensors]
     expected = (local[0] + local[1]) / 2
     averagers = swarm.add_averagers(tensors, part_size_bytes=2048)
-    averagers[2]._runner_cls = type("Bad", (FaultyRunner,), {"fault": "nan"})
+    averagers[2]._runner_cls = faulty_runner("nan")
     results = step_all(averagers)
     for i in (0, 1):
         assert isinstance(results[i], dict)
@@ -229,8 +229,9 @@ class _NanOutsideOwnSpan(AllreduceRunner):
     (where it is found is then known: not in this peer's own span)."""
 
     async def run(self) -> None:
-        _, stop = self.partition.spans[(self.index + 1) % len(self.members)]
-        self.flat[stop - 1] = math.nan
+        machine = self.round
+        _, stop = machine.partition.spans[(machine.index + 1) % len(machine.members)]
+        machine.flat[stop - 1] = math.nan
         await super().run()
 
 

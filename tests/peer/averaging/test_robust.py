@@ -19,6 +19,7 @@ import torch
 
 from peer import DecentralizedAverager, Node
 from peer.averaging.allreduce import AllreduceRunner
+from peer.averaging.butterfly import ButterflyRound
 from peer.averaging.exceptions import BadContribution
 from peer.averaging.reducer import WeightedMeanReducer
 from peer.averaging.robust import (
@@ -156,12 +157,16 @@ def averagers(nodes: list[Node], tensors: list[list[torch.Tensor]], **kwargs: An
     ]
 
 
-class _LyingRunner(AllreduceRunner):
+class _LyingRound(ButterflyRound):
     """Declares one weight in matchmaking, sends its parts with another."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.weight = 1000.0
+
+
+class _LyingRunner(AllreduceRunner):
+    round_cls = _LyingRound
 
 
 def test_a_sender_cannot_take_over_the_mean_by_weight_or_overflow(caplog) -> None:
@@ -190,7 +195,7 @@ def test_a_sender_cannot_take_over_the_mean_by_weight_or_overflow(caplog) -> Non
                 if why.startswith("differs"):
                     attacker._runner_cls = _LyingRunner
                 caplog.clear()
-                with caplog.at_level(logging.WARNING, logger="peer.averaging.allreduce"):
+                with caplog.at_level(logging.WARNING, logger="peer.averaging"):
                     results = step_all(
                         group,
                         [

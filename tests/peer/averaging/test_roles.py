@@ -18,6 +18,7 @@ import torch
 
 from peer import DecentralizedAverager, Node
 from peer.averaging.allreduce import AllreduceRunner
+from peer.averaging.butterfly import ButterflyRound
 from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
 from peer.wire import Frame
 from tests.peer.averaging.conftest import step_all, wait_for
@@ -26,7 +27,7 @@ RUN = "roles"
 FAST = {"gossip_period": 0.2}
 
 
-class _Tampering(AllreduceRunner):
+class _TamperingRound(ButterflyRound):
     """Sends 1e6 in place of every average it reduced."""
 
     def _frame(self, kind: str, r: int, index: int, count: int = 1) -> Frame:
@@ -35,6 +36,10 @@ class _Tampering(AllreduceRunner):
             return frame
         size = memoryview(frame.payload).nbytes // 4
         return Frame(frame.type, frame.fields, np.full(size, 1e6, dtype=np.float32).tobytes())
+
+
+class _Tampering(AllreduceRunner):
+    round_cls = _TamperingRound
 
 
 def _credentials(authority: Identity, role: str) -> tuple[Identity, CertificateAuth]:

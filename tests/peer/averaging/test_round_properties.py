@@ -211,7 +211,7 @@ async def _round(
     results = {
         p: flats[p] if in_place else local[p] + flats[p] for p in ids if outcomes.get(p) == "ok"
     }
-    return Outcome(ids, outcomes, local, results, net.runners[ids[0]].partition)
+    return Outcome(ids, outcomes, local, results, net.runners[ids[0]].round.partition)
 
 
 @settings(

@@ -32,7 +32,7 @@ def test_a_peer_claiming_a_weight_of_1e30_is_excluded(make_swarm, caplog) -> Non
     averagers = swarm.add_averagers(
         tensors, part_size_bytes=4096, max_weight=1e6, per_peer=[{}, {}, {"bandwidth": 0.0}]
     )
-    with caplog.at_level(logging.WARNING, logger="peer.averaging.allreduce"):
+    with caplog.at_level(logging.WARNING, logger="peer.averaging"):
         # the attacker, excluded, hears no average: its own step only ends at its timeout
         attack = {"weight": 1e30, "timeout": scaled(6)}
         results = step_all(averagers, [{"weight": 3.0}, {"weight": 3.0}, attack])

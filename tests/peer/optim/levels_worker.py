@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import peer.averaging.averager as averager_module
 from peer import Node
 from peer.averaging.allreduce import AllreduceRunner
+from peer.averaging.butterfly import ButterflyRound
 from peer.testing import wait_until
 from peer.wire import Frame
 
@@ -33,7 +34,7 @@ DONE_KEY = "levels-test.done"
 WIRE: list[tuple[str, str, int, int, int]] = []
 
 
-class RecordingRunner(AllreduceRunner):
+class RecordingRound(ButterflyRound):
     """Records what every tensor frame this process sends carries; with ``die_in_round``
     set, SIGKILLs this process as it sends the first part of that round (1-based)."""
 
@@ -53,6 +54,10 @@ class RecordingRunner(AllreduceRunner):
             nbytes = memoryview(frame.payload).nbytes
             WIRE.append((self.prefix, header["dtype"], nbytes, numel, count))
         return frame
+
+
+class RecordingRunner(AllreduceRunner):
+    round_cls = RecordingRound
 
 
 def main() -> None:
@@ -79,7 +84,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)6.0f %(name)s %(message)s")
     averager_module.AllreduceRunner = RecordingRunner  # type: ignore[misc]
     if args.index == args.die_index:
-        RecordingRunner.die_in_round = args.die_in_round
+        RecordingRound.die_in_round = args.die_in_round
     if args.local_size > 1:
         dist.init_process_group(
             "gloo",

@@ -1,0 +1,902 @@
+"""One butterfly all-reduce round of an assembled group: a state machine without I/O.
+
+Roles (Moshpit SGD, Ryabinin et al. 2021; hivemind's ``AllReduceRunner``): the flat vector
+is split into one span per member (:func:`~peer.averaging.load_balancing.load_balance` over
+the members' bandwidths; client-mode members and ``bandwidth=0`` get none). Every member
+that is not auxiliary is a *sender*: it streams its values of span ``r`` to member ``r`` in
+parts of at most ``part_size_bytes`` after compression. Member ``r`` *reduces*: it adds each
+sender's part into a preallocated accumulator as it arrives
+(:class:`~peer.averaging.reducer.WeightedMeanReducer`) and, as soon as a part has every
+sender's values, sends its weighted mean back to every member.
+
+The machine
+-----------
+One :class:`ButterflyRound` per member and round. Its driver
+(:class:`~peer.averaging.allreduce.AllreduceRunner`) feeds it events and carries out the
+commands each call returns, in any order (none of them waits for another):
+
+* events: :meth:`~ButterflyRound.start`, a frame from a member
+  (:meth:`~ButterflyRound.on_frame`), a frame handed to the transport or lost with its link
+  (:meth:`~ButterflyRound.sent`), and the watchdog's :meth:`~ButterflyRound.tick` with the
+  transport's signs of life;
+* commands: :class:`Wake` (the outbox to a member has something new, or closed),
+  :class:`Tell` (send this notice to a member, best effort) and :class:`Done` (the round is
+  over for this member; with an error if its own values are bad);
+* what to send next to a member is pulled, not pushed: :meth:`~ButterflyRound.next_send`
+  gives the next frame of that member's outbox (contributions first, then averages as they
+  are ready), so that one frame per member is under way at a time and consecutive parts
+  ready together travel as one frame.
+
+Time is only ever an argument (``now``), tensors and frames are the only state, and nothing
+here touches a socket or an event loop, so the round's fault handling is tested by feeding
+it interleavings of events (``tests/peer/averaging/test_butterfly.py``).
+
+In-place result: when the average of a part arrives, the part's slot in the flat buffer is
+rewritten (the local values were already sent, or are no longer needed by anyone: the
+reducer only finalises a part once it has them or has excluded this peer). Two modes:
+
+* ``in_place=False`` (*delta*): the slot becomes ``average - local``; the caller adds
+  ``alpha · delta`` to the tensors, so a failed reducer's span (delta 0) keeps the local
+  values and updates made to the tensors during the round are preserved.
+* ``in_place=True``: ``flat`` is the averaged tensors' memory (or a copy the caller writes
+  back) and the slot becomes ``local + alpha · (average - local)`` as soon as the average is
+  known — except that averages from a reducer whose own contributions to this peer's span
+  are not all in and checked yet are held until they are (a reducer found bad meanwhile
+  then leaves its whole span at the local values, as in delta mode; once they are all in
+  and valid, its held averages are written). Contributions are checked for NaN/Inf with
+  the sums of the parts they are in (:class:`~peer.averaging.reducer.WeightedMeanReducer`),
+  and a sender's values in parts still open when its last one arrives right then. Two
+  passes over the tensors fewer than delta mode, and no snapshot.
+
+Payloads are views of the flat buffer or of the accumulator (``NoCompression`` is
+zero-copy); received ``none`` payloads are decoded with one copy (the transport hands out
+read-only ``bytes``).
+
+Batching: consecutive uncompressed parts that are ready for the same member at once (all
+of a member's contributions are, at the start) go out as one frame of up to
+:attr:`ButterflyRound.max_batch_bytes` (field ``k``: how many parts, from ``i`` on): the
+receiver handles them part by part, but per-frame costs (system calls, wake-ups, headers)
+are paid once per batch. Parts stay the unit of reduction, exclusion and fault handling.
+
+Faults (each decision is local; survivors always finish):
+
+* a sender silent for ``sender_timeout`` while still owing parts is excluded from this
+  reducer's parts not yet final;
+* a reducer silent for ``reducer_timeout`` (no average, no accepted send) fails: its span's
+  remaining parts keep the local values;
+* a member that takes nothing of a frame sent to it for ``sender_timeout`` (it stopped
+  reading: a frozen process) is excluded in both roles. Silence is the absence of bytes,
+  not of complete frames: the driver passes the transport's signs of life to
+  :meth:`~ButterflyRound.tick` (on a bulk lane, the bytes of a frame still under way count),
+  so a slow link whose frames take longer than the timeouts is not taken for a dead peer;
+* a link that breaks, a bad part (wrong size or dtype, NaN/Inf, undecodable), or an
+  ``avg.abort`` from a member excludes that member in both roles; bad input is logged once
+  and its sender told with ``avg.abort``;
+* this peer's own values with NaN/Inf: its span (all its values if it reduces nothing) is
+  checked before the round; values for another reducer's span are checked by that reducer,
+  which excludes this peer and tells it with ``avg.abort``, upon which this peer checks the
+  values it sent there itself. Either way the round ends at once with :class:`Done` holding
+  :class:`~peer.averaging.exceptions.BadContribution` naming this peer: nothing more is
+  reduced or sent (an average finished from then on would leave out the member that found
+  the fault).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import math
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from peer.averaging.exceptions import BadContribution
+from peer.averaging.load_balancing import load_balance
+from peer.averaging.matchmaking import GroupInfo
+from peer.averaging.partition import FlatLayout, Partition
+from peer.averaging.protocol import ABORT, AVERAGE, PART
+from peer.averaging.reducer import FinishedPart, WeightedMeanReducer
+from peer.averaging.robust import check_aggregator, weight_bound
+from peer.compression import (
+    CompressedTensor,
+    Compression,
+    CompressionError,
+    NoCompression,
+    TensorRole,
+    all_finite,
+    byte_view,
+    dtype_name,
+    extract,
+    plain_values,
+)
+from peer.wire import Frame
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AllreduceConfig",
+    "ButterflyRound",
+    "Command",
+    "Done",
+    "Idle",
+    "MemberInfo",
+    "Send",
+    "Tell",
+    "Wake",
+]
+
+
+@dataclass(frozen=True)
+class AllreduceConfig:
+    """Options of the all-reduce round (seed names: hivemind's ``DecentralizedAverager``)."""
+
+    part_size_bytes: int = 2**19
+    sender_timeout: float = 10.0
+    reducer_timeout: float = 20.0
+    min_vector_size: int = 0
+    # a contribution weighing more is refused and its sender excluded (one peer with a huge
+    # weight would otherwise be the whole mean)
+    max_weight: float = math.inf
+    # a member that declared a weight over this factor times the group's median is excluded
+    relative_weight_bound: float | None = None
+    # how a reducer combines the contributions to a part (peer.averaging.robust)
+    aggregator: str = "mean"
+
+    def __post_init__(self) -> None:
+        if self.part_size_bytes < 1:
+            raise ValueError("part_size_bytes must be positive")
+        if not self.max_weight > 0:
+            raise ValueError("max_weight must be positive")
+        bound = self.relative_weight_bound
+        if bound is not None and not (1 <= bound < math.inf):
+            raise ValueError("relative_weight_bound must be a finite factor of at least 1")
+        check_aggregator(self.aggregator)
+        if self.sender_timeout <= 0 or self.reducer_timeout <= 0:
+            raise ValueError("sender_timeout and reducer_timeout must be positive")
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """What a member told the group through the gathered metadata."""
+
+    peer_id: str
+    client_mode: bool
+    bandwidth: float | None
+    auxiliary: bool
+    weight: float | None = None  # the weight it declared for the round
+
+
+# ------------------------------------------------------------------ commands
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """The outbox to ``peer_id`` changed: ask :meth:`ButterflyRound.next_send` again."""
+
+    peer_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tell:
+    """Send ``frame`` to ``peer_id``, best effort (nothing waits for it)."""
+
+    peer_id: str
+    frame: Frame
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The round is over for this member; ``error`` if its own values are bad (it left)."""
+
+    error: BadContribution | None = None
+
+
+Command = Wake | Tell | Done
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """The next frame to a member: ``count`` parts from ``index`` on, contributions
+    (``kind == "part"``) or averages (``"avg"``). Hand it back to
+    :meth:`ButterflyRound.sent` once the transport took it or failed."""
+
+    peer_id: str
+    kind: str
+    index: int
+    count: int
+    frame: Frame
+
+
+class Idle(enum.Enum):
+    """Nothing to send to a member: not yet (``WAIT``: a :class:`Wake` will say when), or
+    never again (``CLOSED``)."""
+
+    WAIT = "wait"
+    CLOSED = "closed"
+
+
+_NOT_YET: dict[str, Any] = {}  # a wire cache entry whose average is not compressed yet
+
+
+def _never(peer_id: str) -> float:
+    return 0.0
+
+
+class _Outbox:
+    __slots__ = ("averages", "contributions")
+
+    def __init__(self) -> None:
+        self.averages: collections.deque[int] = collections.deque()
+        self.contributions: collections.deque[int] = collections.deque()
+
+
+class ButterflyRound:
+    """One member's side of one round (see the module docstring). After :class:`Done` and
+    :meth:`finish`, ``flat`` holds the round's result."""
+
+    #: consecutive uncompressed parts sent as one frame, up to this many bytes (0: never)
+    max_batch_bytes = 2 << 20
+
+    def __init__(
+        self,
+        me: str,
+        prefix: str,
+        group: GroupInfo,
+        members: Sequence[MemberInfo],
+        layout: FlatLayout,
+        flat: torch.Tensor,
+        *,
+        weight: float,
+        compression: Compression,
+        roles: Sequence[TensorRole] | None,
+        config: AllreduceConfig,
+        scratch: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+        in_place: bool = False,
+        alpha: float = 1.0,
+    ) -> None:
+        self.prefix = prefix
+        self.group = group
+        self.members = list(members)
+        self.me = me
+        self.index = group.index_of(me)
+        self.peer_index = {m.peer_id: i for i, m in enumerate(self.members)}
+        self.layout = layout
+        self.flat = flat  # [total], layout.dtype; local values, turned into results
+        self.in_place = in_place
+        self.alpha = float(alpha)
+        # in place: reducer index → (slot, average) held until that reducer's contributions
+        # to this peer's span are all in (see the module docstring)
+        self._deferred: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._accepted: collections.Counter[str] = collections.Counter()  # parts per sender
+        self.weight = float(weight)
+        self.config = config
+        bandwidths = [0.0 if m.client_mode else m.bandwidth for m in self.members]
+        spans = load_balance(layout.total, bandwidths, config.min_vector_size)
+        self.partition = Partition(layout, spans, config.part_size_bytes, compression, roles)
+        # per reducer: its parts' element counts, and whether each travels uncompressed
+        self._sizes = [self.partition.part_sizes(r) for r in range(len(self.members))]
+        self._plain = [
+            [isinstance(p.codec, NoCompression) for p in self.partition.parts_of(r)]
+            for r in range(len(self.members))
+        ]
+        self.is_sender = not self.members[self.index].auxiliary
+        senders = [m.peer_id for m in self.members if not m.auxiliary]
+        # the weights the senders declared in matchmaking, which their parts must carry, and
+        # those over the group's bound (every member computes the same: excluded at start)
+        declared: dict[Hashable, float] = {
+            m.peer_id: m.weight for m in self.members if not m.auxiliary and m.weight is not None
+        }
+        if len(declared) < len(senders):
+            declared = {}
+        bound = min(
+            config.max_weight, weight_bound(declared.values(), config.relative_weight_bound)
+        )
+        self.weight_bound = bound
+        self.overweight = {
+            m.peer_id: m.weight
+            for m in self.members
+            if declared and m.weight is not None and m.weight > bound
+        }
+        if self.me in self.overweight:
+            raise ValueError(
+                f"this peer's weight {self.overweight[self.me]:g} is over the group's bound "
+                f"of {bound:g} (max_weight, relative_weight_bound)"
+            )
+        my_sizes = self.partition.part_sizes(self.index)
+        self.reducer: WeightedMeanReducer | None = None
+        if my_sizes and senders:
+            numel = sum(my_sizes)
+            acc_dtype = (
+                torch.float32 if layout.dtype in (torch.float16, torch.bfloat16) else layout.dtype
+            )
+            out = scratch(numel, acc_dtype) if scratch is not None else None
+            destination = None
+            if in_place and alpha == 1.0 and acc_dtype == layout.dtype:
+                # averages go straight into their slots (already the result, in place)
+                start, stop = self.partition.spans[self.index]
+                destination = flat[start:stop]
+            self.reducer = WeightedMeanReducer(
+                my_sizes,
+                senders,
+                dtype=layout.dtype,
+                out=out,
+                destination=destination,
+                max_weight=bound,
+                declared=declared or None,
+                aggregator=config.aggregator,
+            )
+        self.finished: dict[int, FinishedPart] = {}
+        # uncompressed frames are slices of these byte views (no tensor views per frame)
+        self._itemsize = flat.element_size()
+        self._dtype_name = dtype_name(flat.dtype)
+        self._flat_bytes = byte_view(flat)
+        self._results_bytes: memoryview | None = None  # where own averages end up
+        if self.reducer is not None:
+            reducer = self.reducer
+            results = reducer.destination if reducer.destination is not None else reducer.buffer
+            if results.dtype == flat.dtype:
+                self._results_bytes = byte_view(results)
+        sending_to_me = set(senders) if self.reducer is not None else set()
+        # reducers whose averages this peer writes at once: nothing (more) to check of them
+        self._trusted = {r for r, m in enumerate(self.members) if m.peer_id not in sending_to_me}
+        self._wire_cache: dict[int, tuple[dict[str, Any] | None, Any, int]] = {}
+        # other reducers' parts still waiting for their average
+        self.unresolved: dict[int, set[int]] = {
+            r: set(range(len(self.partition.parts_of(r))))
+            for r in range(len(self.members))
+            if r != self.index
+        }
+        self.failed: set[str] = set()  # excluded in both roles
+        self.failed_reducers: set[int] = set()
+        self.excluded_senders: set[str] = set()
+        self._logged: set[str] = set()
+        self._outboxes: dict[str, _Outbox] = {}
+        for r, member in enumerate(self.members):
+            if r == self.index:
+                continue
+            box = self._outboxes[member.peer_id] = _Outbox()
+            if self.is_sender:
+                box.contributions.extend(range(len(self.partition.parts_of(r))))
+        self.last_from: dict[str, float] = dict.fromkeys(senders, 0.0)
+        self.last_progress: dict[int, float] = dict.fromkeys(self.unresolved, 0.0)
+        # reducers a contribution frame is being sent to right now: only while one is under
+        # way do bytes the transport takes count as that reducer's progress (it cannot
+        # average before it has them). Bytes of averages, or of a frame into an empty socket
+        # buffer once nothing is owed, say nothing about whether the reducer is there.
+        self._contributing: set[int] = set()
+        self.done = False
+        self.error: BadContribution | None = None  # own values found not finite
+        self._wakes: dict[str, None] = {}  # commands not yet returned, in order
+        self._commands: list[Command] = []
+
+    # ------------------------------------------------------------------ events
+
+    def start(self, now: float, early: Iterable[tuple[str, Frame]] = ()) -> list[Command]:
+        """Begin the round at ``now``; ``early`` are frames that arrived before."""
+        for sender in self.last_from:
+            self.last_from[sender] = now
+        for r in self.last_progress:
+            self.last_progress[r] = now
+        for peer_id, declared in self.overweight.items():
+            self._bad(
+                peer_id, f"declared weight {declared:g} is over the bound of {self.weight_bound:g}"
+            )
+        my_parts = self.partition.parts_of(self.index)
+        start, stop = self.partition.spans[self.index]
+        if self.is_sender and self.weight > 0:
+            # this peer's own values, before anything is sent: those of its span, or all of
+            # them if it reduces nothing (the other reducers check what they receive, and
+            # a reducer that excludes this peer says so: see _on_abort)
+            mine = self.flat[start:stop] if my_parts else self.flat
+            if not all_finite(mine):
+                self._leave(BadContribution(self.me, None, "this peer's own values are not finite"))
+                return self._flush()
+        if self.reducer is None:
+            for part in my_parts:  # nobody contributes: everyone keeps local values
+                self._keep_local(part.view(self.flat))
+        elif self.is_sender and my_parts:
+            # this peer's own contribution to its span: every part at once (nothing has
+            # arrived yet: frames that came early are handled below)
+            own = self.flat[start:stop]
+            finished = self.reducer.accumulate_range(self.me, 0, len(my_parts), own, self.weight)
+            self._reject_bad()
+            self._on_finished(finished)
+        for sender, frame in early:
+            self._on_frame(now, sender, frame)
+        self._check_done()
+        return self._flush()
+
+    def on_frame(self, now: float, sender: str, frame: Frame) -> list[Command]:
+        """A part, an average or an abort for this round from ``sender`` (decoding and
+        in-place arithmetic only: a link reader may call this inline)."""
+        self._on_frame(now, sender, frame)
+        return self._flush()
+
+    def next_send(self, peer_id: str) -> Send | Idle:
+        """The next frame for ``peer_id`` (taken off its outbox), or why there is none."""
+        if peer_id in self.failed or self.error is not None:
+            return Idle.CLOSED
+        box = self._outboxes[peer_id]
+        r = self.peer_index[peer_id]
+        # contributions first: the member can then reduce (and trust this peer's averages,
+        # see the module docstring) as early as possible
+        pending = self.unresolved.get(r, set())
+        while box.contributions and r not in self.failed_reducers:
+            index = box.contributions.popleft()
+            if index in pending:
+                count = self._batch("part", r, index, box)
+                self._contributing.add(r)
+                return Send(peer_id, "part", index, count, self._frame("part", r, index, count))
+        box.contributions.clear()
+        if box.averages:
+            index = box.averages.popleft()
+            count = self._batch("avg", r, index, box)
+            return Send(peer_id, "avg", index, count, self._frame("avg", r, index, count))
+        if self.reducer is None or self.reducer.is_finished:
+            return Idle.CLOSED
+        return Idle.WAIT
+
+    def sent(self, now: float, send: Send, error: str | None = None) -> list[Command]:
+        """The transport took ``send`` (or, with ``error``, could not: the member is gone)."""
+        r = self.peer_index[send.peer_id]
+        if send.kind == "avg":
+            for i in range(send.index, send.index + send.count):
+                self._release_wire(i)
+        else:
+            self._contributing.discard(r)
+            if error is None:
+                self.last_progress[r] = now
+        if error is not None:
+            self._peer_failed(send.peer_id, f"cannot send to it: {error}")
+        return self._flush()
+
+    def unreachable(self, peer_id: str, error: str) -> list[Command]:
+        """No link to ``peer_id`` could be opened: it is gone."""
+        self._peer_failed(peer_id, f"cannot send to it: {error}")
+        return self._flush()
+
+    def tick(
+        self,
+        now: float,
+        heard: Callable[[str], float] = _never,
+        taken: Callable[[str], float] = _never,
+    ) -> list[Command]:
+        """Time passed: exclude the silent. ``heard(peer)`` is when bytes last came from a
+        member, ``taken(peer)`` when the transport last took bytes for it (frames still
+        under way count; 0.0: never)."""
+        cfg = self.config
+        reducer = self.reducer
+        if reducer is not None and not reducer.is_finished:
+            owing: set[Any] = set()
+            for i in range(reducer.num_parts):
+                owing |= reducer.waiting_for(i)
+            for sender in owing - {self.me}:
+                last = max(self.last_from[sender], heard(sender))
+                if now - last > cfg.sender_timeout:
+                    self._exclude_sender(sender, f"silent for {cfg.sender_timeout:g} s")
+        for r, pending in self.unresolved.items():
+            if not pending:
+                continue
+            peer_id = self.members[r].peer_id
+            last = max(self.last_progress[r], heard(peer_id))
+            if r in self._contributing:
+                last = max(last, taken(peer_id))
+            if now - last > cfg.reducer_timeout:
+                self._fail_reducer(r, f"silent for {cfg.reducer_timeout:g} s")
+        return self._flush()
+
+    def finish(self) -> None:
+        """The round is over (done, timed out or cancelled): write the averages still held
+        (see the module docstring) and drop the encoded ones."""
+        self._wire_cache.clear()
+        deferred, self._deferred = self._deferred, {}
+        for writes in deferred.values():
+            for view, average in writes:
+                self._write_average(view, average)
+
+    # ----------------------------------------------------------------- reports
+
+    def abort_frame(self, reason: str) -> Frame:
+        """The notice this member sends when it leaves the round."""
+        return Frame(ABORT, {"p": self.prefix, "g": self.group.group_id, "why": reason[:200]})
+
+    @property
+    def others_present(self) -> list[str]:
+        """The other members not excluded."""
+        return [p for p in self._outboxes if p not in self.failed]
+
+    @property
+    def contributors(self) -> set[str]:
+        """Members none of whose roles failed (for logging and tests)."""
+        return set(self.peer_index) - self.failed
+
+    @property
+    def offenders(self) -> frozenset[str]:
+        """Members excluded for what they sent or declared (their spans keep the local
+        values), as opposed to members that left or fell silent."""
+        return frozenset(self._logged)
+
+    # ------------------------------------------------------------------ output
+
+    def _wake(self, peer_id: str) -> None:
+        self._wakes[peer_id] = None
+
+    def _flush(self) -> list[Command]:
+        commands: list[Command] = [Wake(p) for p in self._wakes]
+        commands += self._commands
+        self._wakes.clear()
+        self._commands = []
+        return commands
+
+    # ---------------------------------------------------------------- sending
+
+    def _batch(self, kind: str, r: int, index: int, box: _Outbox) -> int:
+        """How many parts from ``index`` on go in this frame: take from the outbox the
+        consecutive uncompressed parts that are ready, contiguous in memory, and fit in
+        :attr:`max_batch_bytes` together."""
+        if not self.max_batch_bytes:
+            return 1
+        owner = r if kind == "part" else self.index
+        plain, sizes = self._plain[owner], self._sizes[owner]
+        if not plain[index]:
+            return 1
+        if kind == "avg" and (self._results_bytes is None or self.finished[index].average is None):
+            return 1
+        queue = box.contributions if kind == "part" else box.averages
+        pending = self.unresolved.get(r, set())
+        limit = self.max_batch_bytes // self.flat.element_size()  # in elements
+        numel, count = sizes[index], 1
+        while queue and queue[0] == index + count:
+            nxt = index + count
+            if not plain[nxt] or numel + sizes[nxt] > limit:
+                break
+            if kind == "part" and nxt not in pending:
+                break
+            if kind == "avg" and self.finished[nxt].average is None:
+                break
+            queue.popleft()
+            numel += sizes[nxt]
+            count += 1
+        return count
+
+    def _frame(self, kind: str, r: int, index: int, count: int = 1) -> Frame:
+        base = {"p": self.prefix, "g": self.group.group_id, "l": self.group.leader, "i": index}
+        payload: Any
+        if count > 1:  # uncompressed, adjacent parts (see _batch)
+            base["k"] = count
+            if kind == "part":
+                parts = self.partition.parts_of(r)
+                header, payload = self._plain_wire(
+                    self._flat_bytes, parts[index].start, parts[index + count - 1].stop
+                )
+                return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
+            assert self.reducer is not None and self._results_bytes is not None
+            offsets = self.reducer.offsets
+            header, payload = self._plain_wire(
+                self._results_bytes, offsets[index], offsets[index + count]
+            )
+            return Frame(AVERAGE, {**base, "c": header}, payload)
+        if kind == "part":
+            header, payload = self._contribution_wire(r, index)
+            return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
+        cached, payload, remaining = self._wire_cache[index]
+        if cached is _NOT_YET:
+            average = self.finished[index].average
+            assert average is not None and self.reducer is not None
+            if self._plain[self.index][index] and self._results_bytes is not None:
+                offsets = self.reducer.offsets
+                cached, payload = self._plain_wire(
+                    self._results_bytes, offsets[index], offsets[index + 1]
+                )
+            else:
+                average = average.to(self.flat.dtype)
+                part = self.partition.part(self.index, index)
+                cached, payload = part.codec.compress(average).to_wire()
+            self._wire_cache[index] = (cached, payload, remaining)
+        if cached is None:
+            return Frame(AVERAGE, base)
+        return Frame(AVERAGE, {**base, "c": cached}, payload)
+
+    def _contribution_wire(self, r: int, index: int) -> tuple[dict[str, Any], Any]:
+        part = self.partition.part(r, index)
+        if self._plain[r][index]:
+            return self._plain_wire(self._flat_bytes, part.start, part.stop)
+        return part.codec.compress(part.view(self.flat)).to_wire()
+
+    def _plain_wire(self, data: memoryview, start: int, stop: int) -> tuple[dict[str, Any], Any]:
+        """An uncompressed payload: elements ``start..stop`` of ``data`` (a byte view of
+        the flat buffer or of the reducer's results), with its ``none`` codec header."""
+        size = self._itemsize
+        header = {
+            "codec": NoCompression.name,
+            "dtype": self._dtype_name,
+            "shape": [stop - start],
+            "meta": {},
+        }
+        return header, data[start * size : stop * size]
+
+    def _release_wire(self, index: int) -> None:
+        header, payload, remaining = self._wire_cache[index]
+        if remaining <= 1:
+            del self._wire_cache[index]
+        else:
+            self._wire_cache[index] = (header, payload, remaining - 1)
+
+    # -------------------------------------------------------------- receiving
+
+    def _on_frame(self, now: float, sender: str, frame: Frame) -> None:
+        if sender not in self.peer_index or sender == self.me or sender in self.failed:
+            return
+        if self.error is not None:
+            return  # this peer is leaving the round
+        if frame.type == PART:
+            self._on_part(now, sender, frame)
+        elif frame.type == AVERAGE:
+            self._on_average(now, sender, frame)
+        elif frame.type == ABORT:
+            self._on_abort(sender, frame.fields.get("why", ""))
+
+    def _on_abort(self, sender: str, why: str) -> None:
+        """``sender`` left the round, or excluded this peer. If it reduces a span, the values
+        this peer sent it are checked now (on this rare event only, not before every send):
+        non-finite, the round ends for this peer as if its own span held them; finite, the
+        claim is a remote peer's and only that peer is dropped."""
+        r = self.peer_index[sender]
+        if (
+            self.error is None
+            and self.is_sender
+            and self.weight > 0
+            and r not in self.failed_reducers
+            and self.partition.parts_of(r)
+        ):
+            start, stop = self.partition.spans[r]
+            if not all_finite(self.flat[start:stop]):
+                self._leave(BadContribution(self.me, None, "this peer's own values are not finite"))
+                return
+        self._peer_failed(sender, f"it left the round ({why})")
+
+    def _leave(self, error: BadContribution) -> None:
+        """This peer's own values are bad: it stops at once. Nothing more is reduced or
+        sent (an average finished from here on would leave out the member that found the
+        fault, whose values are good)."""
+        self.error = error
+        for peer_id in self._outboxes:
+            self._wake(peer_id)  # its senders learn that the outbox closed (next_send)
+        self.done = True
+        self._commands.append(Done(error))
+
+    def _on_part(self, now: float, sender: str, frame: Frame) -> None:
+        reducer = self.reducer
+        if reducer is None or sender not in reducer.senders:
+            self._bad(sender, "sent a part although it is not a sender to this peer")
+            return
+        if sender in reducer.excluded:
+            return
+        index, count = frame.fields["i"], frame.fields.get("k", 1)
+        try:
+            sizes = self._batch_sizes(reducer.part_sizes, index, count)
+            values = plain_values(frame.fields["c"], frame.payload, self.flat.dtype)
+            if values is None:
+                compressed = CompressedTensor.from_wire(frame.fields["c"], frame.payload)
+                # the reducer checks finiteness itself: skip extract's (second) pass
+                values = extract(compressed, check_finite=False).reshape(-1)
+            if count > 1 and values.numel() != sum(sizes):
+                raise ValueError(f"batch of {values.numel()} values, expected {sum(sizes)}")
+            finished = reducer.accumulate_range(sender, index, count, values, frame.fields["w"])
+            self._on_received_parts(sender, index, count)
+        except (BadContribution, CompressionError, ValueError, RuntimeError) as exc:
+            self._bad(sender, str(exc))
+            return
+        self.last_from[sender] = now
+        self._accepted[sender] += count
+        complete = self._accepted[sender] == reducer.num_parts
+        if complete and self.in_place:
+            # its values in parts still open are checked now rather than when those parts
+            # complete: its averages need not be held until then (see the module docstring)
+            finished += reducer.vouch(sender)
+        self._reject_bad()  # NaN/Inf found in parts this frame completed, or by vouch()
+        if complete and sender not in self.failed:
+            self._trust(self.peer_index[sender])
+        self._on_finished(finished)
+
+    def _reject_bad(self) -> None:
+        assert self.reducer is not None
+        for offence in self.reducer.take_rejected():
+            if offence.sender != self.me:  # own values are checked before the round
+                self._bad(offence.sender, str(offence))  # type: ignore[arg-type]
+
+    def _trust(self, r: int) -> None:
+        """Reducer ``r`` sent all its contributions to this peer, all checked and valid:
+        write the averages held from it, and any later ones at once."""
+        if r not in self._trusted:
+            self._trusted.add(r)
+            for view, average in self._deferred.pop(r, []):
+                self._write_average(view, average)
+
+    @staticmethod
+    def _batch_sizes(part_sizes: Sequence[int], index: Any, count: Any) -> Sequence[int]:
+        if type(count) is not int or count < 1 or type(index) is not int or index < 0:
+            raise ValueError(f"bad part range {index!r} + {count!r}")
+        if index + count > len(part_sizes):
+            raise ValueError(f"parts {index}..{index + count - 1} of {len(part_sizes)}")
+        return part_sizes[index : index + count]
+
+    def _on_received_parts(self, sender: str, index: int, count: int) -> None:
+        """Hook for fault-injection tests; does nothing here."""
+
+    def _on_average(self, now: float, sender: str, frame: Frame) -> None:
+        r = self.peer_index[sender]
+        pending = self.unresolved.get(r)
+        if pending is None:
+            return  # the reducer already failed
+        parts = self.partition.parts_of(r)
+        index, count = frame.fields["i"], frame.fields.get("k", 1)
+        try:
+            sizes = self._batch_sizes(self._sizes[r], index, count)
+            if count > 1 and "c" not in frame.fields:
+                raise ValueError("a batch of parts without averages")
+            average = None
+            if "c" in frame.fields:
+                average = plain_values(frame.fields["c"], frame.payload, self.flat.dtype)
+                if average is None:
+                    compressed = CompressedTensor.from_wire(frame.fields["c"], frame.payload)
+                    average = extract(compressed).reshape(-1)
+                elif not all_finite(average):
+                    raise CompressionError("none payload decodes to NaN or Inf")
+                if average.numel() != sum(sizes) or average.dtype != self.flat.dtype:
+                    raise ValueError(
+                        f"average of {average.numel()} {average.dtype}, expected "
+                        f"{sum(sizes)} {self.flat.dtype}"
+                    )
+        except (CompressionError, ValueError, RuntimeError) as exc:
+            self._bad(sender, f"bad average: {exc}")
+            return
+        # runs of consecutive parts still pending (late or duplicate ones are skipped): one
+        # write each
+        base = parts[index].start
+        run_start: int | None = None
+        for i in range(index, index + count + 1):
+            if i < index + count and i in pending:
+                pending.discard(i)
+                if run_start is None:
+                    run_start = i
+                continue
+            if run_start is not None:
+                lo, hi = parts[run_start].start, parts[i - 1].stop
+                view = self.flat[lo:hi]
+                if average is None:
+                    self._keep_local(view)  # no contributor with positive weight
+                else:
+                    values = average[lo - base : hi - base]
+                    if self.in_place and r not in self._trusted:
+                        self._deferred.setdefault(r, []).append((view, values))
+                    else:
+                        self._write_average(view, values)
+                run_start = None
+        self.last_progress[r] = now
+        if not pending:
+            self._wake(sender)
+        self._check_done()
+
+    def _on_finished(self, finished: list[FinishedPart]) -> None:
+        if not finished:
+            return
+        in_place_already = self.reducer is not None and self.reducer.destination is not None
+        readers = len(self._outboxes)
+        for done in finished:
+            if done.average is None:
+                self._keep_local(self.partition.part(self.index, done.index).view(self.flat))
+                self._wire_cache[done.index] = (None, b"", readers)
+            else:
+                if not in_place_already:  # else the reducer divided it into place
+                    view = self.partition.part(self.index, done.index).view(self.flat)
+                    self._write_average(view, done.average.to(view.dtype))
+                # compressed when first sent alone (a batch sends the averages as they are)
+                self._wire_cache[done.index] = (_NOT_YET, None, readers)
+            self.finished[done.index] = done
+        indices = [done.index for done in finished]
+        for peer_id, box in self._outboxes.items():
+            if peer_id in self.failed:
+                for index in indices:
+                    self._release_wire(index)
+                continue
+            box.averages.extend(indices)
+            self._wake(peer_id)
+        if self.reducer is not None and self.reducer.is_finished:
+            for peer_id in self._outboxes:
+                self._wake(peer_id)
+        self._check_done()
+
+    # ----------------------------------------------------------------- results
+
+    def _write_average(self, view: torch.Tensor, average: torch.Tensor) -> None:
+        """The part's local values in ``view`` are no longer needed: write the result."""
+        if not self.in_place:
+            torch.sub(average, view, out=view)  # delta = average - local, one pass
+        elif self.alpha == 1.0:
+            if average.data_ptr() != view.data_ptr():  # else: the reducer wrote it there
+                view.copy_(average)
+        elif self.alpha:
+            view.lerp_(average, self.alpha)
+
+    def _keep_local(self, view: torch.Tensor) -> None:
+        if not self.in_place:
+            view.zero_()  # delta 0
+
+    # ----------------------------------------------------------------- faults
+
+    def _bad(self, sender: str, reason: str) -> None:
+        if sender not in self._logged:
+            self._logged.add(sender)
+            logger.warning("excluding %s from the round: %s", sender, reason)
+            # tell the offender, so that it stops waiting for our averages
+            self._commands.append(Tell(sender, self.abort_frame("excluded")))
+        r = self.peer_index[sender]
+        if r != self.index and sender not in self.failed:
+            # distrust everything it reduced, too: its whole span keeps the local values
+            start, stop = self.partition.spans[r]
+            if self.in_place:
+                self._deferred.pop(r, None)
+            else:
+                self.flat[start:stop].zero_()
+            self.unresolved[r].clear()
+        self._peer_failed(sender, reason, log=False)
+
+    def _exclude_sender(self, sender: str, reason: str) -> None:
+        if sender in self.excluded_senders:
+            return
+        self.excluded_senders.add(sender)
+        logger.info("excluding sender %s: %s", sender, reason)
+        if self.reducer is not None and sender in self.reducer.senders:
+            finished = self.reducer.exclude(sender)
+            self._reject_bad()
+            self._on_finished(finished)
+        self._check_done()
+
+    def _fail_reducer(self, r: int, reason: str) -> None:
+        if r in self.failed_reducers or r == self.index:
+            return
+        self.failed_reducers.add(r)
+        pending = self.unresolved.get(r, set())
+        if pending:
+            logger.info(
+                "reducer %s failed (%s): %d parts keep local values",
+                self.members[r].peer_id,
+                reason,
+                len(pending),
+            )
+        for index in pending:
+            self._keep_local(self.partition.part(r, index).view(self.flat))
+        pending.clear()
+        self._wake(self.members[r].peer_id)
+        self._check_done()
+
+    def _peer_failed(self, peer_id: str, reason: str, *, log: bool = True) -> None:
+        if peer_id in self.failed or peer_id == self.me:
+            return
+        if log:
+            logger.info("peer %s left the round: %s", peer_id, reason)
+        self.failed.add(peer_id)
+        box = self._outboxes.get(peer_id)
+        if box is not None:
+            while box.averages:
+                self._release_wire(box.averages.popleft())
+            box.contributions.clear()
+            self._wake(peer_id)
+        self._exclude_sender(peer_id, reason)
+        self._fail_reducer(self.peer_index[peer_id], reason)
+
+    def _check_done(self) -> None:
+        if self.done:
+            return
+        if self.reducer is not None and not self.reducer.is_finished:
+            return
+        if any(self.unresolved.values()):
+            return
+        self.done = True
+        self._commands.append(Done())
+        for peer_id in self._outboxes:
+            self._wake(peer_id)
