@@ -1,6 +1,7 @@
 """All-reduce throughput: Swarmgrad's butterfly all-reduce against torch.distributed (gloo).
 
     .venv/bin/python bench/allreduce.py [--peers 2 4 8] [--mb 64] [--reps 9] [--encryption on off]
+                                        [--rate MBIT]
 
 For each peer count, starts that many worker processes on loopback; each holds ``--mb`` MB of
 fp32. In the same processes and the same run:
@@ -23,11 +24,17 @@ the tensor size. Absolute times on a shared machine are noise; the ratios are th
 Each peer count runs once per ``--encryption`` setting (both by default: links and lanes
 sealed, the default, and in clear as on a trusted network), each against gloo in its own
 run; the last column is the encrypted ratio over the clear one.
+
+``--rate`` puts every peer in a network namespace of its own whose link carries that many
+Mbit/s each way (tc's token bucket, :mod:`peer.netlab`; needs root), as between machines;
+gloo runs over the same links. Without it, everything runs on loopback, where the link
+costs nothing and the CPU is the limit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -36,9 +43,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+
+if TYPE_CHECKING:
+    from peer.netlab import NetLab
 
 MEMORY_ROUNDS = 3  # rounds of the memory pass (the first one is also the warm-up)
 
@@ -61,15 +72,22 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from peer import DecentralizedAverager, Node
+    from peer.identity import OpenAuth
 
     torch.set_num_threads(1)
-    # default gossip period
-    node = Node(args.initial_peer, bulk_lanes=not args.no_lanes, encryption=not args.clear)
+    # default gossip period; in a lab, on the peer's own address (a bench swarm is open)
+    node = Node(
+        args.initial_peer,
+        host=args.host,
+        auth=OpenAuth() if args.host != "127.0.0.1" else None,
+        bulk_lanes=not args.no_lanes,
+        encryption=not args.clear,
+    )
     if args.rank == 0:
         print(json.dumps({"addresses": node.visible_addresses}), flush=True)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{args.master_port}",
+        init_method=f"tcp://{args.master_host}:{args.master_port}",
         rank=args.rank,
         world_size=args.world,
     )
@@ -171,8 +189,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(peers: int, args: argparse.Namespace, encryption: bool) -> dict[str, float]:
+def run(
+    peers: int, args: argparse.Namespace, encryption: bool, lab: NetLab | None = None
+) -> dict[str, float]:
     port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if lab is not None:
+        env["GLOO_SOCKET_IFNAME"] = "eth0"  # the lab's link, not the namespace's loopback
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo cannot name the lab addresses
+
+    def command(rank: int, *extra: str) -> list[str]:
+        argv = [*base, "--rank", str(rank), *extra]
+        if lab is None:
+            return argv
+        return lab.command(rank, [*argv, "--host", lab.address(rank)])
+
     base = [
         sys.executable,
         __file__,
@@ -181,6 +212,8 @@ def run(peers: int, args: argparse.Namespace, encryption: bool) -> dict[str, flo
         str(peers),
         "--master-port",
         str(port),
+        "--master-host",
+        lab.address(0) if lab is not None else "127.0.0.1",
         "--mb",
         str(args.mb),
         "--reps",
@@ -190,16 +223,12 @@ def run(peers: int, args: argparse.Namespace, encryption: bool) -> dict[str, flo
         *(["--no-lanes"] if args.no_lanes else []),
         *([] if encryption else ["--clear"]),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen([*base, "--rank", "0"], stdout=subprocess.PIPE, text=True, env=env)
+    first = subprocess.Popen(command(0), stdout=subprocess.PIPE, text=True, env=env)
     assert first.stdout is not None
     address = json.loads(first.stdout.readline())["addresses"][0]
     procs = [first] + [
         subprocess.Popen(
-            [*base, "--rank", str(r), "--initial-peer", address],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
+            command(r, "--initial-peer", address), stdout=subprocess.PIPE, text=True, env=env
         )
         for r in range(1, peers)
     ]
@@ -253,7 +282,12 @@ def main() -> None:
         default=["on", "off"],
         help="links and lanes sealed (on, the default of a node) or in clear (off)",
     )
+    parser.add_argument(
+        "--rate", type=float, help="Mbit/s each way per peer, in network namespaces (root)"
+    )
     parser.add_argument("--clear", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--master-host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)
@@ -263,9 +297,18 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.rate is not None:
+        from peer.netlab import unavailable
+
+        reason = unavailable()
+        if reason is not None:
+            raise SystemExit(f"--rate shapes links in network namespaces: {reason}")
+        if not args.rate > 0:
+            raise SystemExit("--rate must be a positive number of Mbit/s")
+    where = f"links of {args.rate:g} Mbit/s each way" if args.rate else "loopback"
     print(
         f"{args.mb} MB fp32 per peer, no compression, parts of {args.part_size} bytes, "
-        f"{'WebSocket links' if args.no_lanes else 'bulk lanes'}, "
+        f"{'WebSocket links' if args.no_lanes else 'bulk lanes'}, {where}, "
         f"median of {args.reps} (slowest peer per repetition)"
     )
     print(
@@ -275,7 +318,13 @@ def main() -> None:
     for peers in args.peers:
         ratios: dict[str, float] = {}
         for setting in args.encryption:
-            r = run(peers, args, encryption=setting == "on")
+            with contextlib.ExitStack() as stack:
+                lab = None
+                if args.rate is not None:
+                    from peer.netlab import NetLab
+
+                    lab = stack.enter_context(NetLab(peers, rate_mbit=args.rate))
+                r = run(peers, args, encryption=setting == "on", lab=lab)
             ratios[setting] = r["ratio"]
             relative = f"{ratios['on'] / ratios['off']:>7.2f}" if len(ratios) == 2 else f"{'':>7}"
             print(
