@@ -35,7 +35,7 @@ import contextlib
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -791,11 +791,19 @@ class DecentralizedAverager:
         return {"group_bits": self.get_group_bits()}, self._averaged_tensors
 
     def load_state_from_peers(
-        self, wait: bool = True, timeout: float | None = None
+        self,
+        wait: bool = True,
+        timeout: float | None = None,
+        *,
+        max_priority: float = math.inf,
+        check: Callable[[Any], str | None] | None = None,
     ) -> tuple[Any, list[torch.Tensor]] | concurrent.futures.Future[Any] | None:
         """Download ``(metadata, tensors)`` from the donor with the highest
         ``state_sharing_priority`` (random among ties), falling back to the next one if a
-        donor fails. Returns None if no donor could provide it within ``timeout``."""
+        donor fails. Returns None if no donor could provide it within ``timeout``. Donors
+        declaring a priority over ``max_priority`` are not asked; a state whose metadata
+        ``check`` refuses (it returns why; called on the node's loop) is dropped and the
+        next donor asked."""
 
         max_bytes = self._state_size_bound()
 
@@ -808,6 +816,8 @@ class DecentralizedAverager:
                         request_timeout=self.matchmaking_config.request_timeout,
                         chunk_timeout=self.config.next_chunk_timeout,
                         max_bytes=max_bytes,
+                        max_priority=max_priority,
+                        check=check,
                     )
             except TimeoutError:
                 logger.warning("state download did not finish within %s s", timeout)

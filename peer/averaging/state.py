@@ -213,12 +213,26 @@ async def download_state(
     request_timeout: float,
     chunk_timeout: float,
     max_bytes: int = _MAX_STATE_BYTES,
+    max_priority: float = math.inf,
+    check: Callable[[Any], str | None] | None = None,
 ) -> tuple[Any, list[torch.Tensor], str] | None:
     """Download from the best donor that works; ``(metadata, tensors, donor)`` or None.
     A donor announcing a state of more than ``max_bytes`` is skipped before anything is
-    allocated; a state that other donors outvote is dropped (see the module docstring)."""
+    allocated, and one declaring a priority over ``max_priority`` before it is asked (the
+    caller knows that no honest donor can be that far ahead); a state whose metadata
+    ``check`` refuses (it returns why), or that other donors outvote, is dropped (see the
+    module docstring)."""
     donors = await list_donors(core, prefix)
     for priority, donor in donors:
+        if priority > max_priority:
+            logger.warning(
+                "donor %s declares a state of priority %g, over the %g this peer can "
+                "believe; skipped",
+                donor,
+                priority,
+                max_priority,
+            )
+            continue
         try:
             metadata, tensors, digest = await _download_from(
                 core, prefix, donor, request_timeout, chunk_timeout, max_bytes
@@ -237,6 +251,15 @@ async def download_state(
                 donor,
                 priority,
                 exc or type(exc).__name__,
+            )
+            continue
+        refusal = check(metadata) if check is not None else None
+        if refusal is not None:
+            logger.warning(
+                "state from %s (priority %g) refused: %s; trying the next donor",
+                donor,
+                priority,
+                refusal,
             )
             continue
         others = [d for p, d in sorted(donors, key=lambda d: d[0] != priority) if d != donor]

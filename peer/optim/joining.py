@@ -8,6 +8,7 @@ peers (which nobody can dial) are ahead, the peer moves on with its own paramete
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -24,6 +25,14 @@ from peer.optim.state import StateSharingAverager
 __all__ = ["JoiningSwarm"]
 
 logger = logging.getLogger("peer.optim.collaborative")
+
+
+def _epoch_beyond(metadata: Any, *, limit: int) -> str | None:
+    """Why a downloaded state's epoch cannot be believed, or None."""
+    epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+    if isinstance(epoch, int) and epoch > limit:
+        return f"its epoch {epoch} is past the swarm's {limit - 1} by more than one"
+    return None
 
 
 class JoiningSwarm:
@@ -74,8 +83,13 @@ class JoiningSwarm:
         loaded = False
         backoff = 0.1
         while True:
+            # no honest donor is past the swarm's epoch by more than the epoch it is finishing
+            # (the swarm's epoch needs two peers: one claiming more is not believed)
+            limit = self._fresh_progress().epoch + 1
             found = self.state_averager.load_state_from_peers(
-                timeout=max(0.0, deadline - time.monotonic())
+                timeout=max(0.0, deadline - time.monotonic()),
+                max_priority=limit,
+                check=functools.partial(_epoch_beyond, limit=limit),
             )
             if isinstance(found, tuple) and self._load_downloaded_state(*found):
                 loaded = True

@@ -19,8 +19,14 @@ count on its own, and one that shuts down retracts its record at once. Two layer
   a fast training loop never queues stores) and reads the others' from the node's local
   replica of the gossip store (at most every ``refresh_interval``).
 
-Epoch rule: the swarm's epoch is the largest epoch any live peer reports; it is complete when
-what was done *at that epoch*, summed over peers, reaches the target. Work reported at older
+Epoch rule: the swarm's epoch is the largest epoch that at least two live peers (this one
+included) report or have passed — so one peer cannot move the swarm by claiming an epoch
+far ahead (every other peer would take itself to be behind and look for its state) — and,
+when at most one other peer reports at all, the largest epoch reported: a swarm of two has
+no majority to tell a liar from a peer that trained on while the other was away, and must
+let the one that fell behind catch up. The epoch is complete when what was done *at that
+epoch*, summed over peers, reaches the target. A peer ahead of the swarm's epoch waits for a
+second one there (its work there does not count until then). Work reported at older
 epochs does not count — a peer still at an older epoch has not noticed the advance yet, and
 its next step moves it forward. Gossip lag (a few ``gossip_period``) lets the swarm overshoot
 an epoch by the work done during the lag; nothing depends on the count being exact. Clock
@@ -105,7 +111,7 @@ class ProgressReport:
 class SwarmProgress:
     """The swarm as seen from one peer (see the module docstring for the epoch rule)."""
 
-    epoch: int  # the largest epoch any live peer reports (this one included)
+    epoch: int  # the swarm's epoch: see the epoch rule in the module docstring
     done_at_epoch: int  # steps or samples reported at ``epoch``, summed over peers
     target: int  # how many make an epoch
     num_peers: int  # peers with a live report, this one included
@@ -153,7 +159,9 @@ def compute_swarm_progress(
         raise ValueError("an epoch's target must be at least 1")
     by_peer = {r.peer_id: r for r in reports}
     by_peer[local.peer_id] = local
-    epoch = max(r.epoch for r in by_peer.values())
+    epochs = sorted((r.epoch for r in by_peer.values()), reverse=True)
+    # the highest epoch two peers have reached (see the epoch rule); of a pair, the highest
+    epoch = epochs[1] if len(epochs) > 2 else epochs[0]
     at_epoch = [r for r in by_peer.values() if r.epoch == epoch]
     return SwarmProgress(
         epoch=epoch,

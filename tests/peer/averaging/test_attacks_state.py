@@ -20,6 +20,13 @@ def _donors_declared(newcomer: DecentralizedAverager, count: int) -> bool:
     return record is not None and len(record.value) >= count
 
 
+def _priority_seen(newcomer: DecentralizedAverager, donor: DecentralizedAverager) -> float | None:
+    """The priority ``newcomer`` sees ``donor`` declare (None: none yet)."""
+    record = newcomer.node.get(state_key("test"))
+    item = record.value.get(donor.node.peer_id) if record is not None else None
+    return getattr(item, "value", None)
+
+
 class _Bloated(DecentralizedAverager):
     """Serves a state far larger than any peer of this run holds."""
 
@@ -111,3 +118,38 @@ def test_a_state_no_other_donor_can_vouch_for_is_used_as_before(make_swarm) -> N
     assert wait_for(lambda: _donors_declared(newcomer, 2), 15)
     found = newcomer.load_state_from_peers(timeout=scaled(30))
     assert found is not None and torch.equal(found[1][0], torch.full((10,), 1.0))
+
+
+def test_a_donor_beyond_what_the_caller_believes_is_skipped_or_refused(
+    make_swarm, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A donor declaring a priority over ``max_priority`` is not asked; one declaring a
+    believable priority but serving a state that ``check`` refuses is named and dropped.
+    Either way the honest donor's state is taken."""
+    swarm = make_swarm(3)
+    base = dict(prefix="test", min_matchmaking_time=1.0, request_timeout=3.0, start=True)
+    honest = DecentralizedAverager(
+        [torch.full((1000,), 2.0)], swarm.nodes[0], allow_state_sharing=True, **base
+    )
+    hostile = _Liar([torch.zeros(1000)], swarm.nodes[1], allow_state_sharing=True, **base)
+    newcomer = DecentralizedAverager([torch.zeros(1000)], swarm.nodes[2], **base)
+    swarm.averagers += [honest, hostile, newcomer]
+    honest.state_sharing_priority = 4.0
+    assert wait_for(lambda: _donors_declared(newcomer, 1), 15)
+
+    def epoch_at_most_5(metadata: Any) -> str | None:
+        epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+        return f"epoch {epoch} is past 5" if isinstance(epoch, int) and epoch > 5 else None
+
+    for declared, expected in ((10.0**9, "over the 5 this peer can believe"), (5.0, "past 5")):
+        hostile.state_sharing_priority = declared
+        assert wait_for(lambda d=declared: _priority_seen(newcomer, hostile) == d, 15)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="peer.averaging.state"):
+            found = newcomer.load_state_from_peers(
+                timeout=scaled(30), max_priority=5.0, check=epoch_at_most_5
+            )
+        assert found is not None and torch.equal(found[1][0], torch.full((1000,), 2.0))
+        assert newcomer.last_state_donor == honest.node.peer_id
+        named = [r.getMessage() for r in caplog.records if hostile.node.peer_id in r.getMessage()]
+        assert named and expected in named[0], named

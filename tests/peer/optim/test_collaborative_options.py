@@ -18,6 +18,7 @@ import torch
 from peer import Node
 from peer.optim.collaborative import Optimizer
 from peer.optim.options import resolve_options
+from peer.optim.progress import ProgressReport, ProgressTracker
 from peer.testing import wait_until
 from tests.conftest import scaled
 
@@ -377,6 +378,34 @@ def test_a_peer_faster_than_averaging_waits_one_epoch_ahead(nodes: list[Node]) -
     finally:
         for opt in opts:
             opt.shutdown()
+
+
+def test_a_peer_claiming_an_epoch_far_ahead_does_not_stall_the_others(
+    nodes: list[Node], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A third peer reports epoch 10**9 (and keeps its report alive) without training: the
+    two honest peers do not take themselves to be behind it, so they neither wait for its
+    state nor stop counting their own epochs, and train on as if it were not there.
+
+    (Both honest peers are in the run before they start: a peer that sees no one but the
+    liar cannot tell it from a peer that trained on alone, and waits for its state up to
+    ``load_state_timeout``.)"""
+    liar = Node(nodes[0].visible_addresses, gossip_period=0.2)
+    trackers = [ProgressTracker(n, "options", 8, expiration=60.0) for n in (*nodes, liar)]
+    try:
+        for tracker, epoch in zip(trackers, (0, 0, 10**9), strict=True):
+            peer_id = tracker.node.peer_id
+            tracker.report(ProgressReport(peer_id, epoch, 0, 0, time.time(), 1.0, False))
+            assert tracker.flush(timeout=scaled(10))
+        assert wait_until(lambda: all(len(t.fetch(fresh=True)) == 3 for t in trackers), scaled(15))
+        with caplog.at_level("INFO", logger="peer.optim"):
+            trained = _train(nodes, 2, load_state_timeout=scaled(20))
+    finally:
+        trackers[-1].shutdown()
+        liar.shutdown()
+    assert "behind the swarm" not in caplog.text and str(10**9) not in caplog.text
+    for a, b in zip(*trained, strict=True):
+        torch.testing.assert_close(a, b)
 
 
 def test_a_round_nobody_can_join_any_more_is_called_off(nodes: list[Node]) -> None:
