@@ -1,6 +1,7 @@
-"""The asynchronous node: listener, authenticated links, membership and gossip.
+"""The asynchronous node: listener, authenticated links, the store and membership.
 
-Runs entirely on one asyncio event loop. :class:`peer.Node` wraps it with a synchronous
+Gossip exchanges (:mod:`peer.node.exchange`) and certificates and bans
+(:mod:`peer.node.trust`) are mixed in. Runs entirely on one asyncio event loop. :class:`peer.Node` wraps it with a synchronous
 API and a background thread; the many-peer simulator runs hundreds of these on one loop
 over the in-memory transport.
 """
@@ -9,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,14 +22,12 @@ from peer.exceptions import (
     ConnectionClosed,
     NodeShutdown,
     ProtocolError,
-    RemoteError,
-    SwarmgradError,
     TransportError,
 )
 from peer.identity import Authenticator, CertificateAuth, Identity, OpenAuth
+from peer.node.exchange import GOSSIP_PUSH, GossipExchange
 from peer.node.gossip import (
     MEMBERS_KEY,
-    RECORD_ID_BYTES,
     RESERVED_PREFIX,
     CertificateBook,
     GossipStore,
@@ -37,37 +35,24 @@ from peer.node.gossip import (
     RecordError,
     Subkey,
     ValueWithExpiration,
-    certificates_for,
     next_sequence,
     sendable,
-    take_within_budget,
 )
 from peer.node.links import Handler, PeerLink, RemotePeer, handshake, register_link_messages
+from peer.node.membership import MAX_ADDRESS_CHARS, MAX_ADDRESSES, Member, decode_member
 from peer.node.reconnect import Reconnector
-from peer.revocation import MAX_LIST_BYTES, RevocationBook
+from peer.node.trust import LINK_REVOCATIONS, Trust, clock_skew
+from peer.revocation import RevocationBook
 from peer.transport.base import Connection, Listener, Transport
 from peer.transport.bulk import BULK_TICKET, BulkLanes, BulkSender
 from peer.wire import (
-    BYTES,
-    INT,
-    AnyValue,
     Frame,
     Limits,
-    ListOf,
     MessageRegistry,
-    Scalar,
     Schema,
 )
 
 logger = logging.getLogger("peer.node")
-
-GOSSIP_DIGEST = "gossip.digest"
-GOSSIP_REPLY = "gossip.reply"
-GOSSIP_PUSH = "gossip.push"
-LINK_CREDENTIAL = "link.credential"  # a renewed certificate, presented over an open link
-LINK_REVOCATIONS = "link.revocations"  # the run's revocation list, passed from peer to peer
-MAX_ADDRESSES = 16  # per membership record
-MAX_ADDRESS_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,16 +104,7 @@ class NodeConfig:
             raise ValueError("need reconnect_interval > 0 and reconnect_give_up > 0")
 
 
-@dataclass(frozen=True, slots=True)
-class Member:
-    peer_id: str
-    addresses: tuple[str, ...]
-    client_mode: bool
-    expiration: float
-    leaving: bool = False  # announced a clean shutdown; kept out of members()
-
-
-class AsyncNode:
+class AsyncNode(Trust, GossipExchange):
     """One peer's network presence. ``await start()``, then ``store``/``get``; ``await
     shutdown()`` stops every task and closes every connection."""
 
@@ -158,7 +134,7 @@ class AsyncNode:
         self.revocations: RevocationBook | None = None
         if isinstance(self.auth, CertificateAuth):
             self.certificates = CertificateBook(
-                self.auth.verify, max_clock_skew=_clock_skew(self.auth)
+                self.auth.verify, max_clock_skew=clock_skew(self.auth)
             )
             run_key = getattr(self.auth.verify, "run_public_key", None)
             run_id = getattr(self.auth.verify, "run_id", None)
@@ -199,6 +175,7 @@ class AsyncNode:
         self._stopping = False
         self.rounds = 0
         self.exchanges = 0
+        self._register_trust()
         self._register_gossip()
 
     # lifecycle -----------------------------------------------------------------------------
@@ -365,7 +342,7 @@ class AsyncNode:
             member = self._member_cache.get(record.signature)
             if member is None:
                 try:
-                    addresses, client_mode, leaving = _decode_member(record)
+                    addresses, client_mode, leaving = decode_member(record)
                 except RecordError:
                     continue
                 member = Member(record.owner_id, addresses, client_mode, record.expiration, leaving)
@@ -375,28 +352,9 @@ class AsyncNode:
         self._member_cache = cache
         return out
 
-    def certified_role(self, peer_id: str) -> str | None:
-        """The role the run's authority gave ``peer_id`` in its certificate (certificate
-        mode, once this node has seen that certificate); None otherwise."""
-        return self.certificates.role(peer_id) if self.certificates is not None else None
-
     def _next_seq(self) -> int:
         self._seq = next_sequence(self._seq, self.now())
         return self._seq
-
-    def _learn_own_certificate(self) -> None:
-        """This node's records travel with its own certificate: keep it in the book."""
-        if self.certificates is None or not isinstance(self.auth, CertificateAuth):
-            return
-        self.certificates.verify = self.auth.verify  # set_auth may bring a new verifier
-        try:
-            verified = self.auth.verify(self.auth.certificate, self.identity.public_key)
-        except Exception as exc:  # a verifier is user code: any failure refuses
-            logger.warning("this node's own certificate is refused: %s", exc)
-            return
-        self.certificates.learn(
-            self.identity.public_key, self.auth.certificate, verified, self.now()
-        )
 
     def _publish_membership(self) -> Record:
         now = self.now()
@@ -440,70 +398,6 @@ class AsyncNode:
         self._addresses = announced
         record = self._publish_membership()
         self._spawn(self._push_now([record], self.config.push_relays), "push")
-
-    def set_auth(self, auth: Authenticator) -> None:
-        """Present ``auth`` in every later handshake (a renewed run certificate, say); open
-        links stay as they are. The mode cannot change (``ValueError``): every peer of a
-        swarm uses the same one."""
-        if auth.mode != self.auth.mode:
-            raise ValueError(
-                f"this node authenticates with {self.auth.mode!r}; it cannot switch to "
-                f"{auth.mode!r} (every peer of a swarm uses the same mode)"
-            )
-        self.auth = auth
-        self._learn_own_certificate()
-        if isinstance(auth, CertificateAuth) and self._started and not self._stopping:
-            # open links would close at the old certificate's expiry: show them the new one
-            frame = Frame(LINK_CREDENTIAL, {"credential": auth.certificate})
-            for link in list(self._all_links):
-                if not link.closed:
-                    self._spawn(self._send_quietly(link, frame), "credential")
-
-    async def _send_quietly(self, link: PeerLink, frame: Frame) -> None:
-        with contextlib.suppress(SwarmgradError):
-            await link.send(frame)
-
-    async def _on_credential(self, link: PeerLink, frame: Frame) -> None:
-        """A peer renewed its certificate: check it like a handshake's, keep the link."""
-        if not isinstance(self.auth, CertificateAuth):
-            return None
-        try:
-            verified = self.auth.verify(frame.fields["credential"], link.remote.public_key)
-        except Exception as exc:  # a verifier is user code: any failure refuses
-            logger.warning(
-                "closing the link to %s: its renewed certificate is refused: %s", link.peer_id, exc
-            )
-            await link.close(f"renewed certificate refused: {exc}")
-            return None
-        link.remote = dataclasses.replace(
-            link.remote, credential=verified, certificate=frame.fields["credential"]
-        )
-        self._learn_certificate(link.remote)
-        return None
-
-    def _learn_certificate(self, remote: RemotePeer) -> None:
-        if self._banned(remote.public_key):
-            return
-        if self.certificates is not None and remote.certificate:
-            self.certificates.learn(
-                remote.public_key, remote.certificate, remote.credential, self.now()
-            )
-
-    def _close_expired_links(self) -> None:
-        """Links stay authenticated only while the peer's certificate is valid (with the
-        verifier's clock-skew tolerance): one that expired without a renewal is closed."""
-        if not isinstance(self.auth, CertificateAuth):
-            return
-        skew = _clock_skew(self.auth)
-        now = self.now()
-        for link in list(self._all_links):
-            expires = getattr(link.remote.credential, "expires_at", None)
-            if isinstance(expires, int | float) and expires + skew < now and not link.closed:
-                logger.warning(
-                    "closing the link to %s: its certificate expired and was not renewed",
-                    link.peer_id,
-                )
-                self._spawn(link.close("certificate expired"), "expired")
 
     async def add_initial_peers(self, addresses: Sequence[str]) -> int:
         """Dial ``addresses`` now and keep them as initial peers: each is retried every
@@ -785,273 +679,6 @@ class AsyncNode:
                 del self._links[link.peer_id]
             self._spawn(link.close("idle"), "evict")
 
-    # gossip ----------------------------------------------------------------------------------
-
-    def _register_gossip(self) -> None:
-        self.register_handler(
-            LINK_CREDENTIAL,
-            Schema(required={"credential": Scalar(bytes, max_length=4096)}),
-            self._on_credential,
-        )
-        self.register_handler(
-            LINK_REVOCATIONS,
-            Schema(required={"list": Scalar(bytes, max_length=MAX_LIST_BYTES)}),
-            self._on_revocations,
-        )
-        record_list = ListOf(AnyValue())
-        # certificate mode: [owner public key, certificate] for the owners of the records
-        certs = ListOf(ListOf(Scalar(bytes, max_length=4096), exact_length=2))
-        # The digest travels as the raw payload (see GossipStore.digest); "want" is packed ids.
-        self.register_handler(GOSSIP_DIGEST, Schema(payload=True), self._on_digest)
-        self.registry.register(
-            GOSSIP_REPLY,
-            Schema(required={"records": record_list, "want": BYTES}, optional={"certs": certs}),
-        )
-        self.register_handler(
-            GOSSIP_PUSH,
-            Schema(required={"records": record_list}, optional={"h": INT, "certs": certs}),
-            self._on_push,
-        )
-
-    def _records_fields(self, records: list[Record], now: float) -> dict[str, Any]:
-        """A frame's ``records`` and, in certificate mode, their owners' ``certs``."""
-        fields: dict[str, Any] = {"records": [r.to_wire() for r in records]}
-        certs = certificates_for(records, self.certificates, now)
-        if certs:
-            fields["certs"] = certs
-        return fields
-
-    async def bootstrap(self) -> None:
-        """Exchange with every initial peer once, right away, so membership is known before
-        the first regular round."""
-        results = await asyncio.gather(
-            *(self._exchange_with_address(a) for a in self.initial_peers), return_exceptions=True
-        )
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures and len(failures) == len(results):
-            logger.warning(
-                "could not reach any initial peer yet (%s); will keep trying", failures[0]
-            )
-
-    async def _exchange_with_address(self, address: str) -> None:
-        link = await self._connect(address, None)
-        await self._exchange(link)
-        self._bootstrapped.add(address)
-
-    def _gossip_targets(self, exclude: str | None = None) -> list[str]:
-        candidates = [p for p in self._gossip_candidates(exclude) if p not in self._exchanging]
-        return self.random.sample(candidates, min(self.config.fanout, len(candidates)))
-
-    def _gossip_candidates(self, exclude: str | None = None) -> list[str]:
-        """Peers to gossip with: known, reachable, not failed just now."""
-        loop_now = asyncio.get_running_loop().time()
-        candidates = []
-        for member in self.members().values():
-            if member.peer_id in (self.peer_id, exclude):
-                continue
-            failed = self._failed_at.get(member.peer_id)
-            if failed is not None and loop_now - failed < self.config.retry_backoff:
-                continue
-            link = self._links.get(member.peer_id)
-            if member.addresses or (link is not None and not link.closed):
-                candidates.append(member.peer_id)
-        return candidates
-
-    async def _gossip_round(self) -> None:
-        targets = self._gossip_targets()
-        self.rounds += 1
-        # Initial peers not yet reached stay on the list every round: a bootstrap that failed
-        # once must not leave this node (and whoever bootstraps from it) in a separate swarm.
-        # When alone (every known peer died), all initial peers are retried.
-        retry = [a for a in self.initial_peers if not targets or a not in self._bootstrapped]
-        departed = self._reconnect.due(self.now(), self.members())
-        if departed is not None and departed[1] not in retry:
-            logger.debug("dialing departed peer %s at %s again", *departed)
-            retry.append(departed[1])
-        retry = [a for a in retry if a not in self._exchanging]
-        await asyncio.gather(
-            *(self._exclusively(p, self._exchange_with_peer) for p in targets),
-            *(self._exclusively(a, self._exchange_with_address) for a in retry),
-            return_exceptions=True,
-        )
-
-    async def _exclusively(self, key: str, exchange: Callable[[str], Awaitable[None]]) -> None:
-        """Run one gossip exchange, ``exchange(key)``, marking ``key`` (a peer id or an
-        address) as under way. The exchange's coroutine is only made here: a round cancelled
-        before this task starts (the node shutting down) leaves none behind unawaited."""
-        self._exchanging.add(key)
-        try:
-            await exchange(key)
-        finally:
-            self._exchanging.discard(key)
-
-    async def _exchange_with_peer(self, peer_id: str) -> None:
-        link: PeerLink | None = None
-        try:
-            link = await self.link(peer_id)
-            await self._exchange(link)
-        except ConnectionClosed as exc:
-            if exc.clean:
-                # The other side closed an idle link just as we used it: not a lost peer.
-                logger.debug("link to %s closed during an exchange: %s", peer_id, exc)
-            else:
-                self._peer_failed(peer_id, str(exc))
-        except ProtocolError as exc:
-            if link is not None:
-                await link.close(f"protocol error: {exc}")
-            self._peer_failed(peer_id, f"protocol error: {exc}")
-        except (
-            TransportError,
-            AuthenticationError,
-            TimeoutError,
-            RemoteError,
-        ) as exc:
-            self._peer_failed(peer_id, str(exc) or type(exc).__name__)
-
-    async def _exchange(self, link: PeerLink) -> None:
-        """Push-pull: send a digest, take what the other side sends, push what it wants."""
-        now = self.now()
-        reply = await link.request(
-            Frame(GOSSIP_DIGEST, payload=self.store_.digest(now)), self.config.request_timeout
-        )
-        if reply.type != GOSSIP_REPLY:
-            raise ProtocolError(f"expected {GOSSIP_REPLY}, got {reply.type}")
-        self.exchanges += 1
-        self._accept_records(reply.fields["records"], link, reply.fields.get("certs", ()))
-        want: bytes = reply.fields["want"]
-        if len(want) % RECORD_ID_BYTES:
-            raise ProtocolError("gossip.reply: 'want' is not a whole number of record ids")
-        ids = [want[i : i + RECORD_ID_BYTES] for i in range(0, len(want), RECORD_ID_BYTES)]
-        now = self.now()
-        wanted = self.store_.get_by_ids(ids, now)
-        batch = take_within_budget(
-            wanted, self.config.max_exchange_bytes, self.random, self.certificates, now
-        )
-        if batch:
-            await link.send(Frame(GOSSIP_PUSH, self._records_fields(batch, now)))
-
-    async def _on_digest(self, link: PeerLink, frame: Frame) -> Frame:
-        now = self.now()
-        try:
-            mine_newer, theirs_newer = self.store_.compare(frame.payload, now)
-        except RecordError as exc:
-            raise ProtocolError(str(exc)) from None
-        batch = take_within_budget(
-            mine_newer, self.config.max_exchange_bytes, self.random, self.certificates, now
-        )
-        return Frame(
-            GOSSIP_REPLY, {**self._records_fields(batch, now), "want": b"".join(theirs_newer)}
-        )
-
-    async def _on_push(self, link: PeerLink, frame: Frame) -> None:
-        fresh = self._accept_records(frame.fields["records"], link, frame.fields.get("certs", ()))
-        # never more relays than this node would ask for itself (no amplification)
-        relays = min(frame.fields.get("h", 0), self.config.push_relays)
-        if fresh and relays > 0:
-            # pass on what was news here (once: a record seen before is not news again)
-            self._spawn(self._push_now(fresh, relays - 1, exclude=link.peer_id), "relay")
-        return None
-
-    def _accept_records(
-        self, items: list[Any], link: PeerLink, certs: Sequence[list[bytes]] = ()
-    ) -> list[Record]:
-        """Verify and store records a peer sent (pushed or pulled); those that were news.
-        In certificate mode, ``certs`` vouch for owners this node does not know yet, and a
-        record whose owner holds no valid certificate of the run is refused."""
-        now = self.now()
-        rejected = 0
-        fresh = []
-        book = self.certificates
-        if book is not None:
-            for owner, certificate in certs:
-                if self._banned(owner):
-                    continue
-                try:
-                    book.offer(owner, certificate, now)
-                except RecordError as exc:
-                    rejected += 1
-                    if rejected == 1:
-                        logger.warning("rejected a certificate sent by %s: %s", link.peer_id, exc)
-        for item in items:
-            try:
-                record = Record.from_wire(item)
-                if self._banned(record.owner):
-                    continue  # a relay may not know of the ban yet: not its fault
-                if book is not None and not book.valid(record.owner, now):
-                    raise RecordError(
-                        f"its owner, peer {record.owner_id}, holds no valid certificate of this run"
-                    )
-                if record.key == MEMBERS_KEY:
-                    _decode_member(record)
-                record.verify()
-            except (RecordError, ValueError) as exc:
-                rejected += 1
-                if rejected == 1:
-                    logger.warning("rejected a record relayed by %s: %s", link.peer_id, exc)
-                continue
-            if not self.store_.put(record, now):
-                if self.store_.over_quota(record) and record.owner_id not in self._quota_warned:
-                    if len(self._quota_warned) >= 1024:
-                        self._quota_warned.clear()  # bounded, whoever mints keys
-                    self._quota_warned.add(record.owner_id)
-                    logger.warning(
-                        "peer %s is over its quota in the gossip store (relayed by %s): "
-                        "its further records are dropped",
-                        record.owner_id,
-                        link.peer_id,
-                    )
-                continue
-            fresh.append(record)
-            for callback in list(self._watchers.get(record.key, ())):
-                try:
-                    callback()
-                except Exception:
-                    logger.exception("a watcher of %r failed", record.key)
-        if rejected:
-            # A peer that relays forged records is either malicious or broken: drop the link.
-            raise ProtocolError(f"{rejected} invalid record(s) relayed")
-        return fresh
-
-    async def _push_now(
-        self, records: list[Record], relays: int = 0, exclude: str | None = None
-    ) -> None:
-        """Push ``records`` to up to ``fanout`` peers over open links, asking each to relay
-        what is new to it ``relays`` more times."""
-        now = self.now()
-        records = sendable(records, self.certificates, now)
-        if not records:
-            return
-        candidates = self._gossip_candidates(exclude)
-        if len(candidates) <= self.config.fanout:
-            relays = 0  # this push reaches every peer there is: nothing to relay
-        targets = self.random.sample(candidates, min(self.config.fanout, len(candidates)))
-        fields = self._records_fields(records, now)
-        if relays:
-            fields["h"] = relays
-        payload = Frame(GOSSIP_PUSH, fields)
-        for peer_id in targets:
-            link = self._links.get(peer_id)
-            if link is None or link.closed:
-                continue  # pushing is opportunistic; the next round carries it anyway
-            with contextlib.suppress(SwarmgradError):
-                await link.send(payload)
-
-    async def _gossip_loop(self) -> None:
-        period = self.config.gossip_period
-        while True:
-            await asyncio.sleep(period * self.random.uniform(0.75, 1.25))
-            # Not awaited: a round lasts as long as its slowest exchange (up to the request
-            # timeout for a peer that stopped answering, e.g. across a network partition),
-            # and the others must still hear from this node every period. A peer whose
-            # exchange is still under way is left out of the next rounds meanwhile.
-            self._spawn(self._gossip_round_logged(), "gossip-round")
-
-    async def _gossip_round_logged(self) -> None:
-        try:
-            await self._gossip_round()
-        except SwarmgradError as exc:
-            logger.debug("gossip round failed: %s", exc)
-
     async def _maintenance_loop(self) -> None:
         cfg = self.config
         refresh = max(cfg.gossip_period, cfg.member_ttl / 3)
@@ -1071,120 +698,6 @@ class AsyncNode:
                     self._lost_warned.discard(peer_id)
                     logger.info("peer %s left the swarm (membership expired)", peer_id)
                     with contextlib.suppress(RecordError):
-                        self._reconnect.departed(peer_id, _decode_member(record)[0], now)
-
-    def _forget_expired_certificates(self, now: float) -> None:
-        """Only holders of a valid certificate own records: an owner whose certificate
-        expired without a renewal reaching this node loses its records here."""
-        if self.certificates is None:
-            return
-        owners = [o for o in self.certificates.expire(now) if o != self.identity.public_key]
-        gone = self.store_.drop_owners(owners)
-        if gone:
-            logger.info(
-                "dropped %d record(s) of %d peer(s) whose certificates expired",
-                len(gone),
-                len(owners),
-            )
+                        self._reconnect.departed(peer_id, decode_member(record)[0], now)
 
     # bans -----------------------------------------------------------------------------------
-
-    def _banned(self, public_key: bytes) -> bool:
-        book = self.revocations
-        return (
-            book is not None
-            and book.current is not None
-            and public_key != self.identity.public_key
-            and book.revoked(public_key, self.now())
-        )
-
-    def revoke(self, data: bytes) -> bool:
-        """Apply the run's revocation list ``data`` (its bytes, as the coordinator serves
-        them): every link to a banned peer closes, its records go and it cannot link again;
-        the list is passed on to every other linked peer. Returns whether it was news (an
-        older or known list changes nothing). :class:`AuthenticationError` for a list the
-        run's authority did not sign; ``ValueError`` when this node cannot check one (it
-        is not in certificate mode with a :class:`~peer.identity.CertificateVerifier`)."""
-        if self.revocations is None:
-            raise ValueError(
-                "this node cannot check a revocation list: it is not in certificate mode "
-                "with a CertificateVerifier that names the run's key"
-            )
-        if self.revocations.offer(data) is None:
-            return False
-        self._enforce_bans(bytes(data), came_from=None)
-        return True
-
-    async def _on_revocations(self, link: PeerLink, frame: Frame) -> None:
-        if self.revocations is None:
-            return None
-        data = frame.fields["list"]
-        try:
-            news = self.revocations.offer(data)
-        except AuthenticationError as exc:
-            # only a forger or a broken peer sends a list the authority did not sign
-            raise ProtocolError(f"a forged revocation list: {exc}") from None
-        if news is not None:
-            self._enforce_bans(data, came_from=link.peer_id)
-        return None
-
-    def _enforce_bans(self, data: bytes, came_from: str | None) -> None:
-        book = self.revocations
-        assert book is not None and book.current is not None
-        now = self.now()
-        banned = set(book.revoked_keys(now))
-        if self.identity.public_key in banned and not self._banned_self_warned:
-            self._banned_self_warned = True
-            logger.error("this peer is banned from the run by its authority")
-        banned.discard(self.identity.public_key)
-        logger.info(
-            "revocation list %d of the run (%d banned peer(s)) from %s",
-            book.current.serial,
-            len(banned),
-            came_from or "the coordinator",
-        )
-        frame = Frame(LINK_REVOCATIONS, {"list": data})
-        for link in list(self._all_links):
-            if link.closed:
-                continue
-            if link.remote.public_key in banned:
-                logger.warning(
-                    "closing the link to %s: the run's authority banned it", link.peer_id
-                )
-                self._spawn(link.close("banned by the run's authority"), "banned")
-            elif link.peer_id != came_from:
-                self._spawn(self._send_quietly(link, frame), "revocations")
-        if self.certificates is not None:
-            self.certificates.forget(banned)
-        gone = self.store_.drop_owners(list(banned))
-        if gone:
-            logger.info("dropped %d record(s) of banned peers", len(gone))
-
-
-def _clock_skew(auth: CertificateAuth) -> float:
-    """The clock-skew grace of the node's certificate verifier (5 s unless it says)."""
-    skew = getattr(auth.verify, "max_clock_skew", 5.0)
-    return float(skew) if isinstance(skew, int | float) else 5.0
-
-
-def _decode_member(record: Record) -> tuple[tuple[str, ...], bool, bool]:
-    from peer.node.gossip import unpack_value
-
-    try:
-        value = unpack_value(record.value)
-    except Exception as exc:
-        raise RecordError("membership record is not valid msgpack") from exc
-    if not isinstance(value, dict):
-        raise RecordError("membership record must be a map")
-    addresses = value.get("addresses")
-    client_mode = value.get("client_mode")
-    leaving = value.get("leaving", False)
-    if (
-        not isinstance(addresses, list)
-        or len(addresses) > MAX_ADDRESSES
-        or not all(isinstance(a, str) and len(a) <= MAX_ADDRESS_CHARS for a in addresses)
-        or not isinstance(client_mode, bool)
-        or not isinstance(leaving, bool)
-    ):
-        raise RecordError("membership record has bad addresses or client_mode")
-    return tuple(addresses), client_mode, leaving

@@ -19,15 +19,14 @@ count on its own, and one that shuts down retracts its record at once. Two layer
   a fast training loop never queues stores) and reads the others' from the node's local
   replica of the gossip store (at most every ``refresh_interval``).
 
-Epoch rule: the swarm's epoch is the largest epoch that at least two live peers (this one
-included) report or have passed — so one peer cannot move the swarm by claiming an epoch
-far ahead (every other peer would take itself to be behind and look for its state) — and,
-when at most one other peer reports at all, the largest epoch reported: a swarm of two has
-no majority to tell a liar from a peer that trained on while the other was away, and must
-let the one that fell behind catch up. The epoch is complete when what was done *at that
-epoch*, summed over peers, reaches the target. A peer ahead of the swarm's epoch waits for a
-second one there (its work there does not count until then). Work reported at older
-epochs does not count — a peer still at an older epoch has not noticed the advance yet, and
+Epoch rule: the swarm's epoch is the largest epoch any live peer reports, leaving out the
+claims this peer found no one could back: a peer behind the swarm's epoch downloads the
+newest state, and when no donor offers a state at the epoch claimed, the claimers ahead are
+*discounted* (:meth:`ProgressTracker.discount`) for a while — their reports at or past that
+epoch no longer count, so one peer claiming an epoch far ahead (a bug or a hostile
+volunteer) costs each other peer one download attempt rather than its training. The epoch
+is complete when what was done *at that epoch*, summed over peers, reaches the target. Work
+reported at older epochs does not count — a peer still at an older epoch has not noticed the advance yet, and
 its next step moves it forward. Gossip lag (a few ``gossip_period``) lets the swarm overshoot
 an epoch by the work done during the lag; nothing depends on the count being exact. Clock
 skew only affects expirations, never the order of epochs.
@@ -40,7 +39,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,7 +110,7 @@ class ProgressReport:
 class SwarmProgress:
     """The swarm as seen from one peer (see the module docstring for the epoch rule)."""
 
-    epoch: int  # the swarm's epoch: see the epoch rule in the module docstring
+    epoch: int  # the largest epoch a live peer reports (this one included; see the rule)
     done_at_epoch: int  # steps or samples reported at ``epoch``, summed over peers
     target: int  # how many make an epoch
     num_peers: int  # peers with a live report, this one included
@@ -149,19 +148,20 @@ def compute_swarm_progress(
     reports: Iterable[ProgressReport],
     local: ProgressReport,
     target: int,
+    ignore: Mapping[str, int] | None = None,
 ) -> SwarmProgress:
     """The swarm's state from the peers' reports and this peer's own fresh one.
 
     ``local`` replaces any report carrying the same peer id (gossip may still hold an older
-    one). Pure: no clock, no I/O.
+    one). A report of a peer in ``ignore`` at or past the epoch given there is left out (a
+    discounted claim, see the module docstring). Pure: no clock, no I/O.
     """
     if target < 1:
         raise ValueError("an epoch's target must be at least 1")
-    by_peer = {r.peer_id: r for r in reports}
+    ignore = ignore or {}
+    by_peer = {r.peer_id: r for r in reports if r.epoch < ignore.get(r.peer_id, r.epoch + 1)}
     by_peer[local.peer_id] = local
-    epochs = sorted((r.epoch for r in by_peer.values()), reverse=True)
-    # the highest epoch two peers have reached (see the epoch rule); of a pair, the highest
-    epoch = epochs[1] if len(epochs) > 2 else epochs[0]
+    epoch = max(r.epoch for r in by_peer.values())
     at_epoch = [r for r in by_peer.values() if r.epoch == epoch]
     return SwarmProgress(
         epoch=epoch,
@@ -243,6 +243,7 @@ class ProgressTracker:
         self._kicked = False
         self._task: asyncio.Task[None] | None = None
         self._shut = False
+        self._discounted: dict[str, tuple[int, float]] = {}  # peer -> (epoch, until)
 
     @property
     def peer_id(self) -> str:
@@ -329,8 +330,20 @@ class ProgressTracker:
         """The swarm's progress with this peer's fresh ``local`` report (over ``reports``,
         or what :meth:`fetch` returns)."""
         return compute_swarm_progress(
-            self.fetch() if reports is None else reports, local, self.target
+            self.fetch() if reports is None else reports, local, self.target, self.discounted()
         )
+
+    def discount(self, peer_id: str, epoch: int, seconds: float) -> None:
+        """For ``seconds``, leave out ``peer_id``'s reports at or past ``epoch``: it claims
+        an epoch no one could back with a state (see the module docstring)."""
+        self._discounted[peer_id] = (epoch, time.monotonic() + seconds)
+
+    def discounted(self) -> dict[str, int]:
+        """The peers whose claims are discounted now, and from which epoch on."""
+        now = time.monotonic()
+        for peer_id in [p for p, (_, until) in self._discounted.items() if until <= now]:
+            del self._discounted[peer_id]
+        return {peer_id: epoch for peer_id, (epoch, _) in self._discounted.items()}
 
     def others_reporting(self) -> int:
         """How many other peers have a live report, at any epoch."""

@@ -16,7 +16,8 @@ from websockets.sync.client import connect as ws_connect
 
 from peer import Node
 from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
-from peer.node.core import GOSSIP_PUSH, AsyncNode, NodeConfig
+from peer.node.core import AsyncNode, NodeConfig
+from peer.node.exchange import GOSSIP_PUSH
 from peer.node.gossip import Record, pack_value
 from peer.sim import EPOCH, VirtualTimeLoop
 from peer.testing import wait_until

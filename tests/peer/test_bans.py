@@ -12,7 +12,7 @@ import pytest
 
 from peer.exceptions import AuthenticationError, SwarmgradError
 from peer.identity import Identity
-from peer.node.core import LINK_REVOCATIONS
+from peer.node.trust import LINK_REVOCATIONS
 from peer.revocation import RevocationBook, RevocationList
 from peer.sim import VirtualTimeLoop
 from peer.transport.memory import MemoryNetwork

@@ -13,8 +13,10 @@ import pytest
 
 from peer.exceptions import ConnectionClosed, TamperedFrame, TransportError
 from peer.identity import Identity
-from peer.node.core import GOSSIP_PUSH, LINK_REVOCATIONS, AsyncNode, NodeConfig
+from peer.node.core import AsyncNode, NodeConfig
+from peer.node.exchange import GOSSIP_PUSH
 from peer.node.gossip import Record
+from peer.node.trust import LINK_REVOCATIONS
 from peer.transport.base import Connection
 from peer.transport.memory import MemoryNetwork
 from peer.transport.secure import KeyExchange, LinkCipher, derive_session

@@ -26,7 +26,7 @@ from peer.identity import (
     OpenAuth,
     SwarmKeyAuth,
 )
-from peer.node.core import GOSSIP_PUSH
+from peer.node.exchange import GOSSIP_PUSH
 from peer.node.gossip import Record
 from peer.testing import wait_until
 from peer.wire import Frame, encode_frame

@@ -108,27 +108,14 @@ def test_performance_ema_with_a_fake_clock() -> None:
         PerformanceEMA(alpha=0.0)
 
 
-def test_one_peer_claiming_an_epoch_far_ahead_does_not_move_the_swarm() -> None:
-    """With two honest peers at epoch 4, a third claiming 10**9 is not believed: nobody
-    takes itself to be behind, and the honest work at epoch 4 completes the epoch."""
-    others = [report("a", 4, 6), report("liar", 10**9, 10**6)]
-    progress = compute_swarm_progress(others, report("me", 4, 6), 12)
-    assert progress.epoch == 4 and progress.epochs_behind == 0
-    assert progress.done_at_epoch == 12 and progress.ready
-
-
-def test_an_epoch_two_peers_reached_is_the_swarms() -> None:
-    """A peer that was away sees two others ahead (one a little further): it is behind, to
-    the epoch both have reached; one peer ahead of the others alone waits for a second."""
-    behind = compute_swarm_progress([report("a", 9, 1), report("b", 8, 3)], report("me", 2, 0), 20)
-    assert behind.epoch == 8 and behind.epochs_behind == 6
-    assert behind.done_at_epoch == 3  # a's work at 9 counts once another peer is there
-    ahead = compute_swarm_progress([report("a", 3, 1), report("b", 3, 1)], report("me", 5, 9), 20)
-    assert ahead.epoch == 3 and ahead.done_at_epoch == 2 and ahead.epochs_behind == 0
-
-
-def test_in_a_swarm_of_two_the_other_peers_epoch_counts() -> None:
-    """Two peers: no majority to tell a liar from a peer that trained on while this one was
-    away, so this one catches up (as before)."""
-    progress = compute_swarm_progress([report("a", 7, 2)], report("me", 3, 0), 20)
-    assert progress.epoch == 7 and progress.epochs_behind == 4
+def test_a_discounted_claim_does_not_count_until_the_peer_reports_less() -> None:
+    """A peer whose claims from epoch 5 on are discounted: at 10**9 it is left out; were it
+    back at 4 it would count again. Without the discount the largest claim is the epoch."""
+    others = [report("a", 2, 6), report("liar", 10**9, 10**6)]
+    plain = compute_swarm_progress(others, report("me", 2, 6), 12)
+    assert plain.epoch == 10**9 and plain.epochs_behind > 0
+    ignored = compute_swarm_progress(others, report("me", 2, 6), 12, ignore={"liar": 3})
+    assert ignored.epoch == 2 and ignored.done_at_epoch == 12 and ignored.ready
+    assert ignored.num_peers == 2
+    back = [report("a", 2, 6), report("liar", 2, 1)]
+    assert compute_swarm_progress(back, report("me", 2, 6), 12, ignore={"liar": 3}).num_peers == 3

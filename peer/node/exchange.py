@@ -1,0 +1,351 @@
+"""Gossip exchanges for :class:`peer.node.core.AsyncNode`: push-pull rounds, pushes and
+their relays, and the checks every record passes before it is stored.
+
+Every ``gossip_period`` (jittered) a node starts a round with up to ``fanout`` peers (and
+any initial peer not reached yet): it sends the digest of its store, takes the records the
+other side has newer, and pushes back what that side wants. A round never waits for its
+slowest exchange: a peer whose exchange is still under way is left out of the next rounds.
+A store is also pushed at once to a few peers, which relay what was news to them. A record
+is stored only if its signature verifies, its owner is not banned and, in certificate mode,
+holds a valid certificate of the run; a peer that relays forged records loses its link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
+
+from peer.exceptions import (
+    AuthenticationError,
+    ConnectionClosed,
+    ProtocolError,
+    RemoteError,
+    SwarmgradError,
+    TransportError,
+)
+from peer.node.gossip import (
+    MEMBERS_KEY,
+    RECORD_ID_BYTES,
+    CertificateBook,
+    GossipStore,
+    Record,
+    RecordError,
+    certificates_for,
+    sendable,
+    take_within_budget,
+)
+from peer.node.links import Handler, PeerLink
+from peer.node.membership import Member, decode_member
+from peer.node.reconnect import Reconnector
+from peer.wire import BYTES, INT, AnyValue, Frame, ListOf, MessageRegistry, Scalar, Schema
+
+if TYPE_CHECKING:
+    from peer.node.core import NodeConfig
+
+logger = logging.getLogger("peer.node")
+
+__all__ = ["GOSSIP_DIGEST", "GOSSIP_PUSH", "GOSSIP_REPLY", "GossipExchange"]
+
+GOSSIP_DIGEST = "gossip.digest"
+GOSSIP_REPLY = "gossip.reply"
+GOSSIP_PUSH = "gossip.push"
+
+
+class GossipExchange:
+    """Mixed into :class:`peer.node.core.AsyncNode`, whose attributes these are."""
+
+    config: NodeConfig
+    registry: MessageRegistry
+    store_: GossipStore
+    certificates: CertificateBook | None
+    random: random.Random
+    initial_peers: list[str]
+    rounds: int
+    exchanges: int
+    _links: dict[str, PeerLink]
+    _failed_at: dict[str, float]
+    _exchanging: set[str]
+    _bootstrapped: set[str]
+    _reconnect: Reconnector
+    _watchers: dict[str, list[Callable[[], None]]]
+    _quota_warned: set[str]
+
+    if TYPE_CHECKING:  # provided by AsyncNode
+
+        @property
+        def peer_id(self) -> str: ...
+
+        def now(self) -> float: ...
+
+        def members(self) -> dict[str, Member]: ...
+
+        async def link(self, peer_id: str, addresses: Sequence[str] | None = None) -> PeerLink: ...
+
+        async def _connect(self, address: str, expected_peer_id: str | None) -> PeerLink: ...
+
+        def _peer_failed(self, peer_id: str, reason: str) -> None: ...
+
+        def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> Any: ...
+
+        def _banned(self, public_key: bytes) -> bool: ...
+
+        def register_handler(self, message_type: str, schema: Schema, handler: Handler) -> None: ...
+
+    def _register_gossip(self) -> None:
+        record_list = ListOf(AnyValue())
+        # certificate mode: [owner public key, certificate] for the owners of the records
+        certs = ListOf(ListOf(Scalar(bytes, max_length=4096), exact_length=2))
+        # The digest travels as the raw payload (see GossipStore.digest); "want" is packed ids.
+        self.register_handler(GOSSIP_DIGEST, Schema(payload=True), self._on_digest)
+        self.registry.register(
+            GOSSIP_REPLY,
+            Schema(required={"records": record_list, "want": BYTES}, optional={"certs": certs}),
+        )
+        self.register_handler(
+            GOSSIP_PUSH,
+            Schema(required={"records": record_list}, optional={"h": INT, "certs": certs}),
+            self._on_push,
+        )
+
+    def _records_fields(self, records: list[Record], now: float) -> dict[str, Any]:
+        """A frame's ``records`` and, in certificate mode, their owners' ``certs``."""
+        fields: dict[str, Any] = {"records": [r.to_wire() for r in records]}
+        certs = certificates_for(records, self.certificates, now)
+        if certs:
+            fields["certs"] = certs
+        return fields
+
+    async def bootstrap(self) -> None:
+        """Exchange with every initial peer once, right away, so membership is known before
+        the first regular round."""
+        results = await asyncio.gather(
+            *(self._exchange_with_address(a) for a in self.initial_peers), return_exceptions=True
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures and len(failures) == len(results):
+            logger.warning(
+                "could not reach any initial peer yet (%s); will keep trying", failures[0]
+            )
+
+    async def _exchange_with_address(self, address: str) -> None:
+        link = await self._connect(address, None)
+        await self._exchange(link)
+        self._bootstrapped.add(address)
+
+    def _gossip_targets(self, exclude: str | None = None) -> list[str]:
+        candidates = [p for p in self._gossip_candidates(exclude) if p not in self._exchanging]
+        return self.random.sample(candidates, min(self.config.fanout, len(candidates)))
+
+    def _gossip_candidates(self, exclude: str | None = None) -> list[str]:
+        """Peers to gossip with: known, reachable, not failed just now."""
+        loop_now = asyncio.get_running_loop().time()
+        candidates = []
+        for member in self.members().values():
+            if member.peer_id in (self.peer_id, exclude):
+                continue
+            failed = self._failed_at.get(member.peer_id)
+            if failed is not None and loop_now - failed < self.config.retry_backoff:
+                continue
+            link = self._links.get(member.peer_id)
+            if member.addresses or (link is not None and not link.closed):
+                candidates.append(member.peer_id)
+        return candidates
+
+    async def _gossip_round(self) -> None:
+        targets = self._gossip_targets()
+        self.rounds += 1
+        # Initial peers not yet reached stay on the list every round: a bootstrap that failed
+        # once must not leave this node (and whoever bootstraps from it) in a separate swarm.
+        # When alone (every known peer died), all initial peers are retried.
+        retry = [a for a in self.initial_peers if not targets or a not in self._bootstrapped]
+        departed = self._reconnect.due(self.now(), self.members())
+        if departed is not None and departed[1] not in retry:
+            logger.debug("dialing departed peer %s at %s again", *departed)
+            retry.append(departed[1])
+        retry = [a for a in retry if a not in self._exchanging]
+        await asyncio.gather(
+            *(self._exclusively(p, self._exchange_with_peer) for p in targets),
+            *(self._exclusively(a, self._exchange_with_address) for a in retry),
+            return_exceptions=True,
+        )
+
+    async def _exclusively(self, key: str, exchange: Callable[[str], Awaitable[None]]) -> None:
+        """Run one gossip exchange, ``exchange(key)``, marking ``key`` (a peer id or an
+        address) as under way. The exchange's coroutine is only made here: a round cancelled
+        before this task starts (the node shutting down) leaves none behind unawaited."""
+        self._exchanging.add(key)
+        try:
+            await exchange(key)
+        finally:
+            self._exchanging.discard(key)
+
+    async def _exchange_with_peer(self, peer_id: str) -> None:
+        link: PeerLink | None = None
+        try:
+            link = await self.link(peer_id)
+            await self._exchange(link)
+        except ConnectionClosed as exc:
+            if exc.clean:
+                # The other side closed an idle link just as we used it: not a lost peer.
+                logger.debug("link to %s closed during an exchange: %s", peer_id, exc)
+            else:
+                self._peer_failed(peer_id, str(exc))
+        except ProtocolError as exc:
+            if link is not None:
+                await link.close(f"protocol error: {exc}")
+            self._peer_failed(peer_id, f"protocol error: {exc}")
+        except (
+            TransportError,
+            AuthenticationError,
+            TimeoutError,
+            RemoteError,
+        ) as exc:
+            self._peer_failed(peer_id, str(exc) or type(exc).__name__)
+
+    async def _exchange(self, link: PeerLink) -> None:
+        """Push-pull: send a digest, take what the other side sends, push what it wants."""
+        now = self.now()
+        reply = await link.request(
+            Frame(GOSSIP_DIGEST, payload=self.store_.digest(now)), self.config.request_timeout
+        )
+        if reply.type != GOSSIP_REPLY:
+            raise ProtocolError(f"expected {GOSSIP_REPLY}, got {reply.type}")
+        self.exchanges += 1
+        self._accept_records(reply.fields["records"], link, reply.fields.get("certs", ()))
+        want: bytes = reply.fields["want"]
+        if len(want) % RECORD_ID_BYTES:
+            raise ProtocolError("gossip.reply: 'want' is not a whole number of record ids")
+        ids = [want[i : i + RECORD_ID_BYTES] for i in range(0, len(want), RECORD_ID_BYTES)]
+        now = self.now()
+        wanted = self.store_.get_by_ids(ids, now)
+        batch = take_within_budget(
+            wanted, self.config.max_exchange_bytes, self.random, self.certificates, now
+        )
+        if batch:
+            await link.send(Frame(GOSSIP_PUSH, self._records_fields(batch, now)))
+
+    async def _on_digest(self, link: PeerLink, frame: Frame) -> Frame:
+        now = self.now()
+        try:
+            mine_newer, theirs_newer = self.store_.compare(frame.payload, now)
+        except RecordError as exc:
+            raise ProtocolError(str(exc)) from None
+        batch = take_within_budget(
+            mine_newer, self.config.max_exchange_bytes, self.random, self.certificates, now
+        )
+        return Frame(
+            GOSSIP_REPLY, {**self._records_fields(batch, now), "want": b"".join(theirs_newer)}
+        )
+
+    async def _on_push(self, link: PeerLink, frame: Frame) -> None:
+        fresh = self._accept_records(frame.fields["records"], link, frame.fields.get("certs", ()))
+        # never more relays than this node would ask for itself (no amplification)
+        relays = min(frame.fields.get("h", 0), self.config.push_relays)
+        if fresh and relays > 0:
+            # pass on what was news here (once: a record seen before is not news again)
+            self._spawn(self._push_now(fresh, relays - 1, exclude=link.peer_id), "relay")
+        return None
+
+    def _accept_records(
+        self, items: list[Any], link: PeerLink, certs: Sequence[list[bytes]] = ()
+    ) -> list[Record]:
+        """Verify and store records a peer sent (pushed or pulled); those that were news.
+        In certificate mode, ``certs`` vouch for owners this node does not know yet, and a
+        record whose owner holds no valid certificate of the run is refused."""
+        now = self.now()
+        rejected = 0
+        fresh = []
+        book = self.certificates
+        if book is not None:
+            for owner, certificate in certs:
+                if self._banned(owner):
+                    continue
+                try:
+                    book.offer(owner, certificate, now)
+                except RecordError as exc:
+                    rejected += 1
+                    if rejected == 1:
+                        logger.warning("rejected a certificate sent by %s: %s", link.peer_id, exc)
+        for item in items:
+            try:
+                record = Record.from_wire(item)
+                if self._banned(record.owner):
+                    continue  # a relay may not know of the ban yet: not its fault
+                if book is not None and not book.valid(record.owner, now):
+                    raise RecordError(
+                        f"its owner, peer {record.owner_id}, holds no valid certificate of this run"
+                    )
+                if record.key == MEMBERS_KEY:
+                    decode_member(record)
+                record.verify()
+            except (RecordError, ValueError) as exc:
+                rejected += 1
+                if rejected == 1:
+                    logger.warning("rejected a record relayed by %s: %s", link.peer_id, exc)
+                continue
+            if not self.store_.put(record, now):
+                if self.store_.over_quota(record) and record.owner_id not in self._quota_warned:
+                    if len(self._quota_warned) >= 1024:
+                        self._quota_warned.clear()  # bounded, whoever mints keys
+                    self._quota_warned.add(record.owner_id)
+                    logger.warning(
+                        "peer %s is over its quota in the gossip store (relayed by %s): "
+                        "its further records are dropped",
+                        record.owner_id,
+                        link.peer_id,
+                    )
+                continue
+            fresh.append(record)
+            for callback in list(self._watchers.get(record.key, ())):
+                try:
+                    callback()
+                except Exception:
+                    logger.exception("a watcher of %r failed", record.key)
+        if rejected:
+            # A peer that relays forged records is either malicious or broken: drop the link.
+            raise ProtocolError(f"{rejected} invalid record(s) relayed")
+        return fresh
+
+    async def _push_now(
+        self, records: list[Record], relays: int = 0, exclude: str | None = None
+    ) -> None:
+        """Push ``records`` to up to ``fanout`` peers over open links, asking each to relay
+        what is new to it ``relays`` more times."""
+        now = self.now()
+        records = sendable(records, self.certificates, now)
+        if not records:
+            return
+        candidates = self._gossip_candidates(exclude)
+        if len(candidates) <= self.config.fanout:
+            relays = 0  # this push reaches every peer there is: nothing to relay
+        targets = self.random.sample(candidates, min(self.config.fanout, len(candidates)))
+        fields = self._records_fields(records, now)
+        if relays:
+            fields["h"] = relays
+        payload = Frame(GOSSIP_PUSH, fields)
+        for peer_id in targets:
+            link = self._links.get(peer_id)
+            if link is None or link.closed:
+                continue  # pushing is opportunistic; the next round carries it anyway
+            with contextlib.suppress(SwarmgradError):
+                await link.send(payload)
+
+    async def _gossip_loop(self) -> None:
+        period = self.config.gossip_period
+        while True:
+            await asyncio.sleep(period * self.random.uniform(0.75, 1.25))
+            # Not awaited: a round lasts as long as its slowest exchange (up to the request
+            # timeout for a peer that stopped answering, e.g. across a network partition),
+            # and the others must still hear from this node every period. A peer whose
+            # exchange is still under way is left out of the next rounds meanwhile.
+            self._spawn(self._gossip_round_logged(), "gossip-round")
+
+    async def _gossip_round_logged(self) -> None:
+        try:
+            await self._gossip_round()
+        except SwarmgradError as exc:
+            logger.debug("gossip round failed: %s", exc)

@@ -1,0 +1,240 @@
+"""Who may stay in the swarm: certificates and bans, for :class:`peer.node.core.AsyncNode`.
+
+In certificate mode a node keeps a book of the run's certificates (its own included), takes
+renewed ones over open links (``link.credential``), closes a link whose peer's certificate
+expired without a renewal and drops the records of owners whose certificates expired. With
+the run's key at hand it also applies the run's revocation list (``link.revocations``): a
+banned peer's links close, its records go, it cannot link again, and the list is passed on
+to every other linked peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from peer.exceptions import AuthenticationError, ProtocolError, SwarmgradError
+from peer.identity import Authenticator, CertificateAuth, Identity
+from peer.node.gossip import CertificateBook, GossipStore
+from peer.node.links import Handler, PeerLink, RemotePeer
+from peer.revocation import MAX_LIST_BYTES, RevocationBook
+from peer.wire import Frame, Scalar, Schema
+
+logger = logging.getLogger("peer.node")
+
+__all__ = ["LINK_CREDENTIAL", "LINK_REVOCATIONS", "Trust", "clock_skew"]
+
+LINK_CREDENTIAL = "link.credential"  # a renewed certificate, presented over an open link
+LINK_REVOCATIONS = "link.revocations"  # the run's revocation list, passed from peer to peer
+
+
+def clock_skew(auth: CertificateAuth) -> float:
+    """The clock-skew grace of the node's certificate verifier (5 s unless it says)."""
+    skew = getattr(auth.verify, "max_clock_skew", 5.0)
+    return float(skew) if isinstance(skew, int | float) else 5.0
+
+
+class Trust:
+    """Mixed into :class:`peer.node.core.AsyncNode`, whose attributes these are."""
+
+    auth: Authenticator
+    identity: Identity
+    certificates: CertificateBook | None
+    revocations: RevocationBook | None
+    store_: GossipStore
+    _all_links: set[PeerLink]
+    _started: bool
+    _stopping: bool
+    _banned_self_warned: bool
+
+    if TYPE_CHECKING:  # provided by AsyncNode
+
+        def now(self) -> float: ...
+
+        def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> Any: ...
+
+        def register_handler(self, message_type: str, schema: Schema, handler: Handler) -> None: ...
+
+    def _register_trust(self) -> None:
+        """Accept renewed certificates and revocation lists over links."""
+        self.register_handler(
+            LINK_CREDENTIAL,
+            Schema(required={"credential": Scalar(bytes, max_length=4096)}),
+            self._on_credential,
+        )
+        self.register_handler(
+            LINK_REVOCATIONS,
+            Schema(required={"list": Scalar(bytes, max_length=MAX_LIST_BYTES)}),
+            self._on_revocations,
+        )
+
+    def set_auth(self, auth: Authenticator) -> None:
+        """Present ``auth`` in every later handshake (a renewed run certificate, say); open
+        links stay as they are. The mode cannot change (``ValueError``): every peer of a
+        swarm uses the same one."""
+        if auth.mode != self.auth.mode:
+            raise ValueError(
+                f"this node authenticates with {self.auth.mode!r}; it cannot switch to "
+                f"{auth.mode!r} (every peer of a swarm uses the same mode)"
+            )
+        self.auth = auth
+        self._learn_own_certificate()
+        if isinstance(auth, CertificateAuth) and self._started and not self._stopping:
+            # open links would close at the old certificate's expiry: show them the new one
+            frame = Frame(LINK_CREDENTIAL, {"credential": auth.certificate})
+            for link in list(self._all_links):
+                if not link.closed:
+                    self._spawn(self._send_quietly(link, frame), "credential")
+
+    async def _send_quietly(self, link: PeerLink, frame: Frame) -> None:
+        with contextlib.suppress(SwarmgradError):
+            await link.send(frame)
+
+    async def _on_credential(self, link: PeerLink, frame: Frame) -> None:
+        """A peer renewed its certificate: check it like a handshake's, keep the link."""
+        if not isinstance(self.auth, CertificateAuth):
+            return None
+        try:
+            verified = self.auth.verify(frame.fields["credential"], link.remote.public_key)
+        except Exception as exc:  # a verifier is user code: any failure refuses
+            logger.warning(
+                "closing the link to %s: its renewed certificate is refused: %s", link.peer_id, exc
+            )
+            await link.close(f"renewed certificate refused: {exc}")
+            return None
+        link.remote = dataclasses.replace(
+            link.remote, credential=verified, certificate=frame.fields["credential"]
+        )
+        self._learn_certificate(link.remote)
+        return None
+
+    def _learn_certificate(self, remote: RemotePeer) -> None:
+        if self._banned(remote.public_key):
+            return
+        if self.certificates is not None and remote.certificate:
+            self.certificates.learn(
+                remote.public_key, remote.certificate, remote.credential, self.now()
+            )
+
+    def _learn_own_certificate(self) -> None:
+        """This node's records travel with its own certificate: keep it in the book."""
+        if self.certificates is None or not isinstance(self.auth, CertificateAuth):
+            return
+        self.certificates.verify = self.auth.verify  # set_auth may bring a new verifier
+        try:
+            verified = self.auth.verify(self.auth.certificate, self.identity.public_key)
+        except Exception as exc:  # a verifier is user code: any failure refuses
+            logger.warning("this node's own certificate is refused: %s", exc)
+            return
+        self.certificates.learn(
+            self.identity.public_key, self.auth.certificate, verified, self.now()
+        )
+
+    def _close_expired_links(self) -> None:
+        """Links stay authenticated only while the peer's certificate is valid (with the
+        verifier's clock-skew tolerance): one that expired without a renewal is closed."""
+        if not isinstance(self.auth, CertificateAuth):
+            return
+        skew = clock_skew(self.auth)
+        now = self.now()
+        for link in list(self._all_links):
+            expires = getattr(link.remote.credential, "expires_at", None)
+            if isinstance(expires, int | float) and expires + skew < now and not link.closed:
+                logger.warning(
+                    "closing the link to %s: its certificate expired and was not renewed",
+                    link.peer_id,
+                )
+                self._spawn(link.close("certificate expired"), "expired")
+
+    def _forget_expired_certificates(self, now: float) -> None:
+        """Only holders of a valid certificate own records: an owner whose certificate
+        expired without a renewal reaching this node loses its records here."""
+        if self.certificates is None:
+            return
+        owners = [o for o in self.certificates.expire(now) if o != self.identity.public_key]
+        gone = self.store_.drop_owners(owners)
+        if gone:
+            logger.info(
+                "dropped %d record(s) of %d peer(s) whose certificates expired",
+                len(gone),
+                len(owners),
+            )
+
+    def certified_role(self, peer_id: str) -> str | None:
+        """The role the run's authority gave ``peer_id`` in its certificate (certificate
+        mode, once this node has seen that certificate); None otherwise."""
+        return self.certificates.role(peer_id) if self.certificates is not None else None
+
+    def _banned(self, public_key: bytes) -> bool:
+        book = self.revocations
+        return (
+            book is not None
+            and book.current is not None
+            and public_key != self.identity.public_key
+            and book.revoked(public_key, self.now())
+        )
+
+    def revoke(self, data: bytes) -> bool:
+        """Apply the run's revocation list ``data`` (its bytes, as the coordinator serves
+        them): every link to a banned peer closes, its records go and it cannot link again;
+        the list is passed on to every other linked peer. Returns whether it was news (an
+        older or known list changes nothing). :class:`AuthenticationError` for a list the
+        run's authority did not sign; ``ValueError`` when this node cannot check one (it
+        is not in certificate mode with a :class:`~peer.identity.CertificateVerifier`)."""
+        if self.revocations is None:
+            raise ValueError(
+                "this node cannot check a revocation list: it is not in certificate mode "
+                "with a CertificateVerifier that names the run's key"
+            )
+        if self.revocations.offer(data) is None:
+            return False
+        self._enforce_bans(bytes(data), came_from=None)
+        return True
+
+    async def _on_revocations(self, link: PeerLink, frame: Frame) -> None:
+        if self.revocations is None:
+            return None
+        data = frame.fields["list"]
+        try:
+            news = self.revocations.offer(data)
+        except AuthenticationError as exc:
+            # only a forger or a broken peer sends a list the authority did not sign
+            raise ProtocolError(f"a forged revocation list: {exc}") from None
+        if news is not None:
+            self._enforce_bans(data, came_from=link.peer_id)
+        return None
+
+    def _enforce_bans(self, data: bytes, came_from: str | None) -> None:
+        book = self.revocations
+        assert book is not None and book.current is not None
+        now = self.now()
+        banned = set(book.revoked_keys(now))
+        if self.identity.public_key in banned and not self._banned_self_warned:
+            self._banned_self_warned = True
+            logger.error("this peer is banned from the run by its authority")
+        banned.discard(self.identity.public_key)
+        logger.info(
+            "revocation list %d of the run (%d banned peer(s)) from %s",
+            book.current.serial,
+            len(banned),
+            came_from or "the coordinator",
+        )
+        frame = Frame(LINK_REVOCATIONS, {"list": data})
+        for link in list(self._all_links):
+            if link.closed:
+                continue
+            if link.remote.public_key in banned:
+                logger.warning(
+                    "closing the link to %s: the run's authority banned it", link.peer_id
+                )
+                self._spawn(link.close("banned by the run's authority"), "banned")
+            elif link.peer_id != came_from:
+                self._spawn(self._send_quietly(link, frame), "revocations")
+        if self.certificates is not None:
+            self.certificates.forget(banned)
+        gone = self.store_.drop_owners(list(banned))
+        if gone:
+            logger.info("dropped %d record(s) of banned peers", len(gone))
