@@ -5,8 +5,9 @@ The public signature mirrors hivemind's ``hivemind.averaging.DecentralizedAverag
 small frozen configs (:class:`~peer.averaging.matchmaking.MatchmakingConfig`,
 :class:`~peer.averaging.allreduce.AllreduceConfig`, :class:`AveragerConfig`) and the work
 is split into layers beside this module: ``matchmaking`` (pure state machine) and
-``matchmaking_io`` (its I/O), ``allreduce`` (one butterfly round), ``state`` (download),
-``control`` (:class:`StepControl`).
+``matchmaking_io`` (its I/O), ``members`` (what each member tells its group), ``butterfly``
+(one round, pure) and ``allreduce`` (its driver), ``sharing`` and ``state`` (serving and
+downloading state), ``control`` (:class:`StepControl`).
 
 Failure contract: :meth:`DecentralizedAverager.step` either returns a dict peer id →
 gathered data (every member of the group, this peer included) with the averaged tensors
@@ -35,11 +36,10 @@ import contextlib
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import torch
 
 from peer.averaging.allreduce import AllreduceConfig, AllreduceRunner, MemberInfo
@@ -63,6 +63,7 @@ from peer.averaging.group_bits import (
 )
 from peer.averaging.matchmaking import GroupInfo, MatchmakingConfig, MatchState
 from peer.averaging.matchmaking_io import MatchmakingDriver
+from peer.averaging.members import certified, pack_metadata, parse_members
 from peer.averaging.partition import FlatLayout, schema_hash
 from peer.averaging.protocol import (
     ABORT,
@@ -76,7 +77,8 @@ from peer.averaging.protocol import (
     Router,
 )
 from peer.averaging.seam import Link, NodeCore
-from peer.averaging.state import StateServer, download_state, state_key
+from peer.averaging.sharing import StateSharing
+from peer.averaging.state import StateServer, state_key
 from peer.compression import Compression, CompressionInfo, NoCompression, TensorRole
 from peer.exceptions import SwarmgradError
 from peer.wire import Frame
@@ -84,10 +86,6 @@ from peer.wire import Frame
 logger = logging.getLogger("peer.averaging")
 
 __all__ = ["AveragerConfig", "DecentralizedAverager"]
-
-#: a donor's state may take at most STATE_SIZE_FACTOR times this peer's own state + SLACK bytes
-STATE_SIZE_FACTOR = 8
-STATE_SIZE_SLACK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -119,7 +117,7 @@ class AveragerConfig:
             raise ValueError("declare_state_period must be positive")
 
 
-class DecentralizedAverager:
+class DecentralizedAverager(StateSharing):
     """Average ``averaged_tensors`` with other peers of the swarm sharing ``prefix``.
 
     Arguments keep hivemind's names and meanings; the notable ones:
@@ -441,18 +439,7 @@ class DecentralizedAverager:
             raise ValueError("an auxiliary averager contributes nothing: weight must be 0")
         if timeout is not None and timeout <= 0:
             raise ValueError("timeout must be positive")
-        try:
-            metadata = msgpack.packb(
-                {
-                    "b": self.config.bandwidth,
-                    "a": self.config.auxiliary,
-                    "w": weight,  # the weight its parts will carry (see AllreduceRunner)
-                    "u": gather,
-                },
-                use_bin_type=True,
-            )
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"gather must be msgpack-serialisable: {exc}") from None
+        metadata = pack_metadata(self.config.bandwidth, self.config.auxiliary, weight, gather)
         control = StepControl(
             self.node.loop,
             scheduled_time=scheduled_time,
@@ -536,8 +523,8 @@ class DecentralizedAverager:
         self, control: StepControl, group: GroupInfo, deadline: float | None
     ) -> dict[str, Any]:
         core = self.core
-        members, gathered = _parse_members(group)
-        members = [_certified(member, core.certified_role(member.peer_id)) for member in members]
+        members, gathered = parse_members(group)
+        members = [certified(member, core.certified_role(member.peer_id)) for member in members]
         if control.require_trigger and not control._trigger.is_set():
             control._set_stage(AveragingStage.AWAITING_TRIGGER)
             waiters = [
@@ -782,164 +769,10 @@ class DecentralizedAverager:
             raise RuntimeError("the averager has not started: call run() first")
         return self._core
 
-    # --------------------------------------------------------------------- state
+    # ------------------------------------------------------------------- reports
 
-    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
-        """What this peer shares with newcomers: ``(metadata, tensors)``. Override to share
-        more (e.g. optimizer state). Metadata must be msgpack-serialisable. Called on the
-        node's event loop with the tensors locked."""
-        return {"group_bits": self.get_group_bits()}, self._averaged_tensors
-
-    def load_state_from_peers(
-        self,
-        wait: bool = True,
-        timeout: float | None = None,
-        *,
-        max_priority: float = math.inf,
-        check: Callable[[Any], str | None] | None = None,
-    ) -> tuple[Any, list[torch.Tensor]] | concurrent.futures.Future[Any] | None:
-        """Download ``(metadata, tensors)`` from the donor with the highest
-        ``state_sharing_priority`` (random among ties), falling back to the next one if a
-        donor fails. Returns None if no donor could provide it within ``timeout``. Donors
-        declaring a priority over ``max_priority`` are not asked; a state whose metadata
-        ``check`` refuses (it returns why; called on the node's loop) is dropped and the
-        next donor asked."""
-
-        max_bytes = self._state_size_bound()
-
-        async def download() -> tuple[Any, list[torch.Tensor]] | None:
-            try:
-                async with asyncio.timeout(timeout):
-                    found = await download_state(
-                        self.core,
-                        self.config.prefix,
-                        request_timeout=self.matchmaking_config.request_timeout,
-                        chunk_timeout=self.config.next_chunk_timeout,
-                        max_bytes=max_bytes,
-                        max_priority=max_priority,
-                        check=check,
-                    )
-            except TimeoutError:
-                logger.warning("state download did not finish within %s s", timeout)
-                return None
-            if found is None:
-                return None
-            metadata, tensors, donor = found
-            self.last_state_donor = donor
-            return metadata, tensors
-
-        future = self.node.run_coroutine(download(), wait=False)
-        return future.result() if wait else future
-
-    def _state_size_bound(self) -> int:
-        """The most bytes a donor's state may take: a few times this peer's own state (same
-        model; an optimizer's state may not exist here yet) plus room for headers, so a
-        hostile donor cannot make this peer allocate what it claims."""
-        with self.get_tensors():
-            _, tensors = self.get_current_state()
-            own = sum(t.numel() * t.element_size() for t in tensors)
-        return STATE_SIZE_FACTOR * own + STATE_SIZE_SLACK
-
-    last_state_donor: str | None = None
     #: wall time of the last successful all-reduce (snapshot to write-back), for benchmarks
     last_allreduce_seconds: float | None = None
 
-    @property
-    def allow_state_sharing(self) -> bool:
-        return self._allow_state_sharing
-
-    @allow_state_sharing.setter
-    def allow_state_sharing(self, value: bool) -> None:
-        if value and self.config.client_mode:
-            raise ValueError("a client-mode averager cannot share state")
-        self._allow_state_sharing = bool(value)
-        self._wake_declare()
-
-    @property
-    def state_sharing_priority(self) -> float:
-        return self._state_sharing_priority
-
-    @state_sharing_priority.setter
-    def state_sharing_priority(self, value: float) -> None:
-        self._state_sharing_priority = float(value)
-        self._wake_declare()
-
-    def _wake_declare(self) -> None:
-        if self._running and self._declare_wake is not None and not self._shut:
-            self.node.loop.call_soon_threadsafe(self._declare_wake.set)
-
-    async def _declare_state_loop(self) -> None:
-        core = self.core
-        period = self.config.declare_state_period
-        assert self._declare_wake is not None
-        while True:
-            self._declare_wake.clear()
-            expiration = max(core.now() + period, self._declared_until + 1e-3)
-            value = self._state_sharing_priority if self._allow_state_sharing else None
-            if value is not None or self._declared_until:
-                with contextlib.suppress(SwarmgradError):
-                    await core.store(
-                        state_key(self.config.prefix), value, expiration, subkey=core.peer_id
-                    )
-                    self._declared_until = expiration
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(period / 2):
-                    await self._declare_wake.wait()
-
     def __repr__(self) -> str:
         return f"DecentralizedAverager(prefix={self.config.prefix!r}, peer_id={self.peer_id!r})"
-
-
-def _certified(member: MemberInfo, role: str | None) -> MemberInfo:
-    """``member`` as its certificate allows, whatever its metadata claims: a ``client``
-    never reduces (no span), an ``auxiliary`` never contributes. Every member applies the
-    same rule to the same certificates, so the honest ones agree on the partition; a member
-    that claimed more than its role computes another one, and its parts are refused."""
-    if role == "client" and not member.client_mode:
-        logger.warning(
-            "member %s claims to reduce but its certificate makes it a client: it gets no span",
-            member.peer_id,
-        )
-        return replace(member, client_mode=True)
-    if role == "auxiliary" and not member.auxiliary:
-        logger.warning(
-            "member %s claims to contribute but its certificate makes it auxiliary: its parts "
-            "are refused",
-            member.peer_id,
-        )
-        return replace(member, auxiliary=True)
-    return member
-
-
-def _parse_members(group: GroupInfo) -> tuple[list[MemberInfo], dict[str, Any]]:
-    """Members' roles and gathered data from the group's metadata. A member whose metadata
-    does not parse is treated as auxiliary with bandwidth 0 — the same on every member."""
-    members: list[MemberInfo] = []
-    gathered: dict[str, Any] = {}
-    for peer_id, raw, client in zip(group.peer_ids, group.gathered, group.client_mode, strict=True):
-        try:
-            value = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-            bandwidth, auxiliary, user, weight = value["b"], value["a"], value["u"], value["w"]
-            if bandwidth is not None and (
-                isinstance(bandwidth, bool)
-                or not isinstance(bandwidth, int | float)
-                or not bandwidth >= 0
-                or bandwidth == float("inf")
-            ):
-                raise ValueError("bad bandwidth")
-            if not isinstance(auxiliary, bool):
-                raise ValueError("bad auxiliary flag")
-            if (
-                isinstance(weight, bool)
-                or not isinstance(weight, int | float)
-                or not 0 <= weight < float("inf")
-            ):
-                raise ValueError("bad weight")
-        except Exception as exc:  # msgpack raises several unrelated types for bad input
-            logger.warning("member %s sent malformed metadata (%s): ignoring it", peer_id, exc)
-            members.append(MemberInfo(peer_id, client, 0.0, True))
-            gathered[peer_id] = None
-            continue
-        members.append(MemberInfo(peer_id, client, bandwidth, auxiliary, float(weight)))
-        gathered[peer_id] = user
-    return members, gathered
