@@ -48,6 +48,7 @@ import torch
 
 from peer.averaging.control import StepControl
 from peer.averaging.exceptions import StepFailed
+from peer.optim.claims import DISCOUNT_S, StateOffers, claims_ahead
 from peer.optim.progress import (
     PerformanceEMA,
     ProgressReport,
@@ -181,6 +182,7 @@ class DecentralizedOptimizer:
             concurrent_updates=True,
             **averager_kwargs,
         )
+        self._offers = StateOffers(node, prefix, self.averager.config.declare_state_period)
         self.scheduler = scheduler_cls(opt) if scheduler_cls is not None else None
         self.tracker = ProgressTracker(
             node, prefix, total_steps_in_epoch, expiration=report_progress_expiration
@@ -441,16 +443,28 @@ class DecentralizedOptimizer:
         """Download parameters, optimizer state and epoch from the peer with the freshest
         state. Returns False if no peer provided a state that fits this model; then this peer
         keeps its own parameters and, if ``fallback_epoch`` is given, moves to that epoch (so
-        training goes on and averaging pulls it towards the swarm)."""
+        training goes on and averaging pulls it towards the swarm) — unless no donor even
+        offers a state newer than this peer's: then the epochs claimed ahead are backed by
+        nothing, and the claimers are discounted instead (:mod:`peer.optim.claims`)."""
         timeout = timeout if timeout is not None else self.config.timeout
         result = self.averager.load_state_from_peers(timeout=timeout)
-        if result is not None and self._apply_state(*result):  # type: ignore[misc]
-            return True
-        logger.warning("could not load state from peers; continuing with local state")
-        if fallback_epoch is not None:
+        loaded = result is not None and self._apply_state(*result)  # type: ignore[misc]
+        if not loaded:
+            logger.warning("could not load state from peers; continuing with local state")
+        if fallback_epoch is None or self.local_epoch >= fallback_epoch:
+            return loaded
+        ahead = claims_ahead(self.tracker, self.local_epoch)
+        if any(not r.client_mode for r in ahead) and not self._offers.newer_state_offered(
+            self.local_epoch
+        ):
+            # a donor could serve that epoch, yet none offers it: wait for one (a declaration
+            # period), then take the claims as backed by nothing
+            self._offers.discount_if_unbacked(self.tracker, self.local_epoch, DISCOUNT_S)
+            return loaded
+        if not loaded:
             self._advance_to(fallback_epoch)
             self._report()
-        return False
+        return loaded
 
     def _apply_state(self, metadata: Any, tensors: list[torch.Tensor]) -> bool:
         try:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from peer.averaging.state import state_key
+from peer.optim.claims import StateOffers, claims_ahead, discount_claims_ahead
 from peer.optim.live_state import LiveState
 from peer.optim.progress import ProgressReport, ProgressTracker, SwarmProgress
 from peer.optim.state import StateSharingAverager
@@ -83,6 +83,8 @@ class JoiningSwarm:
         target = self._fresh_progress().epoch
         loaded = False
         backoff = 0.1
+        config = self.state_averager.config
+        offers = StateOffers(self.node, config.prefix, config.declare_state_period)
         while True:
             # no honest donor is past the swarm's epoch by more than the epoch it is finishing
             limit = self._fresh_progress().epoch + 1
@@ -106,8 +108,9 @@ class JoiningSwarm:
                 )
                 self._catch_up(target)
                 return loaded
-            if not self._newer_state_offered():
-                self._discount_claims_ahead("no peer offers a state newer than this peer's")
+            if not offers.newer_state_offered(self.local_epoch) and offers.discount_if_unbacked(
+                self.tracker, self.local_epoch, self.load_state_timeout
+            ):
                 return loaded
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -131,49 +134,15 @@ class JoiningSwarm:
                 return loaded
             backoff = min(2 * backoff, 2.0)
 
-    def _claims_ahead(self) -> list[ProgressReport]:
-        """The other peers' reports past this peer's epoch (claims discounted left out)."""
-        discounted = self.tracker.discounted()
-        return [
-            r
-            for r in self.tracker.fetch()
-            if r.peer_id != self.node.peer_id
-            and r.epoch > self.local_epoch
-            and r.epoch < discounted.get(r.peer_id, r.epoch + 1)
-        ]
-
     def _a_donor_may_be_ahead(self) -> bool:
         """Whether some peer ahead of this one could serve its state: client-mode peers
         cannot be dialled, so a swarm led only by them has no donor to wait for."""
-        return any(not r.client_mode for r in self._claims_ahead())
-
-    def _newer_state_offered(self) -> bool:
-        """Whether some donor declares a state newer than this peer's (its priority is its
-        state's epoch): if none does, waiting for one is pointless."""
-        found = self.node.get(state_key(self.state_averager.config.prefix), latest=True)
-        declared = found.value if found is not None and isinstance(found.value, dict) else {}
-        return any(
-            isinstance(priority := getattr(item, "value", None), int | float)
-            and not isinstance(priority, bool)
-            and priority > self.local_epoch
-            for peer_id, item in declared.items()
-            if peer_id != self.node.peer_id
-        )
+        return any(not r.client_mode for r in claims_ahead(self.tracker, self.local_epoch))
 
     def _discount_claims_ahead(self, why: str) -> None:
-        """No state backs the epochs claimed ahead of this peer: for ``load_state_timeout``
-        seconds, the claimers' reports past this peer's epoch do not count (see
-        :mod:`peer.optim.progress`), so that this peer trains on instead of waiting."""
-        for report in self._claims_ahead():
-            logger.warning(
-                "peer %s reports epoch %d, but %s: its reports past epoch %d are ignored for %g s",
-                report.peer_id,
-                report.epoch,
-                why,
-                self.local_epoch,
-                self.load_state_timeout,
-            )
-            self.tracker.discount(report.peer_id, self.local_epoch + 1, self.load_state_timeout)
+        """No state backs the epochs claimed ahead of this peer: the claimers' reports past
+        its epoch do not count for ``load_state_timeout`` seconds (:mod:`peer.optim.claims`)."""
+        discount_claims_ahead(self.tracker, self.local_epoch, self.load_state_timeout, why)
 
     def _fresh_progress(self) -> SwarmProgress:
         return self.tracker.progress(self._local_report(), self.tracker.fetch(fresh=True))

@@ -207,6 +207,53 @@ def test_a_peer_far_behind_loads_state_instead_of_stepping(make_nodes) -> None:
     assert newcomer.local_step == 1
 
 
+def test_an_epoch_claimed_far_ahead_that_no_state_backs_is_discounted(
+    make_nodes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A third node reports epoch 10**9 for the run and offers no state. The two honest
+    peers find themselves far behind; once no donor has offered a newer state for a
+    declaration period (1 s here) they name the liar and discount its claim: they never
+    jump to its epoch (stepping their schedulers that many times), and their own epochs
+    count again."""
+    nodes = make_nodes(3)
+    honest, liar = nodes[:2], nodes[2]
+    nets = [model(0), model(1)]
+    kwargs: dict[str, Any] = dict(
+        prefix="claims",
+        target_group_size=2,
+        averaging_steps_period=NEVER,
+        max_allowed_epoch_difference=1,
+        total_steps_in_epoch=2,
+        scheduler_cls=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.9),
+        timeout=scaled(20),
+        declare_state_period=1.0,
+        **FAST,
+    )
+    opts = [
+        DecentralizedSGD(net.parameters(), 0.1, node=n, **kwargs)
+        for net, n in zip(nets, honest, strict=True)
+    ]
+    make_nodes.optimizers.extend(opts)
+    claim = ProgressReport(liar.peer_id, 10**9, 0, 0, liar.get_time(), 1.0, False)
+    until = liar.get_time() + 600
+    assert liar.store(progress_key("claims"), claim.to_wire(), until, subkey=liar.peer_id)
+    assert wait_until(lambda: all(gossiped(n, "claims", liar.peer_id) for n in honest), scaled(15))
+
+    def both_stepped_and_discounted() -> bool:
+        for i in (0, 1):
+            local_step(opts[i], nets[i], seed=i)
+        return all(liar.peer_id in opt.tracker.discounted() for opt in opts)
+
+    with caplog.at_level("WARNING", logger="peer.optim"):
+        assert wait_until(both_stepped_and_discounted, scaled(30), interval=0.2)
+        for k in range(8):
+            local_step(opts[k % 2], nets[k % 2], seed=k)
+    assert all(opt.local_epoch < 10 for opt in opts), [opt.local_epoch for opt in opts]
+    assert max(opt.local_epoch for opt in opts) >= 1  # their own epochs count again
+    named = [r.getMessage() for r in caplog.records if liar.peer_id in r.getMessage()]
+    assert named and "ignored" in named[0], named
+
+
 def test_shutdown_stops_a_round_in_progress(make_nodes) -> None:
     """Alone, a round looks for a group until cancelled: shutdown must end it and the
     background thread, and is idempotent."""
