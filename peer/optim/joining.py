@@ -74,7 +74,10 @@ class JoiningSwarm:
         no donor answered (none visible yet, all busy or timing out) or only a straggler
         did — the download is retried with backoff, for ``load_state_timeout`` seconds in
         all: a newcomer joining a running swarm starts from the swarm's state, not from
-        scratch. A peer that finds no one ahead of it (the first peer) does not wait."""
+        scratch. A peer that finds no one ahead of it (the first peer) does not wait. Claims
+        of epochs ahead that no donor backs — none has offered a newer state for a
+        declaration period, or none came in time — are discounted (:mod:`peer.optim.claims`)
+        and the peer goes on at its own epoch."""
         self._settle_pending(cancel=True)
         deadline = time.monotonic() + self.load_state_timeout
         # The swarm's epoch now, from a fresh pull (a newcomer's replica may still be empty);
