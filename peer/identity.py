@@ -160,7 +160,10 @@ class Certificate:
     """A run authority's signature over a peer's public key, run id, role and expiry.
 
     ``expires_at`` is a Unix time in seconds. ``role`` is free-form for the authority
-    (the coordinator uses ``"peer"``, ``"client"`` and ``"auxiliary"``).
+    (the coordinator uses ``"peer"``, ``"client"`` and ``"auxiliary"``). ``volunteer``
+    names the person (the coordinator's volunteer id) the key belongs to, so several keys
+    of one person can be counted as one; it is signed when present, and a certificate
+    without it signs the same bytes as before the field existed.
     """
 
     run_id: str
@@ -168,13 +171,18 @@ class Certificate:
     role: str
     expires_at: float
     signature: bytes = field(default=b"", repr=False)
+    volunteer: str | None = None
 
     def signed_payload(self) -> bytes:
-        body = msgpack.packb(
-            [self.run_id, bytes(self.public_key), self.role, float(self.expires_at)],
-            use_bin_type=True,
-        )
-        return CERTIFICATE_CONTEXT + body
+        fields: list[Any] = [
+            self.run_id,
+            bytes(self.public_key),
+            self.role,
+            float(self.expires_at),
+        ]
+        if self.volunteer is not None:
+            fields.append(self.volunteer)
+        return CERTIFICATE_CONTEXT + msgpack.packb(fields, use_bin_type=True)
 
     @classmethod
     def issue(
@@ -185,30 +193,32 @@ class Certificate:
         public_key: bytes,
         role: str = "peer",
         expires_at: float,
+        volunteer: str | None = None,
     ) -> Certificate:
         """Sign a certificate for ``public_key`` with the run authority's key."""
         if len(public_key) != PUBLIC_KEY_SIZE:
             raise ValueError(f"an Ed25519 public key is {PUBLIC_KEY_SIZE} raw bytes")
-        unsigned = cls(run_id, bytes(public_key), role, float(expires_at))
+        unsigned = cls(run_id, bytes(public_key), role, float(expires_at), volunteer=volunteer)
         return cls(
             run_id,
             bytes(public_key),
             role,
             float(expires_at),
             authority.sign(unsigned.signed_payload()),
+            volunteer=volunteer,
         )
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb(
-            {
-                "run_id": self.run_id,
-                "public_key": self.public_key,
-                "role": self.role,
-                "expires_at": float(self.expires_at),
-                "signature": self.signature,
-            },
-            use_bin_type=True,
-        )
+        raw: dict[str, Any] = {
+            "run_id": self.run_id,
+            "public_key": self.public_key,
+            "role": self.role,
+            "expires_at": float(self.expires_at),
+            "signature": self.signature,
+        }
+        if self.volunteer is not None:
+            raw["volunteer"] = self.volunteer
+        return msgpack.packb(raw, use_bin_type=True)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Certificate:
@@ -226,6 +236,7 @@ class Certificate:
                 role=raw["role"],
                 expires_at=raw["expires_at"],
                 signature=raw["signature"],
+                volunteer=raw.get("volunteer"),
             )
         except KeyError as exc:
             raise AuthenticationError(f"certificate lacks field {exc.args[0]!r}") from exc
@@ -235,6 +246,7 @@ class Certificate:
             and isinstance(cert.role, str)
             and isinstance(cert.expires_at, int | float)
             and isinstance(cert.signature, bytes)
+            and (cert.volunteer is None or isinstance(cert.volunteer, str))
         ):
             raise AuthenticationError("certificate fields have the wrong types")
         return cert
