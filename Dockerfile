@@ -9,8 +9,9 @@ RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorc
 COPY pyproject.toml README.md ./
 COPY peer ./peer
 COPY swarmgrad ./swarmgrad
-# The coordinator's migrations are inside the package (server/migrations).
 COPY server ./server
+# The coordinator's migrations; installed, they are the data package server.migrations.
+COPY migrations ./migrations
 RUN pip install --no-cache-dir .
 WORKDIR /data
 VOLUME /data

@@ -21,9 +21,18 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from server.config import Settings
 
-# Shipped inside the package (see [tool.setuptools.package-data]), so an installed
-# coordinator migrates without the repository around it.
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+
+def _migrations_dir() -> Path:
+    """The Alembic scripts: installed, the data package ``server.migrations`` (the wheel maps
+    the repository's top-level ``migrations/`` there, see [tool.setuptools.package-dir]); in
+    the repository: ``migrations/`` beside ``server/``."""
+    installed = Path(__file__).resolve().parent / "migrations"
+    if (installed / "env.py").is_file():
+        return installed
+    return Path(__file__).resolve().parents[1] / "migrations"
+
+
+MIGRATIONS_DIR = _migrations_dir()
 
 # Any constant works; it only has to be the same in every worker.
 _MIGRATION_LOCK_ID = zlib.crc32(b"swarmgrad-migrations")

@@ -150,12 +150,13 @@ def test_installed_coordinator_serves(installed: Path, tmp_path: Path) -> None:
 
 
 def test_the_listed_packages_are_every_package_of_the_tree() -> None:
-    """pyproject lists its packages (one is web/, mapped); a new package must be listed."""
+    """pyproject lists its packages (two are data directories, web/ and migrations/, mapped);
+    a new package must be listed."""
     import tomllib
 
     from setuptools import find_packages
 
     config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     found = set(find_packages(where=str(REPO_ROOT), include=["peer*", "server*", "swarmgrad*"]))
-    assert set(config["packages"]) == found | {"server.web.assets"}
-    assert config["package-dir"] == {"server.web.assets": "web"}
+    assert set(config["packages"]) == found | {"server.web.assets", "server.migrations"}
+    assert config["package-dir"] == {"server.web.assets": "web", "server.migrations": "migrations"}
