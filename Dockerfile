@@ -1,5 +1,5 @@
-# Minimal image of the peer library, the CLI and the coordinator; by default it runs the
-# coordinator, with its SQLite database and checkpoints in the volume /data.
+# Minimal image of the peer library, the CLI and the coordinator (its extra); by default it runs
+# the coordinator, with its SQLite database and checkpoints in the volume /data.
 # Build: docker build -t swarmgrad .
 # Run:   docker run -p 8000:8000 -v swarmgrad:/data -e SWARMGRAD_SECRET_KEY=... swarmgrad
 FROM python:3.11-slim
@@ -12,7 +12,10 @@ COPY swarmgrad ./swarmgrad
 COPY server ./server
 # The coordinator's migrations; installed, they are the data package server.migrations.
 COPY migrations ./migrations
-RUN pip install --no-cache-dir .
+# The pages' templates and static files; installed, they are the data package server.web.assets.
+# (tests/web/test_dockerfile.py builds the wheel from exactly what these COPY lines copy.)
+COPY web ./web
+RUN pip install --no-cache-dir '.[coordinator]'
 WORKDIR /data
 VOLUME /data
 EXPOSE 8000
