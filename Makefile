@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: pip takes this CPU build from local disk; a looser spec fetches CUDA.
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,lightning]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,lightning,coordinator]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -11,7 +11,8 @@ error and go on: what a peer or a coordinator that seems stuck is doing, without
 
 ``swarmgrad coordinator`` is the coordinator's own command line (``server.cli``), imported only
 when that command runs: the volunteer's commands never load ``server``, ``fastapi`` or
-``sqlalchemy``.
+``sqlalchemy``, which ``pip install swarmgrad`` does not install (the coordinator's extra does;
+without it, ``swarmgrad coordinator`` and ``swarmgrad demo`` say how to install it).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import typer
 
 from peer.exceptions import SwarmgradError
 from swarmgrad import demo, join, organizer
+from swarmgrad.extras import require_coordinator
 
 PROG_NAME = "swarmgrad"
 
@@ -51,6 +53,7 @@ app.add_typer(organizer.tokens_app, name="tokens")
 )
 def coordinator(ctx: typer.Context) -> None:
     """Run the coordinator (see `swarmgrad coordinator --help`)."""
+    require_coordinator("coordinator")
     from server.cli import app as coordinator_app  # here, not at the top: see the docstring
 
     command = typer.main.get_command(coordinator_app)

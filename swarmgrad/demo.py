@@ -30,6 +30,7 @@ from rich.console import Console
 
 from peer.coordinator import CoordinatorClient
 from swarmgrad.errors import CommandError
+from swarmgrad.extras import require_coordinator
 from swarmgrad.local import LocalCoordinator, start_volunteer, stop_processes
 from swarmgrad.organizer import write_atomically
 
@@ -71,6 +72,7 @@ def demo(
     ] = None,
 ) -> None:
     """Start a coordinator and a few volunteers on this machine and train a run to the end."""
+    require_coordinator("demo")
     with _signals_interrupt():
         try:
             Demo(peers=peers, task=task.value, epochs=epochs, port=port, save=save).run()
