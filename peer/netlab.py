@@ -5,28 +5,84 @@ Each peer gets its own Linux network namespace with one interface, ``eth0``, at
 of the lab's own. :meth:`NetLab.shape` gives every link a token-bucket rate (tc's ``tbf``,
 applied both ways, so a peer uploads and downloads at that rate), :meth:`NetLab.cut`
 takes a peer off the bridge, and :meth:`NetLab.partition` splits the lab into sides that
-cannot reach each other until :meth:`NetLab.heal` (each side on a bridge of its own). Processes run inside a peer's namespace through
-:meth:`NetLab.command` (``ip netns exec``). Nothing outside the lab's namespaces is touched:
-no address, route or qdisc of the machine itself.
+cannot reach each other until :meth:`NetLab.heal` (each side on a bridge of its own).
+Processes run inside a peer's namespace through :meth:`NetLab.command` (``ip netns exec``).
+Nothing outside the lab's namespaces is touched: no address, route or qdisc of the machine
+itself.
+
+Home links: ``rtt_ms`` gives every link a propagation delay, and ``links`` gives each peer a
+:class:`Link` of its own (:func:`home_links` draws a mix of home connections). A peer whose
+link has a round trip of R holds every packet it sends for R/2 (:mod:`peer.netlab_delay`:
+netem is missing from these kernels, so the packets go through a TUN device and a small
+process that keeps them), so two peers with links of R1 and R2 see a round trip of
+(R1 + R2) / 2 between them, and peers with equal links exactly their link's.
 
 Needs root, ``ip`` and ``tc`` (iproute2), and a kernel with network namespaces, veth,
-bridges and the ``tbf`` qdisc; :func:`unavailable` says what is missing. ::
+bridges and the ``tbf`` qdisc (and TUN devices for delays); :func:`unavailable` says what is
+missing. ::
 
-    with NetLab(2, rate_mbit=50) as lab:
+    with NetLab(2, rate_mbit=50, rtt_ms=50) as lab:
         server = subprocess.Popen(lab.command(0, [sys.executable, "serve.py", lab.address(0)]))
 """
 
 from __future__ import annotations
 
+import math
 import os
+import random
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["NetLab", "NetLabError", "unavailable"]
+__all__ = ["Link", "NetLab", "NetLabError", "home_links", "unavailable"]
 
 SUBNET = "10.77.0"
+DELAY_SCRIPT = Path(__file__).with_name("netlab_delay.py")
+_FORWARD_TABLE = "100"  # where packets leaving the delay line are routed: straight to eth0
+
+
+@dataclass(frozen=True)
+class Link:
+    """One peer's connection: ``rate_mbit`` each way (None: line rate) and the round trip
+    ``rtt_ms`` it adds (half of it on each packet the peer sends)."""
+
+    rate_mbit: float | None = None
+    rtt_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rate_mbit is not None and not (
+            math.isfinite(self.rate_mbit) and self.rate_mbit > 0
+        ):
+            raise ValueError(f"a link's rate_mbit must be positive, not {self.rate_mbit}")
+        if not (math.isfinite(self.rtt_ms) and 0 <= self.rtt_ms <= 10_000):
+            raise ValueError(f"a link's rtt_ms is 0 to 10000, not {self.rtt_ms}")
+
+
+def home_links(
+    peers: int,
+    *,
+    seed: int = 0,
+    rate_mbit: tuple[float, float] = (20.0, 200.0),
+    rtt_ms: tuple[float, float] = (10.0, 150.0),
+) -> list[Link]:
+    """A reproducible mix of ``peers`` home connections: rates and round trips drawn
+    log-uniformly from the given ranges (home links cluster at the slow end)."""
+    for name, (low, high) in (("rate_mbit", rate_mbit), ("rtt_ms", rtt_ms)):
+        if not 0 < low <= high:
+            raise ValueError(f"{name} is a range (low, high) with 0 < low <= high")
+    draw = random.Random(seed)
+
+    def log_uniform(low: float, high: float) -> float:
+        return math.exp(draw.uniform(math.log(low), math.log(high)))
+
+    return [
+        Link(round(log_uniform(*rate_mbit), 1), round(log_uniform(*rtt_ms), 1))
+        for _ in range(peers)
+    ]
 
 
 class NetLabError(RuntimeError):
@@ -45,6 +101,12 @@ def unavailable() -> str | None:
     return None
 
 
+def _delays_unavailable() -> str | None:
+    if not os.path.exists("/dev/net/tun"):
+        return "link delays need TUN devices (/dev/net/tun is missing)"
+    return None
+
+
 def _run(argv: Sequence[str]) -> None:
     done = subprocess.run(list(argv), capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
@@ -55,13 +117,28 @@ def _run(argv: Sequence[str]) -> None:
 class NetLab:
     """``peers`` network namespaces on one bridge; a context manager that removes them."""
 
-    def __init__(self, peers: int, *, rate_mbit: float | None = None) -> None:
+    def __init__(
+        self,
+        peers: int,
+        *,
+        rate_mbit: float | None = None,
+        rtt_ms: float | None = None,
+        links: Sequence[Link] | None = None,
+    ) -> None:
         if not 1 <= peers <= 250:
             raise ValueError("a lab has 1 to 250 peers")
         if rate_mbit is not None and rate_mbit <= 0:
             raise ValueError("rate_mbit must be positive")
+        if links is not None:
+            if rate_mbit is not None or rtt_ms is not None:
+                raise ValueError("give either links (one per peer) or rate_mbit and rtt_ms")
+            if len(links) != peers or not all(isinstance(link, Link) for link in links):
+                raise ValueError(f"links needs one Link per peer ({peers}), got {len(links)}")
         self.peers = peers
         self.rate_mbit = rate_mbit
+        # each peer's link; Link() validates rtt_ms
+        self.links = list(links) if links is not None else [Link(rate_mbit, rtt_ms or 0.0)] * peers
+        self._delays: list[subprocess.Popen[str]] = []
         # short and unique: interface names have at most 15 characters
         self._tag = f"sg{uuid.uuid4().hex[:6]}"
         self._switch = f"{self._tag}-sw"
@@ -96,10 +173,17 @@ class NetLab:
         reason = unavailable()
         if reason is not None:
             raise NetLabError(reason)
+        delayed = any(link.rtt_ms > 0 for link in self.links)
+        reason = _delays_unavailable() if delayed else None
+        if reason is not None:
+            raise NetLabError(reason)
         try:
             self._build()
-            if self.rate_mbit is not None:
-                self.shape(self.rate_mbit)
+            for i, link in enumerate(self.links):
+                self._shape_peer(i, link.rate_mbit)
+            if delayed:
+                for i in range(self.peers):
+                    self._delay(i, self.links[i].rtt_ms / 2)
         except BaseException:
             self.close()
             raise
@@ -119,18 +203,59 @@ class NetLab:
             _run(["ip", "link", "set", inside, "netns", ns])
             _run(["ip", "link", "set", port, "netns", self._switch])
             _run(["ip", "-n", ns, "link", "set", inside, "name", "eth0"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0"])
+            # no prefix route: with delays the lab's subnet is routed through the delay line
+            address = f"{self.address(i)}/24"
+            _run(["ip", "-n", ns, "addr", "add", address, "dev", "eth0", "noprefixroute"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             _run(["ip", "-n", self._switch, "link", "set", port, "master", "br0"])
             _run(["ip", "-n", self._switch, "link", "set", port, "up"])
+            if not any(link.rtt_ms > 0 for link in self.links):
+                _run(["ip", "-n", ns, "route", "add", f"{SUBNET}.0/24", "dev", "eth0"])
+
+    def _delay(self, i: int, one_way_ms: float) -> None:
+        """Route what peer ``i`` sends to the lab through a TUN device whose packets a
+        process of ours holds for ``one_way_ms`` before they go out on ``eth0``."""
+        ns, a = self.namespace(i), self.address(i)
+        _run(["ip", "-n", ns, "tuntap", "add", "dev", "tun0", "mode", "tun"])
+        _run(["ip", "-n", ns, "link", "set", "tun0", "up"])
+        # packets come back out of tun0 with this peer's own source address: forward them
+        # (ip_forward), and accept a local source on tun0 (accept_local, no reverse-path
+        # filter); all of it inside the namespace
+        _run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1",
+              "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.tun0.rp_filter=0",
+              "net.ipv4.conf.tun0.accept_local=1"])  # fmt: skip
+        _run(["ip", "-n", ns, "route", "add", f"{SUBNET}.0/24", "dev", "tun0", "src", a])
+        _run(["ip", "-n", ns, "route", "add", f"{SUBNET}.0/24", "dev", "eth0",
+              "table", _FORWARD_TABLE])  # fmt: skip
+        _run(["ip", "-n", ns, "rule", "add", "iif", "tun0", "lookup", _FORWARD_TABLE])
+        process = subprocess.Popen(
+            self.command(i, [sys.executable, "-I", str(DELAY_SCRIPT), "tun0", str(one_way_ms)]),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self._delays.append(process)
+        assert process.stdout is not None
+        if process.stdout.readline().strip() != "ready":
+            _, err = process.communicate()
+            raise NetLabError(f"the delay line of peer {i} did not start: {err.strip()}")
 
     def _add_namespace(self, name: str) -> None:
         _run(["ip", "netns", "add", name])
         self._created.append(name)
 
     def close(self) -> None:
-        """Remove the lab's namespaces (their interfaces go with them). Idempotent."""
+        """Stop the delay lines, remove the lab's namespaces (their interfaces go with them).
+        Idempotent."""
+        while self._delays:
+            process = self._delays.pop()
+            try:
+                process.communicate(timeout=5)  # closes its stdin: it stops
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
         while self._created:
             name = self._created.pop()
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
@@ -138,22 +263,29 @@ class NetLab:
     # ----------------------------------------------------------------- conditions
 
     def shape(self, rate_mbit: float | None) -> None:
-        """Limit every link to ``rate_mbit`` in each direction (None: line rate again)."""
+        """Limit every link to ``rate_mbit`` in each direction (None: line rate again); the
+        links keep their delays."""
+        if rate_mbit is not None and rate_mbit <= 0:
+            raise ValueError("rate_mbit must be positive")
         for i in range(self.peers):
-            for ns, dev in ((self.namespace(i), "eth0"), (self._switch, self._port(i))):
-                subprocess.run(
-                    ["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"],
-                    capture_output=True,
-                    check=False,
-                )
-                if rate_mbit is None:
-                    continue
-                # a burst of a few milliseconds at the rate (at least 64 KiB); a queue of
-                # up to 100 ms before tbf drops
-                burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
-                tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
-                _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
+            self._shape_peer(i, rate_mbit)
+            self.links[i] = Link(rate_mbit, self.links[i].rtt_ms)
         self.rate_mbit = rate_mbit
+
+    def _shape_peer(self, i: int, rate_mbit: float | None) -> None:
+        for ns, dev in ((self.namespace(i), "eth0"), (self._switch, self._port(i))):
+            subprocess.run(
+                ["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"],
+                capture_output=True,
+                check=False,
+            )
+            if rate_mbit is None:
+                continue
+            # a burst of a few milliseconds at the rate (at least 64 KiB); a queue of
+            # up to 100 ms before tbf drops
+            burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
+            tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
+            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
 
     def cut(self, i: int) -> None:
         """Take peer ``i`` off the network (its link goes down; it keeps its loopback)."""
