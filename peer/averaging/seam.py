@@ -67,6 +67,10 @@ class NodeCore(Protocol):
 
     def certified_role(self, peer_id: str) -> str | None: ...
 
+    def certified_volunteer(self, peer_id: str) -> str | None:
+        """The person ``peer_id``'s certificate names (None: not known)."""
+        ...
+
     async def get(self, key: str, latest: bool = False) -> ValueWithExpiration[Any] | None: ...
 
     async def store(

@@ -29,6 +29,11 @@ state is dropped, the donor is named in a warning, and the next donor is tried. 
 cannot be checked and is used, as it was before this check; a swarm whose peers hold equal
 states (the collaborative optimizer's, after each epoch) therefore needs two honest donors
 to outvote one that lies.
+
+Witnesses are people, not keys: where certificates name the volunteer a key belongs to, a
+donor's other keys neither confirm nor outvote it, and several keys of one volunteer that
+agree count as one witness (named in a warning). One person with many machines therefore
+cannot outvote an honest donor, nor vouch for its own state.
 """
 
 from __future__ import annotations
@@ -263,7 +268,9 @@ async def download_state(
             )
             continue
         others = [d for p, d in sorted(donors, key=lambda d: d[0] != priority) if d != donor]
-        verdict = await _corroborate(core, prefix, others[:CORROBORATORS], digest, request_timeout)
+        verdict = await _corroborate(
+            core, prefix, donor, others[:CORROBORATORS], digest, request_timeout
+        )
         if verdict is not None:
             logger.warning(
                 "state from %s (priority %g) dropped: %s; trying the next donor",
@@ -276,11 +283,19 @@ async def download_state(
     return None
 
 
+def _person(core: NodeCore, peer_id: str) -> tuple[str, str]:
+    """Who stands behind ``peer_id``: the volunteer its certificate names, else the key."""
+    volunteer = core.certified_volunteer(peer_id)
+    return ("volunteer", volunteer) if volunteer is not None else ("peer", peer_id)
+
+
 async def _corroborate(
-    core: NodeCore, prefix: str, others: list[str], digest: bytes, timeout: float
+    core: NodeCore, prefix: str, donor: str, others: list[str], digest: bytes, timeout: float
 ) -> str | None:
-    """Why the state of ``digest`` is outvoted by ``others`` (their own states' digests),
-    or None: confirmed by one of them, or not decided (no answer, or no two of them agree)."""
+    """Why the state of ``digest`` from ``donor`` is outvoted by ``others`` (their own states'
+    digests), or None: confirmed by one of them, or not decided (no answer, or no two of them
+    agree). Witnesses are people: keys whose certificates name the donor's volunteer neither
+    confirm nor outvote it, and several keys of one volunteer count as one witness."""
 
     async def ask(peer_id: str) -> bytes | None:
         try:
@@ -289,13 +304,34 @@ async def _corroborate(
             return None
         return reply.fields["d"] if reply.type == STATE_HASH else None
 
-    answers = [a for a in await asyncio.gather(*(ask(p) for p in others)) if a is not None]
-    if digest in answers:
+    replies = await asyncio.gather(*(ask(p) for p in others))
+    donor_person = _person(core, donor)
+    held: dict[bytes, set[tuple[str, str]]] = {}  # digest → the people who hold that state
+    keys: dict[tuple[bytes, tuple[str, str]], list[str]] = {}  # (digest, person) → peer ids
+    for peer_id, answer in zip(others, replies, strict=True):
+        if answer is None:
+            continue
+        person = _person(core, peer_id)
+        if person == donor_person:
+            logger.info(
+                "donor %s and %s belong to the same volunteer: not a witness", donor, peer_id
+            )
+            continue
+        held.setdefault(answer, set()).add(person)
+        keys.setdefault((answer, person), []).append(peer_id)
+    for (_, person), peer_ids in keys.items():
+        if len(peer_ids) > 1:  # one person's keys agreeing: one witness, however many keys
+            logger.warning(
+                "peers %s are keys of one volunteer (%s): they count as one witness",
+                ", ".join(sorted(peer_ids)),
+                person[1],
+            )
+    if digest in held:
         return None
-    agreeing = max((answers.count(a) for a in answers), default=0)
+    agreeing = max((len(people) for people in held.values()), default=0)
     if agreeing >= 2:
-        return f"{agreeing} other donors hold another state, and none holds this one"
-    if answers:
+        return f"{agreeing} other donors hold another state (each a volunteer of its own), and none holds this one"
+    if held:
         logger.info("a downloaded state could not be checked: the other donors' states differ")
     return None
 

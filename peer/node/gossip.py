@@ -402,6 +402,7 @@ class OwnerCertificate:
     certificate: bytes
     expires_at: float | None  # None: the verifier did not say; valid until replaced
     role: str | None = None  # the role the authority gave it, when the verifier says
+    volunteer: str | None = None  # the person the key belongs to, when the certificate says
 
 
 class CertificateBook:
@@ -445,6 +446,12 @@ class CertificateBook:
         held = self._owners.get(self._keys.get(peer_id, b""))
         return held.role if held is not None else None
 
+    def volunteer(self, peer_id: str) -> str | None:
+        """The volunteer (person) ``peer_id``'s certificate names, or None when this node
+        holds no certificate of that peer or it names none."""
+        held = self._owners.get(self._keys.get(peer_id, b""))
+        return held.volunteer if held is not None else None
+
     def __contains__(self, owner: bytes) -> bool:
         return owner in self._owners
 
@@ -471,8 +478,12 @@ class CertificateBook:
         ):
             return True
         role = getattr(verified, "role", None)
+        volunteer = getattr(verified, "volunteer", None)
         self._owners[owner] = OwnerCertificate(
-            bytes(certificate), expires_at, role if isinstance(role, str) else None
+            bytes(certificate),
+            expires_at,
+            role if isinstance(role, str) else None,
+            volunteer if isinstance(volunteer, str) else None,
         )
         self._keys[peer_id_from_public_key(owner)] = owner
         return True

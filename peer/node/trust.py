@@ -168,6 +168,14 @@ class Trust:
         mode, once this node has seen that certificate); None otherwise."""
         return self.certificates.role(peer_id) if self.certificates is not None else None
 
+    def certified_volunteer(self, peer_id: str) -> str | None:
+        """The volunteer (person) ``peer_id``'s certificate names (certificate mode, once
+        this node has seen that certificate); None otherwise. Several keys of one person
+        name the same volunteer."""
+        if self.certificates is None:
+            return None
+        return self.certificates.volunteer(peer_id)
+
     def _banned(self, public_key: bytes) -> bool:
         book = self.revocations
         return (
