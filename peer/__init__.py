@@ -5,7 +5,8 @@ in-memory connections), :mod:`peer.identity` (keys, auth modes, certificates),
 :mod:`peer.node` (authenticated connections, membership and the gossip store),
 :mod:`peer.averaging` (``DecentralizedAverager``: matchmaking, butterfly all-reduce, state
 download), :mod:`peer.optim` (``DecentralizedOptimizer``/``SGD``/``Adam`` with swarm epochs,
-the collaborative ``Optimizer`` with a global target batch size, ``HierarchicalModelAverager``
+the collaborative ``Optimizer`` with a global target batch size, ``DiLoCo`` (outer rounds
+every H local steps), ``HierarchicalModelAverager``
 and ``DASO`` over a machine's ``torch.distributed`` world and the swarm).
 
 Names that need torch are imported lazily (PEP 562), so a process that only gossips — a
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from peer.averaging.control import AveragingStage, StepControl
     from peer.optim.collaborative import Optimizer
     from peer.optim.daso import DASO, DataParallelOptimizer
+    from peer.optim.diloco import DiLoCo
     from peer.optim.decentralized import DecentralizedAdam, DecentralizedOptimizer, DecentralizedSGD
     from peer.optim.hierarchical import HierarchicalModelAverager
 
@@ -46,6 +48,7 @@ _LAZY = {
     "Optimizer": "peer.optim.collaborative",
     "DASO": "peer.optim.daso",
     "DataParallelOptimizer": "peer.optim.daso",
+    "DiLoCo": "peer.optim.diloco",
     "HierarchicalModelAverager": "peer.optim.hierarchical",
 }
 
@@ -71,6 +74,7 @@ __all__ = [
     "DecentralizedAverager",
     "DecentralizedOptimizer",
     "DecentralizedSGD",
+    "DiLoCo",
     "HierarchicalModelAverager",
     "Identity",
     "Node",

@@ -12,6 +12,9 @@
   machine's ``torch.distributed`` subgroups, then the swarm);
 * :mod:`peer.optim.daso` — ``DASO`` (frequent local, asynchronous global syncs; the
   schedule in :mod:`peer.optim.daso_schedule`) and ``DataParallelOptimizer``;
+* :mod:`peer.optim.diloco` — ``DiLoCo``: H inner steps, then an outer step on the swarm's
+  mean pseudo-gradient; streamed fragments, overlap, compression (the schedule in
+  :mod:`peer.optim.diloco_schedule`);
 * :mod:`peer.optim.levels` — the two levels those average over (local world, swarm).
 """
 
@@ -24,6 +27,7 @@ from peer.optim.decentralized import (
     DecentralizedOptimizer,
     DecentralizedSGD,
 )
+from peer.optim.diloco import DiLoCo
 from peer.optim.hierarchical import HierarchicalModelAverager
 from peer.optim.progress import (
     PerformanceEMA,
@@ -40,6 +44,7 @@ __all__ = [
     "DecentralizedConfig",
     "DecentralizedOptimizer",
     "DecentralizedSGD",
+    "DiLoCo",
     "HierarchicalModelAverager",
     "PerformanceEMA",
     "ProgressReport",

@@ -1,0 +1,728 @@
+"""``peer.DiLoCo``: many local steps, then one outer step on the swarm's mean pseudo-gradient.
+
+DiLoCo (Douillard et al., arXiv:2311.08105): each peer takes ``inner_steps`` (H) steps of
+its *inner* optimizer on its own data; then the peers average their *pseudo-gradients*
+(the parameters at the round's start minus the parameters now) and each applies its
+*outer* optimizer (by default SGD, lr 0.7, Nesterov momentum 0.9) to the round's starting
+parameters with that average as the gradient. Every peer ends the round with the same
+outer parameters; the inner optimizer's state stays local. Communication is one average
+per H steps instead of one per step.
+
+Averaging goes through :class:`~peer.averaging.DecentralizedAverager` (elastic groups;
+Moshpit groups with ``target_group_size`` smaller than the swarm), each peer weighted by
+the samples it processed since the fragment's last round, so with one group of every peer
+and no compression the outer step is exactly the one a single process would take on the
+weighted mean pseudo-gradient.
+
+Streaming DiLoCo (Douillard et al., arXiv:2501.18512) with ``fragments=F``: the parameters
+are cut into F fragments of whole tensors (:func:`peer.optim.diloco_schedule.split_fragments`)
+and the run's *syncs* are numbered: sync ``k`` averages fragment ``k % F`` after about
+``H / F`` inner steps since sync ``k - 1`` (:func:`~peer.optim.diloco_schedule.steps_before_sync`),
+so each fragment still syncs every H steps but only 1/F of the model is in flight at a
+time. :attr:`DiLoCo.outer_step` counts syncs (with ``F = 1``, outer rounds).
+
+``overlap=True`` runs each sync's round on a background thread while inner steps go on.
+The outer update lands at a later ``step()`` call — at the latest when the next sync is
+due, about H / F inner steps later (then that call waits for it) — and is merged with the
+local progress made meanwhile: the fragment's parameters become ``outer_result + (current -
+snapshot)``, where ``snapshot`` is the fragment's parameters when the round began. That
+progress is part of the fragment's next pseudo-gradient (its start is ``outer_result``).
+
+Compression of pseudo-gradients (``compression``): any :class:`peer.compression.Compression`
+or a name of :func:`peer.compression.compression_from_name` (``"float16"``, ``"bfloat16"``,
+``"int8"``: blockwise 8-bit, ``"int4"``: blockwise 4-bit). With ``error_feedback=True`` the
+part of a pseudo-gradient that compression loses (estimated by compressing this peer's
+fragment locally) is added to the fragment's next pseudo-gradient.
+
+Elasticity and faults:
+
+* the *outer state* (outer parameters, outer optimizer state, sync number) is served to
+  newcomers through a :class:`~peer.optim.state.StateSharingAverager`, priority = the sync
+  number; a peer joining mid-run or found behind downloads the newest
+  (:class:`~peer.optim.joining.JoiningSwarm`, the same machinery as the collaborative
+  ``Optimizer``), its model takes the outer parameters and it starts at the next sync;
+* progress reports (:mod:`peer.optim.progress`, epoch = the sync a peer works towards,
+  progress = its inner steps) tell a peer that finished its inner steps whom to wait for:
+  peers at that sync not done yet, or one sync behind, whose reports are fresh
+  (:func:`~peer.optim.diloco_schedule.stragglers`) — at most as long as its own inner steps
+  took. A peer killed mid-round stops reporting and is not waited for; the all-reduce
+  excludes it and the survivors retry among themselves;
+* a round's timeout follows the swarm's measured round times
+  (:class:`~peer.optim.diloco_schedule.RoundTimer`; ``averaging_timeout`` is only the first
+  round's and the ceiling);
+* a round that fails while other peers are about changes nothing: the next ``step()``
+  loads the others' state if they moved on, else retries the round (the pseudo-gradient
+  then includes the steps taken meanwhile). A peer alone in the run applies its own
+  pseudo-gradient.
+
+Locking: the model's parameters are written only by the training thread (inner steps,
+applying an outer update). The outer parameters and the outer optimizer's state (the *live
+state*) are written and read under the state averager's lock, which also guards the
+snapshot served to newcomers. A fragment's averaging buffer is only touched by its round
+(background thread with ``overlap``) and by the training thread while no round of it runs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from peer.averaging.averager import DecentralizedAverager
+from peer.averaging.control import StepControl
+from peer.averaging.exceptions import AllreduceTimeout, MatchmakingFailed, StepFailed
+from peer.averaging.partition import zeros_back_to_back
+from peer.averaging.robust import check_aggregator
+from peer.compression import (
+    Compression,
+    CompressionInfo,
+    NoCompression,
+    compression_from_name,
+    extract,
+)
+from peer.optim.diloco_schedule import (
+    RoundTimer,
+    fragment_of,
+    split_fragments,
+    steps_before_sync,
+    stragglers,
+)
+from peer.optim.joining import JoiningSwarm
+from peer.optim.live_state import LiveState, OptimizerFactory
+from peer.optim.progress import PerformanceEMA, ProgressReport, ProgressTracker, SwarmProgress
+from peer.optim.state import StateSharingAverager
+
+logger = logging.getLogger("peer.optim.diloco")
+
+__all__ = ["DiLoCo"]
+
+#: how often a peer waiting for its round's group checks who can still come
+ROUND_RECHECK_S = 0.1
+
+
+def default_outer_optimizer(params: Any) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: SGD, lr 0.7, Nesterov momentum 0.9."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+@dataclass
+class _Sync:
+    """One sync in progress: what its round needs, then what it produced."""
+
+    sync: int
+    fragment: int
+    samples: int
+    snapshot: list[torch.Tensor] | None = None  # the fragment's parameters at the start
+    future: concurrent.futures.Future[None] | None = None
+    averaged: bool = False  # the buffer holds the round's (or a lone peer's) result
+    failed: bool = False  # other peers were about but the round did not complete
+    cancelled: bool = False
+
+
+class DiLoCo(JoiningSwarm):
+    """DiLoCo across the swarm (see the module docstring).
+
+    Typical loop::
+
+        opt = DiLoCo(node=node, run_id="my-run", params=model.parameters(),
+                     inner_optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+                     inner_steps=100, batch_size_per_step=32)
+        for batch in data:
+            loss(model, batch).backward()
+            opt.step()        # an inner step; every H of them, an outer round
+            opt.zero_grad()
+        opt.shutdown()
+
+    ``step(batch_size=...)`` (default ``batch_size_per_step``, else 1) counts the samples
+    behind the step: they weigh this peer's pseudo-gradient. Other options:
+
+    * ``matchmaking_time`` — how long a round's group assembles;
+    * ``averaging_timeout`` — the first round's timeout and every round's ceiling (later
+      ones follow the measured round times);
+    * ``straggler_silence`` — a peer whose progress report is older than this (or four of
+      this peer's step times, if longer) is presumed gone and not waited for;
+    * ``load_state_timeout`` — how long a newcomer tries to download the outer state;
+    * ``aggregator``, ``relative_weight_bound``, ``averager_opts`` — as for
+      :class:`peer.Optimizer` (``target_group_size`` in ``averager_opts`` gives Moshpit
+      groups in a swarm larger than a group).
+
+    Call :meth:`shutdown` when done (the node is not shut down).
+    """
+
+    def __init__(
+        self,
+        *,
+        node: Any,
+        run_id: str,
+        params: Iterable[Any],
+        inner_optimizer: OptimizerFactory,
+        inner_steps: int,
+        outer_optimizer: OptimizerFactory = default_outer_optimizer,
+        fragments: int = 1,
+        compression: Compression | str = "none",
+        overlap: bool = False,
+        error_feedback: bool = False,
+        batch_size_per_step: int | None = None,
+        matchmaking_time: float = 5.0,
+        averaging_timeout: float = 120.0,
+        straggler_silence: float = 10.0,
+        load_state_timeout: float = 600.0,
+        client_mode: bool | None = None,
+        aggregator: str = "mean",
+        relative_weight_bound: float | None = None,
+        averager_opts: Mapping[str, Any] | None = None,
+        verbose: bool = False,
+    ) -> None:
+        if not run_id or not isinstance(run_id, str):
+            raise ValueError("run_id must be a non-empty string shared by every peer of the run")
+        if not isinstance(inner_steps, int) or isinstance(inner_steps, bool) or inner_steps < 1:
+            raise ValueError("inner_steps must be a positive integer")
+        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+            raise ValueError("fragments must be a positive integer")
+        if fragments > inner_steps:
+            raise ValueError("fragments cannot exceed inner_steps: each sync needs an inner step")
+        if batch_size_per_step is not None and batch_size_per_step <= 0:
+            raise ValueError("batch_size_per_step must be positive")
+        if isinstance(inner_optimizer, torch.optim.Optimizer) or not callable(inner_optimizer):
+            raise TypeError("inner_optimizer must be a factory: params -> torch.optim.Optimizer")
+        if isinstance(outer_optimizer, torch.optim.Optimizer) or not callable(outer_optimizer):
+            raise TypeError("outer_optimizer must be a factory: params -> torch.optim.Optimizer")
+        for name, value in (
+            ("matchmaking_time", matchmaking_time),
+            ("averaging_timeout", averaging_timeout),
+            ("straggler_silence", straggler_silence),
+            ("load_state_timeout", load_state_timeout),
+        ):
+            if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds")
+        codec = compression_from_name(compression) if isinstance(compression, str) else compression
+        if not isinstance(codec, Compression):
+            raise TypeError("compression must be a peer.compression.Compression or its name")
+        if client_mode is None:
+            client_mode = bool(node.client_mode)
+
+        self.params: list[torch.nn.Parameter] = list(params)
+        if not self.params:
+            raise ValueError("params is empty")
+        if any(not isinstance(p, torch.Tensor) for p in self.params):
+            raise TypeError("params must be tensors (pass model.parameters())")
+        self.inner_optimizer = inner_optimizer(self.params)
+        inner_params = [p for g in self.inner_optimizer.param_groups for p in g["params"]]
+        if {id(p) for p in inner_params} != {id(p) for p in self.params}:
+            raise ValueError("the inner optimizer must step exactly the params given")
+        # the outer parameters: host fp32 copies, stepped by the outer optimizer
+        outer = [
+            torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True)) for p in self.params
+        ]
+        self.live = LiveState(outer_optimizer, outer, offload=False)
+        if [id(p) for p in self.live.opt_params] != [id(p) for p in outer]:
+            raise ValueError(
+                "the outer optimizer factory must keep the parameters it is given, in order"
+            )
+        self.outer_optimizer = self.live.opt
+        self.outer_params: list[torch.Tensor] = self.live.opt_params
+        self.scheduler = None  # (JoiningSwarm steps a scheduler per epoch; DiLoCo has none)
+
+        self.node = node
+        self.run_id = run_id
+        self.inner_steps = inner_steps
+        self.fragments = split_fragments([p.numel() for p in self.params], fragments)
+        self.compression = codec
+        self.overlap = bool(overlap)
+        self.error_feedback = bool(error_feedback) and not isinstance(codec, NoCompression)
+        self.batch_size_per_step = batch_size_per_step
+        self.load_state_timeout = float(load_state_timeout)
+        self.straggler_silence = float(straggler_silence)
+        self.matchmaking_time = float(matchmaking_time)
+        self.client_mode = client_mode
+        self.verbose = verbose
+        self.timer = RoundTimer(
+            ceiling=float(averaging_timeout),
+            floor=min(float(averaging_timeout), 2.0 * float(matchmaking_time) + 1.0),
+        )
+
+        self.local_epoch = 0  # the sync this peer works towards (= syncs done)
+        self._steps = 0  # inner steps towards it
+        self._samples = 0  # samples since the last sync (JoiningSwarm resets it)
+        self._samples_total = 0
+        self._steps_total = 0
+        self._fragment_samples = [0] * len(self.fragments)
+        self._phase_started = time.monotonic()  # when the inner steps towards the sync began
+        self._phase_seconds: float | None = None  # how long the last ones took
+        self._step_seconds = PerformanceEMA()  # inner steps per second
+        self.performance = PerformanceEMA()  # samples per second
+        self._pending: _Sync | None = None
+        self._round: StepControl | None = None
+        self._retry = False  # the last round failed while others were about
+        self._behind = False  # the others moved on without this peer: load their state
+        self.rounds_done = 0
+        self.rounds_failed = 0
+        self.last_group_size: int | None = None
+        self.last_failure: str | None = None
+        self._closed = False
+        self._closing = threading.Event()
+        self._acc: list[torch.Tensor] = []  # (JoiningSwarm's buffers; DiLoCo keeps none)
+        self._averaged_grads: list[torch.Tensor] = []
+
+        opts = dict(averager_opts or {})
+        opts.setdefault("aggregator", check_aggregator(aggregator))
+        opts.setdefault("relative_weight_bound", relative_weight_bound)
+        opts.setdefault("min_matchmaking_time", float(matchmaking_time))
+        self._sync_in_group_bits = opts.get("target_group_size") is None
+        self._residuals: list[list[torch.Tensor] | None] = [None] * len(self.fragments)
+        self.averagers: list[DecentralizedAverager] = []
+        try:
+            for f, indices in enumerate(self.fragments):
+                buffers = zeros_back_to_back([self.outer_params[i] for i in indices])
+                self.averagers.append(
+                    DecentralizedAverager(
+                        buffers,
+                        node,
+                        start=True,
+                        prefix=f"{run_id}_diloco_fragment{f}",
+                        compression=codec,
+                        client_mode=client_mode,
+                        allow_state_sharing=False,
+                        **opts,
+                    )
+                )
+            state_opts = {
+                k: v for k, v in opts.items() if k in ("declare_state_period", "request_timeout")
+            }
+            self.state_averager = StateSharingAverager(
+                [t.detach().clone() for t in self.live.tensors()],
+                node,
+                self._shared_state,
+                start=True,
+                prefix=f"{run_id}_diloco_state",
+                client_mode=client_mode,
+                concurrent_updates=True,
+                **state_opts,
+            )
+        except BaseException:
+            for averager in self.averagers:
+                averager.shutdown()
+            raise
+        self._executor = (
+            concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"swarmgrad-diloco-{run_id}"
+            )
+            if self.overlap
+            else None
+        )
+        self.tracker = ProgressTracker(node, run_id, steps_before_sync(0, inner_steps, fragments))
+        self._report()
+        self.load_state_from_peers()
+
+    # ------------------------------------------------------------------------ state
+
+    def _live_state(self) -> contextlib.AbstractContextManager[Any]:
+        """The lock on the outer state (the state averager's, which its snapshots take)."""
+        return self.state_averager.get_tensors()
+
+    def _shared_state(self) -> tuple[Any, list[torch.Tensor]]:
+        """What a newcomer downloads (called with the live state's lock held)."""
+        with torch.no_grad():
+            tensors = [t.detach().clone() for t in self.live.tensors()]
+        return {"epoch": self.live.epoch}, tensors
+
+    def _start_epoch_at(self, epoch: int) -> None:
+        """After a download (or a catch-up): the model takes the outer parameters and the
+        inner steps start over towards sync ``epoch``."""
+        with self._live_state(), torch.no_grad():
+            for p, o in zip(self.params, self.outer_params, strict=True):
+                p.copy_(o.to(p.device, p.dtype))
+        self._steps = 0
+        self._fragment_samples = [0] * len(self.fragments)
+        self._residuals = [None] * len(self.fragments)
+        self._phase_started = time.monotonic()
+        super()._start_epoch_at(epoch)
+
+    # -------------------------------------------------------------------------- API
+
+    @property
+    def outer_step(self) -> int:
+        """Syncs done (outer rounds; with ``fragments=F``, F of them cover the model once)."""
+        return self.local_epoch
+
+    @property
+    def global_progress(self) -> SwarmProgress:
+        return self.tracker.progress(self._local_report())
+
+    @property
+    def pending_update(self) -> bool:
+        """True while a background round (``overlap=True``) has not been applied yet."""
+        return self._pending is not None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups (e.g. for a learning-rate scheduler)."""
+        return self.inner_optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the model's gradients."""
+        self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
+        """One inner step on the current ``.grad``; when the next sync is due, its round
+        (inline, or started in the background with ``overlap``). First applies a
+        background round that landed; a peer behind the swarm loads the outer state
+        instead of stepping. Returns the closure's loss, if a closure was given."""
+        if self._closed:
+            raise RuntimeError("this optimizer was shut down")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if batch_size is None:
+            batch_size = self.batch_size_per_step or 1
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 0:
+            raise ValueError("batch_size must be a non-negative integer")
+        pending = self._pending
+        if pending is not None and pending.future is not None and pending.future.done():
+            self._settle_pending()
+        if self._pending is None and (
+            self._behind or self.global_progress.epoch > self.local_epoch
+        ):
+            logger.info("sync %d is behind the swarm: loading its state", self.local_epoch)
+            self._behind = self._retry = False
+            self.load_state_from_peers()
+            return loss
+        self.inner_optimizer.step()
+        self._steps += 1
+        self._steps_total += 1
+        self._samples += batch_size
+        self._samples_total += batch_size
+        for f in range(len(self.fragments)):
+            self._fragment_samples[f] += batch_size
+        self._step_seconds.update(1)
+        self._report(batch_size)
+        if self._retry or self._steps >= steps_before_sync(
+            self.local_epoch, self.inner_steps, len(self.fragments)
+        ):
+            self._sync()
+        return loss
+
+    def wait_for_pending(self, timeout: float | None = None) -> bool:
+        """Wait for a background round and apply it (e.g. before evaluating or saving);
+        False if it still runs after ``timeout`` seconds."""
+        return self._settle_pending(timeout=timeout)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Inner and outer optimizers, outer parameters, sync number and inner steps
+        towards it (after waiting for a background round)."""
+        self.wait_for_pending()
+        with self._live_state():
+            return {
+                "inner_optimizer": self.inner_optimizer.state_dict(),
+                "outer_optimizer": self.outer_optimizer.state_dict(),
+                "outer_params": [p.detach().clone() for p in self.outer_params],
+                "sync": self.local_epoch,
+                "steps": self._steps,
+            }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; ``ValueError`` if it does not fit."""
+        outer = list(state["outer_params"])
+        if len(outer) != len(self.outer_params) or any(
+            a.shape != b.shape for a, b in zip(outer, self.outer_params, strict=True)
+        ):
+            raise ValueError("the state's outer parameters do not match this model")
+        sync, steps = int(state["sync"]), int(state["steps"])
+        if sync < 0 or steps < 0:
+            raise ValueError("the state's sync and steps must be non-negative")
+        self._settle_pending(cancel=True)
+        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        with self._live_state(), torch.no_grad():
+            self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+            for p, value in zip(self.outer_params, outer, strict=True):
+                p.copy_(value)
+            self.live.version += 1
+            self._set_state_epoch(sync)
+        self.local_epoch = sync
+        self._steps = steps
+        self._report()
+
+    def shutdown(self) -> None:
+        """Stop: a round in flight is cancelled and a pending update dropped (call
+        :meth:`wait_for_pending` first to keep it); the progress report is retracted and
+        the averagers stop. The node is not shut down. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closing.set()
+        if self._pending is not None:
+            self._pending.cancelled = True
+        control = self._round
+        if control is not None:
+            control.cancel()
+        self.tracker.shutdown()
+        for averager in self.averagers:
+            averager.shutdown()
+        self.state_averager.shutdown()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self._pending = None
+
+    def __enter__(self) -> DiLoCo:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------------ syncs
+
+    def _sync(self) -> None:
+        """Sync ``local_epoch``: its fragment's pseudo-gradient into the averager, then the
+        round (here, or in the background with ``overlap``). Training thread."""
+        self._settle_pending()  # one round in flight at a time
+        if self._behind:
+            return  # (the landed round found the others gone on: the next step loads state)
+        sync = self.local_epoch
+        f = fragment_of(sync, len(self.fragments))
+        run = _Sync(sync, f, self._fragment_samples[f])
+        now = time.monotonic()
+        if not self._retry:
+            self._phase_seconds = now - self._phase_started
+        self._retry = False
+        indices = self.fragments[f]
+        with self.averagers[f].get_tensors() as buffers, torch.no_grad():
+            for b, i in zip(buffers, indices, strict=True):
+                b.copy_(self.outer_params[i]).sub_(self.params[i].detach().to("cpu", torch.float32))
+            if self.error_feedback:
+                self._add_residuals(f, buffers)
+        if self.overlap:
+            assert self._executor is not None
+            run.snapshot = [self.params[i].detach().clone() for i in indices]
+            self._pending = run
+            self._advance(sync)
+            run.future = self._executor.submit(self._run_round, run)
+            self._report()
+        else:
+            self._run_round(run)
+            self._apply(run)
+
+    def _advance(self, sync: int) -> None:
+        """The inner steps now count towards sync ``sync + 1``."""
+        self.local_epoch = sync + 1
+        self._steps = 0
+        self._phase_started = time.monotonic()
+
+    def _add_residuals(self, f: int, buffers: Sequence[torch.Tensor]) -> None:
+        """Error feedback: add what compression lost last time, and keep what it loses now
+        (estimated by compressing this peer's fragment, flat, with the round's codec)."""
+        residuals = self._residuals[f]
+        if residuals is not None:
+            for b, r in zip(buffers, residuals, strict=True):
+                b.add_(r)
+        flat = torch.cat([b.reshape(-1) for b in buffers])
+        info = CompressionInfo.from_tensor(flat)
+        sent = extract(self.compression.compress(flat, info), check_finite=False)
+        lost = flat - sent.to(flat.dtype)
+        out, start = [], 0
+        for b in buffers:
+            out.append(lost[start : start + b.numel()].view(b.shape).clone())
+            start += b.numel()
+        self._residuals[f] = out
+
+    def _run_round(self, run: _Sync) -> None:
+        """Average the fragment's pseudo-gradient with the peers at this sync. Any thread."""
+        averager = self.averagers[run.fragment]
+        if not self._wait_for_stragglers(run.sync):
+            run.cancelled = True
+            return
+        if not self.tracker.others_reporting():
+            run.averaged = True  # alone in the run: this peer's pseudo-gradient is the mean
+            return
+        if self._sync_in_group_bits:
+            averager.set_group_bits(format(run.sync % (1 << 16), "016b"))
+        started = time.monotonic()
+        try:
+            control = averager.step(
+                weight=float(run.samples),
+                gather={"sync": run.sync, "samples": run.samples},
+                timeout=self.timer.timeout(),
+                wait=False,
+            )
+            assert isinstance(control, StepControl)  # wait=False always returns one
+            self._round = control
+            group = cast(dict[str, Any], self._await_round(averager, control, run.sync))
+        except StepFailed as exc:
+            if self._closed:
+                run.cancelled = True
+                return
+            if isinstance(exc, AllreduceTimeout | MatchmakingFailed):
+                self.timer.timed_out()
+            if self._behind:
+                return
+            self.rounds_failed += 1
+            self.last_failure = type(exc).__name__
+            run.failed = True
+            logger.warning(
+                "sync %d: averaging failed (%s); retrying at the next step", run.sync, exc
+            )
+            return
+        except RuntimeError:
+            if self._closed:  # the averager shut down under us
+                run.cancelled = True
+                return
+            raise
+        finally:
+            self._round = None
+        self.timer.succeeded(time.monotonic() - started)
+        self.rounds_done += 1
+        self.last_group_size = len(group)
+        run.averaged = True
+        if self.verbose:
+            logger.info(
+                "sync %d: averaged fragment %d with %d peers", run.sync, run.fragment, len(group)
+            )
+
+    def _wait_for_stragglers(self, sync: int) -> bool:
+        """Wait (at most about as long as this peer's inner steps took) for the peers still
+        on their way to this sync; False if shut down meanwhile."""
+        target = steps_before_sync(sync, self.inner_steps, len(self.fragments))
+        limit = max(self._phase_seconds or 0.0, 2.0 * self.matchmaking_time)
+        deadline = time.monotonic() + limit
+        while not self._closed:
+            self._report()
+            reports = self.tracker.fetch(fresh=True)
+            waiting = stragglers(
+                reports,
+                me=self.node.peer_id,
+                sync=sync,
+                target_steps=target,
+                now=self.node.get_time(),
+                stale_after=self._stale_after(),
+            ) + stragglers(  # one sync behind (still in the previous round): coming too
+                reports,
+                me=self.node.peer_id,
+                sync=sync - 1,
+                target_steps=math.inf,  # type: ignore[arg-type]
+                now=self.node.get_time(),
+                stale_after=self._stale_after(),
+            )
+            if not waiting or time.monotonic() >= deadline:
+                return True
+            self._closing.wait(ROUND_RECHECK_S)
+        return False
+
+    def _stale_after(self) -> float:
+        rate = self._step_seconds.samples_per_second
+        step_time = 1.0 / rate if rate > 0 else 0.0
+        return max(self.straggler_silence, 4.0 * step_time)
+
+    def _await_round(self, averager: DecentralizedAverager, control: StepControl, sync: int) -> Any:
+        """The round's result. While it looks for a group it is called off as soon as nobody
+        can join any more: every other peer reports a later sync (one past this one while
+        its own round may still run, with ``overlap``) or withdrew from this round's
+        matchmaking. If others moved on, this peer is behind and will load their state."""
+        ahead = sync + (2 if self.overlap else 1)
+        while True:
+            try:
+                return control.result(timeout=ROUND_RECHECK_S)
+            except TimeoutError:
+                pass
+            if control.began_allreduce:
+                return control.result()
+            self._report()
+            others = [r for r in self.tracker.fetch() if r.peer_id != self.node.peer_id]
+            withdrawn = averager.withdrawn_peers()
+            if all(r.epoch >= ahead or r.peer_id in withdrawn for r in others) and control.cancel():
+                if any(r.epoch >= ahead for r in others):
+                    self._behind = True
+                    logger.info(
+                        "sync %d: the other peers averaged without this one; loading their state",
+                        sync,
+                    )
+                return control.result()
+
+    def _apply(self, run: _Sync) -> None:
+        """Bring a finished round to the model: the outer step on the averaged
+        pseudo-gradient, the fragment's parameters from its result. Training thread."""
+        if run.cancelled or self._behind:
+            return
+        if run.failed:
+            # nothing changes; the next step retries this sync (or loads a newer state)
+            self.local_epoch = run.sync
+            self._retry = True
+            return
+        indices = self.fragments[run.fragment]
+        with self.averagers[run.fragment].get_tensors() as buffers:
+            averaged = [b.clone() for b in buffers]
+        with self._live_state(), torch.no_grad():
+            for i, delta in zip(indices, averaged, strict=True):
+                self.outer_params[i].grad = delta
+            try:
+                self.outer_optimizer.step()
+            finally:
+                for p in self.outer_params:
+                    p.grad = None
+            self.live.version += 1
+            self._set_state_epoch(run.sync + 1)
+            for k, i in enumerate(indices):
+                p = self.params[i]
+                result = self.outer_params[i].to(p.device, p.dtype)
+                if run.snapshot is None:
+                    p.copy_(result)
+                else:  # keep the local progress made while the round ran
+                    p.add_(result - run.snapshot[k])
+        self._fragment_samples[run.fragment] = 0
+        if not self.overlap:
+            self._advance(run.sync)
+        self._report()
+
+    def _settle_pending(self, *, cancel: bool = False, timeout: float | None = None) -> bool:
+        """Wait for the background round and apply it (``cancel``: call it off and drop it).
+        False if it still runs after ``timeout``."""
+        run = self._pending
+        if run is None:
+            return True
+        if cancel:
+            run.cancelled = True
+            control = self._round
+            if control is not None:
+                control.cancel()
+        assert run.future is not None
+        try:
+            run.future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        finally:
+            if run.future.done():
+                self._pending = None
+        self._apply(run)
+        return True
+
+    # --------------------------------------------------------------------- progress
+
+    def _local_report(self) -> ProgressReport:
+        pending = self._pending
+        if pending is not None:
+            # its round still runs: keep inviting slower peers into it
+            epoch = pending.sync
+            done = steps_before_sync(pending.sync, self.inner_steps, len(self.fragments))
+        else:
+            epoch, done = self.local_epoch, self._steps
+        return ProgressReport(
+            self.node.peer_id,
+            epoch,
+            done,
+            self._steps_total,
+            self.node.get_time(),
+            self.performance.samples_per_second,
+            self.client_mode,
+        )
+
+    def _report(self, new_samples: int = 0) -> None:
+        if new_samples:
+            self.performance.update(new_samples)
+        self.tracker.report(self._local_report())
