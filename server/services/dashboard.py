@@ -11,6 +11,7 @@ The alert rules and the ETA are pure functions of numbers, tested without a data
 from __future__ import annotations
 
 import hashlib
+import itertools
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +53,14 @@ TREND_POINTS = 30  # samples/s points of the runs list's sparkline
 VOLUNTEER_REPORTS = 20_000  # newest reports (and rollups) behind a volunteer's chart
 STALL_AFTER_S = 120.0  # a running run with no report for this long is stalled
 MAX_ID = 2**31 - 1  # volunteers' ids are 32-bit integers on every backend
+# The pages call a peer online if it was seen this recently (or within the online TTL, if
+# shorter). A volunteer reports every second while it trains or waits out a pause, so one
+# that left or whose process died is shown offline within this time, not the TTL.
+PRESENCE_S = 10.0
+
+
+def presence_s(online_ttl_s: float) -> float:
+    return min(online_ttl_s, PRESENCE_S)
 
 
 # ----------------------------------------------------------------------------- pure rules
@@ -61,7 +70,10 @@ def eta_seconds(
     epoch: int, target_epochs: int | None, epoch_starts_ms: Sequence[int]
 ) -> float | None:
     """Seconds until ``target_epochs`` at the pace of the recent epochs (their start times,
-    in any order); 0 once reached; None without a target or two epochs to measure."""
+    in any order); 0 once reached; None without a target or two epochs to measure.
+
+    The pace is the median time between two epochs' starts: an epoch that spanned a pause
+    (or an outage) is one long gap among many and leaves the estimate as it was."""
     if target_epochs is None:
         return None
     if epoch >= target_epochs:
@@ -69,7 +81,9 @@ def eta_seconds(
     starts = sorted(epoch_starts_ms)
     if len(starts) < 2 or starts[-1] <= starts[0]:
         return None
-    per_epoch_s = (starts[-1] - starts[0]) / 1000 / (len(starts) - 1)
+    per_epoch_s = statistics.median(b - a for a, b in itertools.pairwise(starts)) / 1000
+    if per_epoch_s <= 0:
+        return None
     return (target_epochs - epoch) * per_epoch_s
 
 
@@ -218,6 +232,11 @@ def _version(document: RunDashboard | RunsOverview) -> str:
     return hashlib.blake2b(data.encode(), digest_size=8).hexdigest()
 
 
+def _training_rate(run: Run, rate: float) -> float:
+    """A paused or finished run trains nothing, whatever its peers' last reports said."""
+    return rate if run.status.value == "running" and run.archived_at is None else 0.0
+
+
 def target_epochs(run: Run) -> int | None:
     value = (run.config or {}).get("epochs")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
@@ -227,6 +246,7 @@ def run_dashboard(
     session: Session, run: Run, *, online_ttl_s: float, history_points: int
 ) -> RunDashboard:
     now = now_ms()
+    online_ttl_s = presence_s(online_ttl_s)
     totals = run_totals(session, run.id, now, online_ttl_s)
     since = now - int(online_ttl_s * 1000)
     loss_nan_peers, last_report_ms = session.execute(
@@ -274,9 +294,10 @@ def run_dashboard(
     checkpoint = checkpoint_service.newest(session, run.id)
     target = target_epochs(run)
     headline = Headline(
-        epoch=totals.epoch,
+        # A checkpoint is uploaded once its epoch is complete: the run is at least there.
+        epoch=max(totals.epoch, 0 if checkpoint is None else checkpoint.epoch),
         samples=totals.samples,
-        samples_per_second=totals.samples_per_second,
+        samples_per_second=_training_rate(run, totals.samples_per_second),
         peers_online=totals.peers_online,
         loss=totals.loss,
         eval_metric=totals.eval_metric,
@@ -347,6 +368,7 @@ def run_dashboard(
 
 def runs_overview(session: Session, *, online_ttl_s: float) -> RunsOverview:
     now = now_ms()
+    online_ttl_s = presence_s(online_ttl_s)
     rows = []
     for run in run_service.list_runs(session, include_archived=False):
         totals = run_totals(session, run.id, now, online_ttl_s)
@@ -365,7 +387,7 @@ def runs_overview(session: Session, *, online_ttl_s: float) -> RunsOverview:
                 epoch=totals.epoch,
                 samples=totals.samples,
                 peers_online=totals.peers_online,
-                samples_per_second=totals.samples_per_second,
+                samples_per_second=_training_rate(run, totals.samples_per_second),
                 trend=[float(x) for x in reversed(trend)],
             )
         )
@@ -407,14 +429,14 @@ def volunteer_detail(
     same before and after the retention job folds them."""
     volunteer = find_volunteer(session, run, ref)
     now = now_ms()
-    ranking = _volunteer_rows(session, run.id, now, online_ttl_s)
+    ranking = _volunteer_rows(session, run.id, now, presence_s(online_ttl_s))
     total = sum(r.samples for r in ranking)
     rank = next(i for i, r in enumerate(ranking, start=1) if r.id == volunteer.id)
     me = ranking[rank - 1]
     peers = list(
         session.scalars(select(Peer).where(Peer.volunteer_id == volunteer.id).order_by(Peer.id))
     )
-    since = now - int(online_ttl_s * 1000)
+    since = now - int(presence_s(online_ttl_s) * 1000)
     by_pk = {p.id: p for p in peers}
     buckets = rollups.volunteer_buckets(
         session,

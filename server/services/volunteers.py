@@ -28,7 +28,17 @@ MAX_DISPLAY_NAME = 64
 
 
 class InviteUnusable(Exception):
-    """The invite cannot be used; ``str(exc)`` says why, in words for the person holding it."""
+    """The invite cannot be used; ``str(exc)`` says why, in words for the person holding it.
+    ``gone``: it existed and is spent (revoked, expired, used up, its run finished), as
+    opposed to never having been an invite."""
+
+    def __init__(self, message: str, *, gone: bool = True) -> None:
+        super().__init__(message)
+        self.gone = gone
+
+
+class NameTaken(ValueError):
+    """Another volunteer of the run already has this display name (compared case-folded)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +66,7 @@ def inspect_invite(session: Session, invite: str) -> Invite:
         or not secret_matches(parsed.secret, token.secret_hash)
         or token.run_id is None
     ):
-        raise InviteUnusable("This invite is not valid.")
+        raise InviteUnusable("This invite is not valid.", gone=False)
     _check_usable(token)
     run = run_service.get_run(session, token.run_id)
     if run.archived_at is not None or run.status is RunStatus.finished:
@@ -86,6 +96,7 @@ def redeem_invite(
     if not name or len(name) > MAX_DISPLAY_NAME or "\x00" in name:
         raise ValueError(f"a display name has 1 to {MAX_DISPLAY_NAME} characters")
     found = inspect_invite(session, invite)
+    ensure_name_free(session, found.run.id, name)
     now = utcnow()
     claimed = session.execute(
         update(Token)
@@ -123,6 +134,17 @@ def redeem_invite(
     )
     session.flush()
     return Redeemed(found.run, volunteer, new.plaintext)
+
+
+def ensure_name_free(session: Session, run_id: str, name: str) -> None:
+    """:class:`NameTaken` if a volunteer of the run has ``name`` up to case (Unicode
+    case-folding, so "ADA" and "ada" are one name, as are "Straße" and "STRASSE")."""
+    wanted = name.strip().casefold()
+    names = session.scalars(select(Volunteer.display_name).where(Volunteer.run_id == run_id))
+    if any(existing.strip().casefold() == wanted for existing in names):
+        raise NameTaken(
+            f"The display name “{name.strip()}” is already taken in this run; choose another."
+        )
 
 
 def get_volunteer(session: Session, run: Run, volunteer_id: int) -> Volunteer:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.web.pages import WEB_DIR, PageError, page_error_handler, router
+from server.web.pages import WEB_DIR, PageError, not_found_handler, page_error_handler, router
 from server.web.security import PageHeaders, install_log_redaction
 
 
@@ -16,5 +17,6 @@ def install(app: FastAPI) -> None:
     app.include_router(router)
     app.mount("/static", StaticFiles(directory=WEB_DIR / "static"), name="static")
     app.add_exception_handler(PageError, page_error_handler)
+    app.add_exception_handler(StarletteHTTPException, not_found_handler)
     app.add_middleware(PageHeaders)
     install_log_redaction()

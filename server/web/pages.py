@@ -9,29 +9,43 @@ happened in the query string only when it is no secret."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Form, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api.deps import SessionDep, SettingsDep
 from server.config import Settings
 from server.exceptions import CoordinatorError, NotFound, Unauthenticated
-from server.models import RunStatus, TokenScope
+from server.models import RunStatus, TokenScope, Volunteer
 from server.schemas import RunUpdate, TokenCreate
+from server.security import parse_token
 from server.services import checkpoints as checkpoint_service
 from server.services import dashboard as dashboard_service
 from server.services import runs as run_service
 from server.services import tokens as token_service
 from server.services import volunteers as volunteer_service
+from server.web import formatting
+from server.web.credential_cookie import (
+    KEEP_S,
+    CredentialSeal,
+    KeptCredential,
+    cookie_name,
+    cookie_path,
+)
 from server.web.security import (
     CSRF_COOKIE,
     CSRF_FIELD,
     ORGANIZER_COOKIE,
     csrf_matches,
+    is_page,
     new_csrf_token,
 )
 
@@ -46,17 +60,29 @@ def _web_dir() -> Path:
 
 WEB_DIR = _web_dir()
 templates = Jinja2Templates(directory=WEB_DIR / "templates")
+formatting.install(templates.env)
 
 router = APIRouter(include_in_schema=False)
 
 
-class PageError(Exception):
-    """Rendered as the error page with ``status`` and ``message``."""
+TITLES = {
+    403: "Not allowed",
+    404: "Not found",
+    409: "Not possible now",
+    410: "No longer available",
+    422: "Check what you entered",
+}
 
-    def __init__(self, status: int, message: str) -> None:
+
+class PageError(Exception):
+    """Rendered as the error page with ``status``, a plain heading (``title``, else one for
+    the status) and ``message``."""
+
+    def __init__(self, status: int, message: str, title: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.title = title or TITLES.get(status, "Something went wrong")
 
 
 def organizer_token(request: Request, session: SessionDep, settings: SettingsDep) -> str | None:
@@ -92,7 +118,13 @@ def render(
     response = templates.TemplateResponse(
         request,
         name,
-        {**context, "csrf": csrf, "csrf_field": CSRF_FIELD, "signed_in": organizer is not None},
+        {
+            **context,
+            "csrf": csrf,
+            "csrf_field": CSRF_FIELD,
+            "signed_in": organizer is not None,
+            "now": datetime.now(UTC),
+        },
         status_code=status,
     )
     if request.cookies.get(CSRF_COOKIE) != csrf:
@@ -193,14 +225,38 @@ def volunteer_page(
     return render(request, "volunteer.html", {"detail": detail}, organizer=organizer)
 
 
+def _invite_status(exc: volunteer_service.InviteUnusable) -> int:
+    return 410 if exc.gone else 404
+
+
+def _seal(request: Request) -> CredentialSeal:
+    settings: Settings = request.app.state.settings
+    return CredentialSeal(settings.secret_key.get_secret_value())
+
+
+def _kept(request: Request, invite: str) -> KeptCredential | None:
+    """The credential this browser was given for this invite, if it still holds it."""
+    parsed = parse_token(invite)
+    if parsed is None:
+        return None
+    return _seal(request).open(parsed.id, request.cookies.get(cookie_name(parsed.id)))
+
+
+def _credential_url(invite: str) -> str:
+    return f"/join/{quote(invite, safe='')}/credential"
+
+
 @router.get("/join/{invite}", response_class=HTMLResponse)
 def invite_page(
     request: Request, invite: str, session: SessionDep, organizer: Organizer
-) -> HTMLResponse:
+) -> Response:
+    invite = invite[:200]
+    if _kept(request, invite) is not None:  # this browser already has its credential
+        return RedirectResponse(_credential_url(invite), status_code=303)
     try:
-        found = volunteer_service.inspect_invite(session, invite[:200])
+        found = volunteer_service.inspect_invite(session, invite)
     except volunteer_service.InviteUnusable as exc:
-        return render(request, "join.html", {"problem": str(exc)})
+        return render(request, "join.html", {"problem": str(exc)}, status=_invite_status(exc))
     return render(request, "join.html", {"run": found.run}, organizer=organizer)
 
 
@@ -212,32 +268,70 @@ def redeem_invite(
     settings: SettingsDep,
     csrf: CsrfField = None,
     display_name: Annotated[str, Form()] = "",
-) -> HTMLResponse:
+) -> Response:
+    """Issue a credential, then redirect to the page that shows it (POST/redirect/GET). A
+    browser that already got one for this invite is sent to it: nothing is issued twice."""
     check_csrf(request, csrf)
+    invite = invite[:200]
+    if _kept(request, invite) is not None:
+        return RedirectResponse(_credential_url(invite), status_code=303)
     try:
         redeemed = volunteer_service.redeem_invite(
-            session, invite[:200], display_name, token_ttl_s=settings.join_token_default_ttl_s
+            session, invite, display_name, token_ttl_s=settings.join_token_default_ttl_s
         )
     except volunteer_service.InviteUnusable as exc:
-        return render(request, "join.html", {"problem": str(exc)})
+        return render(request, "join.html", {"problem": str(exc)}, status=_invite_status(exc))
     except ValueError as exc:
-        found = volunteer_service.inspect_invite(session, invite[:200])
+        found = volunteer_service.inspect_invite(session, invite)
+        message = str(exc)
+        if not isinstance(exc, volunteer_service.NameTaken):
+            message = message[:1].upper() + message[1:] + "."
         return render(
             request,
             "join.html",
-            {"run": found.run, "name_error": str(exc), "display_name": display_name},
+            {"run": found.run, "name_error": message, "display_name": display_name},
             status=422,
         )
     session.commit()
+    invite_id = redeemed.volunteer.join_token_id
+    assert invite_id is not None  # redeemed from this invite
+    response = RedirectResponse(_credential_url(invite), status_code=303)
+    response.set_cookie(
+        cookie_name(invite_id),
+        _seal(request).seal(invite_id, KeptCredential(redeemed.volunteer.id, redeemed.token)),
+        max_age=KEEP_S,
+        path=cookie_path(invite),
+        httponly=True,
+        samesite="strict",
+        secure=_secure(settings),
+    )
+    return response
+
+
+@router.get("/join/{invite}/credential", response_class=HTMLResponse)
+def credential_page(
+    request: Request, invite: str, session: SessionDep, settings: SettingsDep
+) -> Response:
+    """The credential this browser was issued for the invite, as often as it reloads."""
+    invite = invite[:200]
+    kept = _kept(request, invite)
+    if kept is None:
+        return RedirectResponse(f"/join/{quote(invite, safe='')}", status_code=303)
+    volunteer = session.get(Volunteer, kept.volunteer_id)
+    if volunteer is None:
+        raise PageError(410, "This credential no longer exists.")
+    if volunteer.banned_at is not None:
+        raise PageError(410, "This volunteer was banned from the run.")
+    run = run_service.get_run(session, volunteer.run_id)
     url = settings.public_url.rstrip("/")
     return render(
         request,
         "joined.html",
         {
-            "run": redeemed.run,
-            "volunteer": redeemed.volunteer,
-            "token": redeemed.token,
-            "command": f"swarmgrad join {url} --token {redeemed.token}",
+            "run": run,
+            "volunteer": volunteer,
+            "token": kept.token,
+            "command": ["swarmgrad", "join", url, "--token", kept.token],
         },
     )
 
@@ -292,6 +386,34 @@ def signout(request: Request, csrf: CsrfField = None) -> Response:
 # ----------------------------------------------------------------------------- organizer
 
 
+@dataclass(frozen=True, slots=True)
+class Action:
+    status: RunStatus
+    allowed_from: frozenset[RunStatus]
+    done: str
+
+
+ACTIONS = {
+    "pause": Action(RunStatus.paused, frozenset({RunStatus.running}), "paused"),
+    "resume": Action(RunStatus.running, frozenset({RunStatus.paused}), "resumed"),
+    "finish": Action(
+        RunStatus.finished, frozenset({RunStatus.running, RunStatus.paused}), "finished"
+    ),
+}
+
+
+@router.get("/runs/{run_id}/finish", response_class=HTMLResponse)
+def finish_page(
+    request: Request, run_id: str, session: SessionDep, organizer: Organizer
+) -> HTMLResponse:
+    """Finishing cannot be undone: the organizer confirms it on this page first."""
+    require_organizer(organizer)
+    run = _run(session, run_id)
+    if run.status not in ACTIONS["finish"].allowed_from:
+        raise PageError(409, f"The run is {run.status.value}: it cannot be finished.")
+    return render(request, "finish.html", {"run": run}, organizer=organizer)
+
+
 @router.post("/runs/{run_id}/actions/{action}")
 def run_action(
     request: Request,
@@ -300,19 +422,19 @@ def run_action(
     session: SessionDep,
     organizer: Organizer,
     csrf: CsrfField = None,
+    confirm: Annotated[str, Form()] = "",
 ) -> Response:
     check_csrf(request, csrf)
     require_organizer(organizer)
-    statuses = {
-        "pause": RunStatus.paused,
-        "resume": RunStatus.running,
-        "finish": RunStatus.finished,
-    }
-    if action not in statuses:
+    if action not in ACTIONS:
         raise PageError(404, "There is no such action.")
     run = _run(session, run_id)
+    if run.status not in ACTIONS[action].allowed_from:
+        raise PageError(409, f"The run is {run.status.value}: it cannot be {ACTIONS[action].done}.")
+    if action == "finish" and confirm != "yes":  # only from the confirmation page
+        return RedirectResponse(f"/runs/{run.id}/finish", status_code=303)
     try:
-        run_service.update_run(session, run, RunUpdate(status=statuses[action]))
+        run_service.update_run(session, run, RunUpdate(status=ACTIONS[action].status))
     except CoordinatorError as exc:
         raise PageError(exc.status_code, exc.detail) from None
     session.commit()
@@ -408,7 +530,7 @@ def download_checkpoint(
     require_organizer(organizer)
     run = _run(session, run_id)
     try:
-        checkpoint, path = checkpoint_service.newest_file(
+        checkpoint, path = checkpoint_service.served_file(
             session, request.app.state.checkpoint_store, run.id
         )
     except NotFound:
@@ -427,7 +549,9 @@ def _run(session: SessionDep, run_id: str) -> Any:
     try:
         return run_service.get_run(session, run_id[:32])
     except NotFound:
-        raise PageError(404, "There is no such run.") from None
+        raise PageError(
+            404, "There is no run with this id. It may have been deleted.", title="No such run"
+        ) from None
 
 
 def _next(request: Request) -> str:
@@ -444,5 +568,24 @@ def _safe_next(value: str) -> str:
 def page_error_handler(request: Request, exc: Exception) -> HTMLResponse:
     assert isinstance(exc, PageError)
     return render(
-        request, "error.html", {"message": exc.message, "status": exc.status}, status=exc.status
+        request,
+        "error.html",
+        {"message": exc.message, "status": exc.status, "title": exc.title},
+        status=exc.status,
     )
+
+
+def wants_html(request: Request) -> bool:
+    """A browser asking for a page (not the API, not a script asking for JSON)."""
+    accept = request.headers.get("accept", "")
+    return is_page(request.url.path) and "text/html" in accept
+
+
+async def not_found_handler(request: Request, exc: Exception) -> Response:
+    """Unknown paths: the error page for a browser, JSON for the API and other clients."""
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404 and wants_html(request):
+        return page_error_handler(
+            request, PageError(404, "There is no page at this address.", title="Page not found")
+        )
+    return await http_exception_handler(request, exc)

@@ -26,6 +26,13 @@ async def csrf_of(client: httpx.AsyncClient, path: str = "/signin") -> str:
     return found.group(1)
 
 
+def forget_credentials(client: httpx.AsyncClient) -> None:
+    """As another browser would: no credential kept from an invite page."""
+    for cookie in list(client.cookies.jar):
+        if cookie.name.startswith("swarmgrad_credential_"):
+            client.cookies.jar.clear(cookie.domain, cookie.path, cookie.name)
+
+
 async def sign_in(client: httpx.AsyncClient) -> None:
     csrf = await csrf_of(client)
     answer = await client.post("/signin", data={"csrf": csrf, "token": ADMIN_TOKEN, "next": "/"})
@@ -98,11 +105,15 @@ async def test_organizer_forms_pause_resume_invite_revoke_and_ban(
     token_id = next(t["id"] for t in tokens if t["max_uses"] == 2)
 
     joined = await client.post(f"/join/{invite}", data={"csrf": csrf, "display_name": "zoe"})
-    assert joined.status_code == 200 and "shown once" in joined.text
+    assert joined.status_code == 303
+    shown = await client.get(joined.headers["location"])
+    assert shown.status_code == 200 and "Your credential" in shown.text
 
     revoked = await client.post(f"/runs/{run['id']}/invites/{token_id}/revoke", data={"csrf": csrf})
     assert revoked.status_code == 303
-    assert "This invite was revoked." in (await client.get(f"/join/{invite}")).text
+    forget_credentials(client)  # another browser than the one that joined
+    gone = await client.get(f"/join/{invite}")
+    assert gone.status_code == 410 and "This invite was revoked." in gone.text
 
     volunteer = (await client.get(f"/api/v1/runs/{run['id']}/dashboard")).json()["volunteers"][0]
     banned = await client.post(
@@ -127,20 +138,137 @@ async def test_the_invite_form_works_without_javascript(
     answer = await client.post(
         f"/join/{invite}", data={"csrf": csrf.group(1), "display_name": "<b>ana</b>"}
     )
-    assert answer.status_code == 200
+    assert answer.status_code == 303
+    answer = await client.get(answer.headers["location"])
     assert "&lt;b&gt;ana&lt;/b&gt;" in answer.text and "<b>ana</b>" not in answer.text
     token = re.search(r'id="credential"[^>]*>([^<]+)<', answer.text)
     assert token
-    assert f"swarmgrad join http://127.0.0.1:8000 --token {token.group(1)}" in answer.text
+    command = re.search(r'id="join-command"[^>]*>(.+?)</code>', answer.text)
+    assert command
+    args = re.findall(r'<span class="arg">([^<]+)</span>', command.group(1))
+    assert args == ["swarmgrad", "join", "http://127.0.0.1:8000", "--token", token.group(1)]
+    client.cookies.clear()  # another browser
     again = await client.get(f"/join/{invite}")
-    assert "This invite has been used up." in again.text
+    assert again.status_code == 410 and "This invite has been used up." in again.text
+
+
+async def test_the_credential_page_follows_post_redirect_get_and_spends_one_use(
+    client: httpx.AsyncClient, api: Api, run: dict[str, Any]
+) -> None:
+    invite = (await api.create_join_token(run["id"], max_uses=3))["token"]
+    csrf = await csrf_of(client, f"/join/{invite}")
+    posted = await client.post(f"/join/{invite}", data={"csrf": csrf, "display_name": "ada"})
+    assert posted.status_code == 303
+    location = posted.headers["location"]
+    assert location == f"/join/{invite}/credential"
+    cookie = next(
+        h for h in posted.headers.get_list("set-cookie") if h.startswith("swarmgrad_credential_")
+    )
+    assert "HttpOnly" in cookie and "SameSite=strict" in cookie and f"Path=/join/{invite}" in cookie
+    token = re.compile(r'id="credential"[^>]*>([^<]+)<')
+    first = token.search((await client.get(location)).text)
+    reloaded = await client.get(location)  # a reload: the same credential
+    assert first and reloaded.status_code == 200
+    assert token.search(reloaded.text).group(1) == first.group(1)  # type: ignore[union-attr]
+    # The form sent again (back, then submit), and the invite page opened again: the same.
+    again = await client.post(f"/join/{invite}", data={"csrf": csrf, "display_name": "ada2"})
+    assert again.status_code == 303 and again.headers["location"] == location
+    assert (await client.get(f"/join/{invite}")).headers["location"] == location
+    tokens = (await api.client.get(f"/api/v1/runs/{run['id']}/tokens", headers={
+        "Authorization": f"Bearer {ADMIN_TOKEN}"})).json()["tokens"]  # fmt: skip
+    assert next(t["uses"] for t in tokens if t["max_uses"] == 3) == 1
+    dashboard = (await api.client.get(f"/api/v1/runs/{run['id']}/dashboard")).json()
+    names = [v["display_name"] for v in dashboard["volunteers"]]
+    assert names == ["ada"]
+    # A forged or another invite's cookie shows nothing.
+    client.cookies.clear()
+    assert (await client.get(location)).headers["location"] == f"/join/{invite}"
+
+
+async def test_display_names_are_unique_per_run_whatever_their_case(
+    client: httpx.AsyncClient, api: Api, run: dict[str, Any]
+) -> None:
+    invite = (await api.create_join_token(run["id"], max_uses=5))["token"]
+    csrf = await csrf_of(client, f"/join/{invite}")
+    assert (
+        await client.post(f"/join/{invite}", data={"csrf": csrf, "display_name": "Ada"})
+    ).status_code == 303
+    forget_credentials(client)  # a second person, same invite
+    taken = await client.post(f"/join/{invite}", data={"csrf": csrf, "display_name": " ADA "})
+    assert taken.status_code == 422
+    assert "The display name “ADA” is already taken in this run; choose another." in taken.text
+    assert 'aria-invalid="true"' in taken.text
+    tokens = (await api.client.get(f"/api/v1/runs/{run['id']}/tokens", headers={
+        "Authorization": f"Bearer {ADMIN_TOKEN}"})).json()["tokens"]  # fmt: skip
+    assert next(t["uses"] for t in tokens if t["max_uses"] == 5) == 1  # nothing spent
+    other = await client.post(f"/join/{invite}", data={"csrf": csrf, "display_name": "Adam"})
+    assert other.status_code == 303
+
+
+async def test_invite_errors_answer_404_or_410(
+    client: httpx.AsyncClient, api: Api, run: dict[str, Any]
+) -> None:
+    made_up = await client.get("/join/sgj_0123456789abcdef_nope")
+    assert made_up.status_code == 404 and "This invite is not valid." in made_up.text
+    assert (await client.get("/join/garbage")).status_code == 404
+    invite = await api.create_join_token(run["id"])
+    await api.client.delete(
+        f"/api/v1/runs/{run['id']}/tokens/{invite['id']}",
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+    )
+    revoked = await client.get(f"/join/{invite['token']}")
+    assert revoked.status_code == 410 and "revoked" in revoked.text
 
 
 async def test_unknown_pages_render_as_pages(client: httpx.AsyncClient) -> None:
     answer = await client.get("/runs/nosuchrun")
-    assert answer.status_code == 404 and "There is no such run." in answer.text
+    assert answer.status_code == 404 and "<h1>No such run</h1>" in answer.text
+    assert "Something went wrong" not in answer.text
     assert answer.headers["content-type"].startswith("text/html")
     assert "frame-ancestors 'none'" in answer.headers["content-security-policy"]
+
+
+async def test_unknown_paths_answer_html_to_browsers_and_json_to_the_api(
+    client: httpx.AsyncClient,
+) -> None:
+    browser = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+    page = await client.get("/no/such/page", headers=browser)
+    assert page.status_code == 404 and page.headers["content-type"].startswith("text/html")
+    assert "<h1>Page not found</h1>" in page.text
+    assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+    for path, headers in (("/api/v1/nothing", browser), ("/no/such/page", {})):
+        answer = await client.get(path, headers=headers)
+        assert answer.status_code == 404, path
+        assert answer.headers["content-type"] == "application/json", path
+        assert answer.json() == {"detail": "Not Found"}
+
+
+async def test_organizer_actions_follow_the_run_state_and_finish_is_confirmed(
+    client: httpx.AsyncClient, run: dict[str, Any]
+) -> None:
+    await sign_in(client)
+    page = (await client.get(f"/runs/{run['id']}")).text
+    csrf = CSRF.search(page).group(1)  # type: ignore[union-attr]
+    assert re.search(r'data-enabled-when="running">Pause', page)
+    assert re.search(r'data-enabled-when="paused" disabled>Resume', page)
+    resume = await client.post(f"/runs/{run['id']}/actions/resume", data={"csrf": csrf})
+    assert resume.status_code == 409 and "cannot be resumed" in resume.text
+    # Finish without the confirmation page's answer only leads to that page.
+    unconfirmed = await client.post(f"/runs/{run['id']}/actions/finish", data={"csrf": csrf})
+    assert unconfirmed.status_code == 303
+    assert unconfirmed.headers["location"] == f"/runs/{run['id']}/finish"
+    assert (await client.get(f"/api/v1/runs/{run['id']}")).json()["status"] == "running"
+    confirm = await client.get(unconfirmed.headers["location"])
+    assert confirm.status_code == 200 and "This cannot be undone." in confirm.text
+    done = await client.post(
+        f"/runs/{run['id']}/actions/finish", data={"csrf": csrf, "confirm": "yes"}
+    )
+    assert done.status_code == 303
+    assert (await client.get(f"/api/v1/runs/{run['id']}")).json()["status"] == "finished"
+    page = (await client.get(f"/runs/{run['id']}")).text
+    assert re.search(r'data-enabled-when="running" disabled>Pause', page)
+    assert re.search(r'data-enabled-when="running paused" disabled>Finish', page)
+    assert (await client.get(f"/runs/{run['id']}/finish")).status_code == 409
 
 
 def test_invite_tokens_never_reach_the_access_log(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,7 +1,18 @@
 // A run's dashboard, kept live: headline numbers, alerts, charts, the volunteers' table.
-import { Chart } from "./charts.js";
+import { Chart, integerBins } from "./charts.js";
 import { live } from "./live.js";
-import { clock, element, eta, fixed, integer, minutes } from "./format.js";
+import {
+  duration,
+  element,
+  eta,
+  integer,
+  keepRelativeTimesGrowing,
+  measure,
+  percent,
+  rate,
+  setServerNow,
+  timeAgo,
+} from "./format.js";
 
 const config = document.getElementById("dashboard-config").dataset;
 const runId = config.runId;
@@ -9,23 +20,38 @@ const organizer = config.organizer === "yes";
 
 const charts = {
   loss: new Chart(document.getElementById("chart-loss"), {
-    xTime: false,
+    kind: "number",
     xLabel: "samples",
     yLabels: ["loss", "eval metric"],
-    series: [{ label: "loss" }, { label: "eval metric", scale: "y2" }],
+    series: [
+      { label: "loss", format: measure },
+      { label: "eval metric", scale: "y2", format: measure },
+    ],
   }),
-  throughput: new Chart(document.getElementById("chart-throughput"), { series: [{ label: "samples/s" }] }),
-  peers: new Chart(document.getElementById("chart-peers"), { series: [{ label: "peers online" }] }),
-  groups: new Chart(document.getElementById("chart-groups"), { series: [{ label: "mean group size" }] }),
+  throughput: new Chart(document.getElementById("chart-throughput"), {
+    yLabels: ["samples/s"],
+    series: [{ label: "samples/s", format: rate }],
+  }),
+  peers: new Chart(document.getElementById("chart-peers"), {
+    yLabels: ["peers"],
+    series: [{ label: "peers online", format: integer, integer: true }],
+  }),
+  groups: new Chart(document.getElementById("chart-groups"), {
+    yLabels: ["peers per group"],
+    series: [{ label: "mean group size", format: measure }],
+  }),
   groupDist: new Chart(document.getElementById("chart-group-dist"), {
-    xTime: false,
-    bars: true,
+    kind: "histogram",
     xLabel: "group size",
     yLabels: ["reports"],
-    series: [{ label: "reports" }],
+    series: [{ label: "reports", format: integer, integer: true }],
   }),
   rounds: new Chart(document.getElementById("chart-rounds"), {
-    series: [{ label: "rounds done" }, { label: "rounds failed" }],
+    yLabels: ["rounds"],
+    series: [
+      { label: "rounds done", format: integer, integer: true },
+      { label: "rounds failed", format: integer, integer: true },
+    ],
   }),
 };
 
@@ -33,28 +59,55 @@ let sortKey = "samples";
 let sortDescending = true;
 let latest = null;
 
-function setMetric(name, text) {
+function setMetric(name, text, note) {
   const node = document.querySelector(`[data-metric="${name}"]`);
-  if (node && node.textContent !== String(text)) node.textContent = text;
+  if (!node) return;
+  const wanted = note ? `${text} (${note})` : String(text);
+  if (node.textContent === wanted) return;
+  node.replaceChildren(String(text));
+  if (note) node.append(" ", element("small", `(${note})`));
 }
 
 function renderHeadline(document_) {
   const h = document_.headline;
-  setMetric("epoch", h.epoch);
+  const status = document_.run.status;
+  setMetric("epoch", integer(h.epoch));
   setMetric("samples", integer(h.samples));
-  setMetric("samples_per_second", fixed(h.samples_per_second, 1));
-  setMetric("peers_online", h.peers_online);
-  setMetric("loss", fixed(h.loss, 4));
-  setMetric("eval_metric", fixed(h.eval_metric, 4));
-  setMetric("rounds", `${h.rounds_done} / ${h.rounds_failed}`);
-  setMetric("eta", eta(h.eta_s));
-  setMetric(
-    "checkpoint",
-    h.checkpoint ? `epoch ${h.checkpoint.epoch}, ${Math.round(h.checkpoint.age_s / 60)} min ago` : "none yet",
-  );
-  const status = document.getElementById("run-status");
-  status.textContent = document_.run.status;
-  status.className = `badge badge-${document_.run.status}`;
+  if (status === "running") setMetric("samples_per_second", rate(h.samples_per_second));
+  else setMetric("samples_per_second", "0", status);
+  setMetric("peers_online", integer(h.peers_online));
+  setMetric("loss", measure(h.loss));
+  setMetric("eval_metric", measure(h.eval_metric));
+  setMetric("rounds", `${integer(h.rounds_done)} / ${integer(h.rounds_failed)}`);
+  setMetric("eta", eta(h.eta_s), status === "paused" && h.eta_s ? "paused" : null);
+  const checkpoint = document.querySelector('[data-metric="checkpoint"]');
+  if (h.checkpoint) {
+    const when = timeAgo(h.checkpoint.created_at);
+    const text = `epoch ${integer(h.checkpoint.epoch)}, ${when.textContent}`;
+    if (checkpoint.textContent !== text) checkpoint.replaceChildren(`epoch ${integer(h.checkpoint.epoch)}, `, when);
+  } else if (checkpoint.textContent !== "none yet") {
+    checkpoint.textContent = "none yet";
+  }
+  const badge = document.getElementById("run-status");
+  badge.textContent = status;
+  badge.className = `badge badge-${status}`;
+  renderActions(status);
+}
+
+// The organizer's buttons follow the run's state: Pause while running, Resume while paused,
+// Finish until finished.
+const HINTS = {
+  running: "Pausing lets volunteers wait; finishing stops the run for good (you will be asked to confirm).",
+  paused: "The run is paused: volunteers wait until you resume it.",
+  finished: "The run is finished: nothing more can be done to it.",
+};
+
+function renderActions(status) {
+  for (const button of document.querySelectorAll("#run-actions [data-enabled-when]")) {
+    button.disabled = !button.dataset.enabledWhen.split(" ").includes(status);
+  }
+  const hint = document.getElementById("actions-hint");
+  if (hint && HINTS[status] && hint.textContent !== HINTS[status]) hint.textContent = HINTS[status];
 }
 
 function renderAlerts(alerts) {
@@ -75,8 +128,7 @@ function renderCharts(document_) {
   charts.throughput.set([s.t, s.samples_per_second]);
   charts.peers.set([s.t, s.peers_online]);
   charts.groups.set([s.t, s.mean_group_size]);
-  const histogram = document_.group_sizes.histogram;
-  charts.groupDist.set([histogram.map((b) => b.size), histogram.map((b) => b.count)]);
+  charts.groupDist.set(integerBins(document_.group_sizes.histogram));
   charts.rounds.set([s.t, s.rounds_done, s.rounds_failed]);
 }
 
@@ -87,14 +139,20 @@ function compare(a, b) {
   return (x ?? -Infinity) > (y ?? -Infinity) ? 1 : (x ?? -Infinity) < (y ?? -Infinity) ? -1 : 0;
 }
 
+function cell(label, text, className) {
+  const node = element("td", text, className);
+  node.dataset.label = label;
+  return node;
+}
+
 function renderVolunteers(volunteers) {
   const rows = [...volunteers].sort((a, b) => (sortDescending ? -compare(a, b) : compare(a, b)));
   const body = document.querySelector("#volunteers tbody");
   if (rows.length === 0) {
     const row = element("tr");
-    const cell = element("td", "Nobody has joined yet.");
-    cell.colSpan = 6;
-    row.append(cell);
+    const empty = element("td", "Nobody has joined yet.");
+    empty.colSpan = organizer ? 7 : 6;
+    row.append(empty);
     body.replaceChildren(row);
     return;
   }
@@ -108,25 +166,27 @@ function renderVolunteers(volunteers) {
       link.href = `/runs/${encodeURIComponent(runId)}/volunteers/${v.id}`;
       name.append(link);
       if (v.banned) name.append(" ", element("span", "banned", "badge badge-banned"));
-      const seen = element("td", clock(v.last_seen));
+      name.dataset.label = "Name";
+      const seen = cell("Last seen");
+      seen.append(timeAgo(v.last_seen));
       if (v.online) seen.append(" ", element("span", "online", "badge badge-running"));
       row.append(
         name,
-        element("td", integer(v.samples), "num"),
-        element("td", `${(v.share * 100).toFixed(1)} %`, "num"),
-        element("td", minutes(v.online_s), "num"),
+        cell("Samples", integer(v.samples), "num"),
+        cell("Share", percent(v.share), "num"),
+        cell("Time online", duration(v.online_s), "num"),
         seen,
-        element("td", !v.peers ? "–" : v.reachable ? "reachable" : "client mode"),
+        cell("Connectivity", !v.peers ? "–" : v.reachable ? "reachable" : "client mode"),
       );
       if (organizer) {
-        const cell = element("td");
+        const actionCell = element("td", null, "action");
         if (!v.banned) {
           const form = document.getElementById("ban-form-template").content.firstElementChild.cloneNode(true);
           form.action = `/runs/${encodeURIComponent(runId)}/volunteers/${v.id}/ban`;
           form.querySelector("button").setAttribute("aria-label", `Ban ${v.display_name}`);
-          cell.append(form);
+          actionCell.append(form);
         }
-        row.append(cell);
+        row.append(actionCell);
       }
       return row;
     }),
@@ -135,6 +195,7 @@ function renderVolunteers(volunteers) {
 
 function apply(document_) {
   latest = document_;
+  setServerNow(document_.now);
   renderHeadline(document_);
   renderAlerts(document_.alerts);
   renderCharts(document_);
@@ -153,6 +214,8 @@ for (const button of document.querySelectorAll("#volunteers button.sort")) {
     if (latest) renderVolunteers(latest.volunteers);
   });
 }
+
+keepRelativeTimesGrowing();
 
 live({
   socketPath: `/api/v1/runs/${encodeURIComponent(runId)}/live`,

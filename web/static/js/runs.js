@@ -1,6 +1,6 @@
 // The runs list, kept live: numbers per row and a throughput sparkline.
 import { live } from "./live.js";
-import { fixed, integer } from "./format.js";
+import { integer, rate } from "./format.js";
 
 const SVG = "http://www.w3.org/2000/svg";
 
@@ -32,10 +32,10 @@ function apply(overview) {
       const cell = row.querySelector(`[data-field="${field}"]`);
       if (cell) cell.textContent = text;
     };
-    set("epoch", run.epoch);
+    set("epoch", integer(run.epoch));
     set("samples", integer(run.samples));
-    set("peers_online", run.peers_online);
-    set("samples_per_second", fixed(run.samples_per_second, 1));
+    set("peers_online", integer(run.peers_online));
+    set("samples_per_second", rate(run.samples_per_second));
     const badge = row.querySelector('[data-field="status"] .badge');
     if (badge) {
       badge.textContent = run.status;
