@@ -9,8 +9,11 @@ the collaborative ``Optimizer`` with a global target batch size, ``DiLoCo`` (out
 every H local steps), ``HierarchicalModelAverager``
 and ``DASO`` over a machine's ``torch.distributed`` world and the swarm).
 
-Names that need torch are imported lazily (PEP 562), so a process that only gossips — a
-node in a test harness, the coordinator — starts without paying for ``import torch``.
+Every name but the exception and the formats is imported lazily (PEP 562): ``import peer``
+(and so ``import peer.formats``, which the coordinator uses) loads neither the node nor its
+transports nor torch, and a process that only gossips starts without paying for
+``import torch``. :mod:`peer.formats` holds what the coordinator and the volunteer share
+(certificates, revocation lists); :mod:`peer.identity` is its older name.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from peer.exceptions import SwarmgradError
-from peer.identity import (
+from peer.formats.identity import (
     Certificate,
     CertificateAuth,
     CertificateVerifier,
@@ -27,18 +30,22 @@ from peer.identity import (
     OpenAuth,
     SwarmKeyAuth,
 )
-from peer.node import AsyncNode, Node, ValueWithExpiration, get_time
 
 if TYPE_CHECKING:
     from peer.averaging.averager import DecentralizedAverager
     from peer.averaging.control import AveragingStage, StepControl
+    from peer.node import AsyncNode, Node, ValueWithExpiration, get_time
     from peer.optim.collaborative import Optimizer
     from peer.optim.daso import DASO, DataParallelOptimizer
-    from peer.optim.diloco import DiLoCo
     from peer.optim.decentralized import DecentralizedAdam, DecentralizedOptimizer, DecentralizedSGD
+    from peer.optim.diloco import DiLoCo
     from peer.optim.hierarchical import HierarchicalModelAverager
 
 _LAZY = {
+    "AsyncNode": "peer.node",
+    "Node": "peer.node",
+    "ValueWithExpiration": "peer.node",
+    "get_time": "peer.node",
     "DecentralizedAverager": "peer.averaging.averager",
     "AveragingStage": "peer.averaging.control",
     "StepControl": "peer.averaging.control",

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import typer
 from pydantic import ValidationError
 
+from peer.formats.durations import parse_duration
 from server.config import Settings
 
 if TYPE_CHECKING:
@@ -203,9 +204,11 @@ def create_token(
 ) -> None:
     """Create an organizer token and print it (once: only its hash is stored)."""
     from server.services.tokens import create_organizer_token
-    from swarmgrad.organizer import duration_option
 
-    expires_in_s = duration_option(expires_in, "--expires-in")
+    try:
+        expires_in_s = None if expires_in is None else parse_duration(expires_in)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--expires-in'") from None
     with _database(ctx, database_url, dev) as (_, session):
         _, plaintext = create_organizer_token(session, label=label, expires_in_s=expires_in_s)
     _print_new_token(plaintext)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shlex
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -25,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from peer.coordinator import CoordinatorClient
+from peer.formats.durations import parse_duration
 from swarmgrad.errors import CommandError, UsageError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -77,18 +77,6 @@ def parse_config(items: list[str]) -> dict[str, Any]:
         except ValueError:
             config[key] = raw
     return config
-
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def parse_duration(text: str) -> float:
-    """``"30m"``, ``"12h"``, ``"7d"`` (also ``s`` and ``w``) in seconds; ValueError otherwise."""
-    match = _DURATION.fullmatch(text.strip().lower())
-    if match is None or float(match.group(1)) <= 0:
-        raise ValueError(f"{text!r} is not a duration like 30m, 12h or 7d")
-    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
 def duration_option(text: str | None, option: str) -> float | None:

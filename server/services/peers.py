@@ -3,7 +3,7 @@ out bootstrap peers.
 
 Joining is two calls. ``POST /join/challenge`` gives a short-lived challenge bound to the run
 and the join token (see :class:`server.security.JoinChallenges`); the volunteer signs
-``peer.identity.join_proof_payload(run_id, challenge, public_key)`` with its identity and
+``peer.formats.join_proof_payload(run_id, challenge, public_key)`` with its identity and
 sends the signature with its public key to ``POST /runs/{run_id}/join``. Without the proof,
 anyone holding an invite could register somebody else's public key (which every peer
 announces) and take over that peer's row, token and addresses.
@@ -18,7 +18,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from peer.identity import (
+from peer.formats.identity import (
     Certificate,
     join_proof_payload,
     peer_id_from_public_key,
@@ -94,7 +94,7 @@ def check_join_proof(
     if not verify_signature(public_key, decode_signature(data.signature), payload):
         raise Forbidden(
             "the signature does not prove possession of public_key's private key: sign "
-            "peer.identity.join_proof_payload(run_id, challenge, public_key) with that key"
+            "peer.formats.join_proof_payload(run_id, challenge, public_key) with that key"
         )
     return public_key
 

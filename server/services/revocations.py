@@ -1,6 +1,6 @@
 """A run's revocation list: the public keys of its banned volunteers' peers, signed by the
 run's authority, so that peers can shut them out of the swarm themselves (their certificates
-stay valid until they expire; see :mod:`peer.revocation`).
+stay valid until they expire; see :mod:`peer.formats.revocation`).
 
 The list's serial is the time of the run's newest ban in milliseconds, so it changes only
 when someone is banned, and only upwards. Each entry lasts until the latest moment a
@@ -15,7 +15,7 @@ from datetime import timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from peer.revocation import RevocationList
+from peer.formats.revocation import RevocationList
 from server.models import Peer, Run, Volunteer, utcnow
 from server.security import KeyBox
 from server.services import runs as run_service

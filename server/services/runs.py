@@ -7,7 +7,7 @@ import secrets
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from peer.identity import Identity
+from peer.formats.identity import Identity
 from server.exceptions import Conflict, NotFound
 from server.models import Run, RunStatus, utcnow
 from server.schemas import RunCreate, RunUpdate

@@ -7,10 +7,11 @@ import io
 
 import pytest
 
+from peer.formats.durations import parse_duration
 from peer.volunteer import VolunteerStatus
 from swarmgrad.cli import error_line
 from swarmgrad.join import LineDisplay, epoch_line
-from swarmgrad.organizer import parse_config, parse_duration
+from swarmgrad.organizer import parse_config
 
 
 def test_config_values_are_json_when_they_parse_else_strings() -> None:

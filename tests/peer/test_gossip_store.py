@@ -347,7 +347,7 @@ def test_records_of_owners_whose_certificates_expired_can_be_dropped(alice: Iden
 def test_the_signature_cache_keeps_successes_only_and_stays_bounded() -> None:
     """Forged messages, however large, leave nothing behind; verified ones are remembered
     by a digest, at most max_entries of them."""
-    from peer.identity import _VerifiedSignatures
+    from peer.formats.identity import _VerifiedSignatures
 
     cache = _VerifiedSignatures(max_entries=4)
     ident = Identity()

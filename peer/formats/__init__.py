@@ -1,0 +1,38 @@
+"""The formats the coordinator and the volunteer share, and nothing else.
+
+- :mod:`peer.formats.identity`: key pairs and peer ids, run certificates (what the coordinator
+  signs, what every peer verifies), the join proof a volunteer signs, the nodes' three
+  authentication modes;
+- :mod:`peer.formats.revocation`: a run's signed list of banned peers.
+
+Both sides import these modules: the coordinator (``server``) to issue and sign, the peer
+library to present and verify. So they import only the standard library, ``msgpack``,
+``cryptography`` and :mod:`peer.exceptions` — never the node, the transports, torch or the
+server stack (``tests/test_layers.py`` walks the imports). ``peer.identity`` and
+``peer.revocation`` are the older names of the two modules and stay importable.
+"""
+
+from __future__ import annotations
+
+from peer.formats.identity import (
+    Certificate,
+    CertificateAuth,
+    CertificateVerifier,
+    Identity,
+    OpenAuth,
+    SwarmKeyAuth,
+    join_proof_payload,
+)
+from peer.formats.revocation import RevocationBook, RevocationList
+
+__all__ = [
+    "Certificate",
+    "CertificateAuth",
+    "CertificateVerifier",
+    "Identity",
+    "OpenAuth",
+    "RevocationBook",
+    "RevocationList",
+    "SwarmKeyAuth",
+    "join_proof_payload",
+]

@@ -1,0 +1,280 @@
+"""The packages' imports run one way: down the peer library's layers, from the command line to
+everything, from the coordinator only to the formats both sides share; no module imports
+itself back through others. Read from the source (``ast``), plus what importing actually
+loads, in fresh interpreters."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("peer", "server", "swarmgrad")
+
+# The peer library, lowest first: a module may import its own layer and those below.
+PEER_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("peer.exceptions",),
+    # what the coordinator and the volunteer share; peer.identity and peer.revocation are the
+    # formats' older names
+    ("peer.formats", "peer.identity", "peer.revocation", "peer.wire", "peer.compression"),
+    ("peer.transport",),
+    ("peer.node",),
+    ("peer.averaging",),
+    ("peer.optim",),
+    ("peer.coordinator", "peer.testing", "peer.sim", "peer.netlab"),
+    ("peer.tasks",),
+    ("peer.volunteer",),
+    ("peer.integrations",),
+    ("peer",),  # the package's lazy names (its __init__) reach every layer
+)
+# What the coordinator may use of the peer library: the shared formats, nothing of the node.
+SERVER_MAY_IMPORT = ("peer.exceptions", "peer.formats", "peer.identity", "peer.revocation")
+SERVER_STACK = ("fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "psycopg", "jinja2")
+SERVER_STACK += ("pydantic_settings", "prometheus_client")
+
+# Test and benchmark scaffolding still inside the product packages (simulators, fault
+# injection, comparison helpers), on its way to a support package the wheel does not ship:
+# the rules are not asked of it until then.
+SCAFFOLDING = ("peer.averaging.testing", "peer.tasks.digits_compare", "peer.tasks.simulate")
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    imported: str
+    line: int
+    top_level: bool  # at import time of the importer (not inside a function)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {
+        _module_name(path): path
+        for package in PACKAGES
+        for path in sorted((REPO_ROOT / package).rglob("*.py"))
+    }
+
+
+def _imports(name: str, path: Path, known: dict[str, Path]) -> Iterator[Import]:
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+
+    def visit(node: ast.AST, top_level: bool) -> Iterator[Import]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue  # for the type checker only: never imported at run time
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    yield Import(name, alias.name, child.lineno, top_level)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    prefix = package[: len(package) - child.level + 1]
+                    base = ".".join([*prefix, *([child.module] if child.module else [])])
+                # `from package import submodule` imports the submodule (the package is only
+                # its parent, as for any `import package.submodule`); other names come from
+                # the module itself
+                submodules = [f"{base}.{a.name}" for a in child.names]
+                for imported in submodules:
+                    if imported in known:
+                        yield Import(name, imported, child.lineno, top_level)
+                if not all(imported in known for imported in submodules):
+                    yield Import(name, base, child.lineno, top_level)
+            inner = top_level and not isinstance(
+                child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+            )
+            yield from visit(child, inner)
+
+    yield from visit(ast.parse(path.read_text(), str(path)), True)
+
+
+def all_imports() -> list[Import]:
+    known = modules()
+    return [found for name, path in known.items() for found in _imports(name, path, known)]
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def peer_layer(module: str) -> int:
+    """The index in PEER_LAYERS of the most specific entry that holds ``module``."""
+    best, length = -1, -1
+    for index, layer in enumerate(PEER_LAYERS):
+        for prefix in layer:
+            if _within(module, prefix) and len(prefix) > length:
+                best, length = index, len(prefix)
+    assert best >= 0, f"{module} is in no layer of PEER_LAYERS: place it there"
+    return best
+
+
+def _scaffolding(module: str) -> bool:
+    return any(_within(module, s) for s in SCAFFOLDING)
+
+
+def test_every_peer_module_has_a_layer() -> None:
+    for name in modules():
+        if name.split(".")[0] == "peer":
+            peer_layer(name)
+
+
+def test_the_peer_library_imports_only_down_its_layers() -> None:
+    upward = [
+        f"{i.importer} (line {i.line}) imports {i.imported}"
+        for i in all_imports()
+        if _within(i.importer, "peer")
+        and i.importer != "peer"
+        and _within(i.imported, "peer")
+        and not _scaffolding(i.importer)
+        and peer_layer(i.imported) > peer_layer(i.importer)
+    ]
+    assert upward == []
+
+
+def test_the_peer_library_never_imports_the_command_line_nor_the_server() -> None:
+    found = [
+        f"{i.importer} (line {i.line}) imports {i.imported}"
+        for i in all_imports()
+        if _within(i.importer, "peer")
+        and i.imported.split(".")[0] in ("server", "swarmgrad", *SERVER_STACK)
+    ]
+    assert found == []
+
+
+def test_the_server_uses_only_the_shared_formats_of_the_peer_library() -> None:
+    found = [
+        f"{i.importer} (line {i.line}) imports {i.imported}"
+        for i in all_imports()
+        if _within(i.importer, "server")
+        and (
+            i.imported.split(".")[0] == "swarmgrad"
+            or (
+                _within(i.imported, "peer")
+                and i.imported != "peer"
+                and not any(_within(i.imported, allowed) for allowed in SERVER_MAY_IMPORT)
+            )
+        )
+    ]
+    assert found == []
+
+
+def test_the_command_line_loads_the_server_only_in_the_coordinator_command() -> None:
+    found = [
+        f"{i.importer} (line {i.line}) imports {i.imported}"
+        for i in all_imports()
+        if _within(i.importer, "swarmgrad")
+        and i.top_level
+        and i.imported.split(".")[0] in ("server", *SERVER_STACK)
+    ]
+    assert found == []
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in edges.get(node, ()):
+            if other not in index:
+                connect(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for node in sorted(edges):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_itself_back_at_import_time() -> None:
+    known = modules()
+    edges: dict[str, set[str]] = {}
+    for i in all_imports():
+        if i.top_level and i.imported in known and i.imported != i.importer:
+            edges.setdefault(i.importer, set()).add(i.imported)
+    assert _cycles(edges) == []
+
+
+def _loaded_by(statement: str) -> set[str]:
+    """The modules a fresh interpreter has loaded after ``statement``."""
+    done = subprocess.run(
+        [sys.executable, "-c", f"{statement}\nimport sys\nprint(' '.join(sorted(sys.modules)))"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.split())
+
+
+@pytest.mark.parametrize("statement", ["import server", "import server.app, server.cli"])
+def test_the_server_does_not_load_the_node(statement: str) -> None:
+    loaded = _loaded_by(statement)
+    assert not {m for m in loaded if _within(m, "peer.node") or _within(m, "peer.transport")}
+    assert "torch" not in loaded
+    assert {m for m in loaded if _within(m, "peer")} <= {
+        "peer", "peer.exceptions", "peer.formats", "peer.formats.identity",
+        "peer.formats.revocation", "peer.formats.durations", "peer.formats.payloads",
+        "peer.identity", "peer.revocation",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "statement", ["import peer", "import peer.formats", "import peer.coordinator, swarmgrad.cli"]
+)
+def test_the_peer_library_does_not_load_the_server_stack(statement: str) -> None:
+    loaded = _loaded_by(statement)
+    assert not {m for m in loaded if m.split(".")[0] in ("server", *SERVER_STACK)}
+
+
+def test_import_peer_loads_no_node_and_no_torch() -> None:
+    loaded = _loaded_by("import peer, peer.formats")
+    assert not {m for m in loaded if _within(m, "peer.node")}
+    assert "torch" not in loaded
+
+
+def test_the_shared_formats_import_only_the_standard_library_msgpack_and_cryptography() -> None:
+    allowed = {*sys.stdlib_module_names, "msgpack", "cryptography"}
+    found = [
+        f"{i.importer} (line {i.line}) imports {i.imported}"
+        for i in all_imports()
+        if _within(i.importer, "peer.formats")
+        and not _within(i.imported, "peer.formats")
+        and not _within(i.imported, "peer.exceptions")
+        and i.imported.split(".")[0] not in allowed
+    ]
+    assert found == []
