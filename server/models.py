@@ -325,3 +325,22 @@ class Checkpoint(Base):
     # The uploader's public peer id, as text: the record stands on its own.
     peer_id: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    # Set by the organizer: this one is served (downloads, joins) instead of the newest, and
+    # never pruned. At most one per run.
+    pinned_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class CheckpointProposal(Base):
+    """A checkpoint's digest uploaded by a volunteer the run did not designate for that
+    epoch: the file is not kept; a second volunteer's upload of the same digest is
+    accepted. One per volunteer (its newest)."""
+
+    __tablename__ = "checkpoint_proposals"
+
+    volunteer_id: Mapped[int] = mapped_column(
+        ForeignKey("volunteers.id", ondelete="CASCADE"), primary_key=True
+    )
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_ms: Mapped[int] = mapped_column(BigInteger)

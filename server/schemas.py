@@ -194,6 +194,14 @@ class CheckpointPublic(BaseModel):
     sha256: str = Field(description="Hex SHA-256 of the file.")
     created_at: datetime
     peer_id: str = Field(description="The peer that uploaded it.")
+    pinned: bool = Field(
+        False, description="Pinned by the organizer: served instead of the newest."
+    )
+
+
+class CheckpointHeld(BaseModel):
+    epoch: int
+    detail: str = Field(description="Why only the digest was kept.")
 
 
 class CheckpointsPublic(BaseModel):

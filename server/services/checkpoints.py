@@ -5,7 +5,10 @@ A file is what ``torch.save`` writes: a zip archive. The coordinator never unpic
 checks the zip signature, hashes it, and hands it out again. Uploads are streamed to a
 temporary file in the run's directory while being hashed, flushed to disk (``fsync``) and
 renamed into place, so a crash never leaves a half-written checkpoint under a real name;
-only then is the row inserted. The newest ``checkpoint_keep`` per run are kept.
+only then is the row inserted. The newest ``checkpoint_keep`` per run are kept, and the one
+the organizer pinned: that one is served (downloads, joins) instead of the newest until it
+is unpinned or deleted. Who may upload which epoch is :mod:`server.services.checkpoint_admission`'s
+judgement.
 
 With ``checkpoint_dir_max_bytes``, the checkpoints of all runs together stay under that
 many bytes (the sizes recorded in the rows; uploads still streaming are not counted): a new
@@ -45,8 +48,10 @@ from server.exceptions import (
     NotFound,
     PayloadTooLarge,
 )
-from server.models import Checkpoint, Housekeeping, Peer, Run, utcnow
+from server.models import Checkpoint, Housekeeping, Run, utcnow
 from server.schemas import CheckpointPublic
+from server.services import checkpoint_admission as admission
+from server.services.report_guard import ReportGuard
 
 ZIP_MAGIC = b"PK\x03\x04"
 # Received chunks are gathered into blocks of this size before a thread writes them.
@@ -80,6 +85,15 @@ class CheckpointStore:
 
 
 @dataclass(frozen=True, slots=True)
+class Uploaded:
+    """An upload's outcome: the checkpoint taken, or None when only its digest was kept as
+    a proposal (``detail`` says so)."""
+
+    checkpoint: Checkpoint | None
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
 class _Stored:
     path: Path
     size: int
@@ -93,16 +107,62 @@ def public(checkpoint: Checkpoint) -> CheckpointPublic:
         sha256=checkpoint.sha256,
         created_at=checkpoint.created_at,
         peer_id=checkpoint.peer_id,
+        pinned=checkpoint.pinned_at is not None,
     )
 
 
-def newest(session: Session, run_id: str) -> Checkpoint | None:
+def served(session: Session, run_id: str) -> Checkpoint | None:
+    """The checkpoint downloads and newcomers get: the pinned one, else the newest."""
     return session.scalars(
         select(Checkpoint)
         .where(Checkpoint.run_id == run_id)
-        .order_by(Checkpoint.epoch.desc())
+        .order_by(Checkpoint.pinned_at.is_(None), Checkpoint.epoch.desc())
         .limit(1)
     ).first()
+
+
+def get_checkpoint(session: Session, run_id: str, epoch: int) -> Checkpoint:
+    checkpoint = session.scalars(
+        select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.epoch == epoch)
+    ).first()
+    if checkpoint is None:
+        raise NotFound(f"run {run_id} has no checkpoint of epoch {epoch}")
+    return checkpoint
+
+
+def pin(session: Session, run_id: str, epoch: int) -> Checkpoint:
+    """Serve the checkpoint of ``epoch`` (and keep it) until unpinned; any other pin of the
+    run is dropped. The caller commits."""
+    checkpoint = get_checkpoint(session, run_id, epoch)
+    session.execute(select(Run.id).where(Run.id == run_id).with_for_update())
+    for other in session.scalars(
+        select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.pinned_at.is_not(None))
+    ):
+        if other.id != checkpoint.id:
+            other.pinned_at = None
+    if checkpoint.pinned_at is None:
+        checkpoint.pinned_at = utcnow()
+    session.flush()
+    return checkpoint
+
+
+def unpin(session: Session, run_id: str) -> None:
+    """Serve the newest checkpoint again. The caller commits."""
+    for checkpoint in session.scalars(
+        select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.pinned_at.is_not(None))
+    ):
+        checkpoint.pinned_at = None
+    session.flush()
+
+
+def delete_checkpoint(session: Session, store: CheckpointStore, run_id: str, epoch: int) -> None:
+    """Remove the checkpoint of ``epoch``, row and file (committed here); uploads of epochs
+    up to the next newest are taken again."""
+    checkpoint = get_checkpoint(session, run_id, epoch)
+    path = store.path(checkpoint)
+    session.delete(checkpoint)
+    session.commit()
+    _discard(path)
 
 
 def list_checkpoints(session: Session, run_id: str) -> list[Checkpoint]:
@@ -114,9 +174,10 @@ def list_checkpoints(session: Session, run_id: str) -> list[Checkpoint]:
     )
 
 
-def newest_file(session: Session, store: CheckpointStore, run_id: str) -> tuple[Checkpoint, Path]:
-    """The newest checkpoint and its file; :class:`NotFound` when there is none."""
-    checkpoint = newest(session, run_id)
+def served_file(session: Session, store: CheckpointStore, run_id: str) -> tuple[Checkpoint, Path]:
+    """The served checkpoint (:func:`served`) and its file; :class:`NotFound` when there is
+    none."""
+    checkpoint = served(session, run_id)
     if checkpoint is None:
         raise NotFound(f"run {run_id} has no checkpoint yet; peers upload one as they train")
     path = store.path(checkpoint)
@@ -136,28 +197,47 @@ async def upload(
     epoch: int,
     body: AsyncIterator[bytes],
     content_length: int | None,
-) -> Checkpoint:
-    """Store the checkpoint of ``epoch`` streamed in ``body`` and keep the newest
-    ``store.keep`` (and the directory under ``store.dir_max_bytes``): 409 when the run has
-    one of the same or a newer epoch (checked before and after receiving), 413 over
-    ``store.upload_limit``, 422 for a body that is not a zip archive, 507 when the disk
-    refuses the file or the directory bound has no room for it. Nothing is left behind on
-    failure, and nothing stored is removed."""
+    *,
+    guard: ReportGuard,
+    online_ttl_s: float,
+) -> Uploaded:
+    """Store the checkpoint of ``epoch`` streamed in ``body`` if the run takes it from this
+    peer (:mod:`~server.services.checkpoint_admission`; otherwise only its digest is kept,
+    as a proposal), and keep the newest ``store.keep`` (and the directory under
+    ``store.dir_max_bytes``): 409 when the run has one of the same or a newer epoch (checked
+    before and after receiving), 413 over ``store.upload_limit``, 422 for an epoch the swarm
+    has not reached or a body that is not a zip archive, 507 when the disk refuses the file
+    or the directory bound has no room for it. Nothing is left behind on failure, and
+    nothing stored is removed."""
     if run.archived_at is not None:
         raise Conflict(f"run {run.id} is archived; it takes no more checkpoints")
     if content_length is not None and content_length > store.upload_limit:
         raise _too_large(store)
-    peer_id = await asyncio.to_thread(_prepare, session, run.id, peer_pk, epoch)
+    who = await asyncio.to_thread(
+        admission.uploader, session, run.id, peer_pk, epoch, online_ttl_s=online_ttl_s
+    )
+    lead = guard.limits.max_epoch_lead
+    swarm = await guard.swarm_epoch(run.id, who.volunteer_id, at_least=epoch - lead)
+    admission.refuse_unreached(run.id, who, epoch, swarm, lead)
     stored = await _receive(store, run.id, epoch, body)
     try:
+        if not who.designated and not await asyncio.to_thread(
+            admission.propose, session, run.id, who, epoch, stored.sha256
+        ):
+            _discard(stored.path)
+            return Uploaded(
+                None,
+                f"another peer is this epoch's uploader; the digest is kept, and the "
+                f"checkpoint of epoch {epoch} is taken once a second volunteer uploads it",
+            )
         checkpoint, pruned = await asyncio.to_thread(
-            _record, session, store, run.id, epoch, peer_id, stored
+            _record, session, store, run.id, epoch, who.peer_id, stored
         )
     except BaseException:
         _discard(stored.path)
         raise
     _discard(*pruned)
-    return checkpoint
+    return Uploaded(checkpoint, f"checkpoint of epoch {epoch} stored")
 
 
 def _too_large(store: CheckpointStore) -> PayloadTooLarge:
@@ -171,22 +251,6 @@ def _too_large(store: CheckpointStore) -> PayloadTooLarge:
         f"checkpoint over the coordinator's limit of {store.max_bytes} bytes "
         "(SWARMGRAD_CHECKPOINT_MAX_BYTES); ask the organizer to raise it"
     )
-
-
-def _prepare(session: Session, run_id: str, peer_pk: int, epoch: int) -> str:
-    """The uploader's peer id, once no checkpoint of ``epoch`` or newer exists (so a stale
-    upload is refused before its body is read)."""
-    latest = session.scalar(select(func.max(Checkpoint.epoch)).where(Checkpoint.run_id == run_id))
-    if latest is not None and latest >= epoch:
-        raise Conflict(
-            f"run {run_id} already has a checkpoint of epoch {latest}; upload only newer epochs"
-        )
-    peer_id = session.scalar(select(Peer.peer_id).where(Peer.id == peer_pk))
-    assert peer_id is not None  # the peer token's foreign key cascades with the peer
-    # Give the connection back to the pool while the body streams in (a commit, unlike a
-    # rollback, leaves the loaded objects usable).
-    session.commit()
-    return peer_id
 
 
 def _create_temporary(directory: Path) -> tuple[int, str]:
@@ -332,14 +396,16 @@ def _record(
         raise Conflict(
             f"run {run_id} already has a checkpoint of epoch {newer}; upload only newer epochs"
         )
-    old = list(
-        session.scalars(
+    old = [
+        c
+        for c in session.scalars(
             select(Checkpoint)
             .where(Checkpoint.run_id == run_id)
             .order_by(Checkpoint.epoch.desc())
             .offset(store.keep)
         )
-    )
+        if c.pinned_at is None
+    ]
     if store.dir_max_bytes is not None:
         old += _over_bound(session, store.dir_max_bytes, {c.id for c in old})
     pruned = [store.path(c) for c in old]
@@ -350,7 +416,7 @@ def _record(
 
 
 def _over_bound(session: Session, bound: int, dropped: set[int]) -> list[Checkpoint]:
-    """The checkpoints to remove, oldest first and never a run's newest, for the rest
+    """The checkpoints to remove, oldest first and never a run's newest or pinned, for the rest
     (besides ``dropped``) to fit in ``bound`` bytes; :class:`InsufficientStorage` (nothing
     removed) when they cannot."""
     # Other runs' uploads commit one at a time (SQLite's write lock already does this).
@@ -370,7 +436,7 @@ def _over_bound(session: Session, bound: int, dropped: set[int]) -> list[Checkpo
     for c in kept:
         if total <= bound:
             break
-        if c.epoch != newest_epoch[c.run_id]:
+        if c.epoch != newest_epoch[c.run_id] and c.pinned_at is None:
             removed.append(c)
             total -= c.size
     if total > bound:

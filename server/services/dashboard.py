@@ -291,7 +291,7 @@ def run_dashboard(
         rounds_done=[p.rounds_done for p in points],
         rounds_failed=[p.rounds_failed for p in points],
     )
-    checkpoint = checkpoint_service.newest(session, run.id)
+    checkpoint = checkpoint_service.served(session, run.id)
     target = target_epochs(run)
     headline = Headline(
         # A checkpoint is uploaded once its epoch is complete: the run is at least there.

@@ -32,7 +32,7 @@ def progress(
         .order_by(EpochSummary.epoch.desc())
         .limit(RECENT_EPOCHS)
     ).all()
-    checkpoint = checkpoint_service.newest(session, run.id)
+    checkpoint = checkpoint_service.served(session, run.id)
     return ProgressPublic(
         run_id=run.id,
         status=run.status,

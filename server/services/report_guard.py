@@ -36,6 +36,7 @@ from server.services.report_bounds import (
     SwarmView,
     check,
     lift_on_refusal,
+    swarm_epoch,
 )
 from server.services.reports import PendingReport, pending_report
 
@@ -145,6 +146,16 @@ class ReportGuard:
                 lift_on_refusal(self.limits, view, track.volunteer_id, body.epoch, now)
             raise ImplausibleReport(refusal.bound, refusal.detail)
         return self._accept(run_id, peer_pk, track, body, now)
+
+    async def swarm_epoch(self, run_id: str, volunteer_id: int, *, at_least: int) -> int | None:
+        """The swarm's epoch as the epoch bound sees it for a report of ``volunteer_id``
+        (:func:`~server.services.report_bounds.swarm_epoch`); the view is read again first
+        when the one at hand puts it below ``at_least``. None while the database never
+        answered. (Checkpoint uploads are judged by it.)"""
+        view = self._views.get(run_id)
+        if view is None or swarm_epoch(view, volunteer_id) < at_least:
+            view = await self._refresh(run_id, now_ms())
+        return None if view is None else swarm_epoch(view, volunteer_id)
 
     def _judge(
         self, track: PeerTrack, view: SwarmView | None, body: ReportCreate, now: int

@@ -1,6 +1,7 @@
-"""Checkpoints: peers upload zip archives (what torch.save writes) streamed to disk; the
+"""Checkpoints: peers upload zip archives (what torch.save writes) streamed to disk, at an
+epoch the swarm has reached, from the designated uploader or agreed by two volunteers; the
 newest few are kept, and the directory stays under its byte bound; peers and organizers
-download the newest."""
+download the pinned one or the newest."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from sqlalchemy import update
 
 from server.app import MAX_BODY_BYTES, create_app
+from server.clock import now_ms
 from server.config import Settings
+from server.models import Peer
 from server.services import checkpoints as checkpoint_service
+from server.services import volunteers as volunteer_service
 from tests.server.conftest import (
     ORGANIZER,
     Api,
@@ -91,7 +96,7 @@ async def test_upload_then_download_the_newest(
     response = await upload(client, run, peer, 3, data)
     assert response.status_code == 201, response.text
     created = response.json()
-    assert set(created) == {"epoch", "size", "sha256", "created_at", "peer_id"}
+    assert set(created) == {"epoch", "size", "sha256", "created_at", "peer_id", "pinned"}
     assert created["epoch"] == 3 and created["size"] == len(data)
     assert created["sha256"] == hashlib.sha256(data).hexdigest()
     assert created["peer_id"] == peer.body["peer_id"]
@@ -325,3 +330,100 @@ async def test_an_upload_alone_over_the_directory_bound_is_413_and_changes_nothi
         assert contents(checkpoint_dir) == before
         download = await client.get(url(run), headers=ORGANIZER)
         assert download.content == archive(1, 3000)
+
+
+def _at_epoch(app: FastAPI, peer: JoinedPeer, epoch: int) -> None:
+    """Record ``peer`` as online at ``epoch``, as its stored reports would."""
+    with app.state.session_factory() as session:
+        session.execute(
+            update(Peer)
+            .where(Peer.peer_id == peer.body["peer_id"])
+            .values(epoch=epoch, last_report_ms=now_ms(), last_seen_ms=now_ms())
+        )
+        session.commit()
+
+
+async def test_an_epoch_the_swarm_has_not_reached_is_refused_and_logged(
+    client: httpx.AsyncClient,
+    run: dict[str, Any],
+    peer: JoinedPeer,
+    checkpoint_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    far = await upload(client, run, peer, 2**53, archive(1))
+    assert far.status_code == 422 and "not one the swarm has reached" in far.json()["detail"]
+    logged = [r.getMessage() for r in caplog.records if "refused a checkpoint" in r.getMessage()]
+    assert logged and "volunteer" in logged[0] and peer.body["peer_id"] in logged[0]
+    assert files(checkpoint_dir) == []
+    assert (await upload(client, run, peer, 5, archive(5))).status_code == 201
+
+
+async def test_only_the_designated_uploader_or_two_volunteers_set_the_checkpoint(
+    app: FastAPI, api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
+) -> None:
+    peers = sorted(
+        [await api.join(run["id"], join_token) for _ in range(3)],
+        key=lambda p: p.body["peer_id"],
+    )
+    low, middle, high = peers
+    for p in peers:
+        _at_epoch(app, p, 4)
+    held = await upload(client, run, high, 5, archive(5))
+    assert held.status_code == 202 and "second volunteer" in held.json()["detail"]
+    assert (await client.get(url(run), headers=ORGANIZER)).status_code == 404
+    # Another volunteer's upload of the same bytes agrees: taken.
+    assert (await upload(client, run, middle, 5, archive(5))).status_code == 201
+    # The designated uploader alone is taken at once.
+    assert (await upload(client, run, low, 6, archive(6))).status_code == 201
+    # A different digest from a second volunteer is no agreement.
+    for p in peers:
+        _at_epoch(app, p, 6)
+    assert (await upload(client, run, high, 7, archive(7))).status_code == 202
+    assert (await upload(client, run, middle, 7, archive(8))).status_code == 202
+    download = await client.get(url(run), headers=ORGANIZER)
+    assert download.headers["X-Checkpoint-Epoch"] == "6"
+
+
+async def test_two_keys_of_one_volunteer_never_agree(
+    app: FastAPI, api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
+) -> None:
+    low = await api.join(run["id"], join_token)
+    with app.state.session_factory() as session:
+        redeemed = volunteer_service.redeem_invite(session, join_token, "mallory", token_ttl_s=60)
+        session.commit()
+    keys = [await api.join(run["id"], redeemed.token) for _ in range(2)]
+    while any(k.body["peer_id"] < low.body["peer_id"] for k in keys):  # low stays designated
+        low = await api.join(run["id"], join_token)
+    for p in (low, *keys):
+        _at_epoch(app, p, 4)
+    for key in keys:
+        assert (await upload(client, run, key, 5, archive(5))).status_code == 202
+    assert (await client.get(url(run), headers=ORGANIZER)).status_code == 404
+
+
+async def test_the_organizer_pins_and_deletes_checkpoints(
+    api: Api, client: httpx.AsyncClient, run: dict[str, Any], peer: JoinedPeer, join_token: str,
+    checkpoint_dir: Path,
+) -> None:  # fmt: skip
+    base = f"/api/v1/runs/{run['id']}/checkpoints"
+    for epoch in (1, 2, 4):
+        assert (await upload(client, run, peer, epoch, archive(epoch))).status_code == 201
+    assert (await client.post(f"{base}/1/pin", headers=ORGANIZER)).status_code == 404
+    assert (await client.post(f"{base}/2/pin", headers=peer.headers)).status_code == 403
+    pinned = await client.post(f"{base}/2/pin", headers=ORGANIZER)
+    assert pinned.status_code == 200 and pinned.json()["pinned"] is True
+    download = await client.get(url(run), headers=ORGANIZER)
+    assert download.content == archive(2) and download.headers["X-Checkpoint-Epoch"] == "2"
+    newcomer = await api.join(run["id"], join_token)
+    assert newcomer.body["checkpoint"]["epoch"] == 2
+    # Kept beyond checkpoint_keep while pinned.
+    assert (await upload(client, run, peer, 7, archive(7))).status_code == 201
+    listing = (await client.get(base, headers=ORGANIZER)).json()["checkpoints"]
+    assert [(c["epoch"], c["pinned"]) for c in listing] == [(7, False), (4, False), (2, True)]
+    # Deleting the newest lets uploads after the next newest in again.
+    assert (await client.delete(f"{base}/7", headers=ORGANIZER)).status_code == 204
+    assert (await client.delete(f"{base}/7", headers=ORGANIZER)).status_code == 404
+    assert (await upload(client, run, peer, 5, archive(5))).status_code == 201
+    assert (await client.delete(f"{base}/pin", headers=ORGANIZER)).status_code == 204
+    assert (await client.get(url(run), headers=ORGANIZER)).content == archive(5)
+    assert len(files(checkpoint_dir)) == 3  # 5, 4 and the formerly pinned 2

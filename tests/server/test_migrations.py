@@ -25,6 +25,7 @@ TABLES = {
     "epoch_summaries",
     "progress_snapshots",
     "checkpoints",
+    "checkpoint_proposals",
     "spilled_segments",
     "report_rollups",
     "housekeeping",

@@ -1,12 +1,12 @@
 """A run's checkpoints: peers upload them as they train; joining peers and the organizer
-download the newest."""
+download the served one (pinned, else newest); the organizer lists, pins and deletes them."""
 
 from __future__ import annotations
 
 import re
 
-from fastapi import APIRouter, Query, Request, status
-from fastapi.responses import FileResponse
+from fastapi import APIRouter, Path, Query, Request, Response, status
+from fastapi.responses import FileResponse, JSONResponse
 from starlette.types import Scope
 
 from server.api import API_PREFIX
@@ -15,10 +15,12 @@ from server.api.deps import (
     CurrentOrganizer,
     CurrentPeer,
     CurrentRunReader,
+    ReportGuardDep,
     RunDep,
     SessionDep,
+    SettingsDep,
 )
-from server.schemas import MAX_INT, CheckpointPublic, CheckpointsPublic, ErrorPublic
+from server.schemas import MAX_INT, CheckpointHeld, CheckpointPublic, CheckpointsPublic, ErrorPublic
 from server.services import checkpoints as checkpoint_service
 
 router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}", tags=["checkpoints"])
@@ -42,8 +44,16 @@ def is_upload(scope: Scope) -> bool:
         }
     },
     responses={
+        202: {
+            "model": CheckpointHeld,
+            "description": "Not this epoch's uploader: only the "
+            "digest is kept, until a second volunteer uploads the same.",
+        },
         413: {"model": ErrorPublic, "description": "Over checkpoint_max_bytes."},
-        422: {"model": ErrorPublic, "description": "Not a zip archive, or a bad epoch."},
+        422: {
+            "model": ErrorPublic,
+            "description": "Not a zip archive, or an epoch the swarm has not reached.",
+        },
         507: {"model": ErrorPublic, "description": "The coordinator's disk refused the file."},
     },
 )
@@ -51,17 +61,22 @@ async def upload_checkpoint(
     peer: CurrentPeer,
     session: SessionDep,
     store: CheckpointStoreDep,
+    guard: ReportGuardDep,
+    settings: SettingsDep,
     run: RunDep,
     request: Request,
     epoch: int = Query(ge=0, le=MAX_INT, description="The swarm epoch the model is at."),
-) -> CheckpointPublic:
+) -> Response:
     """Upload the model at ``epoch``: the raw bytes ``torch.save`` wrote (a zip archive),
-    as ``application/octet-stream``. 409 when the run has a checkpoint of the same or a
-    newer epoch (another peer was first: nothing to do); 413 over the size limit; 422 for
+    as ``application/octet-stream``. Taken (201) from the peer the run designates for the
+    epoch (the lowest peer id among the peers at it or the one before); from another peer
+    only its digest is kept (202) until a peer of a second volunteer uploads the same.
+    409 when the run has a checkpoint of the same or a newer epoch (another peer was first:
+    nothing to do); 413 over the size limit; 422 for an epoch the swarm has not reached or
     anything but a zip archive; 507 when the coordinator cannot store it."""
     assert peer.peer_pk is not None
     length = request.headers.get("content-length", "")
-    checkpoint = await checkpoint_service.upload(
+    uploaded = await checkpoint_service.upload(
         session,
         store,
         run,
@@ -69,8 +84,14 @@ async def upload_checkpoint(
         epoch,
         request.stream(),
         int(length) if length.isdigit() else None,
+        guard=guard,
+        online_ttl_s=settings.peer_online_ttl_s,
     )
-    return checkpoint_service.public(checkpoint)
+    if uploaded.checkpoint is None:
+        held = CheckpointHeld(epoch=epoch, detail=uploaded.detail)
+        return JSONResponse(held.model_dump(mode="json"), status_code=status.HTTP_202_ACCEPTED)
+    body = checkpoint_service.public(uploaded.checkpoint)
+    return JSONResponse(body.model_dump(mode="json"), status_code=status.HTTP_201_CREATED)
 
 
 @router.get(
@@ -79,7 +100,8 @@ async def upload_checkpoint(
     responses={
         200: {
             "content": {"application/octet-stream": {}},
-            "description": "The newest checkpoint; its epoch and SHA-256 in the "
+            "description": "The served checkpoint (pinned, else newest); its epoch and "
+            "SHA-256 in the "
             "X-Checkpoint-Epoch and X-Checkpoint-SHA256 headers.",
         }
     },
@@ -87,9 +109,9 @@ async def upload_checkpoint(
 def download_checkpoint(
     _: CurrentRunReader, session: SessionDep, store: CheckpointStoreDep, run: RunDep
 ) -> FileResponse:
-    """The run's newest checkpoint (404 when there is none yet). Load it with
-    ``model.load_state_dict(torch.load(path)["model"])``."""
-    checkpoint, path = checkpoint_service.newest_file(session, store, run.id)
+    """The run's served checkpoint: the one the organizer pinned, else the newest (404 when
+    there is none yet). Load it with ``model.load_state_dict(torch.load(path)["model"])``."""
+    checkpoint, path = checkpoint_service.served_file(session, store, run.id)
     return FileResponse(
         path,
         media_type="application/octet-stream",
@@ -110,3 +132,39 @@ def list_checkpoints(_: CurrentOrganizer, session: SessionDep, run: RunDep) -> C
             for c in checkpoint_service.list_checkpoints(session, run.id)
         ]
     )
+
+
+EpochPath = Path(ge=0, le=MAX_INT, description="The checkpoint's epoch.")
+
+
+@router.post("/checkpoints/{epoch}/pin", response_model=CheckpointPublic)
+def pin_checkpoint(
+    _: CurrentOrganizer, session: SessionDep, run: RunDep, epoch: int = EpochPath
+) -> CheckpointPublic:
+    """Serve this checkpoint (downloads, joining peers) instead of the newest, and keep it,
+    until it is unpinned or deleted; any other pin of the run is dropped."""
+    checkpoint = checkpoint_service.pin(session, run.id, epoch)
+    session.commit()
+    return checkpoint_service.public(checkpoint)
+
+
+@router.delete("/checkpoints/pin", status_code=status.HTTP_204_NO_CONTENT)
+def unpin_checkpoint(_: CurrentOrganizer, session: SessionDep, run: RunDep) -> Response:
+    """Serve the newest checkpoint again."""
+    checkpoint_service.unpin(session, run.id)
+    session.commit()
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.delete("/checkpoints/{epoch}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_checkpoint(
+    _: CurrentOrganizer,
+    session: SessionDep,
+    store: CheckpointStoreDep,
+    run: RunDep,
+    epoch: int = EpochPath,
+) -> Response:
+    """Remove the checkpoint of ``epoch`` (row and file); peers' uploads of epochs after the
+    next newest are taken again."""
+    checkpoint_service.delete_checkpoint(session, store, run.id, epoch)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -146,7 +146,7 @@ def join_run(
         online_ttl_s=settings.peer_online_ttl_s,
         bootstrap_size=settings.bootstrap_peers,
     )
-    checkpoint = checkpoint_service.newest(session, run.id)
+    checkpoint = checkpoint_service.served(session, run.id)
     session.commit()
     return JoinResponse(
         run_id=run.id,
