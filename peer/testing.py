@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gossip-period", type=float, default=1.0)
     parser.add_argument("--member-ttl", type=float, default=30.0)
     parser.add_argument("--fanout", type=int, default=3)
+    parser.add_argument("--request-timeout", type=float, default=5.0)
     parser.add_argument("--client-mode", action="store_true")
     parser.add_argument("--swarm-key-hex", default=None)
     parser.add_argument("--log-level", default="WARNING")
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
         gossip_period=args.gossip_period,
         member_ttl=args.member_ttl,
         fanout=args.fanout,
+        request_timeout=args.request_timeout,
         client_mode=args.client_mode,
         auth=auth,
     )

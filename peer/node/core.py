@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import random
 import time
@@ -43,7 +44,7 @@ from peer.node.membership import MAX_ADDRESS_CHARS, MAX_ADDRESSES, Member, decod
 from peer.node.reconnect import Reconnector
 from peer.node.trust import LINK_REVOCATIONS, Trust, clock_skew
 from peer.revocation import RevocationBook
-from peer.transport.base import Connection, Listener, Transport
+from peer.transport.base import Connection, Listener, Transport, source_of
 from peer.transport.bulk import BULK_TICKET, BulkLanes, BulkSender
 from peer.wire import (
     Frame,
@@ -75,6 +76,9 @@ class NodeConfig:
     link_idle_grace: float = 10.0  # a link used this recently is never closed as idle
     max_exchange_bytes: int = 512 * 1024  # records sent per exchange; the rest wait a round
     max_record_ttl: float = 7 * 24 * 3600.0
+    # the gossip store's total (peer.node.gossip.record_cost): past it, each owner keeps a
+    # fair share and the largest holders make room (identities cannot fill it together)
+    max_store_bytes: int = 32 << 20
     retry_backoff: float = 5.0  # seconds before dialing a peer that just failed again
     # a peer whose membership expired without a goodbye is dialed again (one such peer per
     # interval; None: every member_ttl) until it is back or this many seconds have passed,
@@ -84,6 +88,9 @@ class NodeConfig:
     # inbound connections still in their handshake; more are closed at once (each one may
     # hold a small pre-authentication buffer until its handshake times out)
     max_pending_handshakes: int = 64
+    # ... and of those, from one source (an IP address, an IPv6 /64): a stranger's idle
+    # connections cannot take every place and lock honest peers out
+    max_pending_handshakes_per_source: int = 8
     bulk_lanes: bool = True  # TCP side lanes for tensor parts (peer.transport.bulk), if TCP
     bulk_port: int = 0  # the lanes' listening port (0: any free one; set it behind a firewall)
     # links and lanes sealed with keys from each handshake (peer.transport.secure); False
@@ -96,12 +103,37 @@ class NodeConfig:
             raise ValueError("need gossip_period > 0, fanout >= 1 and member_ttl > gossip_period")
         if self.push_relays < 0:
             raise ValueError("push_relays must be >= 0")
-        if self.max_pending_handshakes < 1:
-            raise ValueError("max_pending_handshakes must be >= 1")
+        if self.max_store_bytes < 1 << 16:
+            raise ValueError("max_store_bytes must be at least 64 KiB")
+        if self.max_pending_handshakes < 1 or self.max_pending_handshakes_per_source < 1:
+            raise ValueError(
+                "max_pending_handshakes and max_pending_handshakes_per_source must be >= 1"
+            )
         if (self.reconnect_interval is not None and self.reconnect_interval <= 0) or (
             self.reconnect_give_up <= 0
         ):
             raise ValueError("need reconnect_interval > 0 and reconnect_give_up > 0")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
+def check_open_mode(auth: Authenticator | None, config: NodeConfig) -> None:
+    """Refuse (``ValueError``) a node that would listen beyond loopback with no
+    authentication unless ``auth=OpenAuth()`` asked for it: anyone who can reach such a
+    node could join its swarm."""
+    if auth is None and not config.client_mode and not is_loopback(config.host):
+        raise ValueError(
+            f"this node would listen on {config.host} with no authentication: anyone who can "
+            "reach it could join the swarm. Pass auth=SwarmKeyAuth(key) or "
+            "CertificateAuth(...), or auth=OpenAuth() to run an open swarm on purpose"
+        )
 
 
 class AsyncNode(Trust, GossipExchange):
@@ -120,6 +152,7 @@ class AsyncNode(Trust, GossipExchange):
         seed: int | None = None,
     ) -> None:
         self.config = config or NodeConfig()
+        check_open_mode(auth, self.config)  # whatever builds the node, Node or not
         self.identity = identity or Identity()
         self.auth: Authenticator = auth if auth is not None else OpenAuth()
         self.transport = transport
@@ -127,7 +160,9 @@ class AsyncNode(Trust, GossipExchange):
         self.initial_peers = [str(a) for a in initial_peers]
         self.registry = MessageRegistry()
         register_link_messages(self.registry)
-        self.store_ = GossipStore(max_ttl=self.config.max_record_ttl)
+        self.store_ = GossipStore(
+            max_ttl=self.config.max_record_ttl, max_bytes=self.config.max_store_bytes
+        )
         # certificate mode: which record owners hold a valid certificate of the run
         self.certificates: CertificateBook | None = None
         # certificate mode with the run's key at hand: the peers the run's authority banned
@@ -165,6 +200,8 @@ class AsyncNode(Trust, GossipExchange):
         self._listener: Listener | None = None
         self._quota_warned: set[str] = set()  # owners warned about for their store quota
         self._handshaking = 0  # inbound connections in their handshake
+        self._handshaking_from: dict[str, int] = {}  # ... by source (source_of)
+        self._sources_warned: set[str] = set()  # sources told off for their handshakes
         self._handshakes_full = False  # warned that they reached max_pending_handshakes
         self._addresses: list[str] = []
         self.bulk: BulkLanes | None = None
@@ -304,6 +341,14 @@ class AsyncNode(Trust, GossipExchange):
                 key,
                 self.store_.max_records_per_owner,
                 self.store_.max_bytes_per_owner,
+            )
+        elif not stored and self.store_.over_share(record):
+            logger.warning(
+                "not stored %r: the gossip store is full (%d bytes) and this node's records "
+                "would exceed its share of it (%d bytes)",
+                key,
+                self.store_.max_bytes,
+                self.store_.share(record.owner),
             )
         if stored:
             # Push right away to a few peers so a store is visible in about one round trip.
@@ -598,7 +643,23 @@ class AsyncNode(Trust, GossipExchange):
             with contextlib.suppress(Exception):
                 await conn.close("busy: too many connections in their handshake")
             return
+        source = source_of(conn.remote_address)
+        pending = self._handshaking_from.get(source, 0)
+        if pending >= self.config.max_pending_handshakes_per_source:
+            if source not in self._sources_warned:
+                if len(self._sources_warned) >= 1024:
+                    self._sources_warned.clear()  # bounded, whatever the sources
+                self._sources_warned.add(source)
+                logger.warning(
+                    "%s has %d connections in their handshake: refusing more from it",
+                    source,
+                    pending,
+                )
+            with contextlib.suppress(Exception):
+                await conn.close("busy: too many connections from your address in their handshake")
+            return
         self._handshaking += 1
+        self._handshaking_from[source] = pending + 1
         try:
             remote, conn = await self._handshake(conn, None)
         except (AuthenticationError, ProtocolError) as exc:
@@ -611,6 +672,11 @@ class AsyncNode(Trust, GossipExchange):
             return
         finally:
             self._handshaking -= 1
+            left = self._handshaking_from[source] - 1
+            if left:
+                self._handshaking_from[source] = left
+            else:
+                del self._handshaking_from[source]
             if self._handshaking < self.config.max_pending_handshakes // 2:
                 self._handshakes_full = False
         link = self._adopt(conn, remote, inbound=True)

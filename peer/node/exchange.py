@@ -41,7 +41,17 @@ from peer.node.gossip import (
 from peer.node.links import Handler, PeerLink
 from peer.node.membership import Member, decode_member
 from peer.node.reconnect import Reconnector
-from peer.wire import BYTES, INT, AnyValue, Frame, ListOf, MessageRegistry, Scalar, Schema
+from peer.wire import (
+    BYTES,
+    INT,
+    AnyValue,
+    Frame,
+    Limits,
+    ListOf,
+    MessageRegistry,
+    Scalar,
+    Schema,
+)
 
 if TYPE_CHECKING:
     from peer.node.core import NodeConfig
@@ -53,6 +63,18 @@ __all__ = ["GOSSIP_DIGEST", "GOSSIP_PUSH", "GOSSIP_REPLY", "GossipExchange"]
 GOSSIP_DIGEST = "gossip.digest"
 GOSSIP_REPLY = "gossip.reply"
 GOSSIP_PUSH = "gossip.push"
+
+
+def want_budget(limits: Limits, max_exchange_bytes: int) -> int:
+    """How many record ids one ``gossip.reply`` asks for: what its ``want`` field may hold
+    (:attr:`~peer.wire.Limits.max_string_length`), and no more records than one push of
+    ``max_exchange_bytes`` could carry (each costs at least :data:`MIN_RECORD_BYTES`)."""
+    return max(
+        1, min(limits.max_string_length // RECORD_ID_BYTES, max_exchange_bytes // MIN_RECORD_BYTES)
+    )
+
+
+MIN_RECORD_BYTES = 128  # what take_within_budget counts for a record beyond its value and key
 
 
 class GossipExchange:
@@ -237,6 +259,11 @@ class GossipExchange:
         batch = take_within_budget(
             mine_newer, self.config.max_exchange_bytes, self.random, self.certificates, now
         )
+        # the ids wanted in one reply fit its field's limit and the records the other side
+        # pushes per exchange; the rest are asked for in later rounds
+        budget = want_budget(self.config.limits, self.config.max_exchange_bytes)
+        if len(theirs_newer) > budget:
+            theirs_newer = self.random.sample(theirs_newer, budget)
         return Frame(
             GOSSIP_REPLY, {**self._records_fields(batch, now), "want": b"".join(theirs_newer)}
         )
@@ -288,14 +315,21 @@ class GossipExchange:
                     logger.warning("rejected a record relayed by %s: %s", link.peer_id, exc)
                 continue
             if not self.store_.put(record, now):
-                if self.store_.over_quota(record) and record.owner_id not in self._quota_warned:
+                over = (
+                    "its quota in the gossip store"
+                    if self.store_.over_quota(record)
+                    else "its share of the full gossip store"
+                    if self.store_.over_share(record)
+                    else None
+                )
+                if over is not None and record.owner_id not in self._quota_warned:
                     if len(self._quota_warned) >= 1024:
                         self._quota_warned.clear()  # bounded, whoever mints keys
                     self._quota_warned.add(record.owner_id)
                     logger.warning(
-                        "peer %s is over its quota in the gossip store (relayed by %s): "
-                        "its further records are dropped",
+                        "peer %s is over %s (relayed by %s): its further records are dropped",
                         record.owner_id,
+                        over,
                         link.peer_id,
                     )
                 continue

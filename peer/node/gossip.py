@@ -212,13 +212,33 @@ class Record:
         )
 
 
+def record_cost(record: Record) -> int:
+    """Bytes a record counts for against the store's total (:class:`GossipStore`): its
+    value, key and subkey, and what every record carries besides (owner, signature,
+    numbers, the store's own bookkeeping)."""
+    subkey = record.subkey
+    size = len(subkey) if isinstance(subkey, str | bytes) else 8
+    return len(record.value) + len(record.key) + size + RECORD_OVERHEAD
+
+
+RECORD_OVERHEAD = 256
+
+
 class GossipStore:
     """Records by slot, with expiry. ``now`` is always passed in; nothing here reads a clock.
 
     Each owner may hold at most ``max_records_per_owner`` records and
     ``max_bytes_per_owner`` bytes of values, so one peer cannot fill everyone's store; the
     whole store holds at most ``max_records``, except membership records (one per owner),
-    so a newcomer can still join a swarm whose store is full."""
+    so a newcomer can still join a swarm whose store is full.
+
+    The whole store also holds at most ``max_bytes`` (:func:`record_cost`), so identities
+    that each stay within their quota cannot fill it together either. When it is full, an
+    owner still gets its fair share (``max_bytes`` over the number of owners): its record
+    is stored and room is made by dropping records of the owner holding the most; an owner
+    past its share is refused (:meth:`over_share`). Honest peers, who store little, keep
+    their place however many identities an attacker has; membership records are never
+    dropped to make room."""
 
     def __init__(
         self,
@@ -227,14 +247,19 @@ class GossipStore:
         max_records: int = 1_000_000,
         max_records_per_owner: int = 1024,
         max_bytes_per_owner: int = 8 << 20,
+        max_bytes: int = 32 << 20,
     ) -> None:
         self.max_ttl = max_ttl
         self.max_records = max_records
         self.max_records_per_owner = max_records_per_owner
         self.max_bytes_per_owner = max_bytes_per_owner
+        self.max_bytes = max_bytes
         self._records: dict[bytes, Record] = {}
         self._by_key: dict[str, set[bytes]] = {}
         self._usage: dict[bytes, tuple[int, int]] = {}  # owner → (records, value bytes)
+        self._cost: dict[bytes, int] = {}  # owner → record_cost of its records
+        self._by_owner: dict[bytes, set[bytes]] = {}  # owner → its records' ids
+        self.total_bytes = 0  # record_cost of every record held
 
     def __len__(self) -> int:
         return len(self._records)
@@ -264,10 +289,60 @@ class GossipStore:
             self.expire(now)
             if len(self._records) >= self.max_records and record.key != MEMBERS_KEY:
                 return False
+        if record.key != MEMBERS_KEY and self._over_total(record, existing):
+            self.expire(now)
+            existing = self._records.get(rid)
+            if self._over_total(record, existing) and not self._make_room(record, existing):
+                return False
         self._account(existing, -1)
         self._account(record, +1)
         self._records[rid] = record
         self._by_key.setdefault(record.key, set()).add(rid)
+        self._by_owner.setdefault(record.owner, set()).add(rid)
+        return True
+
+    def _over_total(self, record: Record, existing: Record | None) -> bool:
+        held = record_cost(existing) if existing is not None else 0
+        return self.total_bytes - held + record_cost(record) > self.max_bytes
+
+    def share(self, owner: bytes) -> int:
+        """The bytes ``owner`` may hold once the store is full: an equal part of
+        ``max_bytes`` among the owners held (``owner`` counted)."""
+        owners = len(self._cost) + (owner not in self._cost)
+        return self.max_bytes // owners
+
+    def over_share(self, record: Record) -> bool:
+        """Whether the store is full and ``record`` would take its owner past its share:
+        such a record is refused (membership records never are)."""
+        existing = self._records.get(record.rid)
+        if record.key == MEMBERS_KEY or not self._over_total(record, existing):
+            return False
+        held = record_cost(existing) if existing is not None else 0
+        after = self._cost.get(record.owner, 0) - held + record_cost(record)
+        return after > self.share(record.owner)
+
+    def _make_room(self, record: Record, existing: Record | None) -> bool:
+        """Drop records of the owners holding the most until ``record`` fits; False (and
+        nothing dropped) when its owner is past its share."""
+        if self.over_share(record):
+            return False
+        need = record_cost(record) - (record_cost(existing) if existing is not None else 0)
+        while self.total_bytes + need > self.max_bytes:
+            candidates = [o for o in self._cost if o != record.owner]
+            if not candidates:
+                return False
+            largest = max(candidates, key=lambda o: self._cost[o])
+            victim = next(
+                (
+                    self._records[r]
+                    for r in self._by_owner.get(largest, ())
+                    if self._records[r].key != MEMBERS_KEY
+                ),
+                None,
+            )
+            if victim is None:
+                return False
+            self._drop([victim])
         return True
 
     def over_quota(self, record: Record) -> bool:
@@ -287,10 +362,14 @@ class GossipStore:
             return
         count, size = self._usage.get(record.owner, (0, 0))
         count, size = count + sign, size + sign * len(record.value)
+        cost = sign * record_cost(record)
+        self.total_bytes += cost
         if count:
             self._usage[record.owner] = (count, size)
+            self._cost[record.owner] = self._cost.get(record.owner, 0) + cost
         else:
             self._usage.pop(record.owner, None)
+            self._cost.pop(record.owner, None)
 
     def get(self, key: str, now: float) -> ValueWithExpiration[Any] | None:
         live = [
@@ -347,11 +426,8 @@ class GossipStore:
             rid = record.rid
             del self._records[rid]
             self._account(record, -1)
-            rids = self._by_key.get(record.key)
-            if rids is not None:
-                rids.discard(rid)
-                if not rids:
-                    del self._by_key[record.key]
+            _unindex(self._by_key, record.key, rid)
+            _unindex(self._by_owner, record.owner, rid)
         return gone
 
     # anti-entropy ------------------------------------------------------------------------
@@ -393,6 +469,17 @@ class GossipStore:
             if record is not None and record.expiration > now:
                 out.append(record)
         return out
+
+
+K = TypeVar("K")
+
+
+def _unindex(index: dict[K, set[bytes]], group: K, rid: bytes) -> None:
+    rids = index.get(group)
+    if rids is not None:
+        rids.discard(rid)
+        if not rids:
+            del index[group]
 
 
 @dataclass(frozen=True, slots=True)

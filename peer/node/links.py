@@ -7,6 +7,8 @@ Handshake (both sides run the same steps, so it does not matter who dialed)::
     ← hello {...}
     → auth  {signature, proof}
     ← auth  {...}
+    → ready {}
+    ← ready {}
 
 Each side's ``auth`` signs ``context ‖ H(own hello) ‖ H(their hello)`` with its Ed25519
 key; the other side's fresh nonce inside ``their hello`` makes the signature useless for
@@ -15,6 +17,14 @@ in certificate mode ``credential`` is a run certificate checked with the pluggab
 before anything else is accepted. Modes must match exactly; a mismatch is refused, never
 downgraded. Until both ``auth`` messages are verified, any other frame closes the
 connection: an unauthenticated peer cannot send a gossip record or a tensor.
+
+Pre-authentication limits: until the other side's ``auth`` has verified (its signature,
+and in swarm-key mode its proof of the swarm key), the transport refuses any message over
+:data:`~peer.transport.base.PRE_AUTH_MESSAGE_BYTES`, whatever certificate the hello
+showed (a certificate is public: any member's hello shows one). Each side raises the
+limit once the other's ``auth`` verifies and then says ``ready``; neither sends anything
+but handshake messages before it has read the other's ``ready``, so a large frame never
+meets the small limit.
 
 Encryption: ``kx`` is a fresh X25519 public key, signed with the rest of the hello, and the
 link's keys derive from the two (:mod:`peer.transport.secure`): every message after the
@@ -86,6 +96,7 @@ HANDSHAKE_CONTEXT = b"swarmgrad/handshake/v1\x00"
 
 HELLO = "hello"
 AUTH = "auth"
+READY = "ready"
 REFUSE = "refuse"
 ERROR = "error"
 
@@ -112,6 +123,7 @@ def register_link_messages(registry: MessageRegistry) -> None:
     registry.register(
         AUTH, Schema(required={"signature": BYTES, "proof": Scalar(bytes, max_length=64)})
     )
+    registry.register(READY, Schema())
     registry.register(REFUSE, Schema(required={"reason": Scalar(str, max_length=1024)}))
     registry.register(ERROR, Schema(required={"message": Scalar(str, max_length=4096)}))
 
@@ -245,9 +257,6 @@ async def _handshake(
             shared = kx.shared(fields.get("kx", b""))
         except ValueError as exc:
             await _refuse(conn, f"bad key-exchange key: {exc}", limits)
-    # Their credential holds: from here on they may send full-size frames (raised before
-    # our auth goes out, so nothing they send after reading it can meet the small limit).
-    conn.limit_incoming(limits.max_frame_bytes + (LINK_OVERHEAD if encrypt else 0))
 
     def transcript(first: bytes, second: bytes) -> bytes:
         return HANDSHAKE_CONTEXT + hashlib.sha256(first).digest() + hashlib.sha256(second).digest()
@@ -270,6 +279,11 @@ async def _handshake(
         frame.fields["proof"], auth.proof(theirs)
     ):
         await _refuse(conn, "wrong swarm key", limits)
+    # Only now has the peer proven that it holds its key (and the swarm key): from here on
+    # it may send full-size frames. A certificate alone proves nothing, since any member's
+    # hello shows one. The limit rises before our ``ready`` goes out, and the peer sends
+    # nothing large before it reads that, so no large frame can meet the small limit.
+    conn.limit_incoming(limits.max_frame_bytes + (LINK_OVERHEAD if encrypt else 0))
     remote = RemotePeer(
         their_id,
         their_key,
@@ -278,11 +292,18 @@ async def _handshake(
         verified,
         fields["credential"] if isinstance(auth, CertificateAuth) else b"",
     )
-    if kx is None:
-        return remote, conn
-    # the signatures just verified cover both hellos, their key-exchange keys included
-    keys = derive_session(shared, identity.public_key, my_hello, their_key, their_hello)
-    return remote, SecureConnection(conn, keys)
+    if kx is not None:
+        # the signatures just verified cover both hellos, their key-exchange keys included
+        keys = derive_session(shared, identity.public_key, my_hello, their_key, their_hello)
+        conn = SecureConnection(conn, keys)
+    # ``ready`` (sealed when encrypting: it also confirms both ends derived the same keys)
+    await conn.send(encode_frame(Frame(READY, {}), limits))
+    frame, _ = await _recv_frame(conn, registry, limits)
+    if frame.type == REFUSE:
+        raise AuthenticationError(f"refused by remote peer: {frame.fields['reason']}")
+    if frame.type != READY:
+        await _refuse(conn, f"expected {READY!r}, got {frame.type!r}", limits)
+    return remote, conn
 
 
 async def _refuse(conn: Connection, reason: str, limits: Limits) -> None:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ipaddress
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from peer.exceptions import NodeShutdown
 from peer.identity import Authenticator, Identity, OpenAuth
-from peer.node.core import AsyncNode, Member, NodeConfig
+from peer.node.core import AsyncNode, Member, NodeConfig, check_open_mode
 from peer.node.gossip import Subkey, ValueWithExpiration
 from peer.transport.base import Transport
 from peer.transport.websocket import WebSocketTransport
@@ -61,15 +60,6 @@ class LoopThread:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join()
         self.loop.close()
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve anywhere
 
 
 class Node:
@@ -119,12 +109,6 @@ class Node:
     ) -> None:
         if isinstance(initial_peers, str):
             raise TypeError('initial_peers is a list of addresses, e.g. ["ws://127.0.0.1:4000"]')
-        if auth is None and not client_mode and transport is None and not _is_loopback(host):
-            raise ValueError(
-                f"this node would listen on {host} with no authentication: anyone who can "
-                "reach it could join the swarm. Pass auth=SwarmKeyAuth(key) or "
-                "CertificateAuth(...), or auth=OpenAuth() to run an open swarm on purpose"
-            )
         self.config = NodeConfig(
             host=host,
             port=port,
@@ -140,6 +124,7 @@ class Node:
             bulk_port=bulk_port,
             encryption=encryption,
         )
+        check_open_mode(auth, self.config)  # before anything starts (AsyncNode checks too)
         self._transport = transport or WebSocketTransport(
             max_message_bytes=self.config.limits.max_frame_bytes
         )

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from peer.exceptions import SwarmgradError
+from peer.identity import is_peer_id
 
 logger = logging.getLogger("peer.optim.progress")
 
@@ -244,6 +245,7 @@ class ProgressTracker:
         self._task: asyncio.Task[None] | None = None
         self._shut = False
         self._discounted: dict[str, tuple[int, float]] = {}  # peer -> (epoch, until)
+        self._not_peer_ids: set[str] = set()  # subkeys warned about (bounded)
 
     @property
     def peer_id(self) -> str:
@@ -317,7 +319,18 @@ class ProgressTracker:
             return []
         reports = []
         for subkey, item in found.value.items():
-            if not isinstance(subkey, str):
+            if not is_peer_id(subkey):
+                # anyone may write under a subkey such as "0" or an upper-cased id, which
+                # no peer owns: such a report must not count as one more peer (nor make
+                # "0" the lowest peer id, the checkpoint's uploader)
+                shown = repr(subkey)[:80]
+                if shown not in self._not_peer_ids and len(self._not_peer_ids) < 64:
+                    self._not_peer_ids.add(shown)
+                    logger.warning(
+                        "ignoring a report under %s in %r: its subkey is not a peer id",
+                        shown,
+                        self.key,
+                    )
                 continue
             report = ProgressReport.from_wire(subkey, getattr(item, "value", None))
             if report is not None:

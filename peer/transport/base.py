@@ -7,6 +7,8 @@ WebSocket implementation for the in-memory one.
 from __future__ import annotations
 
 import abc
+import ipaddress
+import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 
 Data = bytes | bytearray | memoryview
@@ -18,6 +20,23 @@ and a tensor view can go out without being concatenated first)."""
 #: the largest message a peer may send before it has shown a valid credential (a hello with
 #: a certificate and addresses takes a few KiB)
 PRE_AUTH_MESSAGE_BYTES = 64 * 1024
+
+
+def source_of(address: str) -> str:
+    """Who a connection from ``address`` (a URL like ``ws://198.51.100.7:50312``, or a bare
+    host) counts as, for limits per source: its IP address, or for IPv6 its /64 network
+    (what one host is usually given); the host part as it is when it is not an IP
+    address."""
+    host = urllib.parse.urlsplit(address).hostname if "//" in address else address
+    if not host:
+        return address
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is None:
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip.ipv4_mapped or ip) if isinstance(ip, ipaddress.IPv6Address) else str(ip)
 
 
 class Connection(abc.ABC):

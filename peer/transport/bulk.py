@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -45,6 +46,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from peer.exceptions import FrameTooLarge, ProtocolError, SwarmgradError, TransportError
+from peer.transport.base import source_of
 from peer.transport.buffers import BufferPool
 from peer.transport.lane_stream import LaneReader
 from peer.transport.secure import LaneKeys, LaneOpener, LaneSealer, lane_proof_ok
@@ -75,6 +77,11 @@ _READ_BUDGET = 8 << 20  # bytes read per wake-up of a lane before the loop's oth
 _BACKLOG_FRAMES = 4  # frames waiting for an async handler before a lane stops reading
 _RETRY_AFTER = 60.0  # seconds before trying again a lane to a peer that could not get one
 _CONNECT_TIMEOUT = 3.0  # a lane port behind a firewall: fall back to the link soon
+# connections to the lane port that have not shown a ticket yet (each one a file
+# descriptor): in all, from one source (an IP address, an IPv6 /64), and for how long
+MAX_ADMISSIONS = 64
+MAX_ADMISSIONS_PER_SOURCE = 8
+ADMISSION_TIMEOUT = 5.0
 
 
 class BulkSender:
@@ -412,6 +419,8 @@ class BulkLanes:
         self._tickets: dict[bytes, tuple[str, float, LaneKeys | None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._opening: set[asyncio.Task[Any]] = set()  # admissions and dials: close() cancels
+        self._admitting: dict[str, int] = {}  # source → connections waiting for a ticket
+        self._admissions_warned: set[str] = set()
         self.closing = False
         self.buffers = BufferPool()  # payloads received on lanes
         # peer id → loop time at which bytes last came from it on a lane, and at which a
@@ -475,20 +484,55 @@ class BulkLanes:
         assert self._listener is not None
         while True:
             try:
-                conn, _ = await self.loop.sock_accept(self._listener)
+                conn, peer = await self.loop.sock_accept(self._listener)
             except OSError as exc:
                 if self.closing:
                     return
                 logger.debug("bulk accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            self._spawn(self._admit(conn), opening=True)
+            source = source_of(str(peer[0]))
+            if not self._may_admit(source):
+                conn.close()
+                continue
+            self._admitting[source] = self._admitting.get(source, 0) + 1
+            task = self._spawn(self._admit(conn, source), opening=True)
+            task.add_done_callback(functools.partial(self._admitted, source))
 
-    async def _admit(self, conn: socket.socket) -> None:
+    def _may_admit(self, source: str) -> bool:
+        """Whether a connection from ``source`` may wait for its preamble: at most
+        :data:`MAX_ADMISSIONS` do, :data:`MAX_ADMISSIONS_PER_SOURCE` from one source, so
+        connections that say nothing cannot take the node's file descriptors or lock out
+        the peers that hold tickets."""
+        waiting = self._admitting.get(source, 0)
+        total = sum(self._admitting.values())
+        if waiting < MAX_ADMISSIONS_PER_SOURCE and total < MAX_ADMISSIONS:
+            return True
+        if source not in self._admissions_warned:
+            if len(self._admissions_warned) >= 1024:
+                self._admissions_warned.clear()  # bounded, whatever the sources
+            self._admissions_warned.add(source)
+            logger.warning(
+                "refusing bulk lane connections from %s: %d of its connections (%d in all) "
+                "have not shown a ticket yet",
+                source,
+                waiting,
+                total,
+            )
+        return False
+
+    def _admitted(self, source: str, _: asyncio.Task[Any]) -> None:
+        left = self._admitting.get(source, 0) - 1
+        if left > 0:
+            self._admitting[source] = left
+        else:
+            self._admitting.pop(source, None)
+
+    async def _admit(self, conn: socket.socket, source: str) -> None:
         """Read the preamble (magic and ticket) and turn the connection into a lane."""
         preamble = bytearray(len(MAGIC) + TICKET_BYTES)
         try:
-            async with asyncio.timeout(5.0):
+            async with asyncio.timeout(ADMISSION_TIMEOUT):
                 got = 0
                 while got < len(preamble):
                     n = await self.loop.sock_recv_into(conn, memoryview(preamble)[got:])
@@ -496,7 +540,7 @@ class BulkLanes:
                         raise ConnectionError("closed during the preamble")
                     got += n
         except (OSError, TimeoutError) as exc:
-            logger.debug("bulk lane preamble failed: %s", exc)
+            logger.debug("bulk lane preamble from %s failed: %s", source, exc)
             conn.close()
             return
         except BaseException:  # cancelled by close()
@@ -504,7 +548,7 @@ class BulkLanes:
             raise
         claim = self._tickets.pop(bytes(preamble[len(MAGIC) :]), None)
         if preamble[: len(MAGIC)] != MAGIC or claim is None or claim[1] < time.monotonic():
-            logger.warning("refusing a bulk lane without a valid ticket")
+            logger.warning("refusing a bulk lane from %s without a valid ticket", source)
             conn.close()
             return
         peer_id, _, keys = claim
@@ -527,7 +571,7 @@ class BulkLanes:
         proof = bytearray(PROOF_BYTES)
         got = 0
         try:
-            async with asyncio.timeout(5.0):
+            async with asyncio.timeout(ADMISSION_TIMEOUT):
                 while got < PROOF_BYTES:
                     n = await self.loop.sock_recv_into(conn, memoryview(proof)[got:])
                     if n == 0:

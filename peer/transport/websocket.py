@@ -24,6 +24,8 @@ from peer.transport.base import (
 
 # RFC 6455 close codes we use: 1000 normal, 1002 protocol error, 1008 policy violation.
 _NORMAL, _PROTOCOL_ERROR = 1000, 1002
+_QUEUE = 64  # frames received ahead of the reader on an authenticated link
+_PRE_AUTH_QUEUE = 2  # ... and before: a handshake reads one message at a time
 
 
 class WebSocketConnection(Connection):
@@ -68,6 +70,13 @@ class WebSocketConnection(Connection):
     def limit_incoming(self, max_bytes: int) -> None:
         # read by the parser at the start of every message
         self._ws.protocol.max_message_size = max_bytes
+        # Before authentication a few frames may wait to be read, not the 64 of a link:
+        # reading pauses past them (the sender meets TCP's backpressure), so a stranger
+        # cannot park megabytes of small messages in a handshake that never reads them.
+        queue = self._ws.recv_messages
+        queue.high, queue.low = (
+            (_QUEUE, _QUEUE // 4) if max_bytes > PRE_AUTH_MESSAGE_BYTES else (_PRE_AUTH_QUEUE, 0)
+        )
 
     @staticmethod
     def _describe(exc: WsConnectionClosed) -> str:
@@ -112,7 +121,7 @@ class WebSocketTransport(Transport):
                     ping_interval=20,
                     ping_timeout=20,
                     close_timeout=2,
-                    max_queue=64,
+                    max_queue=_QUEUE,
                     open_timeout=None,
                 ),
                 timeout,
@@ -146,7 +155,7 @@ class WebSocketTransport(Transport):
             ping_interval=20,
             ping_timeout=20,
             close_timeout=2,
-            max_queue=64,
+            max_queue=_QUEUE,
         )
         addresses = []
         for sock in server.sockets:

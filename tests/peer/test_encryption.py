@@ -135,7 +135,7 @@ async def test_a_tampered_replayed_or_reordered_frame_closes_the_link(
     held: list[bytes] = []
 
     def alter(index: int, data: bytes) -> bytes | None:
-        if index < 2:  # hello and auth: the handshake passes
+        if index < 3:  # hello, auth and ready: the handshake passes
             return data
         if attack == "tamper":
             return data[:-1] + bytes([data[-1] ^ 1])
