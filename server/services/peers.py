@@ -1,6 +1,10 @@
 """Joining a run (with proof of holding the peer's key), renewing certificates and handing
 out bootstrap peers.
 
+A join's claimed ``addresses`` are never handed to other peers: bootstrap serves only the
+address the reachability probe reached, made of the source address the coordinator saw
+(``X-Forwarded-For`` only from a trusted proxy) and the port the peer named.
+
 Joining is two calls. ``POST /join/challenge`` gives a short-lived challenge bound to the run
 and the join token (see :class:`server.security.JoinChallenges`); the volunteer signs
 ``peer.formats.join_proof_payload(run_id, challenge, public_key)`` with its identity and
@@ -11,6 +15,7 @@ announces) and take over that peer's row, token and addresses.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -34,6 +39,11 @@ from server.services import tokens as token_service
 from server.services import volunteers as volunteer_service
 
 DEFAULT_DISPLAY_NAME = "anonymous volunteer"
+# Keys (machines) per volunteer credential, or per use of an invite, unless the run's config
+# sets max_machines (peer.tasks.base.TrainingConfig).
+DEFAULT_MAX_MACHINES = 8
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +74,42 @@ def issue_certificate(
         public_key=peer.public_key,
         role="client" if peer.client_mode else "peer",
         expires_at=expires_ms / 1000,
+        volunteer=str(peer.volunteer_id),
     )
     return certificate, ms_to_datetime(expires_ms)
+
+
+def max_machines(run: Run) -> int:
+    """The run's ``max_machines`` (its config is checked by the volunteers' TrainingConfig;
+    anything but a positive integer here means the default)."""
+    value = (run.config or {}).get("max_machines", DEFAULT_MAX_MACHINES)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return DEFAULT_MAX_MACHINES
+    return value
+
+
+def ensure_machine_allowed(session: Session, run: Run, volunteer: Volunteer) -> None:
+    """:class:`Forbidden` (logged, naming the volunteer) when ``volunteer`` already joined
+    the run's ``max_machines`` keys; its row is locked first, so racing joins count right."""
+    session.execute(select(Volunteer.id).where(Volunteer.id == volunteer.id).with_for_update())
+    cap = max_machines(run)
+    keys = session.scalar(select(func.count()).where(Peer.volunteer_id == volunteer.id)) or 0
+    if keys < cap:
+        return
+    logger.warning(
+        "refused a new key of volunteer %d (%r) in run %s: it joined %d machines already, "
+        "the run's max_machines",
+        volunteer.id,
+        volunteer.display_name,
+        run.id,
+        keys,
+    )
+    raise Forbidden(
+        f"this credential has joined {keys} machines, the most run {run.id} allows "
+        "(max_machines); join again from one of them, or ask the organizer"
+    )
 
 
 def join_challenge(
@@ -138,6 +182,8 @@ def join(
     try:
         if peer is None:
             volunteer = personal
+            if volunteer is not None:
+                ensure_machine_allowed(session, run, volunteer)
             if volunteer is None:
                 volunteer = Volunteer(
                     run_id=run.id,
@@ -152,7 +198,9 @@ def join(
                 peer_id=peer_id,
                 public_key=public_key,
                 volunteer_id=volunteer.id,
-                addresses=list(data.addresses),
+                # What a joiner claims is never handed to others: only the address the
+                # reachability probe reached (server.services.reachability).
+                addresses=[],
                 client_mode=data.client_mode,
                 first_seen_ms=now,
                 last_seen_ms=now,
@@ -166,7 +214,8 @@ def join(
             session.add(peer)
             session.flush()
         else:
-            peer.addresses = list(data.addresses)
+            if data.client_mode:  # a probed address stays until the next probe
+                peer.addresses = []
             peer.client_mode = data.client_mode
             if peer.last_seen_ms < now - int(online_ttl_s * 1000):  # back after a gap
                 if peer.session_started_ms is not None:

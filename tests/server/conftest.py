@@ -237,6 +237,21 @@ class Api:
         )
 
 
+def reached(app: FastAPI, peer: JoinedPeer, address: str) -> None:
+    """Record ``address`` for ``peer`` as the reachability probe does once it reached it:
+    only then is it handed to other peers (a join's claimed addresses never are)."""
+    from sqlalchemy import update
+
+    from server.models import Peer
+
+    with app.state.session_factory() as session, session.begin():
+        session.execute(
+            update(Peer)
+            .where(Peer.peer_id == peer.body["peer_id"])
+            .values(addresses=[address], client_mode=False)
+        )
+
+
 @pytest.fixture
 def api(client: httpx.AsyncClient) -> Api:
     return Api(client)

@@ -76,8 +76,6 @@ async def test_two_joined_peers_handshake_and_gossip_and_other_runs_are_refused(
 
     port = _free_port()
     first = await api.join(run["id"], token, addresses=[f"ws://127.0.0.1:{port}"])
-    second = await api.join(run["id"], token, addresses=[])
-    assert [p["peer_id"] for p in second.body["bootstrap"]] == [first.body["peer_id"]]
     intruder = await api.join(other_run["id"], other_token, addresses=[])
 
     nodes: list[Node] = []
@@ -87,6 +85,13 @@ async def test_two_joined_peers_handshake_and_gossip_and_other_runs_are_refused(
         )
         nodes.append(a)
         assert a.peer_id == first.body["peer_id"]
+        # Handed to others only once the probe reached it.
+        probe = await api.client.post(
+            f"/api/v1/runs/{run['id']}/reachability", json={"port": port}, headers=first.headers
+        )
+        assert probe.json()["reachable"] is True, probe.text
+        second = await api.join(run["id"], token, addresses=[])
+        assert [p["peer_id"] for p in second.body["bootstrap"]] == [first.body["peer_id"]]
         b = Node(
             [addr for p in second.body["bootstrap"] for addr in p["addresses"]],
             identity=second.identity,

@@ -16,7 +16,7 @@ from peer.identity import JOIN_PROOF_CONTEXT, Identity, join_proof_payload
 from server.clock import now_ms
 from server.models import Peer, Token
 from server.security import JoinChallenges
-from tests.server.conftest import ORGANIZER, SECRET_KEY, Api, b64, bearer, join_proof
+from tests.server.conftest import ORGANIZER, SECRET_KEY, Api, b64, bearer, join_proof, reached
 
 CHALLENGE = "/api/v1/join/challenge"
 
@@ -93,6 +93,7 @@ async def test_a_key_without_its_private_half_is_refused_and_the_victim_untouche
     app: FastAPI, api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
 ) -> None:
     victim = await api.join(run["id"], join_token, addresses=["ws://10.0.0.1:7000"])
+    reached(app, victim, "ws://10.0.0.1:7000")
     before = snapshot(app, victim.body["peer_id"])
     attacker = Identity()
     challenge = await challenge_for(client, join_token)

@@ -13,11 +13,12 @@ from sqlalchemy import update
 from peer.identity import Certificate, CertificateVerifier, Identity, peer_id_from_public_key
 from server.clock import now_ms
 from server.models import Peer
-from tests.server.conftest import ORGANIZER, Api, b64, bearer
+from server.services import volunteers as volunteer_service
+from tests.server.conftest import ORGANIZER, Api, b64, bearer, reached
 
 
 async def test_join_returns_credentials_config_and_bootstrap(
-    api: Api, run: dict[str, Any], join_token: str
+    app: FastAPI, api: Api, run: dict[str, Any], join_token: str
 ) -> None:
     first = await api.join(
         run["id"], join_token, addresses=["ws://10.0.0.1:7000"], display_name="Ada"
@@ -32,18 +33,22 @@ async def test_join_returns_credentials_config_and_bootstrap(
     certificate = Certificate.from_base64(body["certificate"])
     assert certificate.role == "peer" and certificate.run_id == run["id"]
 
+    # What a join claims is never handed out; what the probe reached is.
+    assert (await api.join(run["id"], join_token)).body["bootstrap"] == []
+    reached(app, first, "ws://10.0.0.2:7000")
     second = await api.join(run["id"], join_token)
     assert second.body["bootstrap"] == [
-        {"peer_id": body["peer_id"], "addresses": ["ws://10.0.0.1:7000"]}
+        {"peer_id": body["peer_id"], "addresses": ["ws://10.0.0.2:7000"]}
     ]
 
 
 async def test_client_mode_peers_get_client_certificates_and_are_not_bootstrap(
-    api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
+    app: FastAPI, api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
 ) -> None:
     behind_nat = await api.join(run["id"], join_token, addresses=[], client_mode=True)
     assert Certificate.from_base64(behind_nat.body["certificate"]).role == "client"
     server = await api.join(run["id"], join_token)
+    reached(app, server, "ws://10.0.0.2:7000")
     assert server.body["bootstrap"] == []
     seen = await client.get(f"/api/v1/runs/{run['id']}/bootstrap", headers=behind_nat.headers)
     assert [p["peer_id"] for p in seen.json()["peers"]] == [server.body["peer_id"]]
@@ -53,6 +58,8 @@ async def test_bootstrap_is_a_sample_of_live_peers_never_the_caller(
     app: FastAPI, api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
 ) -> None:
     peers = [await api.join(run["id"], join_token) for _ in range(12)]
+    for i, p in enumerate(peers):
+        reached(app, p, f"ws://10.0.0.{i + 1}:7000")
     ids = {p.body["peer_id"] for p in peers}
     stale = peers[0].body["peer_id"]
     with app.state.session_factory() as session, session.begin():
@@ -130,20 +137,23 @@ async def test_certificate_renewal(
     assert cert.expires_at >= Certificate.from_base64(peer.body["certificate"]).expires_at
 
 
-async def test_rejoin_updates_addresses_and_display_name(
-    api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
+async def test_rejoin_keeps_the_probed_address_and_updates_the_display_name(
+    app: FastAPI, api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
 ) -> None:
     identity = Identity()
-    await api.join(run["id"], join_token, identity, addresses=["ws://old:1"], display_name="A")
+    first = await api.join(run["id"], join_token, identity, addresses=["ws://old:1"],
+                           display_name="A")  # fmt: skip
+    reached(app, first, "ws://10.0.0.2:7000")
     again = await api.join(
         run["id"], join_token, identity, addresses=["ws://new:2"], display_name="B"
     )
     other = await api.join(run["id"], join_token)
     sample = (await client.get(f"/api/v1/runs/{run['id']}/bootstrap", headers=other.headers)).json()
-    assert sample["peers"] == [{"peer_id": again.body["peer_id"], "addresses": ["ws://new:2"]}]
+    probed = ["ws://10.0.0.2:7000"]
+    assert sample["peers"] == [{"peer_id": again.body["peer_id"], "addresses": probed}]
     listed = (await client.get(f"/api/v1/runs/{run['id']}/peers", headers=ORGANIZER)).json()
     mine = next(p for p in listed["peers"] if p["peer_id"] == again.body["peer_id"])
-    assert mine["display_name"] == "B" and mine["addresses"] == ["ws://new:2"]
+    assert mine["display_name"] == "B" and mine["addresses"] == probed
     assert mine["online"] is True and mine["client_mode"] is False
     assert len(listed["peers"]) == 2
 
@@ -158,3 +168,25 @@ async def test_peer_listing_needs_an_organizer(
     listed = (await client.get(url, headers=ORGANIZER)).json()["peers"]
     assert [p["display_name"] for p in listed] == ["Grace"]
     assert listed[0]["samples"] == 0 and listed[0]["last_report_at"] is None
+
+
+async def test_a_credential_joins_at_most_max_machines_keys_named_in_certificates(
+    app: FastAPI, api: Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = await api.create_run("capped", config={"max_machines": 2})
+    invite = (await api.create_join_token(run["id"]))["token"]
+    with app.state.session_factory() as session:
+        redeemed = volunteer_service.redeem_invite(session, invite, "mallory", token_ttl_s=60)
+        session.commit()
+    first, second = [await api.join(run["id"], redeemed.token) for _ in range(2)]
+    third = await api.join(run["id"], redeemed.token, expect=403)
+    assert "max_machines" in third.body["detail"]
+    assert any(f"volunteer {redeemed.volunteer.id}" in r.getMessage() for r in caplog.records)
+    # The same keys come back (a restart), and certificates name the volunteer.
+    again = await api.join(run["id"], redeemed.token, first.identity)
+    names = {
+        Certificate.from_base64(j.body["certificate"]).volunteer for j in (first, second, again)
+    }
+    assert names == {str(redeemed.volunteer.id)}
+    stranger = await api.join(run["id"], invite)
+    assert Certificate.from_base64(stranger.body["certificate"]).volunteer not in names
