@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "ALGORITHMS",
     "BASE_DEFAULTS",
     "OPTIMIZERS",
     "OptimizerFactory",
@@ -47,6 +48,11 @@ __all__ = [
 
 OptimizerName = Literal["sgd", "adam", "adamw"]
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
+# how peers combine their work: "collaborative" (peer.Optimizer: a global batch, averaged
+# gradients every epoch) or "diloco" (peer.DiLoCo: inner_steps local steps, then an outer
+# step on the averaged pseudo-gradient; the choice for home links)
+AlgorithmName = Literal["collaborative", "diloco"]
+ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
 OptimizerFactory = Callable[[Iterable[Any]], "torch.optim.Optimizer"]
 
 
@@ -128,6 +134,13 @@ BASE_DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "max_machines": 8,
         "aggregator": "mean",
         "relative_weight_bound": None,
+        "algorithm": "collaborative",
+        "inner_steps": 100,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "fragments": 1,
+        "compression": "none",
+        "overlap": False,
     }
 )
 
@@ -160,11 +173,28 @@ class TrainingConfig:
     # a member declaring more than this factor times its group's median weight (samples) is
     # excluded from the round; None: no bound
     relative_weight_bound: float | None = None
+    # peer.DiLoCo instead of peer.Optimizer, and its settings (used with "diloco" only):
+    # inner steps per outer round (H), the outer Nesterov SGD's lr and momentum, fragments
+    # synced one after another (Streaming DiLoCo; at most inner_steps), the pseudo-gradients'
+    # codec (peer.compression.compression_from_name: none, float16, bfloat16, int8, int4),
+    # and whether rounds run in the background while inner steps go on
+    algorithm: AlgorithmName = "collaborative"
+    inner_steps: int = 100
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    fragments: int = 1
+    compression: str = "none"
+    overlap: bool = False
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the task's own
 
     def __post_init__(self) -> None:
         for name, check in _FIELD_CHECKS.items():
             object.__setattr__(self, name, check(name, getattr(self, name)))
+        if self.fragments > self.inner_steps:
+            raise ValueError(
+                f"fragments: at most inner_steps ({self.inner_steps}), each fragment syncs "
+                f"after an inner step of its own; got {self.fragments}"
+            )
         if not isinstance(self.params, Mapping):
             raise ValueError(f"params: expected a mapping, got {_kind(self.params)}")
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
@@ -218,6 +248,52 @@ class TrainingConfig:
             "aggregator": self.aggregator,
             "relative_weight_bound": self.relative_weight_bound,
         }
+
+    def diloco_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``peer.DiLoCo`` that this config sets:
+        ``DiLoCo(node=node, run_id=run_id, params=model.parameters(),
+        **config.diloco_options())``; the inner optimizer is :meth:`make_optimizer`'s."""
+        return {
+            "inner_optimizer": self.make_optimizer(),
+            "inner_steps": self.inner_steps,
+            "outer_optimizer": self.make_outer_optimizer(),
+            "fragments": self.fragments,
+            "compression": self.compression,
+            "overlap": self.overlap,
+            "batch_size_per_step": self.batch_size,
+            "matchmaking_time": self.matchmaking_time,
+            "averaging_timeout": self.averaging_timeout,
+            "aggregator": self.aggregator,
+            "relative_weight_bound": self.relative_weight_bound,
+        }
+
+    def make_outer_optimizer(self) -> OptimizerFactory:
+        """DiLoCo's outer optimizer: SGD at ``outer_lr`` with Nesterov momentum
+        ``outer_momentum`` (plain SGD at momentum 0), as a picklable factory."""
+        import torch
+
+        return functools.partial(
+            torch.optim.SGD,
+            lr=self.outer_lr,
+            momentum=self.outer_momentum,
+            nesterov=self.outer_momentum > 0,
+        )
+
+    def make_swarm_optimizer(
+        self, node: Any, run_id: str, params: Iterable[Any], **extra: Any
+    ) -> Any:
+        """The run's swarm optimizer over ``params``: a ``peer.Optimizer`` or, with
+        ``algorithm: diloco``, a ``peer.DiLoCo``, configured by this config; ``extra``
+        keyword arguments go to it as well (``client_mode``, say)."""
+        if self.algorithm == "diloco":
+            from peer.optim.diloco import DiLoCo
+
+            return DiLoCo(node=node, run_id=run_id, params=params, **self.diloco_options(), **extra)
+        from peer.optim.collaborative import Optimizer
+
+        return Optimizer(
+            node=node, run_id=run_id, params=params, **self.optimizer_options(), **extra
+        )
 
     def make_optimizer(self) -> OptimizerFactory:
         """A factory for ``peer.Optimizer(optimizer=...)``: params → a torch optimizer (a
@@ -295,6 +371,28 @@ def _optimizer(key: str, value: Any) -> str:
     return value
 
 
+def _algorithm(key: str, value: Any) -> str:
+    if value not in ALGORITHMS or not isinstance(value, str):
+        raise ValueError(f"{key}: expected one of {', '.join(ALGORITHMS)}, got {value!r}")
+    return value
+
+
+def _compression(key: str, value: Any) -> str:
+    from peer.compression import compression_from_name
+
+    try:
+        compression_from_name(value)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+    return str(value)
+
+
+def _flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}: expected true or false, got {_kind(value)} {value!r}")
+    return value
+
+
 def _epochs(key: str, value: Any) -> int | None:
     return None if value is None else _integer(key, value, minimum=1)
 
@@ -331,6 +429,13 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "max_machines": functools.partial(_integer, minimum=1, maximum=10_000),
     "aggregator": _aggregator,
     "relative_weight_bound": _weight_bound,
+    "algorithm": _algorithm,
+    "inner_steps": functools.partial(_integer, minimum=1, maximum=1_000_000),
+    "outer_lr": _positive,
+    "outer_momentum": _fraction,
+    "fragments": functools.partial(_integer, minimum=1, maximum=1024),
+    "compression": _compression,
+    "overlap": _flag,
 }
 
 
