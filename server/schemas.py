@@ -384,10 +384,21 @@ class ProgressPublic(BaseModel):
     status: RunStatus
     epoch: int
     samples: int
-    samples_per_second: float
+    samples_per_second: float = Field(
+        description="How fast the run's samples counter grew over the last 10-15 s of the "
+        "coordinator's clock: counted, not claimed."
+    )
+    compute_samples_per_second: float = Field(
+        0.0,
+        description="What the online peers say they compute, summed (time spent averaging "
+        "excluded): their claim, for comparison.",
+    )
     peers_online: int
-    loss: float | None = Field(description="Mean of the online peers' latest losses.")
-    eval_metric: float | None = Field(description="The latest held-out metric reported.")
+    loss: float | None = Field(description="Median of the online peers' latest losses.")
+    eval_metric: float | None = Field(
+        description="Median of the held-out metrics the online peers reported within the "
+        "online TTL; else the latest reported."
+    )
     rounds_done: int = Field(description="Averaging rounds completed, summed over peers.")
     rounds_failed: int = Field(description="Averaging rounds failed, summed over peers.")
     checkpoint: CheckpointPublic | None = Field(description="The newest checkpoint.")

@@ -21,7 +21,12 @@ class RunRow(BaseModel):
     epoch: int
     samples: int
     peers_online: int
-    samples_per_second: float
+    samples_per_second: float = Field(
+        description="The run's samples counter's growth on the coordinator's clock."
+    )
+    compute_samples_per_second: float = Field(
+        0.0, description="What the online peers claim to compute, summed."
+    )
     trend: list[float] = Field(description="Recent samples/s, oldest first.")
 
 
@@ -50,7 +55,12 @@ class CheckpointSummary(BaseModel):
 class Headline(BaseModel):
     epoch: int
     samples: int
-    samples_per_second: float
+    samples_per_second: float = Field(
+        description="The run's samples counter's growth on the coordinator's clock."
+    )
+    compute_samples_per_second: float = Field(
+        0.0, description="What the online peers claim to compute, summed: their claim."
+    )
     peers_online: int
     loss: float | None
     eval_metric: float | None
@@ -139,7 +149,12 @@ class MachineRow(BaseModel):
     client_mode: bool
     epoch: int
     samples: int
-    samples_per_second: float
+    samples_per_second: float = Field(
+        description="This machine's samples counter's growth on the coordinator's clock."
+    )
+    compute_samples_per_second: float = Field(
+        0.0, description="What this machine claims to compute (its own measure)."
+    )
     group_size: int | None
     last_seen: datetime
     online: bool

@@ -45,7 +45,7 @@ from server.services import checkpoints as checkpoint_service
 from server.services import rollups
 from server.services import runs as run_service
 from server.services.progress import history
-from server.services.reports import run_totals
+from server.services.reports import RATE_WINDOW_MS, float_sum, run_totals, saturated
 
 RECENT_GROUP_REPORTS = 200  # reports behind the group-size distribution
 RECENT_EPOCHS = 10  # epochs behind the ETA and the rounds-failing alert
@@ -188,7 +188,7 @@ def _volunteer_rows(session: Session, run_id: str, now: int, online_ttl_s: float
             Volunteer.display_name,
             # A flag, not the timestamp: converting a thousand datetimes costs more than the query.
             case((Volunteer.banned_at.is_(None), 0), else_=1),
-            func.coalesce(func.sum(Peer.samples_base + Peer.samples), 0),
+            float_sum(Peer.samples_base + Peer.samples),
             func.coalesce(func.sum(_online_ms_expression()), 0),
             func.max(Peer.last_seen_ms),
             func.coalesce(func.sum(case((Peer.client_mode.is_(False), 1), else_=0)), 0),
@@ -204,7 +204,7 @@ def _volunteer_rows(session: Session, run_id: str, now: int, online_ttl_s: float
             id=int(r[0]),
             display_name=r[1],
             banned=bool(r[2]),
-            samples=int(r[3]),
+            samples=saturated(r[3]),
             online_ms=int(r[4]),
             last_seen_ms=None if r[5] is None else int(r[5]),
             reachable_peers=int(r[6]),
@@ -298,6 +298,7 @@ def run_dashboard(
         epoch=max(totals.epoch, 0 if checkpoint is None else checkpoint.epoch),
         samples=totals.samples,
         samples_per_second=_training_rate(run, totals.samples_per_second),
+        compute_samples_per_second=totals.compute_samples_per_second,
         peers_online=totals.peers_online,
         loss=totals.loss,
         eval_metric=totals.eval_metric,
@@ -388,6 +389,7 @@ def runs_overview(session: Session, *, online_ttl_s: float) -> RunsOverview:
                 samples=totals.samples,
                 peers_online=totals.peers_online,
                 samples_per_second=_training_rate(run, totals.samples_per_second),
+                compute_samples_per_second=totals.compute_samples_per_second,
                 trend=[float(x) for x in reversed(trend)],
             )
         )
@@ -447,6 +449,9 @@ def volunteer_detail(
         limit=VOLUNTEER_REPORTS,
     )
     series, sessions = rollups.contribution(buckets, online_ttl_s, points)
+    rates = rollups.machine_rates(
+        buckets, now_ms=now, online_ttl_s=online_ttl_s, window_ms=RATE_WINDOW_MS
+    )
     return VolunteerDetail(
         run=RunRef(id=run.id, name=run.name),
         volunteer=VolunteerSummary(
@@ -479,7 +484,8 @@ def volunteer_detail(
                 client_mode=p.client_mode,
                 epoch=p.epoch,
                 samples=p.samples_base + p.samples,
-                samples_per_second=p.samples_per_second,
+                samples_per_second=rates.get(p.id, 0.0),
+                compute_samples_per_second=p.samples_per_second,
                 group_size=p.group_size,
                 last_seen=ms_to_datetime(p.last_seen_ms),
                 online=p.last_seen_ms >= since,

@@ -39,6 +39,7 @@ def progress(
         epoch=totals.epoch,
         samples=totals.samples,
         samples_per_second=totals.samples_per_second,
+        compute_samples_per_second=totals.compute_samples_per_second,
         peers_online=totals.peers_online,
         loss=totals.loss,
         eval_metric=totals.eval_metric,

@@ -9,7 +9,22 @@ A report is refused (422) when it claims what no honest peer can:
   limit (clock differences between workers, counting that began just before the join). A
   reset is allowed, but it banks only the previous counter, which was itself within the
   bound — so no sequence of resets can add more than the limit allows;
+* a samples counter that grew, since the peer's previous report (on the coordinator's
+  clock), by more than the limit allows in that time plus the same grace: a peer silent for
+  a day cannot spend the day's allowance at once;
+* more averaging rounds (done plus failed) than :data:`MAX_ROUNDS_PER_SECOND` allows since
+  the peer's previous report, plus :data:`ROUNDS_GRACE` per report (a burst of reports
+  queued while the coordinator was away carries a second's rounds each, the first of them
+  the whole time away);
+* a loss or held-out metric past :data:`MAX_ABS_LOSS` either way: no task's loss or metric
+  is that large, and one such value would flatten every chart of the run;
+* an averaging group larger than the peers that joined the run, or than
+  :data:`MAX_GROUP_SIZE`;
 * an epoch more than ``report_max_epoch_lead`` past the swarm's epoch (:func:`swarm_epoch`).
+
+So every counter a report adds to the run's sums is bounded by the coordinator's clock, and
+the sums themselves saturate at :data:`~server.schemas.MAX_INT`
+(:mod:`server.services.reports`): no report can make them overflow.
 
 A refused report is never stored, so an epoch bound fed only by stored reports could lock an
 honest swarm out for good: volunteers that trained apart, or through a coordinator outage,
@@ -46,6 +61,14 @@ from server.schemas import MAX_INT
 
 # Seconds of work at the limit a peer may claim beyond the time since it joined.
 SAMPLES_GRACE_S = 60.0
+# Averaging rounds per second no peer completes (a round is a network exchange with a group),
+# and the rounds any one report may carry beyond that.
+MAX_ROUNDS_PER_SECOND = 50.0
+ROUNDS_GRACE = 100
+# The largest loss or held-out metric, either way, a report may carry.
+MAX_ABS_LOSS = 1e6
+# No averaging group is larger, however many peers a run has.
+MAX_GROUP_SIZE = 4096
 
 
 class Bound(enum.StrEnum):
@@ -53,6 +76,10 @@ class Bound(enum.StrEnum):
 
     samples_per_second = "samples_per_second"
     samples = "samples"
+    rounds = "rounds"
+    loss = "loss"
+    eval_metric = "eval_metric"
+    group_size = "group_size"
     epoch = "epoch"
 
 
@@ -66,11 +93,21 @@ class Refusal:
 class ReportLimits:
     max_samples_per_second: float
     max_epoch_lead: int
+    max_rounds_per_second: float = MAX_ROUNDS_PER_SECOND
 
     def samples_cap(self, first_seen_ms: int, now_ms: int) -> int:
         """The most a peer that joined at ``first_seen_ms`` can have contributed by ``now_ms``."""
         elapsed_s = max(0, now_ms - first_seen_ms) / 1000 + SAMPLES_GRACE_S
         return min(MAX_INT, int(self.max_samples_per_second * elapsed_s))
+
+    def growth_cap(self, since_ms: int, now_ms: int) -> int:
+        """The most a counter can grow between a report at ``since_ms`` and ``now_ms``."""
+        return self.samples_cap(since_ms, now_ms)
+
+    def rounds_cap(self, since_ms: int, now_ms: int) -> int:
+        """The most rounds one report can carry when the previous came at ``since_ms``."""
+        elapsed_s = max(0, now_ms - since_ms) / 1000
+        return min(MAX_INT, int(self.max_rounds_per_second * elapsed_s) + ROUNDS_GRACE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +120,11 @@ class PeerTrack:
     banked: int
     samples: int
     as_of_ms: int | None
+
+    @property
+    def previous_ms(self) -> int:
+        """When the peer last reported (or joined, before its first report)."""
+        return self.first_seen_ms if self.as_of_ms is None else self.as_of_ms
 
     def contribution_after(self, samples: int) -> int:
         """The peer's total if its counter now reads ``samples`` (a lower reading is a reset:
@@ -105,6 +147,8 @@ class SwarmView:
     read_ms: int
     online: dict[int, int]
     highest: int
+    # The run's peers (machines that joined) when the view was read: no group is larger.
+    peers: int = MAX_GROUP_SIZE
     # What :meth:`saw` added: volunteer -> (epoch, when), carried into the next view until
     # the database has it or it is older than the online TTL.
     admitted: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -190,9 +234,13 @@ def check(
     samples: int,
     samples_per_second: float,
     now_ms: int,
+    rounds: int = 0,
+    loss: float | None = None,
+    eval_metric: float | None = None,
+    group_size: int | None = None,
 ) -> Refusal | None:
     """The first bound the report breaks, or None. Without a view of the swarm (the
-    database never answered) the epoch is not judged."""
+    database never answered) the epoch is not judged, nor the group size past the cap."""
     if samples_per_second > limits.max_samples_per_second:
         return Refusal(
             Bound.samples_per_second,
@@ -200,12 +248,44 @@ def check(
             f"of {limits.max_samples_per_second:g}",
         )
     cap = limits.samples_cap(track.first_seen_ms, now_ms)
-    if track.contribution_after(samples) > cap:
+    total = track.contribution_after(samples)
+    if total > cap:
         return Refusal(
             Bound.samples,
             f"samples {samples} would bring this peer's total over {cap}, the most "
             f"{limits.max_samples_per_second:g} samples/s allows since it joined",
         )
+    growth = total - track.banked - track.samples
+    growth_cap = limits.growth_cap(track.previous_ms, now_ms)
+    if growth > growth_cap:
+        return Refusal(
+            Bound.samples,
+            f"samples {samples} grew by {growth} since this peer's previous report, more "
+            f"than {growth_cap}, the most {limits.max_samples_per_second:g} samples/s "
+            "allows in that time",
+        )
+    rounds_cap = limits.rounds_cap(track.previous_ms, now_ms)
+    if rounds > rounds_cap:
+        return Refusal(
+            Bound.rounds,
+            f"{rounds} averaging rounds since the previous report are more than {rounds_cap}, "
+            f"the most {limits.max_rounds_per_second:g} rounds/s allows in that time",
+        )
+    if loss is not None and abs(loss) > MAX_ABS_LOSS:
+        return Refusal(Bound.loss, f"loss {loss:g} is outside ±{MAX_ABS_LOSS:g}")
+    if eval_metric is not None and abs(eval_metric) > MAX_ABS_LOSS:
+        return Refusal(
+            Bound.eval_metric, f"eval_metric {eval_metric:g} is outside ±{MAX_ABS_LOSS:g}"
+        )
+    if group_size is not None:
+        largest = MAX_GROUP_SIZE if view is None else min(MAX_GROUP_SIZE, view.peers)
+        if group_size > largest:
+            return Refusal(
+                Bound.group_size,
+                f"group_size {group_size} is larger than the {largest} peers that joined this run"
+                if largest < MAX_GROUP_SIZE
+                else f"group_size {group_size} is over the largest group, {MAX_GROUP_SIZE}",
+            )
     if view is not None:
         allowed = swarm_epoch(view, track.volunteer_id) + limits.max_epoch_lead
         if epoch > allowed:

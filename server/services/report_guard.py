@@ -44,6 +44,11 @@ logger = logging.getLogger(__name__)
 
 # Peers remembered per worker; beyond, the oldest are forgotten (and read again when needed).
 MAX_TRACKS = 100_000
+# A report refused for a group larger than the run's peers reads them again first, at most
+# this often: a peer that joined since the view was read may be in the group.
+GROUP_REFRESH_MS = 1000
+# A volunteer's refused reports are logged at most once per this time (then with a count).
+REFUSAL_LOG_INTERVAL_MS = 10_000
 
 
 def load_track(session: Session, peer_pk: int) -> PeerTrack:
@@ -79,10 +84,12 @@ def load_view(session: Session, run_id: str, now: int, online_ttl_s: float) -> S
         .where(peers.c.run_id == run_id, peers.c.last_report_ms.is_not(None))
         .group_by(peers.c.volunteer_id)
     ).all()
+    joined = session.execute(select(func.count()).where(peers.c.run_id == run_id)).scalar_one()
     return SwarmView(
         read_ms=now,
         online={int(v): int(e) for v, e, _ in rows if e is not None},
         highest=max((int(h) for _, _, h in rows), default=0),
+        peers=int(joined),
     )
 
 
@@ -104,6 +111,8 @@ class ReportGuard:
         self._online_ttl_s = online_ttl_s
         self._tracks: dict[int, PeerTrack] = {}
         self._views: dict[str, SwarmView] = {}
+        # Per peer: when its refusals were last logged, and how many since.
+        self._refusals_logged: dict[int, tuple[int, int]] = {}
 
     def remember(self, peer_pk: int, track: PeerTrack) -> None:
         """Take a track read from the database (:func:`load_track`), unless this worker
@@ -137,15 +146,44 @@ class ReportGuard:
         if view is None:
             view = await self._refresh(run_id, now)
         refusal = self._judge(track, view, body, now)
-        if refusal is not None and view is not None and now - view.read_ms >= self._refresh_ms:
-            # Judged on an old view of the swarm: look again before refusing.
-            view = await self._refresh(run_id, now)
-            refusal = self._judge(track, view, body, now)
+        if refusal is not None and view is not None:
+            age = now - view.read_ms
+            if age >= self._refresh_ms or (
+                refusal.bound is Bound.group_size and age >= GROUP_REFRESH_MS
+            ):
+                # Judged on an old view of the swarm: look again before refusing.
+                view = await self._refresh(run_id, now)
+                refusal = self._judge(track, view, body, now)
         if refusal is not None:
             if refusal.bound is Bound.epoch and view is not None:
                 lift_on_refusal(self.limits, view, track.volunteer_id, body.epoch, now)
+            self._log_refusal(run_id, peer_pk, track.volunteer_id, refusal, now)
             raise ImplausibleReport(refusal.bound, refusal.detail)
         return self._accept(run_id, peer_pk, track, body, now)
+
+    def _log_refusal(
+        self, run_id: str, peer_pk: int, volunteer_id: int, refusal: Refusal, now: int
+    ) -> None:
+        """One warning naming the volunteer, at most every ``REFUSAL_LOG_INTERVAL_MS`` per
+        peer (a flood of refused reports is one line, with its count, per interval)."""
+        logged_ms, since = self._refusals_logged.get(peer_pk, (None, 0))
+        if logged_ms is not None and now - logged_ms < REFUSAL_LOG_INTERVAL_MS:
+            self._refusals_logged[peer_pk] = (logged_ms, since + 1)
+            return
+        self._refusals_logged.pop(peer_pk, None)
+        self._refusals_logged[peer_pk] = (now, 0)
+        if len(self._refusals_logged) > MAX_TRACKS:
+            del self._refusals_logged[next(iter(self._refusals_logged))]
+        more = f" ({since} more refused since the last such line)" if since else ""
+        logger.warning(
+            "refused a report of volunteer %d (peer %d) in run %s, bound %s: %s%s",
+            volunteer_id,
+            peer_pk,
+            run_id,
+            refusal.bound,
+            refusal.detail,
+            more,
+        )
 
     async def swarm_epoch(self, run_id: str, volunteer_id: int, *, at_least: int) -> int | None:
         """The swarm's epoch as the epoch bound sees it for a report of ``volunteer_id``
@@ -168,6 +206,10 @@ class ReportGuard:
             samples=body.samples,
             samples_per_second=body.samples_per_second,
             now_ms=now,
+            rounds=body.rounds_done + body.rounds_failed,
+            loss=body.loss,
+            eval_metric=body.eval_metric,
+            group_size=body.group_size,
         )
 
     def _accept(

@@ -19,14 +19,29 @@ and a progress snapshot is claimed by a conditional update of ``runs.last_snapsh
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import cast
+from typing import Any, cast
 
-from sqlalchemy import BigInteger, Connection, Table, bindparam, case, func, insert, select, update
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Connection,
+    Float,
+    Table,
+    bindparam,
+    case,
+    func,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy import cast as sa_cast
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from server.clock import now_ms
 from server.models import EpochSummary, Peer, ProgressReport, ProgressSnapshot, Run
@@ -302,8 +317,8 @@ def _upsert_epoch_summaries(connection: Connection, reports: Sequence[PendingRep
             "reports": table.c.reports + new.reports,
             "loss_sum": table.c.loss_sum + new.loss_sum,
             "loss_count": table.c.loss_count + new.loss_count,
-            "rounds_done": table.c.rounds_done + new.rounds_done,
-            "rounds_failed": table.c.rounds_failed + new.rounds_failed,
+            "rounds_done": _saturating_sum(table.c.rounds_done, new.rounds_done),
+            "rounds_failed": _saturating_sum(table.c.rounds_failed, new.rounds_failed),
             "max_group_size": case(
                 (table.c.max_group_size.is_(None), new.max_group_size),
                 (new.max_group_size > table.c.max_group_size, new.max_group_size),
@@ -313,7 +328,34 @@ def _upsert_epoch_summaries(connection: Connection, reports: Sequence[PendingRep
     )
     # Sorted, so that two workers upserting the same rows lock them in the same order.
     for key in sorted(rows):
-        connection.execute(statement, rows[key])
+        row = rows[key]
+        for name in ("rounds_done", "rounds_failed"):
+            row[name] = min(MAX_INT, cast(int, row[name]))
+        connection.execute(statement, row)
+
+
+def _saturating_sum(stored: ColumnElement[int], added: ColumnElement[int]) -> ColumnElement[int]:
+    """``stored + added``, but never past :data:`MAX_INT` (``added`` is at most that): the
+    comparison cannot overflow where the sum could, on any backend."""
+    return case((stored > MAX_INT - added, MAX_INT), else_=stored + added)
+
+
+def saturated(value: object) -> int:
+    """A summed counter read back from SQL (an integer, a float, a decimal, or None) as an
+    int within ``[0, MAX_INT]``."""
+    if value is None:
+        return 0
+    number = float(cast(float, value))
+    if not math.isfinite(number):
+        return MAX_INT if number > 0 else 0
+    return max(0, min(MAX_INT, int(value if isinstance(value, int) else number)))
+
+
+def float_sum(expression: ColumnElement[Any] | InstrumentedAttribute[Any]) -> ColumnElement[float]:
+    """SUM in double precision: it cannot overflow (SQLite's integer ``sum()`` raises past
+    2^63, an error that would be taken for the database being unavailable). Read it back
+    with :func:`saturated`; below 2^53 the sum of integers is exact."""
+    return func.sum(sa_cast(expression, Float))
 
 
 def take_snapshot_if_due(
@@ -363,48 +405,114 @@ class RunTotals:
     eval_metric: float | None = None
     rounds_done: int = 0
     rounds_failed: int = 0
+    # What the online peers say they compute, summed: their claim, shown beside the rate
+    # the coordinator counts (``samples_per_second``), never instead of it.
+    compute_samples_per_second: float = 0.0
+
+
+# The run's samples/s is its samples counter's growth over at least this long.
+RATE_WINDOW_MS = 10_000
+# Nor over less than this: before the run has snapshots that old, its rate is 0.
+MIN_RATE_SPAN_MS = 1_000
+
+
+def counted_rate(samples: int, now: int, reference: tuple[int, int] | None) -> float:
+    """Samples per second from ``reference`` (when, samples then) to ``(now, samples)``:
+    what the counters grew by over the coordinator's clock, never what anyone claims."""
+    if reference is None:
+        return 0.0
+    taken_ms, before = reference
+    span_ms = now - taken_ms
+    if span_ms < MIN_RATE_SPAN_MS:
+        return 0.0
+    return max(0, samples - before) * 1000 / span_ms
+
+
+def _rate_reference(
+    connection: Connection | Session, run_id: str, now: int
+) -> tuple[int, int] | None:
+    """The snapshot the run's rate is counted from: the newest at least
+    :data:`RATE_WINDOW_MS` old, else the oldest (a young run)."""
+    base = select(ProgressSnapshot.taken_ms, ProgressSnapshot.samples).where(
+        ProgressSnapshot.run_id == run_id
+    )
+    row = connection.execute(
+        base.where(ProgressSnapshot.taken_ms <= now - RATE_WINDOW_MS)
+        .order_by(ProgressSnapshot.taken_ms.desc())
+        .limit(1)
+    ).first()
+    if row is None:
+        row = connection.execute(base.order_by(ProgressSnapshot.taken_ms).limit(1)).first()
+    return None if row is None else (int(row[0]), int(row[1]))
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    found = [float(v) for v in values if v is not None]
+    return statistics.median(found) if found else None
 
 
 def run_totals(
     connection: Connection | Session, run_id: str, now: int, online_ttl_s: float
 ) -> RunTotals:
     """The run's state from its peers' latest reports: the highest epoch, all samples ever
-    processed, and throughput, mean loss, mean group size and count of the peers seen within
-    the TTL; the newest held-out metric; the averaging rounds done and failed so far.
+    processed, the count of the peers seen within the TTL and their mean group size, the
+    median of their losses and of their latest held-out metrics (the newest metric if none
+    evaluated within the TTL), the averaging rounds done and failed so far.
 
-    Three index-bounded queries: over the run's peers, its epoch summaries and one peer row;
-    none reads raw reports."""
-    online = Peer.last_seen_ms >= now - int(online_ttl_s * 1000)
+    The samples/s is counted, not claimed: the growth of the run's samples counter since
+    the newest progress snapshot at least :data:`RATE_WINDOW_MS` old, on the coordinator's
+    clock (0 with no peer online). What the peers claim to compute is summed apart.
+
+    Medians, so that one peer's wild value (within the report bounds) moves no headline or
+    chart; sums in double precision, saturated at MAX_INT, so that none can overflow.
+    Index-bounded queries over the run's peers, its epoch summaries, one peer row and one
+    or two snapshots; none reads raw reports."""
+    since = now - int(online_ttl_s * 1000)
+    online = Peer.last_seen_ms >= since
     row = connection.execute(
         select(
             func.coalesce(func.max(Peer.epoch), 0),
-            func.coalesce(func.sum(Peer.samples_base + Peer.samples), 0),
+            float_sum(Peer.samples_base + Peer.samples),
             func.coalesce(func.sum(case((online, Peer.samples_per_second), else_=0.0)), 0.0),
-            func.avg(case((online, Peer.loss), else_=None)),
             func.coalesce(func.sum(case((online, 1), else_=0)), 0),
             func.avg(case((online, Peer.group_size), else_=None)),
         ).where(Peer.run_id == run_id)
     ).one()
+    recent = connection.execute(
+        select(Peer.loss, Peer.eval_metric, Peer.eval_metric_ms).where(
+            Peer.run_id == run_id, online
+        )
+    ).all()
     rounds_done, rounds_failed = connection.execute(
-        select(
-            func.coalesce(func.sum(EpochSummary.rounds_done), 0),
-            func.coalesce(func.sum(EpochSummary.rounds_failed), 0),
-        ).where(EpochSummary.run_id == run_id)
+        select(float_sum(EpochSummary.rounds_done), float_sum(EpochSummary.rounds_failed)).where(
+            EpochSummary.run_id == run_id
+        )
     ).one()
-    eval_metric = connection.execute(
-        select(Peer.eval_metric)
-        .where(Peer.run_id == run_id, Peer.eval_metric_ms.is_not(None))
-        .order_by(Peer.eval_metric_ms.desc(), Peer.id.desc())
-        .limit(1)
-    ).scalar()
+    eval_metric = _median([m for _, m, at in recent if at is not None and at >= since])
+    if eval_metric is None:
+        newest = connection.execute(
+            select(Peer.eval_metric)
+            .where(Peer.run_id == run_id, Peer.eval_metric_ms.is_not(None))
+            .order_by(Peer.eval_metric_ms.desc(), Peer.id.desc())
+            .limit(1)
+        ).scalar()
+        eval_metric = None if newest is None else float(newest)
+    samples = saturated(row[1])
+    peers_online = int(row[3])
+    rate = (
+        counted_rate(samples, now, _rate_reference(connection, run_id, now))
+        if peers_online
+        else 0.0
+    )
     return RunTotals(
         epoch=int(row[0]),
-        samples=int(row[1]),
-        samples_per_second=float(row[2]),
-        loss=None if row[3] is None else float(row[3]),
-        peers_online=int(row[4]),
-        mean_group_size=None if row[5] is None else float(row[5]),
-        eval_metric=None if eval_metric is None else float(eval_metric),
-        rounds_done=int(rounds_done),
-        rounds_failed=int(rounds_failed),
+        samples=samples,
+        samples_per_second=rate,
+        loss=_median([loss for loss, _, _ in recent]),
+        peers_online=peers_online,
+        mean_group_size=None if row[4] is None else float(row[4]),
+        eval_metric=eval_metric,
+        rounds_done=saturated(rounds_done),
+        rounds_failed=saturated(rounds_failed),
+        compute_samples_per_second=float(row[2]),
     )

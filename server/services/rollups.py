@@ -144,6 +144,37 @@ def contribution(
     )
 
 
+def machine_rates(
+    buckets: Sequence[Bucket], *, now_ms: int, online_ttl_s: float, window_ms: int
+) -> dict[int, float]:
+    """Each peer's samples/s as its counter grew over the coordinator's clock: from its
+    newest report at least ``window_ms`` before its latest (else its first) to its latest;
+    0 for a peer not seen within the online TTL. Counter resets bank, as in
+    :func:`contribution`."""
+    points: dict[int, list[tuple[int, int]]] = {}
+    last: dict[int, int] = {}
+    banked: dict[int, int] = {}
+    for b in sorted(buckets, key=lambda b: (b.first_ms, b.last_ms, b.peer_pk)):
+        pk = b.peer_pk
+        previous = last.get(pk)
+        reset = previous if previous is not None and b.first_samples < previous else 0
+        banked[pk] = banked.get(pk, 0) + b.banked + reset
+        last[pk] = b.last_samples
+        points.setdefault(pk, []).append((b.last_ms, banked[pk] + b.last_samples))
+    rates: dict[int, float] = {}
+    online_since = now_ms - int(online_ttl_s * 1000)
+    for pk, series in points.items():
+        end_ms, end = series[-1]
+        start_ms, start = series[0]
+        for t, total in series:
+            if t > end_ms - window_ms:
+                break
+            start_ms, start = t, total
+        online = end_ms >= online_since and end_ms > start_ms
+        rates[pk] = max(0, end - start) * 1000 / (end_ms - start_ms) if online else 0.0
+    return rates
+
+
 def volunteer_buckets(
     session: Session,
     peer_pks: Sequence[int],

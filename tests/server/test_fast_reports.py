@@ -52,7 +52,7 @@ async def test_valid_reports_are_taken_and_stored(cached_app: FastAPI, setup: An
         response = await _post(
             client,
             url,
-            b'{"epoch": 3, "samples": %d, "samples_per_second": 2.5, "loss": 0.25, "group_size": 4,'
+            b'{"epoch": 3, "samples": %d, "samples_per_second": 2.5, "loss": 0.25, "group_size": 1,'
             b' "rounds_done": 2, "rounds_failed": 1, "failure": "AllreduceTimeout",'
             b' "eval_metric": %d}' % (samples, samples),
             peer.headers,
@@ -64,7 +64,7 @@ async def test_valid_reports_are_taken_and_stored(cached_app: FastAPI, setup: An
     assert progress["samples"] == 30 and progress["epoch"] == 3
     assert (progress["rounds_done"], progress["rounds_failed"]) == (6, 3)
     assert progress["eval_metric"] == 30 and progress["loss"] == 0.25
-    assert progress["recent_group_sizes"] == [4, 4, 4]
+    assert progress["recent_group_sizes"] == [1, 1, 1]
     assert progress["epochs"][-1]["reports"] == 3
     metrics = (await client.get("/metrics")).text
     assert 'route="/api/v1/runs/{run_id}/reports",status="202"' in metrics
