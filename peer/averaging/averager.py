@@ -589,8 +589,11 @@ class DecentralizedAverager(StateSharing):
         if snapshot is not None:
             flat = snapshot
         else:
-            alias = self.layout.alias(self._averaged_tensors)
-            copy_back = alias is None
+            # an auxiliary peer reduces the others' parts on a copy and keeps its own tensors
+            # as they were (as hivemind's does): weight 0, nothing of the round is theirs
+            auxiliary = self.config.auxiliary
+            alias = None if auxiliary else self.layout.alias(self._averaged_tensors)
+            copy_back = alias is None and not auxiliary
             if alias is None:
                 flat = self.layout.flatten(self._averaged_tensors, out=self._flat_buffer())
             else:
@@ -643,7 +646,7 @@ class DecentralizedAverager(StateSharing):
             self._finished_groups[group.group_id] = None
             while len(self._finished_groups) > 64:
                 del self._finished_groups[next(iter(self._finished_groups))]
-        if not in_place:
+        if not in_place and not self.config.auxiliary:
             async with self._locked():
                 with torch.no_grad():
                     alpha = self.config.averaging_alpha

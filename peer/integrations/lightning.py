@@ -12,8 +12,12 @@ step) is read from the first batch when not given; schedulers step on swarm epoc
 Options that re-create the optimizer (``offload_optimizer``, ``delay_optimizer_step``,
 ``delay_state_averaging``) need ``scheduler_fn`` for a scheduler. Peers are found through
 ``initial_peers`` (or the ``PL_INITIAL_PEERS`` environment variable, comma-separated);
-``host`` and ``port`` are where this machine's node listens. Other keyword arguments go to
+``host`` and ``port`` are where this machine's node listens (hivemind's ``host_maddrs`` maps
+onto them; its other DHT options are refused at construction where they have no counterpart:
+:mod:`peer.integrations.hivemind_options`). Other keyword arguments go to
 :class:`~peer.Optimizer` unchanged (``grad_compression``, ``average_state_every``, ...).
+For ``pytorch_lightning.Trainer``, import the strategy from
+:mod:`peer.integrations.pytorch_lightning`.
 
 With ``coordinator=URL`` and ``token=T`` (an invite token, as ``swarmgrad join`` takes) the
 strategy joins that coordinator's run instead: it proves it holds this machine's key (kept
@@ -35,7 +39,8 @@ from typing import Any
 
 import torch
 
-from peer.exceptions import SwarmgradError
+from peer.exceptions import NodeShutdown, SwarmgradError
+from peer.integrations.hivemind_options import map_dht_options
 
 try:
     from lightning.pytorch.strategies import Strategy
@@ -86,6 +91,9 @@ class SwarmgradStrategy(Strategy):
         **optimizer_kwargs: Any,
     ) -> None:
         super().__init__()
+        # hivemind's DHT options (host_maddrs, use_ipfs, ...): mapped or refused here, not
+        # passed on to the optimizer to fail at the first batch
+        host, port = map_dht_options(host, port, optimizer_kwargs)
         self._target_batch_size = target_batch_size
         self._batch_size = batch_size
         self._scheduler_fn = scheduler_fn
@@ -107,6 +115,7 @@ class SwarmgradStrategy(Strategy):
             **optimizer_kwargs,
         )
         self._opt: Any = None
+        self._num_peers = 1
         self._optimizer_zero_grad_original: Callable[..., Any] | None = None
         self._initialized = False
         env = os.environ.get(self.INITIAL_PEERS_ENV)
@@ -239,10 +248,14 @@ class SwarmgradStrategy(Strategy):
 
     @property
     def num_peers(self) -> int:
-        """Peers reporting at the swarm's epoch (1 before training starts)."""
+        """Peers reporting at the swarm's epoch (1 before training starts; after it ends,
+        the number when it ended, as hivemind's)."""
         if self._opt is not None:
-            return max(1, int(self._opt.global_progress.num_peers))
-        return 1
+            try:
+                self._num_peers = max(1, int(self._opt.global_progress.num_peers))
+            except NodeShutdown:
+                pass  # the swarm is left: the last number seen
+        return self._num_peers
 
     @property
     def optimizer(self) -> Any:
@@ -354,6 +367,7 @@ class SwarmgradStrategy(Strategy):
         if self._opt is not None:
             if self._membership is not None:
                 self._report(None, force=True)
+            _ = self.num_peers  # kept for after the swarm is left
             self._opt.shutdown()
         if self._membership is not None:
             self._membership.close()  # flushes the reports

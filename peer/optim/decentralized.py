@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +107,7 @@ class DecentralizedConfig:
             raise ValueError("timeout must be positive")
 
 
-class DecentralizedOptimizer:
+class DecentralizedOptimizer(torch.optim.Optimizer):
     """Wrap ``opt``: local steps, averaging with peers in the background, swarm epochs.
 
     * ``average_parameters`` / ``average_gradients`` / ``average_opt_statistics`` (names of
@@ -123,9 +123,14 @@ class DecentralizedOptimizer:
     * Other keyword arguments go to :class:`~peer.averaging.DecentralizedAverager`
       (``min_matchmaking_time``, ``request_timeout``, ``compression``, ``client_mode``, ...).
 
-    Optimizer state that is averaged is referenced in place: do not replace those tensors
-    (e.g. ``opt.load_state_dict``) after construction. Call :meth:`shutdown` when done (or use
-    as a context manager); the node is not shut down.
+    A ``torch.optim.Optimizer`` as far as code written for one sees it (as hivemind's
+    optimizers are): torch's learning-rate schedulers take it, :meth:`state_dict` and
+    :meth:`load_state_dict` save and restore the wrapped optimizer's state with the epoch
+    (averaged statistics are restored in place), :meth:`add_param_group` is refused (the
+    averaged tensors are fixed at construction). Optimizer state that is averaged is
+    referenced in place: do not replace those tensors through ``opt`` itself (e.g.
+    ``opt.load_state_dict``) after construction. Call :meth:`shutdown` when done (or use as a
+    context manager); the node is not shut down.
     """
 
     def __init__(
@@ -301,13 +306,72 @@ class DecentralizedOptimizer:
             torch._foreach_copy_(self._param_buffers, params)
             torch._foreach_copy_(self._param_written, params)
 
+    # torch's Optimizer has these three as attributes; here they are the wrapped optimizer's
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.opt.param_groups
 
     @property
-    def state(self) -> Any:
+    def state(self) -> Any:  # type: ignore[override]
         return self.opt.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.opt.defaults
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused, as by hivemind's optimizers: the averaged tensors are fixed when the
+        optimizer is built; give every parameter group then."""
+        raise ValueError(
+            f"{type(self).__name__} does not take parameter groups after construction "
+            "(it averages the tensors it was built with): give every group to the wrapped "
+            "optimizer before wrapping it"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()``, the scheduler's and this peer's epoch and
+        steps (for :meth:`load_state_dict`, e.g. from a checkpoint)."""
+        with self.averager.get_tensors():
+            return {
+                "optimizer": self.opt.state_dict(),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "local_epoch": self.local_epoch,
+                "local_step": self.local_step,
+                "steps_at_epoch": self.steps_at_epoch,
+            }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; the statistics the rounds average are
+        copied into the tensors the averager holds (torch's own ``load_state_dict`` would
+        replace them). ``ValueError`` for a state of another optimizer or shape."""
+        if not isinstance(state_dict, Mapping) or "optimizer" not in state_dict:
+            raise ValueError(
+                f"not a state_dict() of {type(self).__name__}: no 'optimizer' entry (a torch "
+                "optimizer's own state_dict goes to .opt.load_state_dict before wrapping)"
+            )
+        names = self.config.average_opt_statistics
+        with self.averager.get_tensors(), torch.no_grad():
+            held = {(i, n): self.opt.state[p][n] for i, p in enumerate(self.params) for n in names}
+            self.opt.load_state_dict(state_dict["optimizer"])
+            for (i, name), tensor in held.items():
+                state = self.opt.state[self.params[i]]
+                loaded = state.get(name)
+                if not isinstance(loaded, torch.Tensor) or loaded.shape != tensor.shape:
+                    state[name] = tensor  # keep the averaged tensor the averager holds
+                    raise ValueError(
+                        f"the loaded state has no {name!r} of shape {tuple(tensor.shape)} "
+                        f"for parameter {i}"
+                    )
+                tensor.copy_(loaded.to(tensor.dtype))
+                state[name] = tensor
+            if self.scheduler is not None and state_dict.get("scheduler") is not None:
+                self.scheduler.load_state_dict(state_dict["scheduler"])
+            self.local_epoch = int(state_dict.get("local_epoch", self.local_epoch))
+            self.local_step = int(state_dict.get("local_step", self.local_step))
+            self.steps_at_epoch = int(state_dict.get("steps_at_epoch", 0))
+        if self.averager.allow_state_sharing:
+            self.averager.state_sharing_priority = float(self.local_epoch)
+        self._report()
 
     def _local_report(self) -> ProgressReport:
         return ProgressReport(
@@ -465,6 +529,9 @@ class DecentralizedOptimizer:
             self._advance_to(fallback_epoch)
             self._report()
         return loaded
+
+    #: hivemind's older name (its DecentralizedOptimizer's), for scripts ported from it
+    load_states_from_peers = load_state_from_peers
 
     def _apply_state(self, metadata: Any, tensors: list[torch.Tensor]) -> bool:
         try:

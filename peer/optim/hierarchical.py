@@ -138,6 +138,15 @@ class HierarchicalModelAverager:
                         group_size=size, group=self.process_group
                     )
                 continue
+            if not swarm:
+                # What torch's new_subgroups says of such a level, at construction as there:
+                # without a node nobody averages beyond the local world.
+                raise ValueError(
+                    f"The arg 'group_size' ({'all online' if size is None else size}) must not "
+                    f"exceed the world size ({world}); a level larger than the local world "
+                    "averages across the swarm and needs a node (node=peer.Node(...)) on the "
+                    "local world's rank 0"
+                )
             if size is not None and size % world:
                 raise ValueError(
                     f"A group size larger than the local world ({size}) must be a multiple "
