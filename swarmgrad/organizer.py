@@ -335,6 +335,53 @@ def checkpoint(
     )
 
 
+@runs_app.command("checkpoints")
+def checkpoints(
+    run_id: RunArgument,
+    pin: Annotated[
+        int | None,
+        typer.Option("--pin", help="Serve this epoch's checkpoint instead of the newest.", min=0),
+    ] = None,
+    unpin: Annotated[bool, typer.Option("--unpin", help="Serve the newest again.")] = False,
+    delete: Annotated[
+        int | None, typer.Option("--delete", help="Remove this epoch's checkpoint.", min=0)
+    ] = None,
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """List the run's checkpoints, newest first (the served one is marked); --pin EPOCH,
+    --unpin or --delete EPOCH first."""
+    if sum((pin is not None, unpin, delete is not None)) > 1:
+        raise UsageError("give at most one of --pin, --unpin and --delete")
+    token = _require_token(token)
+    with _client(url) as client:
+        if pin is not None:
+            client.pin_checkpoint(token, run_id, pin)
+        elif unpin:
+            client.unpin_checkpoint(token, run_id)
+        elif delete is not None:
+            client.delete_checkpoint(token, run_id, delete)
+        found = client.list_checkpoints(token, run_id)
+    served = next((c for c in found if c.get("pinned")), found[0] if found else None)
+
+    def render(console: Console) -> None:
+        if not found:
+            console.print(f"Run {run_id} has no checkpoint yet.")
+            return
+        for c in found:
+            mark = ""
+            if c is served:
+                mark = "  (pinned, served)" if c.get("pinned") else "  (served)"
+            console.print(
+                f"epoch {c['epoch']}  {c['size']:,} bytes  {c['created_at']}  "
+                f"peer {c['peer_id']}  sha256 {c['sha256'][:12]}{mark}",
+                soft_wrap=True,
+            )
+
+    _emit(as_json, {"run_id": run_id, "checkpoints": found}, render)
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory, so a reader
     never sees half a checkpoint."""

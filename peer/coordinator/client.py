@@ -430,6 +430,19 @@ class CoordinatorClient:
         body = self._json("GET", _run_path(run_id, "checkpoints"), token=token)
         return _build(self.host, lambda: [dict(c) for c in body["checkpoints"]])
 
+    def pin_checkpoint(self, token: str, run_id: str, epoch: int) -> dict[str, Any]:
+        """Serve the checkpoint of ``epoch`` (downloads, joining peers) instead of the newest,
+        until unpinned; :class:`NotFound` when the run has none of that epoch."""
+        return self._json("POST", _run_path(run_id, f"checkpoints/{int(epoch)}/pin"), token=token)
+
+    def unpin_checkpoint(self, token: str, run_id: str) -> None:
+        """Serve the run's newest checkpoint again."""
+        self._request("DELETE", _run_path(run_id, "checkpoints/pin"), token=token)
+
+    def delete_checkpoint(self, token: str, run_id: str, epoch: int) -> None:
+        """Remove the checkpoint of ``epoch``; :class:`NotFound` when there is none."""
+        self._request("DELETE", _run_path(run_id, f"checkpoints/{int(epoch)}"), token=token)
+
     # ------------------------------------------------------------------ plumbing
 
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:

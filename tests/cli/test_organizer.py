@@ -149,6 +149,30 @@ def test_checkpoint_downloads_the_newest(
     assert [p.name for p in downloads.iterdir()] == ["model.pt"]  # no temporary file left
 
 
+def test_checkpoints_list_pin_and_delete(organizer: Any, coordinator: Coordinator) -> None:
+    from peer.identity import Identity
+
+    run = as_json(organizer("runs", "create", "r", "--task", "digits", "--json"))
+    invite = as_json(organizer("invite", run["id"], "--json"))
+    with coordinator.client() as client:
+        peer = client.join(invite["token"], client.join_challenge(invite["token"]), Identity())
+        for epoch in (1, 2):
+            client.upload_checkpoint(peer.peer_token, run["id"], epoch, b"PK\x03\x04%d" % epoch)
+
+    listed = organizer("runs", "checkpoints", run["id"])
+    assert "epoch 2" in listed.out and "(served)" in listed.out
+    pinned = as_json(organizer("runs", "checkpoints", run["id"], "--pin", "1", "--json"))
+    assert [(c["epoch"], c["pinned"]) for c in pinned["checkpoints"]] == [(2, False), (1, True)]
+    with coordinator.client() as client:
+        assert client.download_checkpoint(peer.peer_token, run["id"])[1] == 1
+    deleted = as_json(organizer("runs", "checkpoints", run["id"], "--delete", "2", "--json"))
+    assert [c["epoch"] for c in deleted["checkpoints"]] == [1]
+    missing = organizer("runs", "checkpoints", run["id"], "--pin", "7")
+    assert "no checkpoint of epoch 7" in missing.assert_one_error_line(code=1)
+    both = organizer("runs", "checkpoints", run["id"], "--pin", "1", "--unpin")
+    assert "at most one" in both.assert_one_error_line(code=2)
+
+
 # ------------------------------------------------------------------------------ failures
 
 
