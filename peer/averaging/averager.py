@@ -655,6 +655,7 @@ class DecentralizedAverager(StateSharing):
                     ):
                         if alpha:
                             tensor.add_(delta.to(tensor.dtype), alpha=alpha)
+        self.last_round_left = frozenset(runner.failed)
         if runner.failed:
             logger.info(
                 "averaged with %d of %d peers (%d left the round)",
@@ -776,6 +777,9 @@ class DecentralizedAverager(StateSharing):
 
     #: wall time of the last successful all-reduce (snapshot to write-back), for benchmarks
     last_allreduce_seconds: float | None = None
+    #: members that left the last all-reduce this peer finished (excluded in both roles): the
+    #: span a departed reducer held kept this peer's own values, so members' results may differ
+    last_round_left: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:
         return f"DecentralizedAverager(prefix={self.config.prefix!r}, peer_id={self.peer_id!r})"

@@ -578,6 +578,21 @@ class DiLoCo(JoiningSwarm):
         finally:
             self._round = None
         self.timer.succeeded(time.monotonic() - started)
+        left = averager.last_round_left
+        if left:
+            # the span a departed reducer held kept this peer's own values: the members'
+            # results may differ, and outer states must not. Retried among those that stayed
+            # (a member whose round completed moves on, and this one then loads its state).
+            self.rounds_failed += 1
+            self.last_failure = "MemberLeft"
+            run.failed = True
+            logger.warning(
+                "sync %d: %d peer(s) left mid-round (%s); retrying at the next step",
+                run.sync,
+                len(left),
+                ", ".join(sorted(left)),
+            )
+            return
         self.rounds_done += 1
         self.last_group_size = len(group)
         run.averaged = True
