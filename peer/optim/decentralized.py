@@ -142,8 +142,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         target_group_size: int | None,
         average_parameters: bool,
         average_gradients: bool,
-        max_allowed_epoch_difference: int,
-        total_steps_in_epoch: int,
+        max_allowed_epoch_difference: int = 1,
+        total_steps_in_epoch: int = 1000,
         average_opt_statistics: Sequence[str] = (),
         scheduler_cls: Callable[[torch.optim.Optimizer], Any] | None = None,
         averaging_steps_period: int = 1,
@@ -284,6 +284,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if self.config.verbose:
             logger.info("step %d, epoch %d: %s", self.local_step, self.local_epoch, progress)
         return loss
+
+    def is_synchronized(self) -> bool:
+        """True while this peer is at most ``max_allowed_epoch_difference`` epochs behind the
+        swarm (hivemind's name): otherwise the next :meth:`step` loads the state instead."""
+        progress = self._swarm_progress(self.tracker.fetch())
+        return progress.epochs_behind <= self.config.max_allowed_epoch_difference
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients and apply a finished round's result to the parameters (a safe

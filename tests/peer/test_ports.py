@@ -94,9 +94,7 @@ def _adam(node: Node, net: torch.nn.Module, **kwargs: Any) -> DecentralizedAdam:
         prefix="ports",
         target_group_size=2,
         averaging_steps_period=NEVER,
-        max_allowed_epoch_difference=1,
-        total_steps_in_epoch=1000,
-        timeout=scaled(5),
+        timeout=scaled(5),  # the seed's defaults: max_allowed_epoch_difference=1, 1000 steps
         **kwargs,
     )
 
@@ -167,6 +165,11 @@ def test_hiveminds_older_name_loads_state_from_peers(node: Node) -> None:
             is DecentralizedOptimizer.load_state_from_peers
         )
         assert opt.load_states_from_peers(timeout=0.5) is False  # nobody to load from
+        assert opt.is_synchronized()  # alone: never behind
+        assert (opt.config.max_allowed_epoch_difference, opt.config.total_steps_in_epoch) == (
+            1,
+            1000,
+        )
     finally:
         opt.shutdown()
 
