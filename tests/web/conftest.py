@@ -8,18 +8,27 @@ browser), against real coordinator and volunteer processes.
   so with ``expect_network_errors``); a screenshot of each page is kept under
   ``$SWARMGRAD_TEST_ARTIFACTS/screenshots`` (default ``test-artifacts/``).
 - ``axe_violations(page)``: axe-core's serious and critical findings on the page.
+- ``site``: an in-process coordinator with one run, three volunteers (one with a hostile
+  name) and five reports each, shared by a module's tests.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+
+from peer.identity import Identity
+from server.app import create_app
+from tests.conftest import served
+from tests.server.conftest import ORGANIZER, bearer, join_proof, make_settings
 
 CHROMIUM = Path("/usr/bin/chromium")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -114,3 +123,67 @@ def axe_violations(page: Any) -> list[dict[str, Any]]:
         for v in result["violations"]
         if v["impact"] in ("serious", "critical")
     ]
+
+
+XSS = "<img src=x onerror=alert(1)>"
+
+
+@dataclass
+class Site:
+    url: str
+    run_id: str
+    invite: str
+    volunteer_id: int
+
+
+def _join(client: httpx.Client, run_id: str, token: str, name: str | None = None) -> dict[str, Any]:
+    challenge = client.post("/api/v1/join/challenge", headers=bearer(token)).json()["challenge"]
+    body: dict[str, Any] = {
+        **join_proof(run_id, challenge, Identity()),
+        "addresses": ["ws://127.0.0.1:9"],
+    }
+    if name is not None:
+        body["display_name"] = name
+    answer = client.post(f"/api/v1/runs/{run_id}/join", json=body, headers=bearer(token))
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+@pytest.fixture(scope="module")
+def site() -> Iterator[Site]:
+    with tempfile.TemporaryDirectory() as directory:
+        settings = make_settings(
+            f"sqlite:///{directory}/coordinator.db",
+            checkpoint_dir=Path(directory) / "checkpoints",
+            snapshot_interval_s=0.001,
+            report_flush_interval_s=0,
+        )
+        with served(create_app(settings)) as url, httpx.Client(base_url=url) as client:
+            run = client.post(
+                "/api/v1/runs",
+                json={"name": f"digits {XSS}", "task": "digits", "config": {"epochs": 50}},
+                headers=ORGANIZER,
+            ).json()
+            invite = client.post(
+                f"/api/v1/runs/{run['id']}/tokens", json={"label": XSS}, headers=ORGANIZER
+            ).json()["token"]
+            peers = [_join(client, run["id"], invite, name) for name in (XSS, "ada", "bob")]
+            for step in range(1, 6):
+                for i, peer in enumerate(peers):
+                    report = {
+                        "epoch": step,
+                        "samples": 100 * step * (i + 1),
+                        "samples_per_second": 20.0 + i,
+                        "loss": 2.0 / step,
+                        "group_size": 3,
+                        "rounds_done": 1,
+                    }
+                    answer = client.post(
+                        f"/api/v1/runs/{run['id']}/reports",
+                        json=report,
+                        headers=bearer(peer["peer_token"]),
+                    )
+                    assert answer.status_code == 202
+            dashboard = client.get(f"/api/v1/runs/{run['id']}/dashboard").json()
+            xss_id = next(v["id"] for v in dashboard["volunteers"] if v["display_name"] == XSS)
+            yield Site(url, run["id"], invite, xss_id)

@@ -1,9 +1,11 @@
 // uPlot charts that follow their container's width (uPlot is loaded as a global script).
 // Every number on them goes through format.js; times are UTC, as everywhere on the pages.
-import { axisTime, datetime, integer, element } from "./format.js";
+import { axisNumbers, axisTime, datetime, integer, element } from "./format.js";
 
 const HEIGHT = 200;
 const COLORS = ["#1f5fbf", "#b3361d", "#2e7d32", "#7b3fa0"];
+// Time splits: whole seconds at least, on round minutes and hours.
+const TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800];
 const INTEGER_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6, 1e7, 1e8, 1e9];
 
 function integerAxis(axis) {
@@ -24,6 +26,7 @@ function countRange(u, min, max) {
 export class Chart {
   constructor(container, { kind = "time", series, xLabel = "", xFormat = integer, yLabels = [] }) {
     this.container = container;
+    container.swarmgradChart = this; // for the browser tests
     this.kind = kind;
     const time = kind === "time";
     const counts = series.filter((s) => (s.scale || "y") === "y").every((s) => s.integer);
@@ -32,6 +35,7 @@ export class Chart {
       ? {
           label: "time (UTC)",
           space: 80,
+          incrs: TIME_STEPS,
           values: (u, splits) => {
             const span = (u.scales.x.max ?? 0) - (u.scales.x.min ?? 0);
             return splits.map((t) => axisTime(t, span < 600));
@@ -39,8 +43,8 @@ export class Chart {
         }
       : kind === "histogram"
         ? integerAxis({ label: xLabel, space: 40 })
-        : { label: xLabel, space: 70, values: (u, splits) => splits.map((v) => xFormat(v)) };
-    const yAxis = { label: yLabels[0] || "", size: 60, values: (u, splits) => splits.map((v) => series[0].format(v)) };
+        : { label: xLabel, space: 70, values: (u, splits) => axisNumbers(splits) };
+    const yAxis = { label: yLabels[0] || "", size: 60, values: (u, splits) => axisNumbers(splits) };
     this.options = {
       width: this.width(),
       height: HEIGHT,
@@ -57,7 +61,7 @@ export class Chart {
         { ...xAxis, stroke: "#333" },
         { ...(counts ? integerAxis(yAxis) : yAxis), stroke: "#333" },
         ...(y2
-          ? [{ scale: "y2", side: 1, size: 60, label: yLabels[1] || "", stroke: "#333", grid: { show: false }, values: (u, splits) => splits.map((v) => series.find((s) => s.scale === "y2").format(v)) }]
+          ? [{ scale: "y2", side: 1, size: 60, label: yLabels[1] || "", stroke: "#333", grid: { show: false }, values: (u, splits) => axisNumbers(splits) }]
           : []),
       ],
       series: [

@@ -72,6 +72,19 @@ export function eta(seconds) {
   return duration(Math.ceil(Number(seconds)));
 }
 
+// An axis's labels: as many decimals as its step needs, the same for every label
+// ("0", "0.5", "1.0"; "2,000", "4,000").
+export function axisNumbers(splits) {
+  const steps = splits.slice(1).map((v, i) => Math.abs(v - splits[i])).filter((d) => d > 0);
+  const step = steps.length ? Math.min(...steps) : 1;
+  const digits = Math.min(8, Math.max(0, -Math.floor(Math.log10(step) + 1e-9)));
+  return splits.map((v) =>
+    v === null || v === undefined
+      ? ""
+      : Number(v).toLocaleString("en-US", { minimumFractionDigits: digits, maximumFractionDigits: digits }),
+  );
+}
+
 function pad(n) {
   return String(n).padStart(2, "0");
 }
