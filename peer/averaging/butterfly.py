@@ -353,6 +353,7 @@ class ButterflyRound:
         self.failed_reducers: set[int] = set()
         self.excluded_senders: set[str] = set()
         self._logged: set[str] = set()
+        self._outliers_named: set[str] = set()
         self._outboxes: dict[str, _Outbox] = {}
         for r, member in enumerate(self.members):
             if r == self.index:
@@ -707,6 +708,17 @@ class ButterflyRound:
         for offence in self.reducer.take_rejected():
             if offence.sender != self.me:  # own values are checked before the round
                 self._bad(offence.sender, str(offence))  # type: ignore[arg-type]
+        for sender, index, ratio in self.reducer.take_outliers():
+            if sender not in self._outliers_named:  # once per round and sender
+                self._outliers_named.add(str(sender))
+                logger.warning(
+                    "the contribution of %s to part %d lies %.3g times the group's median "
+                    "distance from the %s aggregate: its pull on the result was bounded",
+                    sender,
+                    index,
+                    ratio,
+                    self.config.aggregator,
+                )
 
     def _trust(self, r: int) -> None:
         """Reducer ``r`` sent all its contributions to this peer, all checked and valid:

@@ -21,7 +21,9 @@ affected accumulators from the survivors'; references are released at finalisati
 memory beyond the accumulator is bounded by the contributions of parts still in flight.
 
 With a robust ``aggregator`` (:mod:`peer.averaging.robust`) nothing is accumulated: a part
-is aggregated from its retained contributions once it has them all, into the same buffers.
+is aggregated from its retained contributions once it has them all, into the same buffers,
+and the senders whose values lie far from the aggregate (:func:`~peer.averaging.robust.outliers`)
+are queued in :attr:`WeightedMeanReducer.outliers` for the caller to name.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from peer.averaging.exceptions import BadContribution, UnexpectedSender
-from peer.averaging.robust import aggregate, check_aggregator
+from peer.averaging.robust import aggregate, check_aggregator, outliers
 from peer.compression import all_finite
 
 __all__ = ["FinishedPart", "WeightedMeanReducer", "apply_averaging_alpha"]
@@ -132,6 +134,9 @@ class WeightedMeanReducer:
         self.excluded: set[Hashable] = set()
         # offences found when completing parts (NaN/Inf values), for the caller
         self.rejected: list[BadContribution] = []
+        # robust aggregators: (sender, part index, distance / median distance) of the
+        # contributions far from a part's aggregate, for the caller to name
+        self.outliers: list[tuple[Hashable, int, float]] = []
         self._open_parts = len(self.part_sizes)  # parts not final yet
         # part index → the part's only positive contribution so far, not yet written to the
         # accumulator: (weight, values of the batch it came in, the part's offset there).
@@ -166,6 +171,11 @@ class WeightedMeanReducer:
 
     def part_view(self, index: int) -> torch.Tensor:
         return self.buffer[self.offsets[index] : self.offsets[index + 1]]
+
+    def take_outliers(self) -> list[tuple[Hashable, int, float]]:
+        """The outliers found since the last call (robust aggregators only)."""
+        found, self.outliers = self.outliers, []
+        return found
 
     def take_rejected(self) -> list[BadContribution]:
         """The offences found since the last call (their senders are already excluded)."""
@@ -396,13 +406,15 @@ class WeightedMeanReducer:
         """Part ``index`` by the robust aggregator, from its retained contributions."""
         pending = self._pending[index]
         assert pending is not None
-        survivors = [(w, v) for w, v in pending.values() if w > 0 and v is not None]
+        survivors = [(s, w, v) for s, (w, v) in pending.items() if w > 0 and v is not None]
         if not survivors:
             return
         # in float64: finite values cannot overflow there, so neither can their aggregate
-        stack = torch.stack([v.to(torch.float64) for _, v in survivors])  # [n, numel]
-        average = aggregate(self.aggregator, stack, [w for w, _ in survivors])
+        stack = torch.stack([v.to(torch.float64) for _, _, v in survivors])  # [n, numel]
+        average = aggregate(self.aggregator, stack, [w for _, w, _ in survivors])
         results[self.offsets[index] : self.offsets[index + 1]].copy_(average)
+        for row, ratio in outliers(stack, average):
+            self.outliers.append((survivors[row][0], index, ratio))
 
     def _release(self, ready: list[int], results: torch.Tensor) -> list[FinishedPart]:
         done = []

@@ -10,10 +10,16 @@ contributions at once (see :class:`~peer.averaging.reducer.WeightedMeanReducer`)
 * ``centered_clip``: CenteredClip (Karimireddy, He & Jaggi 2021, "Learning from History for
   Byzantine Robust Optimization"): starting from the coordinate-wise median, move towards
   each contribution by at most ``tau`` (its deviation clipped to that norm), weighted, a few
-  iterations. Without ``tau`` it is the median distance of the contributions to the start,
-  so the rule needs no tuning to the scale of the values.
+  iterations. Without ``tau`` it is :data:`CLIP_FACTOR` times the median distance of the
+  contributions to the start, so the rule needs no tuning to the scale of the values, and
+  honest contributions, which lie at similar distances, are seldom clipped: the aggregate of
+  contributions none of which is clipped is their weighted mean exactly (from any start),
+  so an honest group pays next to nothing for the protection. Two contributions start from
+  their midpoint (the median of an even count is the mean of the middle two) and are never
+  clipped: two members cannot tell which of them is wrong.
 
-Also :func:`weight_bound`: the largest weight a group tolerates relative to its median.
+Also :func:`weight_bound`: the largest weight a group tolerates relative to its median, and
+:func:`outliers`: the contributions an aggregate left far behind, for the log.
 """
 
 from __future__ import annotations
@@ -25,10 +31,14 @@ import torch
 
 __all__ = [
     "AGGREGATORS",
+    "CLIP_FACTOR",
+    "OUTLIER_FACTOR",
     "aggregate",
     "centered_clip",
     "check_aggregator",
     "default_trim",
+    "median",
+    "outliers",
     "trimmed_mean",
     "weight_bound",
 ]
@@ -37,6 +47,11 @@ __all__ = [
 AGGREGATORS = ("mean", "trimmed_mean", "centered_clip")
 
 CENTERED_CLIP_ITERATIONS = 3
+#: CenteredClip's default ``tau``: this many times the median distance to the start
+CLIP_FACTOR = 2.0
+#: a contribution this many times further from the aggregate than the group's median
+#: distance is an outlier (:func:`outliers`): named in the log
+OUTLIER_FACTOR = 10.0
 
 
 def check_aggregator(name: str) -> str:
@@ -67,6 +82,17 @@ def trimmed_mean(values: torch.Tensor, trim: int | None = None) -> torch.Tensor:
     return ordered[trim : n - trim].mean(dim=0)
 
 
+def median(values: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise median of ``values`` ``[n, d]``; of an even count, the mean of the
+    middle two (``torch.median`` takes the lower one, which of two values is their
+    minimum). Returns ``[d]``."""
+    n = values.shape[0]
+    if n % 2:
+        return values.median(dim=0).values
+    middle = values.sort(dim=0).values[n // 2 - 1 : n // 2 + 1]
+    return middle.mean(dim=0)
+
+
 def centered_clip(
     values: torch.Tensor,
     weights: Sequence[float] | torch.Tensor | None = None,
@@ -76,8 +102,8 @@ def centered_clip(
 ) -> torch.Tensor:
     """CenteredClip of ``values`` ``[n, d]`` with ``weights`` ``[n]`` (default equal):
     ``v ← v + Σᵢ wᵢ·min(1, τ/‖xᵢ - v‖)·(xᵢ - v) / Σᵢ wᵢ``, ``iterations`` times, from
-    ``center`` (default the coordinate-wise median). ``tau`` defaults to the median of
-    ``‖xᵢ - center‖``. Returns ``[d]``."""
+    ``center`` (default the coordinate-wise :func:`median`). ``tau`` defaults to
+    :data:`CLIP_FACTOR` times the median of ``‖xᵢ - center‖``. Returns ``[d]``."""
     n = values.shape[0]
     if n == 0:
         raise ValueError("nothing to aggregate")
@@ -91,9 +117,9 @@ def centered_clip(
     if total <= 0:
         raise ValueError("weights must not all be 0")
     w = w / total
-    v = values.median(dim=0).values if center is None else center.to(values.dtype).clone()
+    v = median(values) if center is None else center.to(values.dtype).clone()
     if tau is None:
-        tau = float((values - v).norm(dim=1).median())
+        tau = CLIP_FACTOR * float(median((values - v).norm(dim=1).unsqueeze(1)))
     if not tau >= 0 or math.isinf(tau):
         raise ValueError("tau must be finite and non-negative")
     for _ in range(iterations):
@@ -117,6 +143,23 @@ def aggregate(
     if name == "centered_clip":
         return centered_clip(values, weights)
     raise ValueError(f"unknown aggregator {name!r}")
+
+
+def outliers(values: torch.Tensor, aggregate: torch.Tensor) -> list[tuple[int, float]]:
+    """The rows of ``values`` ``[n, d]`` further from ``aggregate`` ``[d]`` than
+    :data:`OUTLIER_FACTOR` times the median distance, each with that ratio (infinite when
+    the median distance is 0), furthest first. Fewer than three rows: none (two cannot
+    tell which of them is wrong)."""
+    if values.shape[0] < 3:
+        return []
+    distances = (values - aggregate).norm(dim=1)  # [n]
+    typical = float(median(distances.unsqueeze(1)))
+    found = []
+    for row, distance in enumerate(distances.tolist()):
+        ratio = distance / typical if typical > 0 else (math.inf if distance > 0 else 0.0)
+        if ratio > OUTLIER_FACTOR:
+            found.append((row, ratio))
+    return sorted(found, key=lambda item: -item[1])
 
 
 def weight_bound(declared: Iterable[float], factor: float | None) -> float:

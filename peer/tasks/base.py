@@ -132,8 +132,8 @@ BASE_DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "matchmaking_time": 5.0,
         "averaging_timeout": 30.0,
         "max_machines": 8,
-        "aggregator": "mean",
-        "relative_weight_bound": None,
+        "aggregator": "centered_clip",
+        "relative_weight_bound": 16.0,
         "algorithm": "collaborative",
         "inner_steps": 100,
         "outer_lr": 0.7,
@@ -167,12 +167,13 @@ class TrainingConfig:
     # keys (machines) one volunteer credential, or one use of an invite, may join with; the
     # coordinator enforces it
     max_machines: int = 8
-    # how reducers combine contributions: "mean", or for open runs "trimmed_mean" or
-    # "centered_clip", which bound what any one peer can move (peer.averaging.robust)
-    aggregator: str = "mean"
-    # a member declaring more than this factor times its group's median weight (samples) is
-    # excluded from the round; None: no bound
-    relative_weight_bound: float | None = None
+    # how reducers combine contributions: "centered_clip" (runs are open to strangers: what
+    # one peer can move is bounded, and an honest group's result is its mean), "trimmed_mean",
+    # or the plain "mean", which one peer can set (peer.averaging.robust)
+    aggregator: str = "centered_clip"
+    # a member declaring more than this factor times its group's (lower) median weight
+    # (samples) is excluded from the round; None: no bound
+    relative_weight_bound: float | None = 16.0
     # peer.DiLoCo instead of peer.Optimizer, and its settings (used with "diloco" only):
     # inner steps per outer round (H), the outer Nesterov SGD's lr and momentum, fragments
     # synced one after another (Streaming DiLoCo; at most inner_steps), the pseudo-gradients'

@@ -26,6 +26,8 @@ from peer.averaging.robust import (
     aggregate,
     centered_clip,
     default_trim,
+    median,
+    outliers,
     trimmed_mean,
     weight_bound,
 )
@@ -334,3 +336,21 @@ def test_the_collaborative_optimizer_passes_the_options_to_its_averagers() -> No
                 assert (config.aggregator, config.relative_weight_bound) == ("trimmed_mean", 5.0)
         finally:
             opt.shutdown()
+
+
+def test_centered_clip_of_an_honest_group_is_its_weighted_mean() -> None:
+    """Honest contributions lie at similar distances: none is clipped, and the aggregate is
+    the weighted mean (a run pays nothing for the protection). Two start from their midpoint,
+    the median of an even count; an outlier among three or more is reported."""
+    g = torch.Generator().manual_seed(3)
+    for n in (2, 3, 4, 8):
+        values = torch.randn(n, 1000, generator=g, dtype=torch.float64)
+        weights = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+        mean = (values * weights.unsqueeze(1)).sum(0) / weights.sum()
+        out = centered_clip(values, weights)
+        assert torch.allclose(out, mean, atol=1e-12), n
+        assert outliers(values, out) == [], n
+    assert median(torch.tensor([[0.0], [3.0]])).tolist() == [1.5]
+    attacked = torch.cat([torch.randn(3, 1000, generator=g), torch.full((1, 1000), 1e37)])
+    (row, ratio), *more = outliers(attacked, centered_clip(attacked))
+    assert (row, more) == (3, []) and ratio > 1e30

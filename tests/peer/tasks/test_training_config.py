@@ -188,4 +188,4 @@ def test_an_open_runs_robust_averaging_reaches_every_peers_optimizer() -> None:
     finally:
         node.shutdown()
     default = TrainingConfig.from_run_config(Toy(), {})
-    assert (default.aggregator, default.relative_weight_bound) == ("mean", None)
+    assert (default.aggregator, default.relative_weight_bound) == ("centered_clip", 16.0)
