@@ -182,3 +182,10 @@ class VolunteerBanned(BaseModel):
     id: int
     display_name: str
     banned: bool
+    invites: list[str] = Field(
+        default_factory=list,
+        description="Ids of the invites the volunteer came through: revoke them "
+        "(revoke_invites=true, or DELETE /runs/{id}/tokens/{token_id}) so the banned person "
+        "cannot come back with a new key.",
+    )
+    invites_revoked: list[str] = Field(default_factory=list, description="Those this call revoked.")

@@ -7,8 +7,10 @@ that joins with it counts as the same volunteer, under that name.
 
 A ban revokes every token of the volunteer (its personal join tokens and its peers' peer
 tokens), so its peers can no longer renew certificates, bootstrap or join again with the same
-keys. Reports on the hot path are authenticated from a per-worker cache: a banned peer's
-reports may still be accepted for up to ``peer_auth_cache_ttl_s``.
+keys. The invites it came through may be shared with others, so a ban does not revoke them
+by itself: it offers to (:func:`revoke_invites_used`), since with one a banned person could
+come back with a new key. Reports on the hot path are authenticated from a per-worker
+cache: a banned peer's reports may still be accepted for up to ``peer_auth_cache_ttl_s``.
 """
 
 from __future__ import annotations
@@ -173,6 +175,33 @@ def ban(session: Session, run: Run, volunteer_id: int) -> Volunteer:
     )
     session.flush()
     return volunteer
+
+
+def invites_used(session: Session, volunteer: Volunteer) -> list[Token]:
+    """The invites ``volunteer`` came through (revoked or not): the one it redeemed for its
+    personal credential, or the one its key joined with. A ban revokes the volunteer's own
+    tokens, not these (others may share them); the organizer is offered to revoke them, so
+    the banned person cannot come back through the same invite with a new key."""
+    if volunteer.join_token_id is None:
+        return []
+    token = session.get(Token, volunteer.join_token_id)
+    if token is None or token.scope is not TokenScope.join or token.volunteer_id is not None:
+        return []
+    return [token]
+
+
+def revoke_invites_used(session: Session, run: Run, volunteer_id: int) -> list[Token]:
+    """Revoke the invites the volunteer came through (:func:`invites_used`); the ones this
+    revoked. The caller commits."""
+    volunteer = get_volunteer(session, run, volunteer_id)
+    now = utcnow()
+    revoked = []
+    for token in invites_used(session, volunteer):
+        if token.revoked_at is None:
+            token.revoked_at = now
+            revoked.append(token)
+    session.flush()
+    return revoked
 
 
 def ensure_not_banned(volunteer: Volunteer | None) -> None:

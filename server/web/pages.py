@@ -41,12 +41,14 @@ from server.web.credential_cookie import (
     cookie_path,
 )
 from server.web.security import (
-    CSRF_COOKIE,
     CSRF_FIELD,
     ORGANIZER_COOKIE,
+    csrf_cookie_name,
     csrf_matches,
+    csrf_session,
+    csrf_token,
     is_page,
-    new_csrf_token,
+    new_session,
 )
 
 
@@ -113,8 +115,15 @@ def render(
     status: int = 200,
     organizer: str | None = None,
 ) -> HTMLResponse:
-    """A template with the CSRF token (set as a cookie if the browser has none)."""
-    csrf = request.cookies.get(CSRF_COOKIE) or new_csrf_token()
+    """A template with the CSRF token of the browser's session (an anonymous session's
+    cookie is set if the browser has none)."""
+    settings: Settings = request.app.state.settings
+    secure = _secure(settings)
+    session = csrf_session(request.cookies, secure)
+    fresh = session is None
+    if session is None:
+        session = new_session()
+    csrf = csrf_token(settings.secret_keys()[0], session)
     response = templates.TemplateResponse(
         request,
         name,
@@ -127,16 +136,17 @@ def render(
         },
         status_code=status,
     )
-    if request.cookies.get(CSRF_COOKIE) != csrf:
-        settings: Settings = request.app.state.settings
+    if fresh:
         response.set_cookie(
-            CSRF_COOKIE, csrf, httponly=True, samesite="strict", secure=_secure(settings)
+            csrf_cookie_name(secure), session, httponly=True, samesite="strict", secure=secure
         )
     return response
 
 
 def check_csrf(request: Request, field: str | None) -> None:
-    if not csrf_matches(request.cookies.get(CSRF_COOKIE), field):
+    settings: Settings = request.app.state.settings
+    session = csrf_session(request.cookies, _secure(settings))
+    if not csrf_matches(settings.secret_keys(), session, field):
         raise PageError(
             403,
             "This form has expired or did not come from this site. Go back, reload the page "
@@ -180,18 +190,25 @@ def run_page(
         history_points=settings.history_points,
     )
     invites = []
+    checkpoints: list[Any] = []
+    ban_offer = None
     if organizer is not None:
         invites = [
             t
             for t in token_service.list_join_tokens(session, run)
             if t.volunteer_id is None and token_service.is_active(t)
         ]
+        checkpoints = checkpoint_service.list_checkpoints(session, run.id)
+        ban_offer = _ban_offer(session, run, request.query_params.get("banned", ""))
     return render(
         request,
         "run.html",
         {
             "document": document,
             "invites": invites,
+            "checkpoints": checkpoints,
+            "served_checkpoint": checkpoint_service.served(session, run.id) if organizer else None,
+            "ban_offer": ban_offer,
             "new_invite": request.query_params.get("invite"),
             "public_url": settings.public_url.rstrip("/"),
             # What an invite made with empty fields gets.
@@ -520,7 +537,61 @@ def ban_volunteer(
     except NotFound:
         raise PageError(404, "This run has no such volunteer.") from None
     session.commit()
-    return RedirectResponse(f"/runs/{run.id}#volunteers", status_code=303)
+    # The run page then offers to revoke the invites the volunteer came through.
+    return RedirectResponse(f"/runs/{run.id}?banned={volunteer_id}#ban-offer", status_code=303)
+
+
+@dataclass(frozen=True)
+class BanOffer:
+    volunteer: Volunteer
+    invites: list[Any]  # the unrevoked invites it came through
+
+
+def _ban_offer(session: SessionDep, run: Any, banned: str) -> BanOffer | None:
+    if not banned.isdigit() or not 1 <= int(banned) <= dashboard_service.MAX_ID:
+        return None
+    try:
+        volunteer = volunteer_service.get_volunteer(session, run, int(banned))
+    except NotFound:
+        return None
+    if volunteer.banned_at is None:
+        return None
+    invites = [
+        t for t in volunteer_service.invites_used(session, volunteer) if t.revoked_at is None
+    ]
+    return BanOffer(volunteer, invites)
+
+
+@router.post("/runs/{run_id}/checkpoints/{epoch}/{action}")
+def checkpoint_action(
+    request: Request,
+    run_id: str,
+    epoch: int,
+    action: str,
+    session: SessionDep,
+    organizer: Organizer,
+    csrf: CsrfField = None,
+) -> Response:
+    """Pin, unpin or delete one of the run's checkpoints."""
+    check_csrf(request, csrf)
+    require_organizer(organizer)
+    run = _run(session, run_id)
+    try:
+        if action == "pin":
+            checkpoint_service.pin(session, run.id, epoch)
+            session.commit()
+        elif action == "unpin":
+            checkpoint_service.unpin(session, run.id)
+            session.commit()
+        elif action == "delete":
+            checkpoint_service.delete_checkpoint(
+                session, request.app.state.checkpoint_store, run.id, epoch
+            )
+        else:
+            raise PageError(404, "No such action on a checkpoint.")
+    except NotFound as exc:
+        raise PageError(404, str(exc)) from None
+    return RedirectResponse(f"/runs/{run.id}#checkpoints", status_code=303)
 
 
 @router.get("/runs/{run_id}/checkpoint.pt")

@@ -9,24 +9,30 @@ and invite tokens kept out of the access log.
 - **Organizer cookie.** Signing in stores the organizer token itself in an HttpOnly,
   SameSite=Strict cookie (Secure when the public URL is https); each request checks it again
   against the database, so a revoked token signs the browser out.
-- **CSRF.** Double-submit: a random value in an HttpOnly, SameSite=Strict cookie and the
-  same value in a hidden ``csrf`` field of every form; a POST whose two values differ is
-  refused. SameSite=Strict already keeps other sites' forms from carrying the cookies; the
-  token also covers same-site attackers (another app on a sibling subdomain).
+- **CSRF.** Every form carries a hidden ``csrf`` field: an HMAC, with the coordinator's
+  secret key, of the browser's session — the organizer cookie once signed in, else a random
+  value in an HttpOnly, SameSite=Strict cookie (``__Host-`` prefixed when the public URL is
+  https, so a sibling subdomain cannot set it). A POST whose field is not the HMAC of the
+  session it arrives with is refused. So a cookie and a field both chosen by an attacker do
+  not pass (it cannot compute the HMAC of a session it chose, nor know the organizer's);
+  SameSite=Strict already keeps other sites' forms from carrying the cookies.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import re
 import secrets
+from collections.abc import Iterable, Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 ORGANIZER_COOKIE = "swarmgrad_organizer"
 CSRF_COOKIE = "swarmgrad_csrf"
 CSRF_FIELD = "csrf"
+_CSRF_CONTEXT = b"swarmgrad/csrf/v1\x00"
 
 CONTENT_SECURITY_POLICY = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -82,14 +88,39 @@ class PageHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
-def new_csrf_token() -> str:
+def csrf_cookie_name(secure: bool) -> str:
+    """The anonymous session's cookie: ``__Host-`` prefixed over https (the browser then
+    takes it only Secure, for path ``/`` and this host alone)."""
+    return f"__Host-{CSRF_COOKIE}" if secure else CSRF_COOKIE
+
+
+def new_session() -> str:
+    """A fresh anonymous session, for the cookie :func:`csrf_cookie_name` names."""
     return secrets.token_urlsafe(24)
 
 
-def csrf_matches(cookie: str | None, field: str | None) -> bool:
-    if not cookie or not field:
+def csrf_session(cookies: Mapping[str, str], secure: bool) -> str | None:
+    """The session a form is bound to: the organizer cookie once signed in, else the
+    anonymous session cookie (None: the browser has neither yet)."""
+    return cookies.get(ORGANIZER_COOKIE) or cookies.get(csrf_cookie_name(secure)) or None
+
+
+def csrf_token(secret: str, session: str) -> str:
+    """The form field for ``session``: an HMAC of it with the coordinator's secret key."""
+    mac = hmac.new(secret.encode(), _CSRF_CONTEXT + session.encode(), hashlib.sha256)
+    return mac.hexdigest()
+
+
+def csrf_matches(secrets_: Iterable[str | None], session: str | None, field: str | None) -> bool:
+    """Whether ``field`` is :func:`csrf_token` of ``session`` under one of the keys (the
+    current secret key, and the previous one during a rotation)."""
+    if not session or not field:
         return False
-    return hmac.compare_digest(cookie.encode(), field.encode())
+    return any(
+        hmac.compare_digest(csrf_token(secret, session).encode(), field.encode())
+        for secret in secrets_
+        if secret
+    )
 
 
 _INVITE_PATH = re.compile(r"(/join/)[^/?\s\"]+")

@@ -12,8 +12,14 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from server.web.security import CSRF_COOKIE, ORGANIZER_COOKIE, RedactInvites, install_log_redaction
-from tests.server.conftest import ADMIN_TOKEN, Api
+from server.web.security import (
+    CSRF_COOKIE,
+    ORGANIZER_COOKIE,
+    RedactInvites,
+    csrf_token,
+    install_log_redaction,
+)
+from tests.server.conftest import ADMIN_TOKEN, SECRET_KEY, Api
 
 CSRF = re.compile(r'name="csrf" value="([^"]+)"')
 
@@ -22,7 +28,8 @@ async def csrf_of(client: httpx.AsyncClient, path: str = "/signin") -> str:
     page = await client.get(path)
     assert page.status_code == 200, page.text
     found = CSRF.search(page.text)
-    assert found and client.cookies.get(CSRF_COOKIE) == found.group(1)
+    session = client.cookies.get(ORGANIZER_COOKIE) or client.cookies.get(CSRF_COOKIE)
+    assert found and session and found.group(1) == csrf_token(SECRET_KEY, session)
     return found.group(1)
 
 

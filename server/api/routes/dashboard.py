@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 from typing import Any
 
-from fastapi import APIRouter, Path, Response, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Path, Query, Response, WebSocket, WebSocketDisconnect
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.api import API_PREFIX
@@ -69,11 +69,26 @@ def ban_volunteer(
     session: SessionDep,
     run: RunDep,
     volunteer_id: int = Path(ge=1, le=MAX_ID, description="The volunteer's id."),
+    revoke_invites: bool = Query(
+        False, description="Also revoke the invites the volunteer came through."
+    ),
 ) -> VolunteerBanned:
-    """Revoke every token of the volunteer; its keys can no longer join or renew."""
+    """Revoke every token of the volunteer; its keys can no longer join or renew. The
+    answer names the invites it came through (shared ones too); ``revoke_invites=true``
+    revokes them as well, so the person cannot come back with a new key."""
     volunteer = volunteer_service.ban(session, run, volunteer_id)
+    revoked = []
+    if revoke_invites:
+        revoked = volunteer_service.revoke_invites_used(session, run, volunteer_id)
+    invites = [t.id for t in volunteer_service.invites_used(session, volunteer)]
     session.commit()
-    return VolunteerBanned(id=volunteer.id, display_name=volunteer.display_name, banned=True)
+    return VolunteerBanned(
+        id=volunteer.id,
+        display_name=volunteer.display_name,
+        banned=True,
+        invites=invites,
+        invites_revoked=[t.id for t in revoked],
+    )
 
 
 def _overview_builder(factory: sessionmaker[Session], settings: Settings) -> Any:
