@@ -136,7 +136,7 @@ class Site:
     volunteer_id: int
 
 
-def _join(client: httpx.Client, run_id: str, token: str, name: str | None = None) -> dict[str, Any]:
+def join(client: httpx.Client, run_id: str, token: str, name: str | None = None) -> dict[str, Any]:
     challenge = client.post("/api/v1/join/challenge", headers=bearer(token)).json()["challenge"]
     body: dict[str, Any] = {
         **join_proof(run_id, challenge, Identity()),
@@ -167,7 +167,7 @@ def site() -> Iterator[Site]:
             invite = client.post(
                 f"/api/v1/runs/{run['id']}/tokens", json={"label": XSS}, headers=ORGANIZER
             ).json()["token"]
-            peers = [_join(client, run["id"], invite, name) for name in (XSS, "ada", "bob")]
+            peers = [join(client, run["id"], invite, name) for name in (XSS, "ada", "bob")]
             for step in range(1, 6):
                 for i, peer in enumerate(peers):
                     report = {

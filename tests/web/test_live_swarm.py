@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,8 +160,23 @@ def test_an_invite_from_the_page_brings_a_volunteer_into_the_table(
     row = organizer.locator("#volunteers tr[data-volunteer-id]", has_text="carol")
     row.wait_for(timeout=scaled(60) * 1000)  # live: the organizer's page was not reloaded
     assert wait_until(lambda: "online" in row.inner_text(), scaled(60))
-    again = open_page(link)
+    again = open_page(link)  # another browser: the invite is spent (410)
+    expect_network_errors(again)
     assert "used up" in again.get_by_role("alert").inner_text()
+
+
+def test_a_stopped_volunteer_shows_offline_within_10_s(swarm: Swarm, open_page: Any) -> None:
+    page = open_page(swarm.dashboard)
+    row = page.locator("#volunteers tr[data-volunteer-id]", has_text="carol")
+    row.locator(".badge-running").wait_for(timeout=scaled(60) * 1000)
+    online = metric(page, "peers_online")
+    carol = next(p for p in swarm.processes if any("carol-laptop" in str(a) for a in p.args))
+    carol.send_signal(signal.SIGINT)  # Ctrl-C: it leaves the run and exits
+    carol.wait(scaled(30))
+    gone = time.monotonic()
+    row.locator(".badge-running").wait_for(state="detached", timeout=scaled(30) * 1000)
+    assert time.monotonic() - gone <= scaled(10), swarm.logs()
+    assert wait_until(lambda: metric(page, "peers_online") == online - 1, scaled(5))
 
 
 def test_ban_from_the_page_stops_renewal(swarm: Swarm, open_page: Any) -> None:
@@ -198,6 +214,7 @@ def test_revoking_an_invite_from_the_page(swarm: Swarm, open_page: Any) -> None:
     page.wait_for_load_state()
     assert page.locator("#invites tr", has_text="to revoke").count() == 0
     revoked = open_page(link)
+    expect_network_errors(revoked)  # 410: the browser logs it
     assert revoked.get_by_role("alert").inner_text() == "This invite was revoked."
 
 
@@ -206,6 +223,9 @@ def test_pause_stops_the_peers_and_resume_restarts_them(swarm: Swarm, open_page:
     sign_in(page, swarm)
     page.get_by_role("button", name="Pause").click()
     page.locator("#run-status", has_text="paused").wait_for()
+    rate = page.locator("[data-metric=samples_per_second]")
+    assert rate.inner_text() == "0 (paused)"
+    assert page.get_by_role("button", name="Pause").is_disabled()
 
     def samples() -> int:
         return int(swarm.document()["headline"]["samples"])

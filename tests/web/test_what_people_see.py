@@ -8,14 +8,15 @@ page at both sizes go to ``test-artifacts/screenshots``."""
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import httpx
 import pytest
 
 from server.web import formatting
-from tests.server.conftest import ADMIN_TOKEN, ORGANIZER
-from tests.web.conftest import ARTIFACTS, Site, expect_network_errors
+from tests.server.conftest import ADMIN_TOKEN, ORGANIZER, bearer
+from tests.web.conftest import ARTIFACTS, Site, expect_network_errors, join
 
 SIZES = [pytest.param(1280, 900, id="laptop"), pytest.param(390, 844, id="phone")]
 
@@ -344,3 +345,28 @@ def test_the_browser_and_the_server_format_alike(site: Site, open_page: Any) -> 
         "async () => (await import('/static/js/format.js')).datetime('2026-11-26T22:53:07.5Z')"
     )
     assert when == "2026-11-26 22:53:07 UTC"
+
+
+@pytest.mark.parametrize(("width", "height"), SIZES)
+def test_a_volunteer_gone_silent_shows_offline_within_10_s(
+    site: Site, open_page: Any, width: int, height: int
+) -> None:
+    """No retraction, no goodbye: the volunteer's reports just stop (its process is gone)."""
+    name = f"leaver-{width}"
+    with httpx.Client(base_url=site.url) as client:
+        peer = join(client, site.run_id, site.invite, name)
+        report = {"epoch": 5, "samples": 10, "samples_per_second": 5.0, "group_size": 2}
+        answer = client.post(
+            f"/api/v1/runs/{site.run_id}/reports", json=report, headers=bearer(peer["peer_token"])
+        )
+        assert answer.status_code == 202
+        last_contact = time.monotonic()
+    page = open_page(f"{site.url}/runs/{site.run_id}", width=width, height=height)
+    row = page.locator("#volunteers tr[data-volunteer-id]", has_text=name)
+    row.locator(".badge-running").wait_for(timeout=5000)
+    assert int(page.locator("[data-metric=peers_online]").inner_text()) >= 1
+    row.locator(".badge-running").wait_for(state="detached", timeout=15000)
+    gone_after = time.monotonic() - last_contact
+    assert gone_after <= 11.5, gone_after  # 10 s of silence, and the next live update
+    assert page.locator("[data-metric=peers_online]").inner_text() == "0"
+    assert "s ago" in row.locator("time").inner_text()
