@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from server.clock import now_ms
 from server.exceptions import ImplausibleReport
-from server.models import Peer
+from server.models import Peer, Volunteer
 from server.schemas import ReportCreate
 from server.services.report_bounds import (
     Bound,
@@ -157,15 +157,16 @@ class ReportGuard:
         if refusal is not None:
             if refusal.bound is Bound.epoch and view is not None:
                 lift_on_refusal(self.limits, view, track.volunteer_id, body.epoch, now)
-            self._log_refusal(run_id, peer_pk, track.volunteer_id, refusal, now)
+            await self._log_refusal(run_id, peer_pk, track.volunteer_id, refusal, now)
             raise ImplausibleReport(refusal.bound, refusal.detail)
         return self._accept(run_id, peer_pk, track, body, now)
 
-    def _log_refusal(
+    async def _log_refusal(
         self, run_id: str, peer_pk: int, volunteer_id: int, refusal: Refusal, now: int
     ) -> None:
-        """One warning naming the volunteer, at most every ``REFUSAL_LOG_INTERVAL_MS`` per
-        peer (a flood of refused reports is one line, with its count, per interval)."""
+        """One warning naming the volunteer and its machine, at most every
+        ``REFUSAL_LOG_INTERVAL_MS`` per peer (a flood of refused reports is one line, with
+        its count, per interval)."""
         logged_ms, since = self._refusals_logged.get(peer_pk, (None, 0))
         if logged_ms is not None and now - logged_ms < REFUSAL_LOG_INTERVAL_MS:
             self._refusals_logged[peer_pk] = (logged_ms, since + 1)
@@ -174,16 +175,30 @@ class ReportGuard:
         self._refusals_logged[peer_pk] = (now, 0)
         if len(self._refusals_logged) > MAX_TRACKS:
             del self._refusals_logged[next(iter(self._refusals_logged))]
+        try:
+            name, peer_id = await asyncio.to_thread(self._read_names, peer_pk)
+        except Exception:  # the database is down: the ids still name them
+            name, peer_id = "?", "?"
         more = f" ({since} more refused since the last such line)" if since else ""
         logger.warning(
-            "refused a report of volunteer %d (peer %d) in run %s, bound %s: %s%s",
+            "refused a report of volunteer %d (%r), peer %s, in run %s, bound %s: %s%s",
             volunteer_id,
-            peer_pk,
+            name,
+            peer_id,
             run_id,
             refusal.bound,
             refusal.detail,
             more,
         )
+
+    def _read_names(self, peer_pk: int) -> tuple[str, str]:
+        with self._session_factory() as session:
+            row = session.execute(
+                select(Volunteer.display_name, Peer.peer_id)
+                .join(Volunteer, Volunteer.id == Peer.volunteer_id)
+                .where(Peer.id == peer_pk)
+            ).one()
+            return str(row[0]), str(row[1])
 
     async def swarm_epoch(self, run_id: str, volunteer_id: int, *, at_least: int) -> int | None:
         """The swarm's epoch as the epoch bound sees it for a report of ``volunteer_id``
