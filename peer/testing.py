@@ -24,9 +24,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from peer.node.gossip import ValueWithExpiration
+
+if TYPE_CHECKING:
+    from peer.node import Node
 
 T = TypeVar("T")
 
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         node.shutdown()
 
 
-def serve_json_lines(node: Any, handlers: dict[str, Callable[[dict[str, Any]], Any]]) -> None:
+def serve_json_lines(node: Node, handlers: dict[str, Callable[[dict[str, Any]], Any]]) -> None:
     """The child side of the JSON-line protocol: announce ``node``'s peer id and addresses,
     then answer each command on standard input with ``handlers[cmd](command)`` until
     ``{"cmd": "quit"}`` or end of input."""

@@ -40,10 +40,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peer.exceptions import SwarmgradError
 from peer.identity import Identity
+
+if TYPE_CHECKING:
+    from peer.node import Node
 
 logger = logging.getLogger("peer.volunteer")
 
@@ -266,7 +269,7 @@ class Volunteer:
         self,
         client: Any,
         answer: Any,
-        node: Any,
+        node: Node,
         session: Any,
         task: Any,
         config: Any,

@@ -278,3 +278,22 @@ def test_the_shared_formats_import_only_the_standard_library_msgpack_and_cryptog
         and i.imported.split(".")[0] not in allowed
     ]
     assert found == []
+
+
+def test_no_node_is_typed_any_in_the_peer_library() -> None:
+    """Nodes are typed through the seams (peer.averaging.seam, peer.optim.seam) or as the
+    node itself: mypy checks every use."""
+    found = []
+    for name, path in modules().items():
+        if not _within(name, "peer") or _scaffolding(name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.arg) and node.annotation is not None:
+                target, annotation = node.arg, node.annotation
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                target, annotation = node.target.id, node.annotation
+            else:
+                continue
+            if target in ("node", "_node") and "Any" in ast.unparse(annotation):
+                found.append(f"{name} (line {node.lineno})")
+    assert found == []

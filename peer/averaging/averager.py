@@ -76,7 +76,7 @@ from peer.averaging.protocol import (
     STATE_DIGEST,
     Router,
 )
-from peer.averaging.seam import Link, NodeCore
+from peer.averaging.seam import Link, NodeCore, NodeHandle
 from peer.averaging.sharing import StateSharing
 from peer.averaging.state import StateServer, state_key
 from peer.compression import Compression, CompressionInfo, NoCompression, TensorRole
@@ -150,7 +150,7 @@ class DecentralizedAverager(StateSharing):
     def __init__(
         self,
         averaged_tensors: Sequence[torch.Tensor],
-        node: Any,
+        node: NodeHandle,
         *,
         start: bool,
         prefix: str,

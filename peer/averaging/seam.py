@@ -3,20 +3,23 @@
 
 Averaging talks to its node's event-loop side (:class:`peer.node.AsyncNode`) through
 :class:`NodeCore` only: gossip records, requests and one-way frames to peers, the handlers
-it registers, and the bulk lanes' signs of life. Anything satisfying these protocols can
+it registers, and the bulk lanes' signs of life. An averager is handed the node as training
+code holds it (:class:`peer.Node`, the synchronous facade): :class:`NodeHandle` is what it
+uses of that — identity, mode, clock, the loop to run its coroutines on, and the core. Anything satisfying these protocols can
 carry averaging (the node over WebSockets, or over the in-memory transport of the tests);
 mypy checks that the node does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
 
 from peer.node.gossip import ValueWithExpiration
 from peer.wire import Frame, MessageRegistry, Schema
 
-__all__ = ["Handler", "Lanes", "Link", "NodeCore"]
+__all__ = ["Handler", "Lanes", "Link", "NodeCore", "NodeHandle"]
 
 #: a request or message handler: ``(link it came over, frame) -> reply or None``
 Handler = Callable[[Any, Frame], Awaitable[Frame | None]]
@@ -90,3 +93,37 @@ class NodeCore(Protocol):
     def accept_bulk(
         self, message_type: str, inline: Callable[[str, Frame], None] | None = None
     ) -> None: ...
+
+
+class NodeHandle(Protocol):
+    """A node as the training code holds it (:class:`peer.Node`), as an averager uses it."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    @property
+    def client_mode(self) -> bool: ...
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def core(self) -> NodeCore: ...
+
+    def get_time(self) -> float:
+        """The node's wall clock (seconds), as :meth:`NodeCore.now`."""
+        ...
+
+    def run_coroutine(self, coro: Coroutine[Any, Any, Any], *, wait: bool = True) -> Any:
+        """Run ``coro`` on the node's loop: its result, or a future with ``wait=False``."""
+        ...
+
+
+if TYPE_CHECKING:  # mypy checks that the node is what averaging takes it for
+    from peer.node import AsyncNode, Node
+
+    def _core(node: AsyncNode) -> NodeCore:
+        return node
+
+    def _handle(node: Node) -> NodeHandle:
+        return node

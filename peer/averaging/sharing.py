@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from peer.averaging.seam import NodeCore
+from peer.averaging.seam import NodeCore, NodeHandle
 from peer.averaging.state import download_state, state_key
 from peer.exceptions import SwarmgradError
 
@@ -38,7 +38,7 @@ class StateSharing:
     """Mixed into :class:`~peer.averaging.averager.DecentralizedAverager`, whose attributes
     these are."""
 
-    node: Any
+    node: NodeHandle
     config: Any  # AveragerConfig
     matchmaking_config: Any  # MatchmakingConfig
     _averaged_tensors: Sequence[torch.Tensor]

@@ -17,12 +17,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from peer.coordinator.client import CoordinatorClient, JoinAnswer, JoinChallenge, when_allowed
 from peer.coordinator.session import CoordinatorSession
 from peer.exceptions import SwarmgradError
 from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
+
+if TYPE_CHECKING:  # imported where a node is made: `import peer.coordinator` stays light
+    from peer.node import Node
 
 __all__ = ["Membership", "NodeOptions", "join_run", "listening_ports"]
 
@@ -44,7 +47,7 @@ class Membership:
 
     client: CoordinatorClient
     answer: JoinAnswer
-    node: Any
+    node: Node
     session: CoordinatorSession
     reachability: str
 
@@ -56,7 +59,7 @@ class Membership:
         self.client.close()
 
 
-def listening_ports(node: Any) -> tuple[int, int | None]:
+def listening_ports(node: Node) -> tuple[int, int | None]:
     """The node's WebSocket port and its bulk lanes' port (None without lanes)."""
     from urllib.parse import urlsplit
 
@@ -155,7 +158,7 @@ def _start_node(
 def _start_session(
     client: CoordinatorClient,
     answer: JoinAnswer,
-    node: Any,
+    node: Node,
     on_status: Callable[[str], None] | None,
     on_credentials_lost: Callable[[str], None] | None = None,
 ) -> CoordinatorSession:

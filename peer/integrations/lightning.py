@@ -35,12 +35,15 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from peer.exceptions import NodeShutdown, SwarmgradError
 from peer.integrations.hivemind_options import map_dht_options
+
+if TYPE_CHECKING:
+    from peer.node import Node
 
 try:
     from lightning.pytorch.strategies import Strategy
@@ -83,7 +86,7 @@ class SwarmgradStrategy(Strategy):
         host: str = "0.0.0.0",
         port: int = 0,
         initial_peers: str | list[str] | None = None,
-        node: Any = None,
+        node: Node | None = None,
         coordinator: str | None = None,
         token: str | None = None,
         name: str | None = None,

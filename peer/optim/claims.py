@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from peer.averaging.state import state_key
 from peer.optim.progress import ProgressReport, ProgressTracker
+from peer.optim.seam import SwarmNode
 
 logger = logging.getLogger("peer.optim.claims")
 
@@ -45,7 +45,7 @@ def claims_ahead(tracker: ProgressTracker, local_epoch: int) -> list[ProgressRep
     ]
 
 
-def newer_state_offered(node: Any, prefix: str, local_epoch: int) -> bool:
+def newer_state_offered(node: SwarmNode, prefix: str, local_epoch: int) -> bool:
     """Whether some donor of the averager ``prefix`` declares a state newer than
     ``local_epoch`` (a fresh read of the declarations)."""
     found = node.get(state_key(prefix), latest=True)
@@ -83,7 +83,7 @@ class StateOffers:
     has offered a newer state for that long, none is coming, and the claims ahead are backed
     by nothing (:meth:`discount_if_unbacked`)."""
 
-    def __init__(self, node: Any, prefix: str, declare_state_period: float) -> None:
+    def __init__(self, node: SwarmNode, prefix: str, declare_state_period: float) -> None:
         self.node = node
         self.prefix = prefix
         self.grace = float(declare_state_period)

@@ -86,6 +86,7 @@ from peer.optim.joining import JoiningSwarm
 from peer.optim.live_state import LiveState, OptimizerFactory
 from peer.optim.options import resolve_options
 from peer.optim.progress import PerformanceEMA, ProgressReport, ProgressTracker, SwarmProgress
+from peer.optim.seam import SwarmNode
 from peer.optim.state import StateSharingAverager
 
 logger = logging.getLogger("peer.optim.collaborative")
@@ -160,7 +161,7 @@ class Optimizer(JoiningSwarm):
     def __init__(
         self,
         *,
-        node: Any,
+        node: SwarmNode,
         run_id: str,
         target_batch_size: int,
         batch_size_per_step: int | None = None,

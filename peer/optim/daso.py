@@ -37,6 +37,7 @@ import torch.distributed as dist
 from peer.averaging.control import StepControl
 from peer.optim.daso_schedule import LocalSync, SkipSchedule, plan_batch
 from peer.optim.levels import LocalWorld, SwarmLevel, flatten_into, unflatten_from
+from peer.optim.seam import SwarmNode
 
 logger = logging.getLogger("peer.optim.daso")
 
@@ -81,7 +82,7 @@ class DASO:
         local_skip_factor: int = 4,
         verbose: bool = False,
         *,
-        node: Any = None,
+        node: SwarmNode | None = None,
         prefix: str = "daso",
         target_group_size: int | None = None,
         matchmaking_time: float = 5.0,
@@ -430,7 +431,7 @@ class DataParallelOptimizer:
         blocking: bool = False,
         *,
         comm: Any = None,
-        node: Any = None,
+        node: SwarmNode | None = None,
         prefix: str = "data-parallel",
         target_group_size: int | None = None,
         matchmaking_time: float = 5.0,

@@ -55,6 +55,7 @@ from peer.optim.progress import (
     ProgressTracker,
     SwarmProgress,
 )
+from peer.optim.seam import SwarmNode
 from peer.optim.state import StateSharingAverager, initialize_optimizer_state
 
 logger = logging.getLogger("peer.optim")
@@ -136,7 +137,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         opt: torch.optim.Optimizer,
-        node: Any,
+        node: SwarmNode,
         *,
         prefix: str,
         target_group_size: int | None,
@@ -621,7 +622,7 @@ class DecentralizedSGD(DecentralizedOptimizer):
         params: Iterable[Any],
         lr: float,
         *,
-        node: Any,
+        node: SwarmNode,
         prefix: str,
         target_group_size: int | None,
         momentum: float = 0,
@@ -654,7 +655,7 @@ class DecentralizedAdam(DecentralizedOptimizer):
         params: Iterable[Any],
         lr: float,
         *,
-        node: Any,
+        node: SwarmNode,
         prefix: str,
         target_group_size: int | None,
         averaging_steps_period: int,

@@ -98,6 +98,7 @@ from peer.optim.diloco_schedule import (
 from peer.optim.joining import JoiningSwarm
 from peer.optim.live_state import LiveState, OptimizerFactory
 from peer.optim.progress import PerformanceEMA, ProgressReport, ProgressTracker, SwarmProgress
+from peer.optim.seam import SwarmNode
 from peer.optim.state import StateSharingAverager
 
 logger = logging.getLogger("peer.optim.diloco")
@@ -160,7 +161,7 @@ class DiLoCo(JoiningSwarm):
     def __init__(
         self,
         *,
-        node: Any,
+        node: SwarmNode,
         run_id: str,
         params: Iterable[Any],
         inner_optimizer: OptimizerFactory,

@@ -41,6 +41,7 @@ from peer.optim.levels import (
     params_to_average,
     unflatten_from,
 )
+from peer.optim.seam import SwarmNode
 
 logger = logging.getLogger("peer.optim.hierarchical")
 
@@ -75,7 +76,7 @@ class HierarchicalModelAverager:
         warmup_steps: int = 0,
         process_group: Any = None,
         *,
-        node: Any = None,
+        node: SwarmNode | None = None,
         prefix: str = "hierarchical",
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 30.0,
@@ -156,6 +157,7 @@ class HierarchicalModelAverager:
             self.period_process_group_dict[period] = None
             self._swarm[period] = None
             if self.local.is_leader:
+                assert node is not None  # a swarm level: the leader's node made it one
                 self._swarm[period] = SwarmLevel(
                     node,
                     f"{prefix}.p{period}",

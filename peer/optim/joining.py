@@ -21,6 +21,7 @@ import torch
 from peer.optim.claims import StateOffers, claims_ahead, discount_claims_ahead
 from peer.optim.live_state import LiveState
 from peer.optim.progress import ProgressReport, ProgressTracker, SwarmProgress
+from peer.optim.seam import SwarmNode
 from peer.optim.state import StateSharingAverager
 
 __all__ = ["JoiningSwarm"]
@@ -39,7 +40,7 @@ def _epoch_beyond(metadata: Any, *, limit: int) -> str | None:
 class JoiningSwarm:
     """Mixed into :class:`peer.Optimizer`, whose attributes these are."""
 
-    node: Any
+    node: SwarmNode
     live: LiveState
     tracker: ProgressTracker
     state_averager: StateSharingAverager

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.control import StepControl
 from peer.averaging.exceptions import StepFailed
+from peer.optim.seam import SwarmNode
 
 logger = logging.getLogger("peer.optim.levels")
 
@@ -142,7 +143,7 @@ class SwarmLevel:
 
     def __init__(
         self,
-        node: Any,
+        node: SwarmNode,
         prefix: str,
         target_group_size: int | None,
         *,

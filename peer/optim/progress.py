@@ -45,6 +45,7 @@ from typing import Any
 
 from peer.exceptions import SwarmgradError
 from peer.identity import is_peer_id
+from peer.optim.seam import SwarmNode
 
 logger = logging.getLogger("peer.optim.progress")
 
@@ -226,7 +227,9 @@ class ProgressTracker:
     #: loop on every training step costs a thread round trip for nothing newer.
     refresh_interval: float = 0.05
 
-    def __init__(self, node: Any, prefix: str, target: int, *, expiration: float = 30.0) -> None:
+    def __init__(
+        self, node: SwarmNode, prefix: str, target: int, *, expiration: float = 30.0
+    ) -> None:
         if expiration <= 0:
             raise ValueError("the progress reports' expiration must be positive")
         if target < 1:

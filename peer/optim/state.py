@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from peer.averaging.averager import DecentralizedAverager
+from peer.optim.seam import SwarmNode
 
 __all__ = ["StateSharingAverager", "initialize_optimizer_state"]
 
@@ -58,7 +59,7 @@ class StateSharingAverager(DecentralizedAverager):
     def __init__(
         self,
         tensors: Sequence[torch.Tensor],
-        node: Any,
+        node: SwarmNode,
         state_fn: Callable[[], tuple[Any, Sequence[torch.Tensor]]],
         **kwargs: Any,
     ) -> None:

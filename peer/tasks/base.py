@@ -35,6 +35,8 @@ from peer.exceptions import SwarmgradError
 if TYPE_CHECKING:
     import torch
 
+    from peer.optim.seam import SwarmNode
+
 __all__ = [
     "ALGORITHMS",
     "BASE_DEFAULTS",
@@ -281,7 +283,7 @@ class TrainingConfig:
         )
 
     def make_swarm_optimizer(
-        self, node: Any, run_id: str, params: Iterable[Any], **extra: Any
+        self, node: SwarmNode, run_id: str, params: Iterable[Any], **extra: Any
     ) -> Any:
         """The run's swarm optimizer over ``params``: a ``peer.Optimizer`` or, with
         ``algorithm: diloco``, a ``peer.DiLoCo``, configured by this config; ``extra``

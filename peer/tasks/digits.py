@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from peer.optim.seam import SwarmNode
 from peer.tasks.base import Task, TrainingConfig, peer_seed
 
 __all__ = [
@@ -177,7 +178,7 @@ def train_single(config: DigitsConfig, data: DigitsData | None = None) -> TrainR
 
 
 def train_peer(
-    node: Any,
+    node: SwarmNode,
     index: int,
     num_peers: int,
     config: DigitsConfig,
