@@ -80,6 +80,9 @@ class NodeConfig:
     # fair share and the largest holders make room (identities cannot fill it together)
     max_store_bytes: int = 32 << 20
     retry_backoff: float = 5.0  # seconds before dialing a peer that just failed again
+    # an initial (bootstrap) address that failed this many times in a row is dropped; the
+    # attempts are spaced by a doubling wait, from one gossip period up to a minute
+    bootstrap_attempts: int = 8
     # a peer whose membership expired without a goodbye is dialed again (one such peer per
     # interval; None: every member_ttl) until it is back or this many seconds have passed,
     # so a swarm split by a fault longer than member_ttl heals (peer.node.reconnect)
@@ -101,8 +104,8 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if self.gossip_period <= 0 or self.fanout < 1 or self.member_ttl <= self.gossip_period:
             raise ValueError("need gossip_period > 0, fanout >= 1 and member_ttl > gossip_period")
-        if self.push_relays < 0:
-            raise ValueError("push_relays must be >= 0")
+        if self.push_relays < 0 or self.bootstrap_attempts < 1:
+            raise ValueError("need push_relays >= 0 and bootstrap_attempts >= 1")
         if self.max_store_bytes < 1 << 16:
             raise ValueError("max_store_bytes must be at least 64 KiB")
         if self.max_pending_handshakes < 1 or self.max_pending_handshakes_per_source < 1:
@@ -188,6 +191,8 @@ class AsyncNode(Trust, GossipExchange):
         self._member_cache: dict[bytes, Member] = {}
         self._watchers: dict[str, list[Callable[[], None]]] = {}  # key → callbacks (watch)
         self._bootstrapped: set[str] = set()  # initial peers reached at least once
+        self._dial_failures: dict[str, tuple[int, float]] = {}  # initial peer → (failures
+        # in a row, loop time of the last): see NodeConfig.bootstrap_attempts
         # peers and addresses with a gossip exchange under way: a round skips them, so one
         # that does not answer holds up only its own exchange, never the rounds
         self._exchanging: set[str] = set()
@@ -445,10 +450,11 @@ class AsyncNode(Trust, GossipExchange):
         self._spawn(self._push_now([record], self.config.push_relays), "push")
 
     async def add_initial_peers(self, addresses: Sequence[str]) -> int:
-        """Dial ``addresses`` now and keep them as initial peers: each is retried every
-        gossip round until reached once, and all of them whenever this node is alone (for a
-        node that lost every peer, with fresh addresses from the coordinator). They replace
-        those added by an earlier call; the constructor's stay. Returns how many answered."""
+        """Dial ``addresses`` now and keep them as initial peers: each is retried until
+        reached once, and all of them whenever this node is alone (for a node that lost
+        every peer, with fresh addresses from the coordinator), each until it failed
+        ``bootstrap_attempts`` times in a row. They replace those added by an earlier call;
+        the constructor's stay. Returns how many answered."""
         self._check_running()
         if isinstance(addresses, str):
             raise TypeError('addresses is a list, e.g. ["ws://203.0.113.7:4000"]')
@@ -457,6 +463,8 @@ class AsyncNode(Trust, GossipExchange):
         self._added_peers = set(fresh) - set(kept)
         self.initial_peers = kept + [a for a in fresh if a not in kept]
         self._bootstrapped.difference_update(fresh)
+        for address in fresh:  # handed out again: each gets its attempts again
+            self._dial_failures.pop(address, None)
         results = await asyncio.gather(
             *(self._exchange_with_address(a) for a in fresh), return_exceptions=True
         )

@@ -92,6 +92,7 @@ class GossipExchange:
     _failed_at: dict[str, float]
     _exchanging: set[str]
     _bootstrapped: set[str]
+    _dial_failures: dict[str, tuple[int, float]]
     _reconnect: Reconnector
     _watchers: dict[str, list[Callable[[], None]]]
     _quota_warned: set[str]
@@ -154,9 +155,41 @@ class GossipExchange:
             )
 
     async def _exchange_with_address(self, address: str) -> None:
-        link = await self._connect(address, None)
-        await self._exchange(link)
+        try:
+            link = await self._connect(address, None)
+            await self._exchange(link)
+        except (SwarmgradError, TimeoutError):
+            self._dial_failed(address)
+            raise
+        self._dial_failures.pop(address, None)
         self._bootstrapped.add(address)
+
+    def _dial_failed(self, address: str) -> None:
+        """Count a failed dial of an initial peer; drop the address after
+        ``bootstrap_attempts`` in a row (a bootstrap list may name addresses that never
+        answer, or were never peers at all: they are not dialed forever)."""
+        if address not in self.initial_peers:
+            return  # a departed peer's address: the reconnector bounds those
+        failures = self._dial_failures.get(address, (0, 0.0))[0] + 1
+        self._dial_failures[address] = (failures, asyncio.get_running_loop().time())
+        if failures >= self.config.bootstrap_attempts:
+            self.initial_peers.remove(address)
+            self._dial_failures.pop(address, None)
+            logger.warning(
+                "initial peer %s did not answer %d times in a row: no longer dialing it",
+                address,
+                failures,
+            )
+
+    def _dial_due(self, address: str) -> bool:
+        """Whether an initial peer that failed before may be dialed again: the wait doubles
+        with each failure in a row, from one gossip period up to a minute."""
+        failed = self._dial_failures.get(address)
+        if failed is None:
+            return True
+        failures, at = failed
+        wait = min(self.config.gossip_period * 2 ** (failures - 1), 60.0)
+        return asyncio.get_running_loop().time() - at >= wait
 
     def _gossip_targets(self, exclude: str | None = None) -> list[str]:
         candidates = [p for p in self._gossip_candidates(exclude) if p not in self._exchanging]
@@ -180,10 +213,15 @@ class GossipExchange:
     async def _gossip_round(self) -> None:
         targets = self._gossip_targets()
         self.rounds += 1
-        # Initial peers not yet reached stay on the list every round: a bootstrap that failed
-        # once must not leave this node (and whoever bootstraps from it) in a separate swarm.
-        # When alone (every known peer died), all initial peers are retried.
-        retry = [a for a in self.initial_peers if not targets or a not in self._bootstrapped]
+        # Initial peers not yet reached stay on the list: a bootstrap that failed once must
+        # not leave this node (and whoever bootstraps from it) in a separate swarm. When
+        # alone (every known peer died), all initial peers are retried. An address that
+        # keeps failing is dialed less and less often, then dropped (_dial_failed).
+        retry = [
+            a
+            for a in self.initial_peers
+            if (not targets or a not in self._bootstrapped) and self._dial_due(a)
+        ]
         departed = self._reconnect.due(self.now(), self.members())
         if departed is not None and departed[1] not in retry:
             logger.debug("dialing departed peer %s at %s again", *departed)
@@ -315,8 +353,11 @@ class GossipExchange:
                     logger.warning("rejected a record relayed by %s: %s", link.peer_id, exc)
                 continue
             if not self.store_.put(record, now):
+                held = self.store_.current(record, now)
                 over = (
-                    "its quota in the gossip store"
+                    None  # not news: what the slot holds is as new
+                    if held is not None and not record.newer_than(held)
+                    else "its quota in the gossip store"
                     if self.store_.over_quota(record)
                     else "its share of the full gossip store"
                     if self.store_.over_share(record)

@@ -330,3 +330,25 @@ def _collect(into: list[Frame]) -> Any:
         into.append(frame)
 
     return handler
+
+
+async def test_no_construction_path_starts_an_open_node_beyond_loopback(attack: Attack) -> None:
+    """Start a node with no authentication on 0.0.0.0 through AsyncNode or Node(transport=)"""
+    from peer import Node
+    from peer.identity import OpenAuth
+
+    config = NodeConfig(host="0.0.0.0")
+    with pytest.raises(ValueError, match="no authentication"):
+        AsyncNode(transport=WebSocketTransport(max_message_bytes=1 << 20), config=config)
+    with pytest.raises(ValueError, match="no authentication"):
+        Node(host="0.0.0.0", transport=WebSocketTransport(max_message_bytes=1 << 20))
+    attack.outcome("refused with ValueError before anything listens, whichever way it is built")
+    node = AsyncNode(
+        transport=WebSocketTransport(max_message_bytes=1 << 20), auth=OpenAuth(), config=config
+    )
+    await node.start()
+    try:
+        assert node.visible_addresses
+    finally:
+        await node.shutdown()
+    attack.effect("unaffected: asked for with auth=OpenAuth(), an open node starts")

@@ -360,3 +360,37 @@ def test_the_signature_cache_keeps_successes_only_and_stays_bounded() -> None:
     assert not cache.check(ident.public_key, signed[0][1], signed[1][0]), "wrong message"
     assert cache.check(ident.public_key, signed[0][1], signed[0][0]), "evicted: checked again"
     assert all(len(k) == 32 for k in cache._seen), "keyed by a digest, not by the message"
+
+
+def test_a_full_store_keeps_each_owner_its_fair_share() -> None:
+    """Past ``max_bytes`` the owners holding the most make room: a newcomer within its
+    share is stored, an owner past its share is refused, and membership records are
+    neither refused nor dropped."""
+    from peer.node.gossip import record_cost
+
+    store = GossipStore(max_bytes=64 << 10)
+    sybils = [Identity() for _ in range(4)]
+    for sybil in sybils:  # each within its quota; together they fill the store
+        for i in range(16):
+            store.put(create(sybil, "junk", i, bytes(2000), 100.0), 0.0)
+    assert store.total_bytes <= store.max_bytes
+    assert store.total_bytes > store.max_bytes - 4096  # full
+    honest = Identity()
+    record = create(honest, "progress", honest.peer_id, [1, 2], 100.0)
+    assert not store.over_share(record)
+    assert store.put(record, 0.0)
+    assert store.total_bytes <= store.max_bytes
+    assert store.get("progress", 0.0) is not None
+    # a sybil already at its share is refused (nothing of anyone's is dropped for it)
+    held = store.total_bytes
+    late = create(sybils[0], "junk", 99, bytes(2000), 100.0)
+    assert store.over_share(late)
+    assert not store.put(late, 0.0)
+    assert store.total_bytes == held
+    member = create(
+        honest, MEMBERS_KEY, honest.peer_id, {"addresses": [], "client_mode": False}, 100.0
+    )
+    assert store.put(member, 0.0)
+    assert store.total_bytes == held + record_cost(member)
+    store.expire(200.0)
+    assert store.total_bytes == 0 and len(store) == 0
