@@ -16,7 +16,7 @@ import pytest
 
 from server.web import formatting
 from tests.server.conftest import ADMIN_TOKEN, ORGANIZER, bearer
-from tests.web.conftest import ARTIFACTS, Site, expect_network_errors, join
+from tests.web.conftest import ARTIFACTS, Site, axe_violations, expect_network_errors, join
 
 SIZES = [pytest.param(1280, 900, id="laptop"), pytest.param(390, 844, id="phone")]
 
@@ -370,3 +370,21 @@ def test_a_volunteer_gone_silent_shows_offline_within_10_s(
     assert gone_after <= 11.5, gone_after  # 10 s of silence, and the next live update
     assert page.locator("[data-metric=peers_online]").inner_text() == "0"
     assert "s ago" in row.locator("time").inner_text()
+
+
+def test_the_new_pages_are_accessible(site: Site, open_page: Any) -> None:
+    invite = new_invite(site)
+    page = open_page(f"{site.url}/join/{invite}")
+    page.get_by_label("Display name").fill("axe")
+    page.get_by_role("button", name="Get my credential").click()
+    page.locator("#credential").wait_for()
+    assert axe_violations(page) == [], "credential"
+    run = httpx.post(
+        f"{site.url}/api/v1/runs", json={"name": "axe", "task": "digits"}, headers=ORGANIZER
+    ).json()
+    page = open_page(site.url)
+    sign_in(page, site.url, f"/runs/{run['id']}/finish")
+    assert axe_violations(page) == [], "finish"
+    page = open_page(f"{site.url}/no/such/page")
+    expect_network_errors(page)
+    assert axe_violations(page) == [], "not found"
