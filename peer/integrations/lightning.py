@@ -19,6 +19,11 @@ onto them; its other DHT options are refused at construction where they have no 
 For ``pytorch_lightning.Trainer``, import the strategy from
 :mod:`peer.integrations.pytorch_lightning`.
 
+``algorithm="diloco"`` trains with :class:`~peer.DiLoCo` instead (no ``target_batch_size``):
+the module's optimizer takes ``inner_steps`` local steps, then the swarm averages the
+pseudo-gradient and an outer step follows; ``inner_steps``, ``fragments``, ``compression``,
+``overlap`` and ``outer_optimizer`` are passed as keyword arguments.
+
 With ``coordinator=URL`` and ``token=T`` (an invite token, as ``swarmgrad join`` takes) the
 strategy joins that coordinator's run instead: it proves it holds this machine's key (kept
 in ``data_dir``, by default the volunteer's), gets a run certificate and the run's peers,
@@ -70,7 +75,7 @@ class SwarmgradStrategy(Strategy):
 
     def __init__(
         self,
-        target_batch_size: int,
+        target_batch_size: int | None = None,
         run_id: str = "lightning_run",
         batch_size: int | None = None,
         delay_state_averaging: bool = False,
@@ -91,9 +96,27 @@ class SwarmgradStrategy(Strategy):
         token: str | None = None,
         name: str | None = None,
         data_dir: str | os.PathLike[str] | None = None,
+        algorithm: str = "collaborative",
         **optimizer_kwargs: Any,
     ) -> None:
         super().__init__()
+        if algorithm not in ("collaborative", "diloco"):
+            raise ValueError(f"algorithm is 'collaborative' or 'diloco', not {algorithm!r}")
+        if algorithm == "collaborative" and target_batch_size is None:
+            raise ValueError("the collaborative optimizer needs a target_batch_size")
+        collaborative_only = dict(
+            delay_state_averaging=delay_state_averaging,
+            delay_optimizer_step=delay_optimizer_step,
+            delay_grad_averaging=delay_grad_averaging,
+            offload_optimizer=offload_optimizer,
+            reuse_grad_buffers=reuse_grad_buffers,
+        )
+        if algorithm == "diloco" and any(collaborative_only.values()):
+            raise ValueError(
+                "algorithm='diloco' overlaps rounds with overlap=True; the collaborative "
+                "optimizer's delay_*, offload_optimizer and reuse_grad_buffers do not apply"
+            )
+        self._algorithm = algorithm
         # hivemind's DHT options (host_maddrs, use_ipfs, ...): mapped or refused here, not
         # passed on to the optimizer to fail at the first batch
         host, port = map_dht_options(host, port, optimizer_kwargs)
@@ -304,12 +327,16 @@ class SwarmgradStrategy(Strategy):
                 "requires a `scheduler_fn` to be passed to the strategy if a scheduler is being "
                 "used (the optimizer is re-created in the swarm's optimizer)."
             )
+        if self._algorithm == "diloco":
+            self._initialize_diloco(optimizer)
+            return
         if self._require_scheduler_fn:
             groups = optimizer.param_groups
             opt_arg: Any = type(optimizer)
             params: Any = groups
         else:
             opt_arg, params = optimizer, None
+        assert self._target_batch_size is not None  # checked in __init__
         opt = Optimizer(
             node=self.node,
             run_id=self._run_id,
@@ -335,6 +362,37 @@ class SwarmgradStrategy(Strategy):
                 )
             self._optimizer_zero_grad_original = module.optimizer_zero_grad
             module.optimizer_zero_grad = _no_zero_grad  # type: ignore[method-assign]
+
+    def _initialize_diloco(self, optimizer: torch.optim.Optimizer) -> None:
+        """``algorithm="diloco"``: the module's own optimizer takes the inner steps (its
+        schedulers step it as usual, per inner step); ``inner_steps``, ``fragments``,
+        ``compression``, ``overlap``, ``outer_optimizer``, ... come from the strategy's
+        other keyword arguments."""
+        from peer.optim.diloco import DiLoCo
+
+        kwargs = {
+            k: v
+            for k, v in self._optimizer_kwargs.items()
+            if k
+            not in (
+                "delay_optimizer_step",
+                "delay_state_averaging",
+                "delay_grad_averaging",
+                "offload_optimizer",
+                "reuse_grad_buffers",
+            )
+        }
+        kwargs.setdefault("inner_steps", 100)
+        opt = DiLoCo(
+            node=self.node,
+            run_id=self._run_id,
+            params=[p for group in optimizer.param_groups for p in group["params"]],
+            inner_optimizer=lambda params: optimizer,
+            batch_size_per_step=self._batch_size,
+            **kwargs,
+        )
+        self.optimizers = [opt]  # type: ignore[list-item]  # it has step/zero_grad/state
+        self._opt = opt
 
     def _wrap_schedulers(self, opt: Any) -> None:
         for config in self.lr_scheduler_configs:
@@ -372,6 +430,9 @@ class SwarmgradStrategy(Strategy):
                 self._report(None, force=True)
             _ = self.num_peers  # kept for after the swarm is left
             self._opt.shutdown()
+            if self._algorithm == "diloco":
+                # Lightning moves the optimizers' state back at teardown: the inner one's
+                self.optimizers = [self._opt.inner_optimizer]
         if self._membership is not None:
             self._membership.close()  # flushes the reports
         elif self._own_node:

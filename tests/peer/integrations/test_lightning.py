@@ -339,3 +339,36 @@ def test_a_coordinators_invite_joins_its_run_and_reports_progress(tmp_path: Path
     assert progress["epoch"] == 3  # 12 samples, 4 per swarm epoch
     with pytest.raises(ValueError, match="needs both coordinator= and token="):
         SwarmgradStrategy(target_batch_size=4, coordinator=url)
+
+
+def test_algorithm_diloco_takes_inner_steps_with_the_modules_optimizer(node: Node) -> None:
+    from peer.optim.diloco import DiLoCo
+
+    seen: list[Any] = []
+
+    class Model(BoringModel):
+        def on_before_backward(self, loss: torch.Tensor) -> None:
+            seen.append(self.trainer.optimizers[0])
+
+    model = Model()
+    before = [p.detach().clone() for p in model.parameters()]
+    strategy = SwarmgradStrategy(
+        algorithm="diloco", inner_steps=2, matchmaking_time=0.2, node=node, batch_size=2
+    )
+    L.Trainer(
+        strategy=strategy,
+        fast_dev_run=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(model)
+    opt = seen[0]
+    assert isinstance(opt, DiLoCo) and opt.inner_steps == 2
+    assert opt.outer_step == 2, "a lone peer applies its own pseudo-gradient every 2 steps"
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    with pytest.raises(ValueError, match="'collaborative' or 'diloco'"):
+        SwarmgradStrategy(algorithm="gossip", node=node)
+    with pytest.raises(ValueError, match="delay_"):
+        SwarmgradStrategy(algorithm="diloco", delay_grad_averaging=True, node=node)
+    with pytest.raises(ValueError, match="target_batch_size"):
+        SwarmgradStrategy(node=node)
