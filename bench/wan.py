@@ -1,6 +1,6 @@
 """Training over home links: the collaborative Optimizer against DiLoCo, measured.
 
-    .venv/bin/python bench/wan.py [--peers 4] [--rate 50] [--rtt 50] [--samples 6144]
+    .venv/bin/python bench/wan.py [--peers 4] [--rate 50] [--rtt 50] [--samples 8192]
                                   [--plot wan.png] [--mix SEED] [--check]
 
 Puts ``--peers`` processes behind emulated home links (:mod:`peer.netlab`: a network
@@ -329,10 +329,10 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=50.0, help="Mbit/s each way per link")
     parser.add_argument("--rtt", type=float, default=50.0, help="round trip between two peers, ms")
     parser.add_argument("--mix", type=int, help="a seed: a mix of home links instead")
-    parser.add_argument("--samples", type=int, default=6144, help="samples per method, swarm")
+    parser.add_argument("--samples", type=int, default=8192, help="samples per method, swarm")
     parser.add_argument("--batch", type=int, default=32, help="samples per forward/backward")
     parser.add_argument("--target", type=int, default=256, help="the Optimizer's global batch")
-    XX
+    parser.add_argument("--inner-steps", type=int, default=32, help="DiLoCo's H")
     parser.add_argument("--fragments", type=int, default=4, help="streaming DiLoCo's F")
     parser.add_argument("--compression", default="int8", help="streaming DiLoCo's codec")
     parser.add_argument("--outer-lr", type=float, default=0.7)
