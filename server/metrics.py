@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.clock import now_ms
 from server.models import EpochSummary, Peer, Run, RunStatus
+from server.services.reports import float_sum, saturated
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -55,7 +56,10 @@ class DatabaseCollector(Collector):
             "swarmgrad_samples", "Samples processed by the run's peers.", labels=["run_id"]
         )
         throughput = GaugeMetricFamily(
-            "swarmgrad_samples_per_second", "Throughput of the online peers.", labels=["run_id"]
+            "swarmgrad_samples_per_second",
+            "What the online peers claim to compute, summed (the run's counted rate is on "
+            "its progress).",
+            labels=["run_id"],
         )
         reports = CounterMetricFamily(
             "swarmgrad_reports", "Progress reports stored for the run.", labels=["run_id"]
@@ -77,15 +81,15 @@ class DatabaseCollector(Collector):
                     Peer.run_id,
                     func.count(),
                     func.sum(case((Peer.last_seen_ms >= since, 1), else_=0)),
-                    func.sum(Peer.samples_base + Peer.samples),
-                    func.sum(Peer.samples_per_second),
+                    float_sum(Peer.samples_base + Peer.samples),
+                    func.sum(case((Peer.last_seen_ms >= since, Peer.samples_per_second), else_=0)),
                 )
                 .where(Peer.run_id.in_(active))
                 .group_by(Peer.run_id)
             ):
                 peers.add_metric([run_id], total)
                 online.add_metric([run_id], live or 0)
-                samples.add_metric([run_id], done or 0)
+                samples.add_metric([run_id], saturated(done))
                 throughput.add_metric([run_id], sps or 0.0)
             for run_id, stored in session.execute(
                 select(EpochSummary.run_id, func.sum(EpochSummary.reports))
