@@ -370,6 +370,9 @@ def test_a_volunteer_gone_silent_shows_offline_within_10_s(
     assert gone_after <= 11.5, gone_after  # 10 s of silence, and the next live update
     assert page.locator("[data-metric=peers_online]").inner_text() == "0"
     assert "s ago" in row.locator("time").inner_text()
+    # The peers chart ends at now's count, not at the last snapshot's.
+    last = page.locator("#chart-peers").evaluate("el => el.swarmgradChart.plot.data[1].at(-1)")
+    assert last == 0
 
 
 def test_the_new_pages_are_accessible(site: Site, open_page: Any) -> None:

@@ -125,11 +125,19 @@ function renderCharts(document_) {
   const s = document_.series;
   const bySamples = s.samples.map((x, i) => [x, s.loss[i], s.eval_metric[i]]).sort((a, b) => a[0] - b[0]);
   charts.loss.set([bySamples.map((r) => r[0]), bySamples.map((r) => r[1]), bySamples.map((r) => r[2])]);
-  charts.throughput.set([s.t, s.samples_per_second]);
-  charts.peers.set([s.t, s.peers_online]);
+  // The history is the coordinator's snapshots, taken as reports arrive; the charts end with
+  // the numbers of now (peers that left, a pause), as the headline shows them.
+  const h = document_.headline;
+  const now = Date.parse(document_.now) / 1000;
+  const last = s.t.length ? s.t[s.t.length - 1] : -Infinity;
+  const upToNow = (values, current) => (now > last + 1 ? [...values, current] : values);
+  const t = upToNow(s.t, now);
+  const rate = document_.run.status === "running" ? h.samples_per_second : 0;
+  charts.throughput.set([t, upToNow(s.samples_per_second, rate)]);
+  charts.peers.set([t, upToNow(s.peers_online, h.peers_online)]);
   charts.groups.set([s.t, s.mean_group_size]);
   charts.groupDist.set(integerBins(document_.group_sizes.histogram));
-  charts.rounds.set([s.t, s.rounds_done, s.rounds_failed]);
+  charts.rounds.set([t, upToNow(s.rounds_done, h.rounds_done), upToNow(s.rounds_failed, h.rounds_failed)]);
 }
 
 function compare(a, b) {
