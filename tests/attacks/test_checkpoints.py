@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from peer.identity import Identity
+from peer.testing import wait_until
 from tests.attacks.conftest import Attack, Coordinator
+from tests.attacks.test_identities import personal_credential
+from tests.conftest import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +57,40 @@ def test_checkpoint_far_past_the_swarm(attack: Attack, coordinator: Coordinator)
     newcomer = coordinator.join(run_id, invite)
     assert newcomer.joined["checkpoint"]["epoch"] == 4
     attack.effect("the honest upload of epoch 4 is taken, downloaded and given to newcomers")
+
+
+def test_two_keys_of_one_volunteer_agree(attack: Attack, coordinator: Coordinator) -> None:
+    """Two keys of one volunteer agree on a forged checkpoint"""
+    http = coordinator.http
+    run_id = coordinator.create_run()
+    invite = coordinator.invite(run_id)
+    honest = coordinator.join(run_id, invite)
+    credential = personal_credential(coordinator, invite, "mallory")
+    keys = []
+    while len(keys) < 2:  # keys the run does not designate: peer ids above the honest one's
+        identity = Identity()
+        if identity.peer_id > honest.joined["peer_id"]:
+            keys.append(coordinator.join(run_id, credential, identity))
+    for volunteer in (honest, *keys):
+        assert coordinator.report(run_id, volunteer, epoch=4, samples=10).status_code == 202
+
+    def stored_at_epoch_4() -> bool:
+        peers = http.get(f"/api/v1/runs/{run_id}/peers", headers=coordinator.organizer)
+        return all(p["epoch"] == 4 for p in peers.json()["peers"])
+
+    assert wait_until(stored_at_epoch_4, scaled(20))
+    path = f"/api/v1/runs/{run_id}/checkpoint"
+    octets = {"Content-Type": "application/octet-stream"}
+    for key in keys:
+        held = http.put(
+            path, params={"epoch": 5}, content=archive(66), headers={**key.headers, **octets}
+        )
+        assert held.status_code == 202, held.text
+    assert http.get(path, headers=coordinator.organizer).status_code == 404
+    attack.outcome("both uploads held (202): one volunteer is one witness")
+    taken = http.put(
+        path, params={"epoch": 5}, content=archive(5), headers={**honest.headers, **octets}
+    )
+    assert taken.status_code == 201, taken.text
+    assert http.get(path, headers=coordinator.organizer).content == archive(5)
+    attack.effect("the designated honest upload of the epoch is taken and served")
