@@ -175,6 +175,17 @@ def join(
     personal = volunteer_service.personal_volunteer(session, join_token_id)
     if peer is not None:
         volunteer_service.ensure_not_banned(peer.volunteer)
+    if personal is None and data.display_name and data.display_name != DEFAULT_DISPLAY_NAME:
+        # A name is one volunteer's: a new volunteer, or a rename, may not take another's.
+        try:
+            volunteer_service.ensure_name_free(
+                session,
+                run.id,
+                data.display_name,
+                exclude=None if peer is None else peer.volunteer_id,
+            )
+        except volunteer_service.NameTaken as exc:
+            raise Conflict(str(exc)) from None
     if peer is None:
         token_service.consume_join_token(session, join_token_id)
     else:

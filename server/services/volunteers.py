@@ -138,12 +138,17 @@ def redeem_invite(
     return Redeemed(found.run, volunteer, new.plaintext)
 
 
-def ensure_name_free(session: Session, run_id: str, name: str) -> None:
-    """:class:`NameTaken` if a volunteer of the run has ``name`` up to case (Unicode
-    case-folding, so "ADA" and "ada" are one name, as are "Straße" and "STRASSE")."""
+def ensure_name_free(
+    session: Session, run_id: str, name: str, *, exclude: int | None = None
+) -> None:
+    """:class:`NameTaken` if a volunteer of the run (other than ``exclude``) has ``name`` up
+    to case (Unicode case-folding, so "ADA" and "ada" are one name, as are "Straße" and
+    "STRASSE")."""
     wanted = name.strip().casefold()
-    names = session.scalars(select(Volunteer.display_name).where(Volunteer.run_id == run_id))
-    if any(existing.strip().casefold() == wanted for existing in names):
+    rows = session.execute(
+        select(Volunteer.id, Volunteer.display_name).where(Volunteer.run_id == run_id)
+    )
+    if any(i != exclude and existing.strip().casefold() == wanted for i, existing in rows):
         raise NameTaken(
             f"The display name “{name.strip()}” is already taken in this run; choose another."
         )
