@@ -329,3 +329,32 @@ async def test_the_write_clamps_banked_samples_whatever_a_worker_saw(
         assert row is not None and row.samples_base + row.samples <= cap
     peers = await _peers(api.client, run["id"])
     assert peers[honest[0].body["peer_id"]]["samples"] == 1000
+
+
+def test_counters_are_bounded_since_the_previous_report() -> None:
+    """A peer silent for a long time cannot spend that time's allowance in one report, and
+    the rounds one report carries are bounded by the time since the previous one."""
+    joined_long_ago = PeerTrack(
+        first_seen_ms=0, volunteer_id=1, banked=0, samples=1000, as_of_ms=3_600_000
+    )
+    now = 3_610_000  # 10 s after its previous report, an hour after it joined
+    assert _check(joined_long_ago, samples=1000 + 70_000, now_ms=now) is None  # (10 + 60) s
+    assert _check(joined_long_ago, samples=1000 + 70_001, now_ms=now) is Bound.samples
+    assert LIMITS.rounds_cap(3_600_000, now) == 50 * 10 + 100
+    assert _check(joined_long_ago, samples=1000, rounds=600, now_ms=now) is None
+    assert _check(joined_long_ago, samples=1000, rounds=601, now_ms=now) is Bound.rounds
+    assert _check(joined_long_ago, samples=1000, rounds=2**53, now_ms=now) is Bound.rounds
+
+
+def test_losses_metrics_and_groups_out_of_range() -> None:
+    track = PeerTrack(first_seen_ms=0, volunteer_id=1, banked=0, samples=0, as_of_ms=None)
+    for value in (1e6, -1e6, 0.0):
+        assert _check(track, loss=value, eval_metric=value) is None
+    assert _check(track, loss=1e300) is Bound.loss
+    assert _check(track, loss=-1.5e6) is Bound.loss
+    assert _check(track, eval_metric=-1e300) is Bound.eval_metric
+    view = SwarmView(read_ms=0, online={}, highest=0, peers=4)
+    assert _check(track, view, group_size=4) is None
+    assert _check(track, view, group_size=5) is Bound.group_size
+    assert _check(track, None, group_size=4096) is None  # no view: the hard cap only
+    assert _check(track, None, group_size=10**6) is Bound.group_size
