@@ -1,11 +1,13 @@
 """``swarmgrad demo`` (what ``make demo`` runs): a coordinator and four volunteers train digits
-for the task's 40 epochs; the run's progress moves within two minutes, the checkpoint it ends
+for the task's 40 epochs; the run's progress moves within two minutes, the samples/s it shows
+is within 20 % of its samples counter's growth, the checkpoint it ends
 with reaches the task's target accuracy, and when it ends no process it started is left
 behind."""
 
 from __future__ import annotations
 
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -55,6 +57,25 @@ class ProgressWatcher:
         self._thread.join(10)
 
 
+def _check_rates(seen: list[dict[str, Any]], output: str, epochs: int) -> None:
+    """The samples/s the run shows (progress API, the demo's epoch lines) is within 20 % of
+    how fast its samples counter grows, over the middle half of the training."""
+    training = [p for p in seen if p["samples"] > 0 and p["peers_online"] and p["epoch"] < epochs]
+    middle = training[len(training) // 4 : 3 * len(training) // 4 + 1]
+    assert len(middle) >= 5, [(p["t"], p["samples"]) for p in training]
+    first, last = middle[0], middle[-1]
+    growth = (last["samples"] - first["samples"]) / (last["t"] - first["t"])
+    shown = statistics.mean(p["samples_per_second"] for p in middle)
+    rates = [(round(p["t"]), p["samples"], round(p["samples_per_second"])) for p in training]
+    assert shown == pytest.approx(growth, rel=0.2), rates
+    printed = [
+        float(m.group(1).replace(",", ""))
+        for m in re.finditer(r"^epoch \d+ \| samples [\d,]+ \| ([\d,.]+) samples/s", output, re.M)
+    ]
+    lines = printed[len(printed) // 4 : 3 * len(printed) // 4 + 1]
+    assert lines and statistics.median(lines) == pytest.approx(growth, rel=0.2), (printed, rates)
+
+
 def test_demo_trains_digits_with_four_volunteers(tmp_path: Path) -> None:
     port = free_port()
     saved = tmp_path / "model.pt"
@@ -95,6 +116,8 @@ def test_demo_trains_digits_with_four_volunteers(tmp_path: Path) -> None:
     assert any(g > 1 for p in early for g in p["recent_group_sizes"]), "peers averaged together"
     losses = [p["loss"] for p in watcher.seen if p.get("loss") is not None]
     assert len(losses) >= 2 and losses[-1] < losses[0], losses
+
+    _check_rates(watcher.seen, output, epochs)
 
     assert saved.exists(), output
     task = load_task("digits")
