@@ -711,7 +711,7 @@ class Blockwise8BitQuantization(_BlockwiseQuantization):
 
     def _decode(self, compressed: CompressedTensor, dtype: torch.dtype) -> torch.Tensor:
         data = memoryview(compressed.data)[: compressed.numel]
-        codes = _from_payload(data, torch.int8, compressed.numel)
+        codes = _from_payload(data, torch.int8, compressed.numel).to(torch.int16)
         return self._dequantize(codes, compressed, dtype)
 
 

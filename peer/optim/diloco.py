@@ -70,31 +70,24 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.control import StepControl
-from peer.averaging.exceptions import AllreduceTimeout, MatchmakingFailed, StepFailed
 from peer.averaging.partition import zeros_back_to_back
 from peer.averaging.robust import check_aggregator
-from peer.compression import (
-    Compression,
-    CompressionInfo,
-    NoCompression,
-    compression_from_name,
-    extract,
-)
+from peer.compression import Compression, NoCompression, compression_from_name
+from peer.optim.diloco_rounds import SyncRounds, SyncRun
 from peer.optim.diloco_schedule import (
     RoundTimer,
     fragment_of,
     split_fragments,
     steps_before_sync,
-    stragglers,
 )
+from peer.optim.error_feedback import ErrorFeedback
 from peer.optim.joining import JoiningSwarm
 from peer.optim.live_state import LiveState, OptimizerFactory
 from peer.optim.progress import PerformanceEMA, ProgressReport, ProgressTracker, SwarmProgress
@@ -105,30 +98,13 @@ logger = logging.getLogger("peer.optim.diloco")
 
 __all__ = ["DiLoCo"]
 
-#: how often a peer waiting for its round's group checks who can still come
-ROUND_RECHECK_S = 0.1
-
 
 def default_outer_optimizer(params: Any) -> torch.optim.Optimizer:
     """DiLoCo's outer optimizer: SGD, lr 0.7, Nesterov momentum 0.9."""
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
-@dataclass
-class _Sync:
-    """One sync in progress: what its round needs, then what it produced."""
-
-    sync: int
-    fragment: int
-    samples: int
-    snapshot: list[torch.Tensor] | None = None  # the fragment's parameters at the start
-    future: concurrent.futures.Future[None] | None = None
-    averaged: bool = False  # the buffer holds the round's (or a lone peer's) result
-    failed: bool = False  # other peers were about but the round did not complete
-    cancelled: bool = False
-
-
-class DiLoCo(JoiningSwarm):
+class DiLoCo(SyncRounds, JoiningSwarm):
     """DiLoCo across the swarm (see the module docstring).
 
     Typical loop::
@@ -260,7 +236,7 @@ class DiLoCo(JoiningSwarm):
         self._phase_seconds: float | None = None  # how long the last ones took
         self._step_seconds = PerformanceEMA()  # inner steps per second
         self.performance = PerformanceEMA()  # samples per second
-        self._pending: _Sync | None = None
+        self._pending: SyncRun | None = None
         self._round: StepControl | None = None
         self._retry = False  # the last round failed while others were about
         self._behind = False  # the others moved on without this peer: load their state
@@ -278,7 +254,9 @@ class DiLoCo(JoiningSwarm):
         opts.setdefault("relative_weight_bound", relative_weight_bound)
         opts.setdefault("min_matchmaking_time", float(matchmaking_time))
         self._sync_in_group_bits = opts.get("target_group_size") is None
-        self._residuals: list[list[torch.Tensor] | None] = [None] * len(self.fragments)
+        self._feedback = (
+            [ErrorFeedback(codec) for _ in self.fragments] if self.error_feedback else None
+        )
         self.averagers: list[DecentralizedAverager] = []
         try:
             for f, indices in enumerate(self.fragments):
@@ -343,7 +321,8 @@ class DiLoCo(JoiningSwarm):
                 p.copy_(o.to(p.device, p.dtype))
         self._steps = 0
         self._fragment_samples = [0] * len(self.fragments)
-        self._residuals = [None] * len(self.fragments)
+        for feedback in self._feedback or ():
+            feedback.reset()
         self._phase_started = time.monotonic()
         super()._start_epoch_at(epoch)
 
@@ -353,6 +332,11 @@ class DiLoCo(JoiningSwarm):
     def outer_step(self) -> int:
         """Syncs done (outer rounds; with ``fragments=F``, F of them cover the model once)."""
         return self.local_epoch
+
+    @property
+    def samples_total(self) -> int:
+        """Samples this peer has stepped on (for bytes sent per sample: ``node.bytes_sent``)."""
+        return self._samples_total
 
     @property
     def global_progress(self) -> SwarmProgress:
@@ -489,7 +473,7 @@ class DiLoCo(JoiningSwarm):
             return  # (the landed round found the others gone on: the next step loads state)
         sync = self.local_epoch
         f = fragment_of(sync, len(self.fragments))
-        run = _Sync(sync, f, self._fragment_samples[f])
+        run = SyncRun(sync, f, self._fragment_samples[f])
         now = time.monotonic()
         if not self._retry:
             self._phase_seconds = now - self._phase_started
@@ -498,8 +482,8 @@ class DiLoCo(JoiningSwarm):
         with self.averagers[f].get_tensors() as buffers, torch.no_grad():
             for b, i in zip(buffers, indices, strict=True):
                 b.copy_(self.outer_params[i]).sub_(self.params[i].detach().to("cpu", torch.float32))
-            if self.error_feedback:
-                self._add_residuals(f, buffers)
+            if self._feedback is not None:
+                self._feedback[f].apply(buffers)
         if self.overlap:
             assert self._executor is not None
             run.snapshot = [self.params[i].detach().clone() for i in indices]
@@ -517,151 +501,7 @@ class DiLoCo(JoiningSwarm):
         self._steps = 0
         self._phase_started = time.monotonic()
 
-    def _add_residuals(self, f: int, buffers: Sequence[torch.Tensor]) -> None:
-        """Error feedback: add what compression lost last time, and keep what it loses now
-        (estimated by compressing this peer's fragment, flat, with the round's codec)."""
-        residuals = self._residuals[f]
-        if residuals is not None:
-            for b, r in zip(buffers, residuals, strict=True):
-                b.add_(r)
-        flat = torch.cat([b.reshape(-1) for b in buffers])
-        info = CompressionInfo.from_tensor(flat)
-        sent = extract(self.compression.compress(flat, info), check_finite=False)
-        lost = flat - sent.to(flat.dtype)
-        out, start = [], 0
-        for b in buffers:
-            out.append(lost[start : start + b.numel()].view(b.shape).clone())
-            start += b.numel()
-        self._residuals[f] = out
-
-    def _run_round(self, run: _Sync) -> None:
-        """Average the fragment's pseudo-gradient with the peers at this sync. Any thread."""
-        averager = self.averagers[run.fragment]
-        if not self._wait_for_stragglers(run.sync):
-            run.cancelled = True
-            return
-        if not self.tracker.others_reporting():
-            run.averaged = True  # alone in the run: this peer's pseudo-gradient is the mean
-            return
-        if self._sync_in_group_bits:
-            averager.set_group_bits(format(run.sync % (1 << 16), "016b"))
-        started = time.monotonic()
-        try:
-            control = averager.step(
-                weight=float(run.samples),
-                gather={"sync": run.sync, "samples": run.samples},
-                timeout=self.timer.timeout(),
-                wait=False,
-            )
-            assert isinstance(control, StepControl)  # wait=False always returns one
-            self._round = control
-            group = cast(dict[str, Any], self._await_round(averager, control, run.sync))
-        except StepFailed as exc:
-            if self._closed:
-                run.cancelled = True
-                return
-            if isinstance(exc, AllreduceTimeout | MatchmakingFailed):
-                self.timer.timed_out()
-            if self._behind:
-                return
-            self.rounds_failed += 1
-            self.last_failure = type(exc).__name__
-            run.failed = True
-            logger.warning(
-                "sync %d: averaging failed (%s); retrying at the next step", run.sync, exc
-            )
-            return
-        except RuntimeError:
-            if self._closed:  # the averager shut down under us
-                run.cancelled = True
-                return
-            raise
-        finally:
-            self._round = None
-        self.timer.succeeded(time.monotonic() - started)
-        left = averager.last_round_left
-        if left:
-            # the span a departed reducer held kept this peer's own values: the members'
-            # results may differ, and outer states must not. Retried among those that stayed
-            # (a member whose round completed moves on, and this one then loads its state).
-            self.rounds_failed += 1
-            self.last_failure = "MemberLeft"
-            run.failed = True
-            logger.warning(
-                "sync %d: %d peer(s) left mid-round (%s); retrying at the next step",
-                run.sync,
-                len(left),
-                ", ".join(sorted(left)),
-            )
-            return
-        self.rounds_done += 1
-        self.last_group_size = len(group)
-        run.averaged = True
-        if self.verbose:
-            logger.info(
-                "sync %d: averaged fragment %d with %d peers", run.sync, run.fragment, len(group)
-            )
-
-    def _wait_for_stragglers(self, sync: int) -> bool:
-        """Wait (at most about as long as this peer's inner steps took) for the peers still
-        on their way to this sync; False if shut down meanwhile."""
-        target = steps_before_sync(sync, self.inner_steps, len(self.fragments))
-        limit = max(self._phase_seconds or 0.0, 2.0 * self.matchmaking_time)
-        deadline = time.monotonic() + limit
-        while not self._closed:
-            self._report()
-            reports = self.tracker.fetch(fresh=True)
-            waiting = stragglers(
-                reports,
-                me=self.node.peer_id,
-                sync=sync,
-                target_steps=target,
-                now=self.node.get_time(),
-                stale_after=self._stale_after(),
-            ) + stragglers(  # one sync behind (still in the previous round): coming too
-                reports,
-                me=self.node.peer_id,
-                sync=sync - 1,
-                target_steps=math.inf,  # type: ignore[arg-type]
-                now=self.node.get_time(),
-                stale_after=self._stale_after(),
-            )
-            if not waiting or time.monotonic() >= deadline:
-                return True
-            self._closing.wait(ROUND_RECHECK_S)
-        return False
-
-    def _stale_after(self) -> float:
-        rate = self._step_seconds.samples_per_second
-        step_time = 1.0 / rate if rate > 0 else 0.0
-        return max(self.straggler_silence, 4.0 * step_time)
-
-    def _await_round(self, averager: DecentralizedAverager, control: StepControl, sync: int) -> Any:
-        """The round's result. While it looks for a group it is called off as soon as nobody
-        can join any more: every other peer reports a later sync (one past this one while
-        its own round may still run, with ``overlap``) or withdrew from this round's
-        matchmaking. If others moved on, this peer is behind and will load their state."""
-        ahead = sync + (2 if self.overlap else 1)
-        while True:
-            try:
-                return control.result(timeout=ROUND_RECHECK_S)
-            except TimeoutError:
-                pass
-            if control.began_allreduce:
-                return control.result()
-            self._report()
-            others = [r for r in self.tracker.fetch() if r.peer_id != self.node.peer_id]
-            withdrawn = averager.withdrawn_peers()
-            if all(r.epoch >= ahead or r.peer_id in withdrawn for r in others) and control.cancel():
-                if any(r.epoch >= ahead for r in others):
-                    self._behind = True
-                    logger.info(
-                        "sync %d: the other peers averaged without this one; loading their state",
-                        sync,
-                    )
-                return control.result()
-
-    def _apply(self, run: _Sync) -> None:
+    def _apply(self, run: SyncRun) -> None:
         """Bring a finished round to the model: the outer step on the averaged
         pseudo-gradient, the fragment's parameters from its result. Training thread."""
         if run.cancelled or self._behind:

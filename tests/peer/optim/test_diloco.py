@@ -202,3 +202,167 @@ def test_an_optimizer_instance_is_refused_for_a_factory(
             inner_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),  # type: ignore[arg-type]
             inner_steps=4,
         )
+
+
+def _fragment_reference(
+    peers: int, syncs: int, h: int, fragments: list[list[int]], size: int
+) -> list[list[torch.Tensor]]:
+    """Streaming DiLoCo by hand (equal batch sizes, so the mean is plain): sync k after
+    ``steps_before_sync(k)`` more inner steps averages fragment ``k % F``'s pseudo-gradient
+    and steps the outer optimizer on that fragment only."""
+    from peer.optim.diloco_schedule import steps_before_sync
+
+    global_model = make_model()
+    outer_params = list(global_model.parameters())
+    outer_opt = outer(outer_params)
+    models = [make_model() for _ in range(peers)]
+    inners = [inner(m.parameters()) for m in models]
+    step = 0
+    for k in range(syncs):
+        for _ in range(steps_before_sync(k, h, len(fragments))):
+            for rank, (m, opt) in enumerate(zip(models, inners, strict=True)):
+                x, y = batch(rank, step)
+                torch.nn.functional.mse_loss(m(x[:size]), y[:size]).backward()
+                opt.step()
+                opt.zero_grad()
+            step += 1
+        indices = fragments[k % len(fragments)]
+        for i in indices:
+            locals_ = [list(m.parameters())[i].detach() for m in models]
+            outer_params[i].grad = sum(outer_params[i].detach() - p for p in locals_) / peers
+        outer_opt.step()
+        outer_opt.zero_grad(set_to_none=True)
+        for m in models:
+            with torch.no_grad():
+                for i in indices:
+                    list(m.parameters())[i].copy_(outer_params[i])
+    return [[p.detach().clone() for p in m.parameters()] for m in models]
+
+
+def _swarm(
+    swarm: list[Node], run_id: str, h: int, **kwargs: Any
+) -> tuple[list[DiLoCo], list[torch.nn.Module]]:
+    models = [make_model() for _ in swarm]
+    opts = [
+        DiLoCo(
+            node=node,
+            run_id=run_id,
+            params=m.parameters(),
+            inner_optimizer=inner,
+            inner_steps=h,
+            outer_optimizer=outer,
+            matchmaking_time=scaled(1.0),
+            averager_opts={"target_group_size": len(swarm)},
+            load_state_timeout=scaled(5),
+            **kwargs,
+        )
+        for node, m in zip(swarm, models, strict=True)
+    ]
+    assert wait_until(
+        lambda: all(o.tracker.others_reporting() == len(swarm) - 1 for o in opts), scaled(15)
+    )
+    return opts, models
+
+
+def _train_all(opts: list[DiLoCo], models: list[torch.nn.Module], steps: int) -> None:
+    sizes = [8] * len(opts)
+    threads = [
+        threading.Thread(target=_train, args=(o, m, r, steps, sizes))
+        for r, (o, m) in enumerate(zip(opts, models, strict=True))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(scaled(120))
+    for o in opts:
+        assert o.wait_for_pending(timeout=scaled(30))
+
+
+def test_fragments_sync_in_turn_each_by_the_outer_step_on_its_mean(
+    nodes: Callable[[int], list[Node]],
+) -> None:
+    peers, h, fragments, syncs = 2, 4, 2, 6  # a sync every 2 inner steps, fragments alternate
+    opts, models = _swarm(nodes(peers), "diloco-fragments", h, fragments=fragments)
+    try:
+        assert opts[0].fragments == [[0], [1, 2, 3]]  # 32 | 8 + 8 + 1 elements
+        _train_all(opts, models, syncs * h // fragments)
+        expected = _fragment_reference(peers, syncs, h, opts[0].fragments, 8)
+        for o, m, ref_model in zip(opts, models, expected, strict=True):
+            assert o.outer_step == syncs and o.rounds_done == syncs
+            # (each peer's fragment synced before the last holds its own progress since)
+            for mine, ref in zip(m.parameters(), ref_model, strict=True):
+                torch.testing.assert_close(mine.detach(), ref, atol=1e-6, rtol=0)
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+def test_overlapped_compressed_rounds_keep_the_peers_outer_states_together(
+    nodes: Callable[[int], list[Node]],
+) -> None:
+    peers, h = 2, 4
+    opts, models = _swarm(
+        nodes(peers), "diloco-overlap", h, fragments=2, overlap=True, compression="int8"
+    )
+    try:
+        _train_all(opts, models, 12)
+        for o in opts:
+            assert o.outer_step == 6 and o.rounds_failed == 0
+            assert o.rounds_done == 6 and o.last_group_size == peers
+        # A span's reducer keeps its exact average while the other members decode its
+        # int8 copy: outer states agree up to that codec error, not to the last bit.
+        for a, b in zip(opts[0].outer_params, opts[1].outer_params, strict=True):
+            torch.testing.assert_close(a, b, atol=2e-3, rtol=0)
+    finally:
+        for o in opts:
+            o.shutdown()
+
+
+def test_an_overlapped_round_lands_merged_with_the_progress_made_meanwhile(
+    nodes: Callable[[int], list[Node]],
+) -> None:
+    (node,) = nodes(1)
+    model = make_model()
+    opt = DiLoCo(
+        node=node,
+        run_id="diloco-merge",
+        params=model.parameters(),
+        inner_optimizer=inner,
+        inner_steps=2,
+        outer_optimizer=outer,
+        fragments=2,
+        overlap=True,
+        load_state_timeout=scaled(2),
+    )
+    gate = threading.Event()
+    real_round = opt._run_round
+
+    def held_round(run: Any) -> None:
+        gate.wait(scaled(30))
+        real_round(run)
+
+    opt._run_round = held_round  # type: ignore[method-assign]
+    try:
+        start = [p.detach().clone() for p in model.parameters()]
+        _train(opt, model, 0, 1, [8])  # sync 0 (fragment 0) starts in the background
+        assert opt.pending_update
+        at_sync = [p.detach().clone() for p in model.parameters()]
+        x, y = batch(0, 7)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.inner_optimizer.step()  # local progress while the round runs (no sync due)
+        opt.zero_grad()
+        now = [p.detach().clone() for p in model.parameters()]
+        gate.set()
+        assert opt.wait_for_pending(timeout=scaled(30))
+        # lone peer: Nesterov SGD's first step on Δ = start - at_sync is 0.7 * 1.9 * Δ
+        for i, p in enumerate(model.parameters()):
+            if i in opt.fragments[0]:
+                outer_new = start[i] - 0.7 * 1.9 * (start[i] - at_sync[i])
+                torch.testing.assert_close(opt.outer_params[i].detach(), outer_new)
+                torch.testing.assert_close(p.detach(), outer_new + (now[i] - at_sync[i]))
+            else:  # the other fragment is not touched
+                torch.testing.assert_close(p.detach(), now[i], atol=0, rtol=0)
+        assert opt.outer_step == 1
+    finally:
+        gate.set()
+        opt.shutdown()
