@@ -10,6 +10,9 @@
 
 const DASH = "–";
 
+// Scripts run on this page: charts take their room (see app.css).
+document.documentElement.classList.add("js");
+
 export function integer(value) {
   if (value === null || value === undefined || !Number.isFinite(Number(value))) return DASH;
   return Math.round(Number(value)).toLocaleString("en-US");
