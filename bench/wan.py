@@ -18,9 +18,9 @@ initialisation on ``--samples`` samples in all, once per method:
 * ``streaming``: DiLoCo with ``--fragments`` fragments, ``overlap=True`` and int8
   pseudo-gradients.
 
-Per method it prints compute utilisation (the fraction of the training loop's wall time
-spent in forward, backward and the optimizer's own step: a ``step()`` call's time beyond the
-method's median call is counted as waiting on the network), bytes each peer's node sent per
+Per method it prints compute utilisation (the fraction of the training loop's time spent
+in forward, backward and the optimizer's own step: a ``step()`` call's time beyond the
+method's median call is waiting on the network, :mod:`peer.optim.utilisation`), bytes each peer's node sent per
 sample it trained, the swarm's samples/s, and peer 0's held-out loss at the end (equal
 samples) and at the wall time the fastest method took (equal wall time, interpolated between
 evaluated snapshots). Then the goals, each a ratio from this run: streaming DiLoCo's compute
@@ -136,6 +136,8 @@ def _train(
     """Train one method on this peer's share of the samples; what it measured."""
     import torch
 
+    from peer.optim.utilisation import ComputeMeter
+
     rank, peers, batch = cfg["rank"], cfg["peers"], config.batch_size
     steps = cfg["samples"] // (peers * batch)  # each peer's share of the samples
     run = f"wan.{phase}"
@@ -153,7 +155,7 @@ def _train(
 
     barrier(f"{run}.ready")
     sent0 = node.bytes_sent
-    compute, calls, done = 0.0, [], 0
+    meter, done = ComputeMeter(), 0
     started = time.perf_counter()
     snapshot(0.0, 0)
     while (opt.local_epoch < epochs) if collaborative else (done < steps):
@@ -163,8 +165,7 @@ def _train(
         opt.step()
         opt.zero_grad()
         t2 = time.perf_counter()
-        compute += t1 - t0
-        calls.append(t2 - t1)
+        meter.add(t1 - t0, t2 - t1)
         done += 1
         if done % snapshot_every == 0:
             snapshot(t2 - started, done * batch * peers)
@@ -182,7 +183,6 @@ def _train(
     snapshot(drained, done * batch * peers)
     opt.shutdown()
     barrier(f"{run}.left")
-    median = statistics.median(calls)
     curve = []
     for elapsed, samples, params in snapshots:  # off the clock
         with torch.no_grad():
@@ -194,10 +194,9 @@ def _train(
         samples=done * batch,
         seconds=wall,
         drained=drained,
-        compute=compute,
-        step_median=median,
-        calls=len(calls),
-        waiting=sum(max(0.0, c - median) for c in calls),
+        compute=meter.compute,
+        waiting=meter.waiting,
+        utilisation=meter.utilisation(),
         bytes_sent=sent,
         rounds=rounds,
         curve=curve,
@@ -282,9 +281,7 @@ def summary(peers: list[dict[str, Any]]) -> dict[str, Any]:
     return dict(
         method=peers[0]["method"],
         samples_per_second=samples / seconds,
-        utilisation=statistics.mean(
-            (p["compute"] + p["calls"] * p["step_median"]) / p["seconds"] for p in peers
-        ),
+        utilisation=statistics.mean(p["utilisation"] for p in peers),
         waiting=statistics.mean(p["waiting"] for p in peers),
         compute=statistics.mean(p["compute"] for p in peers),
         bytes_per_sample=statistics.mean(p["bytes_sent"] / max(p["samples"], 1) for p in peers),

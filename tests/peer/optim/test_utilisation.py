@@ -1,0 +1,31 @@
+"""ComputeMeter: a step() call's time beyond the median call is waiting."""
+
+from __future__ import annotations
+
+import pytest
+
+from peer.optim.utilisation import ComputeMeter
+
+
+def test_calls_beyond_the_median_count_as_waiting() -> None:
+    meter = ComputeMeter()
+    assert meter.utilisation() is None
+    for _ in range(9):
+        meter.add(0.09, 0.01)  # forward/backward, then an inner step
+    meter.add(0.09, 1.01)  # an inner step that also waited one second on a round
+    assert meter.waiting == pytest.approx(1.0)
+    assert meter.utilisation() == pytest.approx(1.0 / 2.0)  # 1 s computing of 2 s
+    assert meter.take() == pytest.approx(0.5)
+    assert meter.utilisation() is None, "take() starts over"
+    for _ in range(4):
+        meter.add(0.1, 0.02)
+    assert meter.utilisation() == pytest.approx(1.0), "no call waited"
+
+
+def test_bad_durations_are_refused() -> None:
+    meter = ComputeMeter()
+    with pytest.raises(ValueError, match="negative"):
+        meter.add(-1.0, 0.0)
+    with pytest.raises(ValueError, match="finite"):
+        meter.add(float("nan"), 0.0)
+    assert meter.calls == []
