@@ -93,7 +93,7 @@ class NodeConfig:
     max_pending_handshakes: int = 64
     # ... and of those, from one source (an IP address, an IPv6 /64): a stranger's idle
     # connections cannot take every place and lock honest peers out
-    max_pending_handshakes_per_source: int = 8
+    max_pending_handshakes_per_source: int = 16
     bulk_lanes: bool = True  # TCP side lanes for tensor parts (peer.transport.bulk), if TCP
     bulk_port: int = 0  # the lanes' listening port (0: any free one; set it behind a firewall)
     # links and lanes sealed with keys from each handshake (peer.transport.secure); False

@@ -56,6 +56,7 @@ RECORD_CONTEXT = b"swarmgrad/record/v2\x00"
 RECORD_ID_BYTES = 12
 _DIGEST_ENTRY = struct.Struct(f">{RECORD_ID_BYTES}sQ")  # record id, sequence number
 MAX_SEQUENCE = (1 << 63) - 1
+MAX_DIGEST_ENTRIES = 1 << 18  # entries of a peer's digest that a comparison reads
 RESERVED_PREFIX = "_"
 MEMBERS_KEY = "_members"
 
@@ -445,9 +446,13 @@ class GossipStore:
         """Given the other side's digest: the records it lacks or holds older copies of, and
         the ids of records it holds that are missing or older here.
 
-        Raises RecordError if the digest is not a whole number of entries."""
+        Only the first :data:`MAX_DIGEST_ENTRIES` entries are read (a full store at the
+        default caps lists fewer): a peer cannot make this side build a table of millions
+        of ids from one request. Raises RecordError if the digest is not a whole number of
+        entries."""
         if len(remote_digest) % _DIGEST_ENTRY.size:
             raise RecordError(f"a digest is a multiple of {_DIGEST_ENTRY.size} bytes")
+        remote_digest = memoryview(remote_digest)[: MAX_DIGEST_ENTRIES * _DIGEST_ENTRY.size]
         # a digest lists live records only; a sequence number says which copy is newer
         remote: dict[bytes, int] = dict(_DIGEST_ENTRY.iter_unpack(remote_digest))
         theirs_newer: list[bytes] = []

@@ -79,8 +79,8 @@ _RETRY_AFTER = 60.0  # seconds before trying again a lane to a peer that could n
 _CONNECT_TIMEOUT = 3.0  # a lane port behind a firewall: fall back to the link soon
 # connections to the lane port that have not shown a ticket yet (each one a file
 # descriptor): in all, from one source (an IP address, an IPv6 /64), and for how long
-MAX_ADMISSIONS = 64
-MAX_ADMISSIONS_PER_SOURCE = 8
+MAX_ADMISSIONS = 128
+MAX_ADMISSIONS_PER_SOURCE = 16
 ADMISSION_TIMEOUT = 5.0
 
 

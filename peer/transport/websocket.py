@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from typing import Any
 
 from websockets.asyncio.client import connect as ws_connect
 from websockets.asyncio.server import ServerConnection
@@ -20,11 +22,17 @@ from peer.transport.base import (
     Listener,
     Message,
     Transport,
+    source_of,
 )
+
+logger = logging.getLogger("peer.transport.websocket")
 
 # RFC 6455 close codes we use: 1000 normal, 1002 protocol error, 1008 policy violation.
 _NORMAL, _PROTOCOL_ERROR = 1000, 1002
 _QUEUE = 64  # frames received ahead of the reader on an authenticated link
+# inbound connections in their opening handshake (HTTP upgrade), in all and from one source
+MAX_OPENING = 256
+MAX_OPENING_PER_SOURCE = 32
 _PRE_AUTH_QUEUE = 2  # ... and before: a handshake reads one message at a time
 
 
@@ -86,6 +94,74 @@ class WebSocketConnection(Connection):
         return f"connection closed ({frame.code}{': ' + frame.reason if frame.reason else ''})"
 
 
+class _Openings:
+    """Connections still in their opening handshake (the HTTP upgrade, before the node's own
+    handshake sees them), by source (:func:`~peer.transport.base.source_of`): at most
+    ``total`` at once and ``per_source`` from one source; more are dropped as they are
+    accepted, so connections that never finish opening cannot take the process's file
+    descriptors (each one waits ``open_timeout`` at most)."""
+
+    def __init__(self, total: int, per_source: int) -> None:
+        self.total = total
+        self.per_source = per_source
+        self.by_source: dict[str, int] = {}
+        self._warned: set[str] = set()
+
+    def admit(self, source: str) -> bool:
+        waiting = self.by_source.get(source, 0)
+        if waiting < self.per_source and sum(self.by_source.values()) < self.total:
+            self.by_source[source] = waiting + 1
+            return True
+        if source not in self._warned:
+            if len(self._warned) >= 1024:
+                self._warned.clear()  # bounded, whatever the sources
+            self._warned.add(source)
+            logger.warning(
+                "refusing WebSocket connections from %s: %d of its connections are still opening",
+                source,
+                waiting,
+            )
+        return False
+
+    def release(self, source: str) -> None:
+        left = self.by_source.get(source, 0) - 1
+        if left > 0:
+            self.by_source[source] = left
+        else:
+            self.by_source.pop(source, None)
+
+
+def _guarded_connection(openings: _Openings) -> type[ServerConnection]:
+    class GuardedConnection(ServerConnection):
+        _source = ""
+        _opening = False
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            peer = transport.get_extra_info("peername")
+            self._source = source_of(str(peer[0])) if peer else "?"
+            self._opening = openings.admit(self._source)
+            if not self._opening:
+                transport.abort()  # type: ignore[attr-defined]
+
+        def _opened(self) -> None:
+            if self._opening:
+                self._opening = False
+                openings.release(self._source)
+
+        async def handshake(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                await super().handshake(*args, **kwargs)
+            finally:
+                self._opened()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._opened()
+            super().connection_lost(exc)
+
+    return GuardedConnection
+
+
 class _WebSocketListener(Listener):
     def __init__(self, server, addresses: list[str]) -> None:
         self._server = server
@@ -134,6 +210,9 @@ class WebSocketTransport(Transport):
         connection.limit_incoming(min(self._max, PRE_AUTH_MESSAGE_BYTES))
         return connection
 
+    def _openings(self) -> _Openings:
+        return _Openings(MAX_OPENING, MAX_OPENING_PER_SOURCE)
+
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
         async def on_connection(ws: ServerConnection) -> None:
             remote = ws.remote_address
@@ -150,6 +229,8 @@ class WebSocketTransport(Transport):
             on_connection,
             host,
             port,
+            create_connection=_guarded_connection(self._openings()),
+            open_timeout=self._open_timeout,
             max_size=self._max,
             compression=None,
             ping_interval=20,

@@ -245,18 +245,14 @@ async def test_idle_connections_from_one_source_leave_room_for_honest_peers(
     idle: list[Any] = []
     try:
         with caplog.at_level(logging.WARNING, logger="peer.node"):
-            opened = await asyncio.gather(
-                *(
-                    ws_connect(victim.visible_addresses[0], local_addr=(ATTACKER_HOST, 0))
-                    for _ in range(64)
-                ),
-                return_exceptions=True,
-            )
-            idle = [c for c in opened if not isinstance(c, BaseException)]
-            assert len(idle) == 64, [c for c in opened if isinstance(c, BaseException)][:1]
-            await asyncio.sleep(0.2)  # refused ones are closed at once
-            waiting = sum(c.state is WsState.OPEN for c in idle)
+            for _ in range(64):  # one after another: each finishes its WebSocket opening
+                idle.append(
+                    await ws_connect(victim.visible_addresses[0], local_addr=(ATTACKER_HOST, 0))
+                )
             limit = victim.config.max_pending_handshakes_per_source
+            # refused ones are closed at once
+            await _eventually(lambda: sum(c.state is WsState.OPEN for c in idle) <= limit, 5)
+            waiting = sum(c.state is WsState.OPEN for c in idle)
             assert waiting <= limit, waiting
             assert any(
                 r.getMessage().startswith(f"{ATTACKER_HOST} has {limit} connections")
@@ -352,3 +348,51 @@ async def test_no_construction_path_starts_an_open_node_beyond_loopback(attack: 
     finally:
         await node.shutdown()
     attack.effect("unaffected: asked for with auth=OpenAuth(), an open node starts")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+async def test_connections_that_never_open_hold_few_descriptors(
+    attack: Attack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Open 300 TCP connections to a peer's WebSocket port that never send their upgrade"""
+    import peer.transport.websocket as websocket
+
+    victim = await _node()
+    honest: AsyncNode | None = None
+    sockets: list[socket.socket] = []
+    port = int(victim.visible_addresses[0].rsplit(":", 1)[1])
+    try:
+        base = _fds()
+        loop = asyncio.get_running_loop()
+        with caplog.at_level(logging.WARNING, logger="peer.transport.websocket"):
+            for _ in range(300):
+                sock = socket.socket()
+                sock.setblocking(False)
+                sock.bind((ATTACKER_HOST, 0))
+                await loop.sock_connect(sock, ("127.0.0.1", port))
+                sockets.append(sock)
+
+            def held_by_victim() -> int:
+                return _fds() - base - len(sockets)
+
+            await _eventually(
+                lambda: (
+                    held_by_victim() <= websocket.MAX_OPENING_PER_SOURCE
+                    and any(ATTACKER_HOST in r.getMessage() for r in caplog.records)
+                ),
+                5,
+            )
+            held = held_by_victim()
+            assert held <= websocket.MAX_OPENING_PER_SOURCE, held
+            assert any(ATTACKER_HOST in r.getMessage() for r in caplog.records)
+        attack.outcome(f"the victim holds {held} descriptors for 300 connections; source named")
+        honest = await _node(victim.visible_addresses)
+        assert await _eventually(lambda: honest.peer_id in victim.members(), 10)
+        assert await _gossip_flows(honest, victim, 3)
+        attack.effect("unaffected: an honest peer joins and gossips meanwhile")
+    finally:
+        for sock in sockets:
+            sock.close()
+        await asyncio.gather(
+            *(n.shutdown() for n in (victim, honest) if n is not None), return_exceptions=True
+        )

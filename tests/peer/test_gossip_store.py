@@ -394,3 +394,19 @@ def test_a_full_store_keeps_each_owner_its_fair_share() -> None:
     assert store.total_bytes == held + record_cost(member)
     store.expire(200.0)
     assert store.total_bytes == 0 and len(store) == 0
+
+
+def test_a_digest_is_read_up_to_its_bound() -> None:
+    """A digest of millions of entries costs the responder a bounded table: the entries
+    past MAX_DIGEST_ENTRIES are not read (nothing of them is wanted)."""
+    import peer.node.gossip as gossip
+
+    store = GossipStore()
+    entry = bytes(12) + (1).to_bytes(8, "big")
+    wanted_ids = [i.to_bytes(12, "big") for i in range(gossip.MAX_DIGEST_ENTRIES + 10)]
+    digest = b"".join(rid + (1).to_bytes(8, "big") for rid in wanted_ids)
+    _, theirs_newer = store.compare(digest, 0.0)
+    assert len(theirs_newer) == gossip.MAX_DIGEST_ENTRIES
+    assert theirs_newer[-1] == wanted_ids[gossip.MAX_DIGEST_ENTRIES - 1]
+    with pytest.raises(RecordError):
+        store.compare(entry[:-1], 0.0)
