@@ -29,6 +29,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+# A run's status is part of the REST payloads both sides share.
+from peer.formats.payloads import RunStatus as RunStatus
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -63,12 +66,6 @@ def utcnow() -> datetime:
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-
-
-class RunStatus(enum.StrEnum):
-    running = "running"
-    paused = "paused"
-    finished = "finished"
 
 
 class TokenScope(enum.Enum):

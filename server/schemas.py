@@ -1,7 +1,8 @@
 """Request and response bodies of the REST API, kept apart from the ORM classes.
 
 One family per resource: ``XCreate`` (what a client sends to create), ``XUpdate`` (partial
-changes), ``XPublic`` (what the API returns).
+changes), ``XPublic`` (what the API returns). Those the volunteer's side reads or sends are
+defined in :mod:`peer.formats.payloads` (one description for both sides) and re-exported.
 """
 
 from __future__ import annotations
@@ -14,7 +15,65 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from server.models import RunStatus
+# The payloads the volunteer's side reads or sends live in the module both sides import;
+# re-exported here, where the routes find every body.
+from peer.formats.payloads import (
+    BootstrapPeer as BootstrapPeer,
+)
+from peer.formats.payloads import (
+    BootstrapPublic as BootstrapPublic,
+)
+from peer.formats.payloads import (
+    CertificatePublic as CertificatePublic,
+)
+from peer.formats.payloads import (
+    CheckpointHeld as CheckpointHeld,
+)
+from peer.formats.payloads import (
+    CheckpointPublic as CheckpointPublic,
+)
+from peer.formats.payloads import (
+    CheckpointsPublic as CheckpointsPublic,
+)
+from peer.formats.payloads import (
+    JoinChallengePublic as JoinChallengePublic,
+)
+from peer.formats.payloads import (
+    JoinResponse as JoinResponse,
+)
+from peer.formats.payloads import (
+    OrganizerTokenCreated as OrganizerTokenCreated,
+)
+from peer.formats.payloads import (
+    OrganizerTokenPublic as OrganizerTokenPublic,
+)
+from peer.formats.payloads import (
+    OrganizerTokensPublic as OrganizerTokensPublic,
+)
+from peer.formats.payloads import (
+    Port as Port,
+)
+from peer.formats.payloads import (
+    ReachabilityPublic as ReachabilityPublic,
+)
+from peer.formats.payloads import (
+    ReachabilityRequest as ReachabilityRequest,
+)
+from peer.formats.payloads import (
+    RevocationsPublic as RevocationsPublic,
+)
+from peer.formats.payloads import (
+    RunPublic as RunPublic,
+)
+from peer.formats.payloads import (
+    RunsPublic as RunsPublic,
+)
+from peer.formats.payloads import (
+    RunStatus as RunStatus,
+)
+from peer.formats.payloads import (
+    TokenCreated as TokenCreated,
+)
 from server.security import MAX_CHALLENGE_LENGTH
 
 MAX_INT = 2**53  # exact in a JSON double (browsers) and far inside a 64-bit column
@@ -91,36 +150,6 @@ class RunUpdate(_Body):
     config: Config | None = None
 
 
-class RunPublic(BaseModel):
-    id: str
-    name: str
-    task: str
-    config: dict[str, Any]
-    status: RunStatus
-    created_at: datetime
-    updated_at: datetime
-    archived_at: datetime | None
-    public_key: str = Field(description="The run authority's Ed25519 public key (base64).")
-    revocations_serial: int | None = Field(
-        None,
-        description="Serial of the run's revocation list (its newest ban, in ms; 0 without "
-        "bans): a peer fetches GET /runs/{run_id}/revocations when it grows. Only on a "
-        "single run's answer.",
-    )
-
-
-class RevocationsPublic(BaseModel):
-    serial: int = Field(description="Grows with every ban; a peer keeps the highest it saw.")
-    list: str = Field(
-        description="The signed list (base64 of msgpack [run_id, serial, [[public_key, "
-        "until], ...], signature]); peers check the run authority's signature themselves."
-    )
-
-
-class RunsPublic(BaseModel):
-    runs: list[RunPublic]
-
-
 # --------------------------------------------------------------------------- tokens
 
 
@@ -132,14 +161,6 @@ class TokenCreate(_Body):
         None, ge=1, le=10_000_000, description="How many may join; default from the settings."
     )
     label: Label | None = None
-
-
-class TokenCreated(BaseModel):
-    id: str
-    token: str = Field(description="The join token. Shown only now; store it safely.")
-    expires_at: datetime | None
-    max_uses: int | None
-    label: str | None
 
 
 class TokenPublic(BaseModel):
@@ -164,60 +185,7 @@ class OrganizerTokenCreate(_Body):
     )
 
 
-class OrganizerTokenCreated(BaseModel):
-    id: str
-    token: str = Field(description="The organizer token. Shown only now; store it safely.")
-    label: str | None
-    expires_at: datetime | None
-
-
-class OrganizerTokenPublic(BaseModel):
-    id: str
-    label: str | None
-    created_at: datetime
-    expires_at: datetime | None
-    revoked_at: datetime | None
-    active: bool
-    current: bool = Field(description="This is the token of the request.")
-
-
-class OrganizerTokensPublic(BaseModel):
-    tokens: list[OrganizerTokenPublic] = Field(description="Oldest first.")
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-class CheckpointPublic(BaseModel):
-    epoch: int
-    size: int = Field(description="Bytes.")
-    sha256: str = Field(description="Hex SHA-256 of the file.")
-    created_at: datetime
-    peer_id: str = Field(description="The peer that uploaded it.")
-    pinned: bool = Field(
-        False, description="Pinned by the organizer: served instead of the newest."
-    )
-
-
-class CheckpointHeld(BaseModel):
-    epoch: int
-    detail: str = Field(description="Why only the digest was kept.")
-
-
-class CheckpointsPublic(BaseModel):
-    checkpoints: list[CheckpointPublic] = Field(description="Newest first.")
-
-
 # --------------------------------------------------------------------------- peers
-
-
-class JoinChallengePublic(BaseModel):
-    run_id: str
-    run_name: str
-    task: str
-    status: RunStatus
-    challenge: str = Field(description="Sign join_proof_payload(run_id, challenge, public_key).")
-    expires_at: datetime
 
 
 class JoinRequest(_Body):
@@ -246,33 +214,6 @@ class JoinRequest(_Body):
         return value
 
 
-class BootstrapPeer(BaseModel):
-    peer_id: str
-    addresses: list[str]
-
-
-class JoinResponse(BaseModel):
-    run_id: str
-    peer_id: str
-    peer_token: str = Field(description="Bearer token for this peer's later calls.")
-    certificate: str = Field(description="Run certificate (base64) for the peer library.")
-    certificate_expires_at: datetime
-    run_public_key: str
-    run_name: str
-    status: RunStatus
-    task: str
-    config: dict[str, Any]
-    bootstrap: list[BootstrapPeer]
-    checkpoint: CheckpointPublic | None = Field(
-        description="The run's newest checkpoint, to start from (GET /runs/{id}/checkpoint)."
-    )
-
-
-class CertificatePublic(BaseModel):
-    certificate: str
-    certificate_expires_at: datetime
-
-
 class PeerPublic(BaseModel):
     peer_id: str
     display_name: str
@@ -297,27 +238,6 @@ class PeerPublic(BaseModel):
 
 class PeersPublic(BaseModel):
     peers: list[PeerPublic]
-
-
-class BootstrapPublic(BaseModel):
-    peers: list[BootstrapPeer]
-
-
-Port = Annotated[int, Field(ge=1, le=65535)]
-
-
-class ReachabilityRequest(_Body):
-    port: Port = Field(description="The peer's WebSocket port.")
-    bulk_port: Port | None = Field(None, description="Its bulk-transfer port, if it has one.")
-
-
-class ReachabilityPublic(BaseModel):
-    reachable: bool
-    address: str | None = Field(description="The address now announced for the peer, if any.")
-    host: str = Field(description="The peer's address as the coordinator sees it.")
-    port: int
-    bulk_port: int | None
-    detail: str = Field(description="One line for the volunteer.")
 
 
 # --------------------------------------------------------------------------- progress

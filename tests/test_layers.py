@@ -267,8 +267,8 @@ def test_import_peer_loads_no_node_and_no_torch() -> None:
     assert "torch" not in loaded
 
 
-def test_the_shared_formats_import_only_the_standard_library_msgpack_and_cryptography() -> None:
-    allowed = {*sys.stdlib_module_names, "msgpack", "cryptography"}
+def test_the_shared_formats_import_only_the_standard_library_and_their_three_packages() -> None:
+    allowed = {*sys.stdlib_module_names, "msgpack", "cryptography", "pydantic"}
     found = [
         f"{i.importer} (line {i.line}) imports {i.imported}"
         for i in all_imports()

@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import hashlib
 import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from peer.coordinator.exceptions import (
     CoordinatorError,
@@ -44,7 +44,25 @@ from peer.coordinator.exceptions import (
     RunNotAccepting,
     Unauthorized,
 )
-from peer.identity import Identity, join_proof_payload
+from peer.formats.identity import Identity, join_proof_payload
+from peer.formats.payloads import (
+    BootstrapPeer,
+    BootstrapPublic,
+    CertificatePublic,
+    CheckpointHeld,
+    CheckpointPublic,
+    CheckpointsPublic,
+    JoinChallengePublic,
+    JoinResponse,
+    OrganizerTokenCreated,
+    OrganizerTokensPublic,
+    ReachabilityPublic,
+    ReachabilityRequest,
+    RevocationsPublic,
+    RunPublic,
+    RunsPublic,
+    TokenCreated,
+)
 
 API_PREFIX = "/api/v1"
 COORDINATOR_HEADER = "X-Swarmgrad-Coordinator"
@@ -54,6 +72,7 @@ RATE_LIMIT_PATIENCE_S = 300.0
 
 logger = logging.getLogger("peer.coordinator")
 _T = TypeVar("_T")
+_M = TypeVar("_M", bound=BaseModel)
 
 _STATUS_ERRORS: dict[int, type[CoordinatorError]] = {
     401: Unauthorized,
@@ -169,17 +188,17 @@ class CoordinatorClient:
         """The run ``join_token`` invites to, and a challenge for :meth:`join`. Raises
         :class:`Unauthorized` for an unknown, expired or revoked token and
         :class:`RunNotAccepting` while the run is paused, finished or archived."""
-        body = self._json("POST", f"{API_PREFIX}/join/challenge", token=join_token)
-        return _build(
-            self.host,
-            lambda: JoinChallenge(
-                run_id=_str(body["run_id"]),
-                run_name=_str(body["run_name"]),
-                task=_str(body["task"]),
-                status=_str(body["status"]),
-                challenge=_str(body["challenge"]),
-                expires_at=_timestamp(body["expires_at"]),
-            ),
+        body = self._parse(
+            JoinChallengePublic,
+            self._json("POST", f"{API_PREFIX}/join/challenge", token=join_token),
+        )
+        return JoinChallenge(
+            run_id=body.run_id,
+            run_name=body.run_name,
+            task=body.task,
+            status=body.status.value,
+            challenge=body.challenge,
+            expires_at=_timestamp(body.expires_at),
         )
 
     def join(
@@ -204,32 +223,29 @@ class CoordinatorClient:
         }
         if display_name is not None:
             request["display_name"] = display_name
-        body = self._json(
-            "POST", _run_path(challenge.run_id, "join"), token=join_token, json_body=request
+        body = self._parse(
+            JoinResponse,
+            self._json(
+                "POST", _run_path(challenge.run_id, "join"), token=join_token, json_body=request
+            ),
         )
-
-        def build() -> JoinAnswer:
-            addresses: dict[str, None] = {}  # ordered, without duplicates
-            for peer in body["bootstrap"]:
-                for address in peer["addresses"]:
-                    addresses[_str(address)] = None
-            checkpoint = body.get("checkpoint")
-            return JoinAnswer(
-                run_id=_str(body["run_id"]),
-                peer_id=_str(body["peer_id"]),
-                peer_token=_str(body["peer_token"]),
-                certificate=_str(body["certificate"]),
-                certificate_expires_at=_timestamp(body["certificate_expires_at"]),
-                run_public_key=_unb64(body["run_public_key"]),
-                run_name=_str(body["run_name"]),
-                status=_str(body["status"]),
-                task=_str(body["task"]),
-                config=dict(body["config"]),
-                bootstrap=tuple(addresses),
-                checkpoint=dict(checkpoint) if checkpoint is not None else None,
-            )
-
-        return _build(self.host, build)
+        run_public_key = _build(self.host, lambda: _unb64(body.run_public_key))
+        return JoinAnswer(
+            run_id=body.run_id,
+            peer_id=body.peer_id,
+            peer_token=body.peer_token,
+            certificate=body.certificate,
+            certificate_expires_at=_timestamp(body.certificate_expires_at),
+            run_public_key=run_public_key,
+            run_name=body.run_name,
+            status=body.status.value,
+            task=body.task,
+            config=dict(body.config),
+            bootstrap=_addresses(body.bootstrap),
+            checkpoint=(
+                body.checkpoint.model_dump(mode="json") if body.checkpoint is not None else None
+            ),
+        )
 
     def check_reachability(
         self, peer_token: str, run_id: str, port: int, bulk_port: int | None
@@ -237,45 +253,40 @@ class CoordinatorClient:
         """Ask the coordinator to connect back to this peer's ``port`` (and ``bulk_port``)
         at the address it sees the request come from; it then announces the peer there, or
         as a client-mode peer. :class:`RateLimited` when asked again too soon."""
-        body = self._json(
-            "POST",
-            _run_path(run_id, "reachability"),
-            token=peer_token,
-            json_body={"port": port, "bulk_port": bulk_port},
-        )
-        return _build(
-            self.host,
-            lambda: Reachability(
-                reachable=bool(body["reachable"]),
-                address=None if body["address"] is None else _str(body["address"]),
-                host=_str(body["host"]),
-                port=int(body["port"]),
-                bulk_port=None if body["bulk_port"] is None else int(body["bulk_port"]),
-                detail=_str(body["detail"]),
+        request = ReachabilityRequest(port=port, bulk_port=bulk_port)
+        body = self._parse(
+            ReachabilityPublic,
+            self._json(
+                "POST",
+                _run_path(run_id, "reachability"),
+                token=peer_token,
+                json_body=request.model_dump(mode="json"),
             ),
+        )
+        return Reachability(
+            reachable=body.reachable,
+            address=body.address,
+            host=body.host,
+            port=body.port,
+            bulk_port=body.bulk_port,
+            detail=body.detail,
         )
 
     def bootstrap(self, peer_token: str, run_id: str) -> list[str]:
         """Addresses of a sample of live peers of the run (never this one's)."""
-        body = self._json("GET", _run_path(run_id, "bootstrap"), token=peer_token)
-
-        def build() -> list[str]:
-            addresses: dict[str, None] = {}
-            for peer in body["peers"]:
-                for address in peer["addresses"]:
-                    addresses[_str(address)] = None
-            return list(addresses)
-
-        return _build(self.host, build)
+        body = self._parse(
+            BootstrapPublic, self._json("GET", _run_path(run_id, "bootstrap"), token=peer_token)
+        )
+        return list(_addresses(body.peers))
 
     def renew_certificate(self, peer_token: str, run_id: str) -> tuple[str, float]:
         """A fresh run certificate: ``(certificate_base64, expires_at_unix_seconds)``.
         :class:`RunNotAccepting` while the run is paused, finished or archived."""
-        body = self._json("POST", _run_path(run_id, "certificate"), token=peer_token)
-        return _build(
-            self.host,
-            lambda: (_str(body["certificate"]), _timestamp(body["certificate_expires_at"])),
+        body = self._parse(
+            CertificatePublic,
+            self._json("POST", _run_path(run_id, "certificate"), token=peer_token),
         )
+        return body.certificate, _timestamp(body.certificate_expires_at)
 
     def report(
         self,
@@ -304,18 +315,18 @@ class CoordinatorClient:
     def run(self, run_id: str) -> dict[str, Any]:
         """The run: ``id``, ``name``, ``task``, ``config``, ``status`` ("running",
         "paused", "finished"), ``public_key``, ... (public, no token)."""
-        return self._json("GET", _run_path(run_id))
+        return self._parse(RunPublic, self._json("GET", _run_path(run_id))).model_dump(mode="json")
 
     def revocations(self, run_id: str) -> bytes:
         """The run's revocation list as its authority signed it (public, no token; a node
         checks it: :meth:`peer.Node.revoke`). :class:`NotACoordinator` for an answer
         that does not carry one."""
         answer = self._json("GET", _run_path(run_id, "revocations"))
-        text = answer.get("list")
-        if isinstance(text, str):
-            with contextlib.suppress(ValueError):  # binascii.Error is one
-                return base64.urlsafe_b64decode(text.encode("ascii"))
-        raise NotACoordinator("the answer carries no revocation list")
+        try:
+            text = RevocationsPublic.model_validate(answer).list
+            return base64.urlsafe_b64decode(text.encode("ascii"))
+        except ValueError:  # pydantic's ValidationError and binascii.Error are ones
+            raise NotACoordinator("the answer carries no revocation list") from None
 
     def progress(self, run_id: str) -> dict[str, Any]:
         """The run's progress as the dashboard shows it (public, no token)."""
@@ -328,7 +339,7 @@ class CoordinatorClient:
         returns its description (``epoch``, ``size``, ``sha256``, ``created_at``,
         ``peer_id``). :class:`RunNotAccepting` when the run already has one of that epoch
         or newer; :class:`RequestRejected` when it is too large or not a torch.save file."""
-        return self._json(
+        body = self._json(
             "PUT",
             _run_path(run_id, "checkpoint"),
             token=peer_token,
@@ -336,6 +347,10 @@ class CoordinatorClient:
             content=bytes(data),
             headers={"Content-Type": "application/octet-stream"},
         )
+        try:
+            return CheckpointPublic.model_validate(body).model_dump(mode="json")
+        except ValidationError:  # 202: the coordinator kept only the digest, and says why
+            return self._parse(CheckpointHeld, body).model_dump(mode="json")
 
     def download_checkpoint(self, token: str, run_id: str) -> tuple[bytes, int] | None:
         """The run's newest checkpoint as ``(data, epoch)``, or None when it has none
@@ -366,22 +381,24 @@ class CoordinatorClient:
         self, token: str, name: str, task: str, config: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
         """Create a run (status "running"); returns it."""
-        return self._json(
+        body = self._json(
             "POST",
             f"{API_PREFIX}/runs",
             token=token,
             json_body={"name": name, "task": task, "config": dict(config or {})},
         )
+        return self._parse(RunPublic, body).model_dump(mode="json")
 
     def list_runs(self, *, include_archived: bool = False) -> list[dict[str, Any]]:
         """Runs, newest first (public)."""
         params = {"include_archived": "true"} if include_archived else None
-        body = self._json("GET", f"{API_PREFIX}/runs", params=params)
-        return _build(self.host, lambda: [dict(r) for r in body["runs"]])
+        body = self._parse(RunsPublic, self._json("GET", f"{API_PREFIX}/runs", params=params))
+        return [run.model_dump(mode="json") for run in body.runs]
 
     def update_run(self, token: str, run_id: str, **fields: Any) -> dict[str, Any]:
         """Change ``name``, ``status`` ("running", "paused", "finished") or ``config``."""
-        return self._json("PATCH", _run_path(run_id), token=token, json_body=fields)
+        body = self._json("PATCH", _run_path(run_id), token=token, json_body=fields)
+        return self._parse(RunPublic, body).model_dump(mode="json")
 
     def create_invite(
         self,
@@ -403,13 +420,16 @@ class CoordinatorClient:
             }.items()
             if v is not None
         }
-        return self._json("POST", _run_path(run_id, "tokens"), token=token, json_body=request)
+        body = self._json("POST", _run_path(run_id, "tokens"), token=token, json_body=request)
+        return self._parse(TokenCreated, body).model_dump(mode="json")
 
     def list_organizer_tokens(self, token: str) -> list[dict[str, Any]]:
         """The coordinator's organizer tokens, oldest first, without secrets: ``{"id",
         "label", "created_at", "expires_at", "revoked_at", "active", "current"}``."""
-        body = self._json("GET", f"{API_PREFIX}/tokens", token=token)
-        return _build(self.host, lambda: [dict(t) for t in body["tokens"]])
+        body = self._parse(
+            OrganizerTokensPublic, self._json("GET", f"{API_PREFIX}/tokens", token=token)
+        )
+        return [t.model_dump(mode="json") for t in body.tokens]
 
     def create_organizer_token(
         self, token: str, *, label: str | None = None, expires_in_s: float | None = None
@@ -418,7 +438,8 @@ class CoordinatorClient:
         only in this answer."""
         request = {"label": label, "expires_in_s": expires_in_s}
         body = {k: v for k, v in request.items() if v is not None}
-        return self._json("POST", f"{API_PREFIX}/tokens", token=token, json_body=body)
+        answer = self._json("POST", f"{API_PREFIX}/tokens", token=token, json_body=body)
+        return self._parse(OrganizerTokenCreated, answer).model_dump(mode="json")
 
     def revoke_organizer_token(self, token: str, token_id: str) -> None:
         """Revoke an organizer token. :class:`RequestRejected` (409) for the caller's own
@@ -427,8 +448,10 @@ class CoordinatorClient:
 
     def list_checkpoints(self, token: str, run_id: str) -> list[dict[str, Any]]:
         """The checkpoints the coordinator keeps for the run, newest first."""
-        body = self._json("GET", _run_path(run_id, "checkpoints"), token=token)
-        return _build(self.host, lambda: [dict(c) for c in body["checkpoints"]])
+        body = self._parse(
+            CheckpointsPublic, self._json("GET", _run_path(run_id, "checkpoints"), token=token)
+        )
+        return [c.model_dump(mode="json") for c in body.checkpoints]
 
     def pin_checkpoint(self, token: str, run_id: str, epoch: int) -> dict[str, Any]:
         """Serve the checkpoint of ``epoch`` (downloads, joining peers) instead of the newest,
@@ -444,6 +467,20 @@ class CoordinatorClient:
         self._request("DELETE", _run_path(run_id, f"checkpoints/{int(epoch)}"), token=token)
 
     # ------------------------------------------------------------------ plumbing
+
+    def _parse(self, model: type[_M], body: dict[str, Any]) -> _M:
+        """``body`` as the payload type both sides share (:mod:`peer.formats.payloads`); an
+        answer of another shape is not a coordinator of this version, said with its field."""
+        try:
+            return model.model_validate(body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "body"
+            what = f"no {where!r}" if first["type"] == "missing" else f"a malformed {where!r}"
+            raise NotACoordinator(
+                f"{self.host} sent an answer with {what}; it is not a Swarmgrad coordinator "
+                "of this version"
+            ) from exc
 
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         response = self._request(method, path, **kwargs)
@@ -675,12 +712,16 @@ def _str(value: Any) -> str:
     return value
 
 
-def _timestamp(value: Any) -> float:
-    """Unix seconds of an ISO 8601 time (UTC when it names no zone)."""
-    moment = datetime.fromisoformat(_str(value))
+def _timestamp(moment: datetime) -> float:
+    """Unix seconds of a time (UTC when it names no zone)."""
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return moment.timestamp()
+
+
+def _addresses(peers: Iterable[BootstrapPeer]) -> tuple[str, ...]:
+    """The peers' addresses in order, without repeats."""
+    return tuple(dict.fromkeys(address for peer in peers for address in peer.addresses))
 
 
 def _b64(data: bytes) -> str:

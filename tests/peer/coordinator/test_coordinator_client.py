@@ -29,6 +29,7 @@ from peer.coordinator import (
     Unauthorized,
 )
 from peer.identity import Identity, join_proof_payload, verify_signature
+from tests.peer.coordinator.answers import run_body
 
 URL = "http://coord.example:8000"
 TOKEN = "sgj_" + "t0k3n" * 8
@@ -58,6 +59,16 @@ CHALLENGE = {
 }
 
 
+CHECKPOINT = {
+    "epoch": 3,
+    "size": 10,
+    "sha256": "00",
+    "created_at": "2030-01-01T00:00:00Z",
+    "peer_id": "a" * 32,
+    "pinned": False,
+}
+
+
 def join_body(run_public_key: bytes) -> dict[str, Any]:
     return {
         "run_id": "run123",
@@ -74,7 +85,7 @@ def join_body(run_public_key: bytes) -> dict[str, Any]:
             {"peer_id": "a" * 32, "addresses": ["ws://10.0.0.1:4000", "ws://h:1"]},
             {"peer_id": "b" * 32, "addresses": ["ws://10.0.0.1:4000"]},
         ],
-        "checkpoint": {"epoch": 3, "size": 10, "sha256": "00", "peer_id": "a" * 32},
+        "checkpoint": CHECKPOINT,
     }
 
 
@@ -169,7 +180,8 @@ def test_checkpoints_up_and_down() -> None:
             stored["body"] = request.content
             stored["type"] = request.headers["Content-Type"]
             stored["epoch"] = request.url.params["epoch"]
-            return answer(201, {"epoch": 4, "size": len(data), "sha256": digest})
+            checkpoint = {"epoch": 4, "size": len(data), "sha256": digest, "peer_id": "p" * 32}
+            return answer(201, checkpoint | {"created_at": "2030-01-01T00:00:00Z"})
         if "body" not in stored:
             return answer(404, {"detail": "run r1 has no checkpoint yet"})
         sha = "0" * 64 if stored.get("damage") else digest
@@ -194,20 +206,26 @@ def test_organizer_calls() -> None:
 
     def handler(request: httpx.Request) -> httpx.Response:
         requests.append(request)
-        if request.url.path == "/api/v1/runs" and request.method == "GET":
-            return answer(200, {"runs": [{"id": "r1"}]})
-        if request.url.path.endswith("/checkpoints"):
-            return answer(200, {"checkpoints": [{"epoch": 2}]})
-        return answer(201 if request.method == "POST" else 200, {"id": "r1"})
+        path = request.url.path
+        if path == "/api/v1/runs" and request.method == "GET":
+            return answer(200, {"runs": [run_body()]})
+        if path.endswith("/checkpoints"):
+            return answer(200, {"checkpoints": [CHECKPOINT]})
+        if path.endswith("/tokens"):
+            invite = {"id": "t1", "token": "sgj_x", "expires_at": None, "max_uses": 3}
+            return answer(201, invite | {"label": None})
+        if path.endswith("/progress"):
+            return answer(200, {"epoch": 7})  # the dashboard's format: not checked here
+        return answer(201 if request.method == "POST" else 200, run_body())
 
     with client_with(handler) as client:
-        assert client.create_run("adm", "mnist", "digits", {"lr": 0.1}) == {"id": "r1"}
-        assert client.list_runs() == [{"id": "r1"}]
+        assert client.create_run("adm", "mnist", "digits", {"lr": 0.1}) == run_body()
+        assert client.list_runs() == [run_body()]
         client.list_runs(include_archived=True)
         client.update_run("adm", "r1", status="paused")
-        client.create_invite("adm", "r1", max_uses=3)
-        assert client.list_checkpoints("adm", "r1") == [{"epoch": 2}]
-        assert client.run("r1") == {"id": "r1"} and client.progress("r1") == {"id": "r1"}
+        assert client.create_invite("adm", "r1", max_uses=3)["token"] == "sgj_x"
+        assert client.list_checkpoints("adm", "r1") == [CHECKPOINT]
+        assert client.run("r1") == run_body() and client.progress("r1") == {"epoch": 7}
     create, listed, archived, update, invite = requests[:5]
     assert json.loads(create.content) == {"name": "mnist", "task": "digits", "config": {"lr": 0.1}}
     assert "Authorization" not in listed.headers
@@ -223,7 +241,7 @@ def test_path_prefix_is_kept_and_run_ids_are_quoted() -> None:
 
     def handler(request: httpx.Request) -> httpx.Response:
         paths.append(request.url.raw_path.decode())
-        return answer(200, {"status": "running"})
+        return answer(200, run_body())
 
     with client_with(handler, "https://host.example/swarm/") as client:
         client.run("a/b?c")
@@ -277,10 +295,13 @@ def test_validation_errors_read_as_one_line() -> None:
         client_with(lambda request: answer(422, {"detail": detail})) as client,
         pytest.raises(RequestRejected) as caught,
     ):
-        client.check_reachability(TOKEN, "r1", 70000, None)
+        client.check_reachability(TOKEN, "r1", 7000, None)
     assert str(caught.value) == (
         "port: Input should be less than or equal to 65535; epoch: Field required"
     )
+    # a port no coordinator would take is the caller's mistake, refused before sending
+    with client_with(lambda request: answer(500, None)) as client, pytest.raises(ValueError):
+        client.check_reachability(TOKEN, "r1", 70000, None)
 
 
 def test_an_error_without_a_detail_names_the_status() -> None:
@@ -315,6 +336,32 @@ def test_an_answer_missing_fields_is_not_this_coordinator() -> None:
         pytest.raises(NotACoordinator, match="no 'run_name'"),
     ):
         client.join_challenge(TOKEN)
+    wrong = run_body() | {"status": "sleeping", "created_at": "yesterday"}
+    with (
+        client_with(lambda request: answer(200, wrong)) as client,
+        pytest.raises(NotACoordinator, match="a malformed 'status'"),
+    ):
+        client.run("r1")
+    checkpoint_without_digest = {**CHECKPOINT, "sha256": None}
+    body = join_body(b"k" * 32) | {"checkpoint": checkpoint_without_digest}
+    with (
+        client_with(lambda request: answer(200, body)) as client,
+        pytest.raises(NotACoordinator, match=r"a malformed 'checkpoint\.sha256'"),
+    ):
+        client.join(TOKEN, _challenge(), Identity())
+
+
+def _challenge() -> JoinChallenge:
+    return JoinChallenge("run123", "mnist", "digits", "running", "Ym9keQ.dGFn", 1893456120.0)
+
+
+def test_the_client_reads_the_answers_into_the_types_the_server_validates_them_with() -> None:
+    """One description of the protocol: the server's routes declare these very classes."""
+    import server.schemas
+    from peer.formats import payloads
+
+    for name in payloads.__all__:
+        assert getattr(server.schemas, name) is getattr(payloads, name), name
 
 
 def test_a_gateway_in_front_of_a_stopped_coordinator_means_unreachable() -> None:

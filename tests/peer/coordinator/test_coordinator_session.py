@@ -21,6 +21,7 @@ from peer.coordinator import CoordinatorClient, CoordinatorSession, SessionTimin
 from peer.coordinator.session import _Backoff
 from peer.testing import wait_until
 from tests.conftest import scaled
+from tests.peer.coordinator.answers import run_body
 
 RUN = "/api/v1/runs/r1"
 HEADER = {"X-Swarmgrad-Coordinator": "1"}
@@ -58,8 +59,8 @@ class FakeCoordinator:
         if not public and self.token_refused is not None:
             return self.answer(401, {"detail": self.token_refused})
         if route == "status":
-            body = {"id": "r1", "status": self.status}
-            return self.answer(200, {**body, "revocations_serial": self.revocations_serial})
+            body = run_body(status=self.status, revocations_serial=self.revocations_serial)
+            return self.answer(200, body)
         if route == "revocations":
             serial = self.revocations_serial
             signed = base64.urlsafe_b64encode(f"list-{serial}".encode()).decode()

@@ -1,0 +1,208 @@
+"""The coordinator's REST payloads that the volunteer's side reads or sends: one description
+of the protocol that both sides hold to.
+
+The coordinator (``server``) declares them as its routes' request and response models, so
+FastAPI validates and documents them with these very classes; the client
+(:class:`peer.coordinator.CoordinatorClient`) parses every answer into them before it uses a
+field, so an answer of another shape is refused as not a coordinator's, naming the field,
+and mypy checks both sides' uses against one set of types. The server's own bodies (what only
+organizers' pages or the server itself use) stay in ``server.schemas``, which re-exports
+these.
+
+Pydantic is the one dependency this adds to the volunteer's install (the server stack is not
+needed: pydantic alone).
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "BootstrapPeer",
+    "BootstrapPublic",
+    "CertificatePublic",
+    "CheckpointHeld",
+    "CheckpointPublic",
+    "CheckpointsPublic",
+    "JoinChallengePublic",
+    "JoinResponse",
+    "OrganizerTokenCreated",
+    "OrganizerTokenPublic",
+    "OrganizerTokensPublic",
+    "Port",
+    "ReachabilityPublic",
+    "ReachabilityRequest",
+    "RevocationsPublic",
+    "RunPublic",
+    "RunStatus",
+    "RunsPublic",
+    "TokenCreated",
+]
+
+
+class RunStatus(enum.StrEnum):
+    """A run's status: peers train while it is running, wait while it is paused, and leave
+    once it is finished."""
+
+    running = "running"
+    paused = "paused"
+    finished = "finished"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ----------------------------------------------------------------------- runs
+
+
+class RunPublic(BaseModel):
+    id: str
+    name: str
+    task: str
+    config: dict[str, Any]
+    status: RunStatus
+    created_at: datetime
+    updated_at: datetime
+    archived_at: datetime | None
+    public_key: str = Field(description="The run authority's Ed25519 public key (base64).")
+    revocations_serial: int | None = Field(
+        None,
+        description="Serial of the run's revocation list (its newest ban, in ms; 0 without "
+        "bans): a peer fetches GET /runs/{run_id}/revocations when it grows. Only on a "
+        "single run's answer.",
+    )
+
+
+class RevocationsPublic(BaseModel):
+    serial: int = Field(description="Grows with every ban; a peer keeps the highest it saw.")
+    list: str = Field(
+        description="The signed list (base64 of msgpack [run_id, serial, [[public_key, "
+        "until], ...], signature]); peers check the run authority's signature themselves."
+    )
+
+
+class RunsPublic(BaseModel):
+    runs: list[RunPublic]
+
+
+# --------------------------------------------------------------------- tokens
+
+
+class TokenCreated(BaseModel):
+    id: str
+    token: str = Field(description="The join token. Shown only now; store it safely.")
+    expires_at: datetime | None
+    max_uses: int | None
+    label: str | None
+
+
+class OrganizerTokenCreated(BaseModel):
+    id: str
+    token: str = Field(description="The organizer token. Shown only now; store it safely.")
+    label: str | None
+    expires_at: datetime | None
+
+
+class OrganizerTokenPublic(BaseModel):
+    id: str
+    label: str | None
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    active: bool
+    current: bool = Field(description="This is the token of the request.")
+
+
+class OrganizerTokensPublic(BaseModel):
+    tokens: list[OrganizerTokenPublic] = Field(description="Oldest first.")
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+class CheckpointPublic(BaseModel):
+    epoch: int
+    size: int = Field(description="Bytes.")
+    sha256: str = Field(description="Hex SHA-256 of the file.")
+    created_at: datetime
+    peer_id: str = Field(description="The peer that uploaded it.")
+    pinned: bool = Field(
+        False, description="Pinned by the organizer: served instead of the newest."
+    )
+
+
+class CheckpointHeld(BaseModel):
+    epoch: int
+    detail: str = Field(description="Why only the digest was kept.")
+
+
+class CheckpointsPublic(BaseModel):
+    checkpoints: list[CheckpointPublic] = Field(description="Newest first.")
+
+
+# -------------------------------------------------------------- joining a run
+
+
+class JoinChallengePublic(BaseModel):
+    run_id: str
+    run_name: str
+    task: str
+    status: RunStatus
+    challenge: str = Field(description="Sign join_proof_payload(run_id, challenge, public_key).")
+    expires_at: datetime
+
+
+class BootstrapPeer(BaseModel):
+    peer_id: str
+    addresses: list[str]
+
+
+class JoinResponse(BaseModel):
+    run_id: str
+    peer_id: str
+    peer_token: str = Field(description="Bearer token for this peer's later calls.")
+    certificate: str = Field(description="Run certificate (base64) for the peer library.")
+    certificate_expires_at: datetime
+    run_public_key: str
+    run_name: str
+    status: RunStatus
+    task: str
+    config: dict[str, Any]
+    bootstrap: list[BootstrapPeer]
+    checkpoint: CheckpointPublic | None = Field(
+        description="The run's newest checkpoint, to start from (GET /runs/{id}/checkpoint)."
+    )
+
+
+class CertificatePublic(BaseModel):
+    certificate: str
+    certificate_expires_at: datetime
+
+
+class BootstrapPublic(BaseModel):
+    peers: list[BootstrapPeer]
+
+
+# --------------------------------------------------------------- reachability
+
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class ReachabilityRequest(_Body):
+    port: Port = Field(description="The peer's WebSocket port.")
+    bulk_port: Port | None = Field(None, description="Its bulk-transfer port, if it has one.")
+
+
+class ReachabilityPublic(BaseModel):
+    reachable: bool
+    address: str | None = Field(description="The address now announced for the peer, if any.")
+    host: str = Field(description="The peer's address as the coordinator sees it.")
+    port: int
+    bulk_port: int | None
+    detail: str = Field(description="One line for the volunteer.")
