@@ -13,7 +13,8 @@
    starts again in client mode (dialing out only) and says which ports to open;
 4. build the task's model, load the swarm's state from a live peer, or the coordinator's
    newest checkpoint when no peer is left, and train with the collaborative
-   :class:`~peer.Optimizer`;
+   :class:`~peer.Optimizer`, or :class:`~peer.DiLoCo` when the run's config says
+   ``algorithm: diloco`` (its epochs are then outer syncs);
 5. meanwhile a :class:`~peer.coordinator.CoordinatorSession` renews the certificate, sends
    progress reports (buffered while the coordinator is away: training never waits on it),
    follows the run's status (paused: stop stepping and wait; finished: leave) and asks for
@@ -156,6 +157,10 @@ class VolunteerStatus:
     metric_name: str | None = None
     peers_online: int = 0
     group_size: int | None = None
+    # the share of the training loop's time spent computing rather than waiting on the
+    # swarm (peer.optim.utilisation), and bytes this peer's node sent per sample it trained
+    compute_utilisation: float | None = None
+    bytes_per_sample: float | None = None
     coordinator_reachable: bool = True
     reachability: str | None = None
     message: str | None = None
@@ -275,21 +280,17 @@ class Volunteer:
         config: Any,
         device: str,
     ) -> str:
-        from peer.optim.collaborative import Optimizer
-
         self._update(state="loading")
         model = task.build_model(config).to(device)
         checkpoint = _download_checkpoint(client, answer)
         if checkpoint is not None:
             # before the optimizer exists: with offload_optimizer it copies these weights
             model.load_state_dict(checkpoint["model"])
-        optimizer = Optimizer(
-            node=node,
-            run_id=answer.run_id,
-            params=model.parameters(),
-            **config.optimizer_options(),
-            offload_optimizer=device != "cpu",
-            client_mode=node.client_mode,
+        # the run's algorithm: peer.Optimizer, or peer.DiLoCo (which keeps its outer
+        # parameters in host memory whatever the device)
+        extra = {"offload_optimizer": device != "cpu"} if config.algorithm != "diloco" else {}
+        optimizer = config.make_swarm_optimizer(
+            node, answer.run_id, model.parameters(), client_mode=node.client_mode, **extra
         )
         self._optimizer = optimizer
         trainer = _Trainer(self, client, answer, session, task, config, model, optimizer)
@@ -335,6 +336,9 @@ class _Trainer:
         from peer.coordinator.reports import OptimizerReports
 
         self.reports = OptimizerReports()
+        from peer.optim.utilisation import ComputeMeter
+
+        self.meter = ComputeMeter()  # forward/backward against waiting, per report
         self.loss: float | None = None  # mean training loss since the previous report
         self.eval_metric: float | None = None
         self.evaluated_at = -math.inf
@@ -382,11 +386,14 @@ class _Trainer:
 
         epoch = self.optimizer.local_epoch
         self.model.train()
+        started = time.perf_counter()
         loss = self.task.loss(self.model, batch)
         loss.backward()
+        computed = time.perf_counter()
         n = self.task.batch_size(batch)
         self.optimizer.step(batch_size=n)
         self.optimizer.zero_grad()
+        self.meter.add(computed - started, time.perf_counter() - computed)
         self.samples += n
         value = float(loss.detach())
         if math.isfinite(value):
@@ -428,7 +435,10 @@ class _Trainer:
         )
         self.losses.clear()
         self.reported_at = time.monotonic()
+        utilisation = self.meter.take()
         self.volunteer._update(
+            compute_utilisation=utilisation,
+            bytes_per_sample=optimizer.node.bytes_sent / self.samples if self.samples else None,
             epoch=optimizer.local_epoch,
             samples=self.samples,
             samples_per_second=samples_per_second,

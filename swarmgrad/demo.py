@@ -47,6 +47,16 @@ class DemoTask(enum.StrEnum):
     charlm = "charlm"
 
 
+class DemoAlgorithm(enum.StrEnum):
+    collaborative = "collaborative"
+    diloco = "diloco"
+
+
+# A demo's DiLoCo run: outer rounds after this many inner steps (its epochs count outer
+# rounds), short enough that a demo's rounds come every few seconds.
+DEMO_INNER_STEPS = 10
+
+
 def demo(
     peers: Annotated[int, typer.Option(min=1, max=32, help="How many volunteers to start.")] = 4,
     task: Annotated[DemoTask, typer.Option(help="What the swarm trains.")] = DemoTask.digits,
@@ -70,12 +80,27 @@ def demo(
             show_default=False,
         ),
     ] = None,
+    algorithm: Annotated[
+        DemoAlgorithm,
+        typer.Option(
+            help="collaborative: peer.Optimizer, gradients averaged every epoch; diloco: "
+            f"peer.DiLoCo, {DEMO_INNER_STEPS} local steps per outer round (epochs count "
+            "outer rounds)."
+        ),
+    ] = DemoAlgorithm.collaborative,
 ) -> None:
     """Start a coordinator and a few volunteers on this machine and train a run to the end."""
     require_coordinator("demo")
     with _signals_interrupt():
         try:
-            Demo(peers=peers, task=task.value, epochs=epochs, port=port, save=save).run()
+            Demo(
+                peers=peers,
+                task=task.value,
+                epochs=epochs,
+                port=port,
+                save=save,
+                algorithm=algorithm.value,
+            ).run()
         except KeyboardInterrupt:
             typer.echo("stopped: every process the demo started is gone", err=True)
             raise
@@ -123,8 +148,10 @@ class Demo:
         port: int | None = None,
         save: Path | None = None,
         out: TextIO | None = None,
+        algorithm: str = "collaborative",
     ) -> None:
         self.peers = peers
+        self.algorithm = algorithm
         self.save = save
         self.task = task
         self.epochs = epochs
@@ -149,7 +176,10 @@ class Demo:
             self.say(f"coordinator: {coordinator.url} (API docs at {coordinator.url}/docs)")
             client = stack.enter_context(CoordinatorClient(coordinator.url))
             token = coordinator.admin_token
-            run = client.create_run(token, f"demo-{self.task}", self.task, {"epochs": self.epochs})
+            config: dict[str, Any] = {"epochs": self.epochs}
+            if self.algorithm == "diloco":
+                config.update(algorithm="diloco", inner_steps=DEMO_INNER_STEPS)
+            run = client.create_run(token, f"demo-{self.task}", self.task, config)
             invites = [
                 client.create_invite(token, run["id"], max_uses=1, label=f"demo peer {i}")
                 for i in range(self.peers)
@@ -177,7 +207,9 @@ class Demo:
                 peers.append(_Peer(i, process, log_path))
             self.say(
                 f"run {run['name']} ({run['id']}): {self.peers} volunteer(s) training "
-                f"{self.task} for {self.epochs} epoch(s); Ctrl-C stops everything"
+                f"{self.task} for {self.epochs} epoch(s)"
+                + (" (DiLoCo: an epoch is an outer round)" if self.algorithm == "diloco" else "")
+                + "; Ctrl-C stops everything"
             )
             self.say(f"dashboard: {coordinator.url}/runs/{run['id']}")
             self.say(f"organizer sign-in: {coordinator.url}/signin (token {token})")

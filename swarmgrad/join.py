@@ -328,6 +328,14 @@ class LiveDisplay:
             (status.metric_name or "eval metric", _number(status.eval_metric)),
             ("peers online", str(status.peers_online)),
             ("last group size", "-" if status.group_size is None else str(status.group_size)),
+            (
+                "compute utilisation",
+                "-" if status.compute_utilisation is None else f"{status.compute_utilisation:.0%}",
+            ),
+            (
+                "bytes sent/sample",
+                "-" if status.bytes_per_sample is None else f"{status.bytes_per_sample:,.0f}",
+            ),
             ("coordinator", "reachable" if status.coordinator_reachable else "unreachable"),
             ("this peer", status.reachability or "-"),
         ]
