@@ -58,10 +58,17 @@ IDLE_TICK_S = 1.0
 Refusals = dict[int, tuple[int, str, int]]
 
 
+_ARITHMETIC = "integer overflow"
+
+
 def database_unavailable(error: BaseException) -> bool:
     """Whether ``error`` says the database could not take a write at all (as opposed to
     refusing one statement's data)."""
     if isinstance(error, exc.DBAPIError):
+        if _ARITHMETIC in str(error.orig).lower():
+            # SQLite reports an overflowing sum as an OperationalError: the statement's own
+            # data, not the database, so never a reason to answer 503 (or spill forever).
+            return False
         return error.connection_invalidated or isinstance(
             error, exc.OperationalError | exc.InterfaceError
         )

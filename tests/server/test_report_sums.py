@@ -4,15 +4,17 @@ pages and the progress API answering, with the counters at MAX_INT."""
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Any
 
 import httpx
 from fastapi import FastAPI
-from sqlalchemy import select
+from sqlalchemy import exc, select
 
 from server.clock import now_ms
 from server.models import Peer
 from server.schemas import MAX_INT
+from server.services.report_buffer import database_unavailable
 from server.services.reports import PendingReport, saturated, write_reports
 from tests.server.conftest import ORGANIZER, Api
 
@@ -52,3 +54,12 @@ async def test_rounds_past_every_bound_saturate(
     assert progress["rounds_done"] == MAX_INT and progress["rounds_failed"] == MAX_INT
     assert [e["rounds_done"] for e in progress["epochs"]] == [MAX_INT, MAX_INT]
     assert progress["history"][-1]["rounds_done"] == MAX_INT
+
+
+def test_an_overflow_is_never_taken_for_the_database_being_unavailable() -> None:
+    overflow = exc.OperationalError(
+        "SELECT sum(x)", {}, sqlite3.OperationalError("integer overflow")
+    )
+    assert not database_unavailable(overflow)
+    locked = exc.OperationalError("UPDATE", {}, sqlite3.OperationalError("database is locked"))
+    assert database_unavailable(locked)
