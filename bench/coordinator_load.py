@@ -217,7 +217,7 @@ async def _drive(
                                 "samples": epoch * 32,
                                 "samples_per_second": 100.0,
                                 "loss": 1.0 / epoch,
-                                "group_size": 8,
+                                "group_size": min(8, len(tokens)),
                             },
                             headers={"Authorization": f"Bearer {token}"},
                         )
@@ -259,7 +259,7 @@ async def _drive_raw(
             return f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
         body = (
             f'{{"epoch": {epoch // 100}, "samples": {epoch * 32}, "samples_per_second": 100.0, '
-            f'"loss": {1.0 / (epoch + 1)}, "group_size": 8}}'
+            f'"loss": {1.0 / (epoch + 1)}, "group_size": {min(8, len(tokens))}}}'
         ).encode()
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\n"
