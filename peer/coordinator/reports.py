@@ -17,6 +17,9 @@ from collections.abc import Mapping
 from typing import Any
 
 SUMMED_FIELDS = ("rounds_done", "rounds_failed")
+# The coordinator refuses a report whose loss or metric is beyond this either way: such a
+# value (a diverging run) is sent as unknown instead, the loss with ``loss_nan``.
+MAX_ABS_VALUE = 1e6
 MAX_FAILURE_CHARS = 64
 _FAILURE_CHAR = re.compile(r"[^A-Za-z0-9_.:-]")
 
@@ -33,7 +36,8 @@ def merge_reports(older: Mapping[str, Any], newer: Mapping[str, Any]) -> dict[st
 
 def clean_report(fields: Mapping[str, Any]) -> dict[str, Any]:
     """``fields`` as the coordinator accepts them: a NaN or infinite ``loss`` or
-    ``eval_metric`` becomes None (unknown; for the loss, ``loss_nan`` says so), such a ``samples_per_second`` 0, and ``failure``
+    ``eval_metric``, or one beyond ±:data:`MAX_ABS_VALUE`, becomes None (unknown; for the
+    loss, ``loss_nan`` says so), a NaN or infinite ``samples_per_second`` 0, and ``failure``
     is cut to 64 characters of ``[A-Za-z0-9_.:-]``. A report the coordinator would refuse
     would lose its rounds."""
     if not isinstance(fields, Mapping):
@@ -41,7 +45,7 @@ def clean_report(fields: Mapping[str, Any]) -> dict[str, Any]:
     report = dict(fields)
     for name in ("loss", "eval_metric"):
         value = report.get(name)
-        if isinstance(value, float) and not math.isfinite(value):
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= MAX_ABS_VALUE):
             report[name] = None
             if name == "loss":
                 report["loss_nan"] = True  # what the organizer's dashboard alerts on

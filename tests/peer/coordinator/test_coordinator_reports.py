@@ -110,6 +110,8 @@ def test_clean_report_makes_values_the_coordinator_accepts() -> None:
     assert cleaned["samples_per_second"] == 0.0
     assert len(cleaned["failure"]) == 64 and cleaned["failure"].startswith("peer.X:_bad_thing_")
     assert clean_report({"loss": 1.5}) == {"loss": 1.5}
+    diverged = clean_report({"loss": -3e6, "eval_metric": 1e7})
+    assert diverged == {"loss": None, "loss_nan": True, "eval_metric": None}
     with pytest.raises(TypeError):
         clean_report([("epoch", 1)])  # type: ignore[arg-type]
 
