@@ -570,3 +570,17 @@ def test_open_nodes_on_loopback_or_asked_for_or_dialing_out_start() -> None:
     ):
         with Node(**kwargs) as node:  # type: ignore[arg-type]
             assert node.visible_addresses or kwargs.get("client_mode")
+
+
+def test_sources_are_ip_addresses_or_ipv6_networks() -> None:
+    """Limits per source count an IPv4 address (mapped into IPv6 or not) as one source and
+    an IPv6 /64 as one: a host usually gets a whole /64, not one address."""
+    from peer.transport.base import source_of
+
+    assert source_of("ws://198.51.100.7:50312") == "198.51.100.7"
+    assert source_of("ws://[::ffff:198.51.100.7]:1") == "198.51.100.7"
+    assert source_of("198.51.100.7") == "198.51.100.7"
+    assert source_of("ws://[2001:db8:1:2:aaaa::1]:9") == "2001:db8:1:2::/64"
+    assert source_of("ws://[2001:db8:1:2:bbbb::9]:9") == source_of("2001:db8:1:2::5")
+    assert source_of("ws://[2001:db8:1:3::1]:9") != source_of("2001:db8:1:2::1")
+    assert source_of("mem://alice") == "alice"
