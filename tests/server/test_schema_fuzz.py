@@ -141,8 +141,9 @@ def test_api_conforms_to_its_schema(fuzzed_app) -> None:  # type: ignore[no-unty
     # The run was real and the credentials right, so every operation must have succeeded at
     # least once, except those no generated input can satisfy: revoking a random token id
     # (always unknown), joining (needs a signature over a fresh challenge), uploading a
-    # checkpoint (needs a zip archive) and downloading one (needs an upload first).
-    impossible = ("{token_id}", "/join", "/checkpoint")
+    # checkpoint (needs a zip archive), and downloading, pinning or deleting one (needs an
+    # upload first).
+    impossible = ("{token_id}", "/join", "/checkpoint", "/checkpoints/{epoch}", "{epoch}/pin")
     never_succeeded = {
         label
         for label, seen in statuses.items()
