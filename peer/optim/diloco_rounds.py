@@ -164,14 +164,16 @@ class SyncRounds:
                 target_steps=target,
                 now=self.node.get_time(),
                 stale_after=self._stale_after(),
-            ) + stragglers(  # one sync behind (still in the previous round): coming too
-                reports,
-                me=self.node.peer_id,
-                sync=sync - 1,
-                target_steps=math.inf,  # type: ignore[arg-type]
-                now=self.node.get_time(),
-                stale_after=self._stale_after(),
             )
+            if self.overlap:  # one sync behind: its previous round still runs; coming too
+                waiting += stragglers(
+                    reports,
+                    me=self.node.peer_id,
+                    sync=sync - 1,
+                    target_steps=math.inf,
+                    now=self.node.get_time(),
+                    stale_after=self._stale_after(),
+                )
             if not waiting or time.monotonic() >= deadline:
                 return True
             self._closing.wait(ROUND_RECHECK_S)

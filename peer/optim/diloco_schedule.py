@@ -86,7 +86,7 @@ def stragglers(
     *,
     me: str,
     sync: int,
-    target_steps: int,
+    target_steps: float,
     now: float,
     stale_after: float,
 ) -> list[str]:

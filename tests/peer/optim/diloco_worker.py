@@ -65,7 +65,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--done-dir", required=True)
     parser.add_argument("--expected", type=int, required=True, help="peers that will finish")
-    parser.add_argument("--wait-peers", type=int, default=0)
+    parser.add_argument("--wait-peers", type=int, default=0, help="train once this many report")
+    parser.add_argument(
+        "--wait-members", type=int, default=0, help="start once this many nodes are up"
+    )
     parser.add_argument("--join-at-sync", type=int, default=0)
     parser.add_argument("--die-in-sync", type=int, default=-1)
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
@@ -88,6 +91,8 @@ def main() -> None:
     )
     print(json.dumps({"addresses": node.visible_addresses, "peer_id": node.peer_id}), flush=True)
     deadline = time.monotonic() + 240
+    while len(node.members()) < args.wait_members and time.monotonic() < deadline:
+        time.sleep(0.05)
     if args.join_at_sync:
         tracker = ProgressTracker(node, RUN_ID, 1)
         while (

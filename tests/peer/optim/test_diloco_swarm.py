@@ -73,12 +73,14 @@ def test_a_peer_killed_mid_round_does_not_stall_the_others(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_a_peer_joining_mid_run_downloads_the_outer_state_and_takes_part(tmp_path: Path) -> None:
-    syncs = 6
+    syncs = 8
     common = ("--syncs", str(syncs), "--expected", "3", "--silence", str(scaled(3.0)))
     common += ("--step-delay", "0.25")  # (a sync takes a second or more: the third can join)
-    first_two = (*common, "--wait-peers", "2")
+    # the first two train once the third is up (a process starts slowly on a busy machine);
     # the third starts training only once the swarm has done two syncs
-    procs = start_swarm(tmp_path, [first_two, first_two, (*common, "--join-at-sync", "2")])
+    first_two = (*common, "--wait-peers", "2", "--wait-members", "3")
+    joiner_options = (*common, "--join-at-sync", "2", "--verbose")  # (its log tells why)
+    procs = start_swarm(tmp_path, [first_two, first_two, joiner_options])
     logs = finish_workers(tmp_path, procs, timeout=scaled(120))
     for proc in procs:
         assert proc.returncode == 0, all_logs(logs)
