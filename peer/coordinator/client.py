@@ -2,9 +2,13 @@
 
 One synchronous ``httpx.Client`` underneath (safe to share between threads). Every answer
 must carry the ``X-Swarmgrad-Coordinator`` header, so that a captive portal or another
-service at the URL is reported as such instead of as a puzzling error. Every failure is a
-:class:`~peer.coordinator.exceptions.CoordinatorError` with a one-line message; httpx's own
-errors never escape.
+service at the URL is reported as such instead of as a puzzling error. Every answer is
+parsed into its type of :mod:`peer.formats.payloads` — the classes the coordinator's routes
+validate with — before a field is read; one of another shape is :class:`NotACoordinator`,
+naming the field. The organizer's calls return those payloads as JSON dicts (what ``--json``
+prints); :meth:`~CoordinatorClient.progress` returns the dashboard's progress as it comes.
+Every failure is a :class:`~peer.coordinator.exceptions.CoordinatorError` with a one-line
+message; httpx's own errors never escape.
 
 A volunteer's calls, in order: :meth:`~CoordinatorClient.join_challenge` (names the run and
 its task), :meth:`~CoordinatorClient.join` (proves the peer holds its key; returns a peer
