@@ -25,7 +25,13 @@ from peer.exceptions import (
     ProtocolError,
     TransportError,
 )
-from peer.identity import Authenticator, CertificateAuth, Identity, OpenAuth
+from peer.identity import (
+    Authenticator,
+    CertificateAuth,
+    Identity,
+    OpenAuth,
+    peer_id_from_public_key,
+)
 from peer.node.exchange import GOSSIP_PUSH, GossipExchange
 from peer.node.gossip import (
     MEMBERS_KEY,
@@ -622,10 +628,16 @@ class AsyncNode(Trust, GossipExchange):
             timeout=cfg.request_timeout,
             expected_peer_id=expected_peer_id,
             encrypt=cfg.encryption,
+            refuse_key=self._refusal,
         )
-        if self._banned(remote.public_key):
-            raise AuthenticationError(f"peer {remote.peer_id} is banned by the run's authority")
         return remote, conn
+
+    def _refusal(self, public_key: bytes) -> str | None:
+        """Why a handshake refuses ``public_key`` at its hello (before its frame limit
+        could rise): a peer the run's authority banned."""
+        if self._banned(public_key):
+            return f"peer {peer_id_from_public_key(public_key)} is banned by the run's authority"
+        return None
 
     async def _connect(self, address: str, expected_peer_id: str | None) -> PeerLink:
         conn = await self.transport.connect(address, timeout=self.config.request_timeout)

@@ -159,11 +159,14 @@ async def handshake(
     timeout: float,
     expected_peer_id: str | None = None,
     encrypt: bool = True,
+    refuse_key: Callable[[bytes], str | None] | None = None,
 ) -> tuple[RemotePeer, Connection]:
     """Authenticate both ends of ``conn``; the remote peer and the connection to use from
-    now on (``conn`` sealed with the session's keys, unless ``encrypt`` is off). Raises
-    AuthenticationError (after telling the other side why) or ProtocolError/TransportError;
-    the caller closes the connection on failure."""
+    now on (``conn`` sealed with the session's keys, unless ``encrypt`` is off).
+    ``refuse_key(public_key)``, if given, names a reason to refuse the key the other side's
+    hello shows (a ban), before anything else is done for it. Raises AuthenticationError
+    (after telling the other side why) or ProtocolError/TransportError; the caller closes
+    the connection on failure."""
     try:
         async with asyncio.timeout(timeout):
             return await _handshake(
@@ -176,6 +179,7 @@ async def handshake(
                 limits,
                 expected_peer_id,
                 encrypt,
+                refuse_key,
             )
     except TimeoutError:
         raise AuthenticationError("handshake timed out") from None
@@ -191,6 +195,7 @@ async def _handshake(
     limits: Limits,
     expected_peer_id: str | None,
     encrypt: bool,
+    refuse_key: Callable[[bytes], str | None] | None,
 ) -> tuple[RemotePeer, Connection]:
     credential = auth.certificate if isinstance(auth, CertificateAuth) else b""
     kx = KeyExchange() if encrypt else None
@@ -227,6 +232,9 @@ async def _handshake(
         await _refuse(conn, "connected to itself", limits)
     if expected_peer_id is not None and their_id != expected_peer_id:
         await _refuse(conn, f"expected peer {expected_peer_id}, reached {their_id}", limits)
+    refusal = refuse_key(their_key) if refuse_key is not None else None
+    if refusal is not None:
+        await _refuse(conn, refusal, limits)
     if fields["mode"] != auth.mode:
         await _refuse(
             conn,
