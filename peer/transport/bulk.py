@@ -79,6 +79,7 @@ _RETRY_AFTER = 60.0  # seconds before trying again a lane to a peer that could n
 _CONNECT_TIMEOUT = 3.0  # a lane port behind a firewall: fall back to the link soon
 # connections to the lane port that have not shown a ticket yet (each one a file
 # descriptor): in all, from one source (an IP address, an IPv6 /64), and for how long
+MAX_TICKETS_PER_PEER = 8  # unused tickets one peer may hold (a lane or two takes one each)
 MAX_ADMISSIONS = 128
 MAX_ADMISSIONS_PER_SOURCE = 16
 ADMISSION_TIMEOUT = 5.0
@@ -594,6 +595,9 @@ class BulkLanes:
                 del self._tickets[ticket]
         if len(self._tickets) > 4096:
             raise ValueError("too many bulk tickets outstanding")
+        held = sum(claim[0] == link.peer_id for claim in self._tickets.values())
+        if held >= MAX_TICKETS_PER_PEER:  # nobody takes every ticket and locks others out
+            raise ValueError(f"{held} bulk tickets of yours are outstanding: use them first")
         ticket = os.urandom(TICKET_BYTES)
         keys: LaneKeys | None = link.keys.lane(ticket) if link.keys is not None else None
         self._tickets[ticket] = (link.peer_id, now + TICKET_TTL, keys)

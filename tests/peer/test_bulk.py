@@ -20,7 +20,7 @@ import torch
 
 import peer.transport.bulk as bulk_module
 from peer import Node
-from peer.exceptions import FrameTooLarge, NodeShutdown, TransportError
+from peer.exceptions import FrameTooLarge, NodeShutdown, RemoteError, TransportError
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.links import PeerLink
 from peer.testing import wait_until
@@ -392,6 +392,18 @@ async def test_connections_without_a_valid_ticket_are_refused(
         assert any("without a valid ticket" in r.getMessage() for r in caplog.records), case
         assert b.core.bulk.open_lanes == 0, case
     assert b.received == []
+
+
+async def test_one_peer_cannot_take_every_ticket(make_peer: MakePeer) -> None:
+    """A peer that asks for tickets and never uses them gets MAX_TICKETS_PER_PEER, then
+    a refusal; another peer still gets one."""
+    a, b = await _pair(make_peer)
+    c = await make_peer(b.core.visible_addresses)
+    for _ in range(bulk_module.MAX_TICKETS_PER_PEER):
+        await _ticket(a, b)
+    with pytest.raises(RemoteError, match="outstanding"):
+        await _ticket(a, b)
+    assert len(await _ticket(c, b)) == bulk_module.TICKET_BYTES
 
 
 @pytest.mark.parametrize("encryption", [True, False])
