@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 # Peers remembered per worker; beyond, the oldest are forgotten (and read again when needed).
 MAX_TRACKS = 100_000
 # A report refused for a group larger than the run's peers reads them again first, at most
-# this often: a peer that joined since the view was read may be in the group.
-GROUP_REFRESH_MS = 1000
+# this often (five reads a second per run and worker at most): a peer that joined since the
+# view was read may be in the group.
+GROUP_REFRESH_MS = 200
 # A volunteer's refused reports are logged at most once per this time (then with a count).
 REFUSAL_LOG_INTERVAL_MS = 10_000
 
@@ -71,6 +72,12 @@ def load_track(session: Session, peer_pk: int) -> PeerTrack:
     )
 
 
+def count_peers(session: Session, run_id: str) -> int:
+    """How many peers (machines) ever joined the run: no averaging group is larger."""
+    peers = cast(Table, Peer.__table__)
+    return int(session.execute(select(func.count()).where(peers.c.run_id == run_id)).scalar_one())
+
+
 def load_view(session: Session, run_id: str, now: int, online_ttl_s: float) -> SwarmView:
     """The run's epochs as the database has them: one query over the run's peers."""
     peers = cast(Table, Peer.__table__)
@@ -84,12 +91,12 @@ def load_view(session: Session, run_id: str, now: int, online_ttl_s: float) -> S
         .where(peers.c.run_id == run_id, peers.c.last_report_ms.is_not(None))
         .group_by(peers.c.volunteer_id)
     ).all()
-    joined = session.execute(select(func.count()).where(peers.c.run_id == run_id)).scalar_one()
+    joined = count_peers(session, run_id)
     return SwarmView(
         read_ms=now,
         online={int(v): int(e) for v, e, _ in rows if e is not None},
         highest=max((int(h) for _, _, h in rows), default=0),
-        peers=int(joined),
+        peers=joined,
     )
 
 
@@ -111,6 +118,8 @@ class ReportGuard:
         self._online_ttl_s = online_ttl_s
         self._tracks: dict[int, PeerTrack] = {}
         self._views: dict[str, SwarmView] = {}
+        # Per run: when its peers were last counted for the group-size bound.
+        self._recounted: dict[str, int] = {}
         # Per peer: when its refusals were last logged, and how many since.
         self._refusals_logged: dict[int, tuple[int, int]] = {}
 
@@ -146,20 +155,43 @@ class ReportGuard:
         if view is None:
             view = await self._refresh(run_id, now)
         refusal = self._judge(track, view, body, now)
-        if refusal is not None and view is not None:
-            age = now - view.read_ms
-            if age >= self._refresh_ms or (
-                refusal.bound is Bound.group_size and age >= GROUP_REFRESH_MS
-            ):
-                # Judged on an old view of the swarm: look again before refusing.
-                view = await self._refresh(run_id, now)
-                refusal = self._judge(track, view, body, now)
+        if refusal is not None and view is not None and now - view.read_ms >= self._refresh_ms:
+            # Judged on an old view of the swarm: look again before refusing.
+            view = await self._refresh(run_id, now)
+            refusal = self._judge(track, view, body, now)
+        # For the group size, only the count of peers, never a new view: a new view resets
+        # who was lifted by the epoch bound in it, and a liar could climb a lead per recount.
+        if (
+            refusal is not None
+            and refusal.bound is Bound.group_size
+            and view is not None
+            and await self._recount(run_id, view, now)
+        ):
+            refusal = self._judge(track, view, body, now)
         if refusal is not None:
             if refusal.bound is Bound.epoch and view is not None:
                 lift_on_refusal(self.limits, view, track.volunteer_id, body.epoch, now)
             await self._log_refusal(run_id, peer_pk, track.volunteer_id, refusal, now)
             raise ImplausibleReport(refusal.bound, refusal.detail)
         return self._accept(run_id, peer_pk, track, body, now)
+
+    async def _recount(self, run_id: str, view: SwarmView, now: int) -> bool:
+        """Read the run's peers into ``view`` again unless that was done less than
+        ``GROUP_REFRESH_MS`` ago; whether it was."""
+        if now - self._recounted.get(run_id, 0) < GROUP_REFRESH_MS:
+            return False
+        self._recounted[run_id] = now
+
+        def read() -> int:
+            with self._session_factory() as session:
+                return count_peers(session, run_id)
+
+        try:
+            view.peers = max(view.peers, await asyncio.to_thread(read))
+        except Exception:
+            logger.warning("cannot count the peers of run %s", run_id, exc_info=True)
+            return False
+        return True
 
     async def _log_refusal(
         self, run_id: str, peer_pk: int, volunteer_id: int, refusal: Refusal, now: int

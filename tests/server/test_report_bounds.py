@@ -358,3 +358,33 @@ def test_losses_metrics_and_groups_out_of_range() -> None:
     assert _check(track, view, group_size=5) is Bound.group_size
     assert _check(track, None, group_size=4096) is None  # no view: the hard cap only
     assert _check(track, None, group_size=10**6) is Bound.group_size
+
+
+async def test_a_peer_that_just_joined_counts_in_a_group(
+    api: Api, run: dict[str, Any], join_token: str
+) -> None:
+    a, _ = await api.join(run["id"], join_token), await api.join(run["id"], join_token)
+    assert (await api.report(run["id"], a, group_size=2)).status_code == 202  # view: 2 peers
+    await api.join(run["id"], join_token)
+    assert (await api.report(run["id"], a, group_size=3)).status_code == 202  # counted again
+    refused = await api.report(run["id"], a, group_size=4)
+    assert refused.status_code == 422, refused.text
+    assert "group_size 4 is larger than the 3 peers" in refused.text
+
+
+async def test_group_size_refusals_never_renew_the_epoch_view(database_url: str) -> None:
+    """A new view would forget who the epoch bound lifted in it: a liar alternating absurd
+    groups and epochs would climb a lead per recount instead of per refresh."""
+    settings = make_settings(database_url, report_max_epoch_lead=5, report_swarm_refresh_s=60)
+    async with running(create_app(settings)) as app, client_for(app) as client:
+        await _alternate(Api(client))
+
+
+async def _alternate(api: Api) -> None:
+    run = await api.create_run()
+    liar = await api.join(run["id"], (await api.create_join_token(run["id"]))["token"])
+    assert (await api.report(run["id"], liar, epoch=0)).status_code == 202
+    for _ in range(3):
+        assert (await api.report(run["id"], liar, epoch=100)).status_code == 422
+        assert (await api.report(run["id"], liar, group_size=50)).status_code == 422
+    assert (await api.report(run["id"], liar, epoch=6)).status_code == 422  # still 0 + 5
