@@ -65,6 +65,7 @@ def test_copy_lines_are_parsed() -> None:
         copy_lines("COPY --from=build /x /y\n")
 
 
+@pytest.mark.slow  # a wheel build, a fresh environment and an app: 4 s idle, more under load
 def test_the_image_files_build_a_wheel_that_serves_pages(tmp_path: Path) -> None:
     context = tmp_path / "app"
     context.mkdir()
