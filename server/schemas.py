@@ -225,13 +225,17 @@ class PeerPublic(BaseModel):
     last_report_at: datetime | None
     epoch: int
     samples: int
-    samples_per_second: float
+    samples_per_second: float = Field(
+        description="What the peer's latest report claims it computes (its own measure, "
+        "time spent averaging left out); the run's counted rate is on its progress."
+    )
     loss: float | None
     reports_refused: int = Field(
         description="Reports refused for breaking a plausibility bound (422)."
     )
     last_refusal: str | None = Field(
-        description="The bound the last refused report broke: samples_per_second, samples or epoch."
+        description="The bound the last refused report broke: samples_per_second, samples, "
+        "rounds, loss, eval_metric, group_size or epoch."
     )
     last_refusal_at: datetime | None
 
