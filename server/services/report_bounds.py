@@ -47,9 +47,11 @@ it could not take anyway, and an honest swarm a way back in. What the bound guar
   past what the run has stored is accepted again at most ``ceil(n / lead) - 1`` refreshes
   after its first refusal; two such volunteers, lifting each other, often at once.
 
-Why a lifetime bound rather than one between consecutive reports: peers queue reports while
+Why a lifetime bound as well as one between consecutive reports: peers queue reports while
 the coordinator is unreachable and send them in a burst when it returns, so the time between
-two arrivals says nothing about the work between them; the time since joining does.
+two arrivals says little about the work between them — which is why the bounds between
+reports carry a grace per report (a burst's first report carries the time away, each later
+one a second's work, well within it) — while the time since joining bounds the whole.
 """
 
 from __future__ import annotations
