@@ -82,7 +82,8 @@ def test_every_page_fits_the_screen_signed_out_and_in(
         sign_in(page, site.url, path)
         fits(page, width)
     # The organizer's dashboard: the invite form, a new link and the invites table.
-    page.goto(f"{site.url}/runs/{site.run_id}")
+    page = open_page(site.url, width=width, height=height)
+    sign_in(page, site.url, f"/runs/{site.run_id}")
     page.get_by_label("Label").fill(f"a label long enough to need wrapping on a phone {width}")
     page.get_by_role("button", name="Create invite").click()
     page.locator("#invite-link").wait_for()
