@@ -62,6 +62,7 @@ from peer.averaging.protocol import (
 from peer.averaging.seam import Link, NodeCore
 from peer.compression import CompressedTensor, Compression, CompressionError, extract
 from peer.exceptions import SwarmgradError
+from peer.identity import is_peer_id
 from peer.wire import Frame
 
 logger = logging.getLogger("peer.averaging.state")
@@ -200,7 +201,7 @@ async def list_donors(core: NodeCore, prefix: str) -> list[tuple[float, str]]:
             priority = getattr(item, "value", None)
             if (
                 subkey == core.peer_id
-                or not isinstance(subkey, str)
+                or not is_peer_id(subkey)  # "0", an upper-cased id: slots no peer owns
                 or isinstance(priority, bool)
                 or not isinstance(priority, int | float)
                 or not math.isfinite(priority)

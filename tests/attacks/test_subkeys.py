@@ -10,6 +10,7 @@ import time
 import pytest
 
 from peer import Node
+from peer.averaging.state import list_donors, state_key
 from peer.optim.progress import ProgressReport, ProgressTracker, progress_key
 from peer.testing import wait_until
 from tests.attacks.conftest import Attack
@@ -19,7 +20,7 @@ from tests.conftest import scaled
 def test_reports_under_subkeys_that_are_not_peer_ids_count_for_nothing(
     attack: Attack, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Write progress reports under subkeys "0" and an upper-cased peer id"""
+    """Write progress reports and a state donor under subkeys "0" and an upper-cased peer id"""
     alice = Node(gossip_period=0.2)
     bob = Node(alice.visible_addresses, gossip_period=0.2)
     mallory = Node(alice.visible_addresses, gossip_period=0.2)
@@ -54,6 +55,11 @@ def test_reports_under_subkeys_that_are_not_peer_ids_count_for_nothing(
             alice.peer_id,
             bob.peer_id,
         }
+        # a state donor under "0" with the highest priority is no donor either
+        assert mallory.store(state_key("run"), 10**9, until, subkey="0")
+        assert wait_until(lambda: "0" in (bob.get(state_key("run")) or ({}, 0))[0], scaled(15))
+        assert bob.run_coroutine(list_donors(bob.core, "run")) == []
+        attack.outcome('a state donor declared under "0" is not asked for the state')
         attack.effect("unaffected: 2 peers at epoch 3, the uploader is one of them")
     finally:
         for tracker in trackers:
