@@ -67,8 +67,10 @@ def invite(client: CoordinatorClient, run: dict[str, Any], **options: Any) -> st
 
 
 def join(client: CoordinatorClient, token: str, identity: Identity | None = None) -> JoinAnswer:
+    # Display names are unique per run: each joining identity is a volunteer of its own.
+    identity = identity or Identity()
     challenge = client.join_challenge(token)
-    return client.join(token, challenge, identity or Identity(), display_name="live")
+    return client.join(token, challenge, identity, display_name=f"live-{identity.peer_id[:8]}")
 
 
 @pytest.fixture
