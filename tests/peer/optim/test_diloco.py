@@ -366,3 +366,51 @@ def test_an_overlapped_round_lands_merged_with_the_progress_made_meanwhile(
     finally:
         gate.set()
         opt.shutdown()
+
+
+def test_state_dict_restores_both_optimizers_the_outer_parameters_and_the_sync(
+    nodes: Callable[[int], list[Node]],
+) -> None:
+    first, second = nodes(2)
+    opts = []
+    try:
+        model = make_model()
+        opt = DiLoCo(
+            node=first,
+            run_id="diloco-state-a",
+            params=model.parameters(),
+            inner_optimizer=inner,
+            inner_steps=3,
+            outer_optimizer=outer,
+            load_state_timeout=scaled(2),
+        )
+        opts.append(opt)
+        _train(opt, model, 0, 7, [8])  # two syncs, then one inner step towards the third
+        state = opt.state_dict()
+        assert (state["sync"], state["steps"]) == (2, 1)
+        other_model = make_model()
+        other = DiLoCo(
+            node=second,
+            run_id="diloco-state-b",
+            params=other_model.parameters(),
+            inner_optimizer=inner,
+            inner_steps=3,
+            outer_optimizer=outer,
+            load_state_timeout=scaled(2),
+        )
+        opts.append(other)
+        other.load_state_dict(state)
+        assert other.outer_step == 2 and other.state_dict()["steps"] == 1
+        for a, b in zip(other.outer_params, opt.outer_params, strict=True):
+            assert torch.equal(a, b)
+        momentum = [s["momentum_buffer"] for s in opt.outer_optimizer.state.values()]
+        restored = [s["momentum_buffer"] for s in other.outer_optimizer.state.values()]
+        for a, b in zip(restored, momentum, strict=True):
+            assert torch.equal(a, b)
+        bad = dict(state, outer_params=state["outer_params"][:-1])
+        with pytest.raises(ValueError, match="do not match"):
+            other.load_state_dict(bad)
+        assert other.outer_step == 2  # nothing changed
+    finally:
+        for o in opts:
+            o.shutdown()
