@@ -24,6 +24,15 @@ and prints, per method, the worst peer's accuracy and its gap to the single proc
 samples, the bytes each peer's node sent per sample and the seconds per epoch — the last two
 also as ratios to the collaborative ``Optimizer`` measured in the same run.
 
+``--against-mean SEEDS`` measures what a run's averaging defaults (the ``centered_clip``
+aggregator and a relative weight bound, which one peer cannot take over) cost an honest run:
+for each seed the swarm trains the task as a run does (digits too, with the collaborative
+``peer.Optimizer`` as ``swarmgrad demo`` trains it) twice, with the defaults and with
+``aggregator=mean, relative_weight_bound=null``, in alternating order, and prints the final
+held-out metric of each, their mean and spread over the seeds and whether the difference is
+within that spread, and the swarm's samples/s with the defaults over that with the mean
+(paired runs: a ratio measured under the same load).
+
 Any other task (``charlm``, ``package.module:function``) is trained as a run trains it: the
 collaborative ``peer.Optimizer`` with the task's TrainingConfig (``--config key=value``
 overrides it, as ``swarmgrad runs create --config`` does), one optimizer step per
@@ -106,8 +115,18 @@ def main(argv: list[str] | None = None) -> int:
         help="digits only: compare collaborative,hierarchical,daso (any of them, comma-"
         "separated, or 'all') against one process, instead of DecentralizedSGD",
     )
+    parser.add_argument(
+        "--against-mean",
+        type=int,
+        default=0,
+        metavar="SEEDS",
+        help="the cost of a run's robust averaging defaults: train the task (as a run does, "
+        "digits included) over this many seeds with the defaults and with the plain mean",
+    )
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
+    if args.against_mean:
+        return _against_mean_main(args)
     if args.task != "digits":
         return _collaborative_main(args)
     if args.methods:
@@ -386,25 +405,13 @@ def _parse_config(items: list[str]) -> dict[str, Any]:
     return config
 
 
-def _collaborative_main(args: argparse.Namespace) -> int:
-    from peer.tasks import TrainingConfig, load_task
-
-    task = load_task(args.task)
-    run_config = _parse_config(args.config)
-    config = TrainingConfig.from_run_config(task, run_config)  # checked before anything starts
-    epochs = args.epochs or 40
-    every = max(1, args.eval_every)
+def _run_swarm(
+    args: argparse.Namespace, run_config: dict[str, Any], epochs: int, every: int
+) -> list[dict[str, Any]] | str:
+    """Train ``args.peers`` peers (each its own process) on ``args.task`` with
+    ``run_config`` until the swarm reaches ``epochs``: each peer's figures, or what failed."""
     ctx = multiprocessing.get_context("spawn")  # no dependence on fork
     out = ctx.Queue()
-    single_proc = ctx.Process(
-        target=_child, args=(_single_task, "single", out, args.task, run_config, epochs, every)
-    )
-    single_proc.start()
-    _, single = out.get(timeout=args.timeout)
-    single_proc.join()
-    if isinstance(single, str):
-        print(f"single process: {single}", file=sys.stderr)
-        return 1
 
     from peer import Node
 
@@ -449,10 +456,34 @@ def _collaborative_main(args: argparse.Namespace) -> int:
             if proc.exitcode is None:
                 proc.kill()
     if errors or len(results) != args.peers:
-        print("\n".join(errors), file=sys.stderr)
+        return "\n".join(errors) or "a peer did not report"
+    return [results[i] for i in range(args.peers)]
+
+
+def _collaborative_main(args: argparse.Namespace) -> int:
+    from peer.tasks import TrainingConfig, load_task
+
+    task = load_task(args.task)
+    run_config = _parse_config(args.config)
+    config = TrainingConfig.from_run_config(task, run_config)  # checked before anything starts
+    epochs = args.epochs or 40
+    every = max(1, args.eval_every)
+    ctx = multiprocessing.get_context("spawn")  # no dependence on fork
+    out = ctx.Queue()
+    single_proc = ctx.Process(
+        target=_child, args=(_single_task, "single", out, args.task, run_config, epochs, every)
+    )
+    single_proc.start()
+    _, single = out.get(timeout=args.timeout)
+    single_proc.join()
+    if isinstance(single, str):
+        print(f"single process: {single}", file=sys.stderr)
+        return 1
+    peers = _run_swarm(args, run_config, epochs, every)
+    if isinstance(peers, str):
+        print(peers, file=sys.stderr)
         return 1
 
-    peers = [results[i] for i in range(args.peers)]
     swarm_samples = sum(p["samples"] for p in peers)
     swarm_sps = swarm_samples / max(p["seconds"] for p in peers)
     single_sps = single["samples"] / single["seconds"]
@@ -484,6 +515,72 @@ def _collaborative_main(args: argparse.Namespace) -> int:
         f"ratio swarm/single {swarm_sps / single_sps:.2f}"
     )
     return 0
+
+
+#: the averaging a run had before it was open to strangers
+PLAIN_MEAN = {"aggregator": "mean", "relative_weight_bound": None}
+
+
+def _against_mean_main(args: argparse.Namespace) -> int:
+    import statistics
+
+    from peer.tasks import TrainingConfig, load_task
+
+    task = load_task(args.task)
+    base = _parse_config(args.config)
+    if {"aggregator", "relative_weight_bound", "seed"} & base.keys():
+        raise SystemExit("--against-mean sets aggregator, relative_weight_bound and seed itself")
+    defaults = TrainingConfig.from_run_config(task, base)
+    epochs = args.epochs or 40
+    print(
+        f"{task.name}: {args.peers} peers (peer.Optimizer), {epochs} epochs of "
+        f"{defaults.target_batch_size} samples, {args.against_mean} seeds; defaults "
+        f"aggregator={defaults.aggregator} relative_weight_bound={defaults.relative_weight_bound}"
+        f" against aggregator=mean with no bound"
+    )
+    print(
+        f"  {task.metric_name}, final ({'higher' if task.higher_is_better else 'lower'} is better)"
+    )
+    print(f"  {'seed':>4} {'defaults':>9} {'mean':>9} {'samples/s ratio':>16}")
+    figures: dict[str, list[float]] = {"defaults": [], "mean": []}
+    ratios = []
+    for seed in range(args.against_mean):
+        pair = [("defaults", {}), ("mean", PLAIN_MEAN)]
+        if seed % 2:
+            pair.reverse()  # alternate which goes first: load drifts across a long bench
+        speed = {}
+        metric = {}
+        for name, extra in pair:
+            peers = _run_swarm(args, {**base, "seed": seed, **extra}, epochs, epochs)
+            if isinstance(peers, str):
+                print(f"seed {seed}, {name}: {peers}", file=sys.stderr)
+                return 1
+            metric[name] = float(peers[0]["curve"][-1][1])
+            speed[name] = sum(p["samples"] for p in peers) / max(p["seconds"] for p in peers)
+            figures[name].append(metric[name])
+        ratios.append(speed["defaults"] / speed["mean"])
+        print(f"  {seed:>4} {metric['defaults']:>9.4f} {metric['mean']:>9.4f} {ratios[-1]:>16.3f}")
+    spread = {k: statistics.stdev(v) if len(v) > 1 else 0.0 for k, v in figures.items()}
+    means = {k: statistics.fmean(v) for k, v in figures.items()}
+    gap = means["defaults"] - means["mean"]
+    worse = -gap if task.higher_is_better else gap  # what the defaults cost, in the metric
+    noise = max(spread.values())
+    if abs(gap) <= noise:
+        verdict = "within the seeds' spread"
+    elif worse < 0:
+        verdict = "better by more than the seeds' spread"
+    else:
+        verdict = "WORSE by more than the seeds' spread"
+    print(
+        f"  mean over seeds: defaults {means['defaults']:.4f} (sd {spread['defaults']:.4f}), "
+        f"mean {means['mean']:.4f} (sd {spread['mean']:.4f}); difference {gap:+.4f}: {verdict}"
+    )
+    geo = statistics.geometric_mean(ratios)
+    print(
+        f"  samples/s with the defaults / with the mean: {geo:.3f} "
+        f"(pairs {min(ratios):.3f}-{max(ratios):.3f})"
+    )
+    return 1 if verdict.startswith("WORSE") else 0
 
 
 def _samples_at(samples_at: dict[int, int], epoch: int) -> int:

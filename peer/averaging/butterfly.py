@@ -713,7 +713,8 @@ class ButterflyRound:
                 self._outliers_named.add(str(sender))
                 logger.warning(
                     "the contribution of %s to part %d lies %.3g times the group's median "
-                    "distance from the %s aggregate: its pull on the result was bounded",
+                    "distance (or the average's norm) from the %s average: its pull on "
+                    "the result was bounded",
                     sender,
                     index,
                     ratio,

@@ -40,6 +40,10 @@ from peer.compression import all_finite
 
 __all__ = ["FinishedPart", "WeightedMeanReducer", "apply_averaging_alpha"]
 
+#: float32 values up to this size aggregate in float32: squared and summed over a part of
+#: millions of values they stay far from its largest finite number (3.4e38)
+_FLOAT32_SAFE = 1e15
+
 
 @dataclass(frozen=True)
 class FinishedPart:
@@ -409,8 +413,10 @@ class WeightedMeanReducer:
         survivors = [(s, w, v) for s, (w, v) in pending.items() if w > 0 and v is not None]
         if not survivors:
             return
-        # in float64: finite values cannot overflow there, so neither can their aggregate
-        stack = torch.stack([v.to(torch.float64) for _, _, v in survivors])  # [n, numel]
+        stack = torch.stack([v for _, _, v in survivors])  # [n, numel]
+        if stack.dtype != torch.float32 or float(stack.abs().max()) > _FLOAT32_SAFE:
+            # in float64: finite values cannot overflow there, so neither can their aggregate
+            stack = stack.to(torch.float64)
         average = aggregate(self.aggregator, stack, [w for _, w, _ in survivors])
         results[self.offsets[index] : self.offsets[index + 1]].copy_(average)
         for row, ratio in outliers(stack, average):

@@ -354,3 +354,17 @@ def test_centered_clip_of_an_honest_group_is_its_weighted_mean() -> None:
     attacked = torch.cat([torch.randn(3, 1000, generator=g), torch.full((1, 1000), 1e37)])
     (row, ratio), *more = outliers(attacked, centered_clip(attacked))
     assert (row, more) == (3, []) and ratio > 1e30
+
+
+def test_a_straggler_among_equal_states_is_not_an_outlier() -> None:
+    """Three members hold the same model and one is a step behind (the collaborative
+    optimizer's state rounds): the median distance is 0, but the straggler is close to the
+    model's own size, so it is not named; values of 1e37 are."""
+    g = torch.Generator().manual_seed(4)
+    model = torch.randn(1000, generator=g)
+    behind = model + 0.01 * torch.randn(1000, generator=g)
+    states = torch.stack([model, model, model, behind])
+    assert torch.equal(centered_clip(states), model), "the members that agree hold the result"
+    assert outliers(states, centered_clip(states)) == []
+    states[3] = 1e37
+    assert [row for row, _ in outliers(states, centered_clip(states))] == [3]
