@@ -424,6 +424,7 @@ class _Trainer:
         if self.losses:
             self.loss = sum(self.losses) / len(self.losses)
         loss = self.loss
+        utilisation = self.meter.take()
         self.session.submit_report(
             self.reports.fields(
                 optimizer,
@@ -431,11 +432,11 @@ class _Trainer:
                 samples_per_second=samples_per_second,
                 loss=loss,
                 eval_metric=self.eval_metric,
+                compute_utilisation=utilisation,
             )
         )
         self.losses.clear()
         self.reported_at = time.monotonic()
-        utilisation = self.meter.take()
         self.volunteer._update(
             compute_utilisation=utilisation,
             bytes_per_sample=optimizer.node.bytes_sent / self.samples if self.samples else None,

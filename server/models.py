@@ -177,6 +177,10 @@ class Peer(Base):
     # The latest held-out metric the peer reported, and when (reports without one keep it).
     eval_metric: Mapped[float | None] = mapped_column(Float, nullable=True)
     eval_metric_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # the peer's latest claims: bytes its node sent (a counter beside ``samples``) and the
+    # share of its loop's time spent computing since its previous report
+    bytes_sent: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    compute_utilisation: Mapped[float | None] = mapped_column(Float, nullable=True)
     # When the coordinator last probed the peer's ports (rate limit shared by all workers).
     last_probe_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # Time online: a session is a stretch of activity without a gap longer than the online

@@ -273,6 +273,21 @@ class ReportCreate(_Body):
         le=1e300,
         description="The task's metric on held-out data, when the peer evaluated.",
     )
+    bytes_sent: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_INT,
+        description="Bytes this peer's node has sent since it started (the counter behind "
+        "`samples`): a claim, shown as bytes per sample.",
+    )
+    compute_utilisation: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="The share of its training loop's time this peer spent computing rather "
+        "than waiting on the swarm, since its previous report: a claim.",
+    )
 
 
 class ReportAccepted(BaseModel):
@@ -325,6 +340,11 @@ class ProgressPublic(BaseModel):
     )
     rounds_done: int = Field(description="Averaging rounds completed, summed over peers.")
     rounds_failed: int = Field(description="Averaging rounds failed, summed over peers.")
+    bytes_per_sample: float | None = Field(
+        None,
+        description="Bytes the peers' nodes sent per sample they trained, over the peers "
+        "that report it (their claims, summed); None before any does.",
+    )
     checkpoint: CheckpointPublic | None = Field(description="The newest checkpoint.")
     recent_group_sizes: list[int]
     epochs: list[EpochPublic] = Field(description="The most recent epochs, newest last.")

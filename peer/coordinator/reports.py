@@ -133,8 +133,13 @@ class OptimizerReports:
         samples_per_second: float,
         loss: float | None,
         eval_metric: float | None = None,
+        compute_utilisation: float | None = None,
     ) -> dict[str, Any]:
+        """The report's fields; ``compute_utilisation`` is the share of the training loop's
+        time spent computing since the previous report (:mod:`peer.optim.utilisation`), and
+        the bytes the optimizer's node has sent go along (a counter beside ``samples``)."""
         rounds = (int(optimizer.rounds_done), int(optimizer.rounds_failed))
+        node = getattr(optimizer, "node", None)
         fields = {
             "epoch": optimizer.local_epoch,
             "samples": samples,
@@ -145,6 +150,8 @@ class OptimizerReports:
             "rounds_failed": rounds[1] - self._rounds[1],
             "failure": optimizer.last_failure,
             "eval_metric": eval_metric,
+            "bytes_sent": None if node is None else int(node.bytes_sent),
+            "compute_utilisation": compute_utilisation,
         }
         self._rounds = rounds
         return fields

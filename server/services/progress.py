@@ -45,6 +45,7 @@ def progress(
         eval_metric=totals.eval_metric,
         rounds_done=totals.rounds_done,
         rounds_failed=totals.rounds_failed,
+        bytes_per_sample=totals.bytes_per_sample,
         checkpoint=None if checkpoint is None else checkpoint_service.public(checkpoint),
         recent_group_sizes=[int(g) for g in reversed(group_sizes) if g is not None],
         epochs=[

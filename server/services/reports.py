@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, cast
@@ -65,6 +65,8 @@ class PendingReport:
     failure: str | None = None
     eval_metric: float | None = None
     loss_nan: bool = False
+    bytes_sent: int | None = None
+    compute_utilisation: float | None = None
     # The most the peer may have contributed in all (banked resets plus this counter) when
     # the report was admitted; the write clamps the banked part to it. None: MAX_INT.
     samples_cap: int | None = None
@@ -93,6 +95,8 @@ def pending_report(
         rounds_failed=body.rounds_failed,
         failure=body.failure,
         eval_metric=body.eval_metric,
+        bytes_sent=body.bytes_sent,
+        compute_utilisation=body.compute_utilisation,
         samples_cap=samples_cap,
     )
 
@@ -143,6 +147,15 @@ def write_rows(
     _update_peers(connection, reports, online_ttl_s)
     _update_eval_metrics(connection, reports)
     _upsert_epoch_summaries(connection, reports)
+
+
+def _latest(values: Iterable[Any]) -> Any:
+    """The last of ``values`` that is not None (None if all are)."""
+    found = None
+    for value in values:
+        if value is not None:
+            found = value
+    return found
 
 
 def write_refusals(connection: Connection, refusals: Mapping[int, tuple[int, str, int]]) -> None:
@@ -216,6 +229,11 @@ def _update_peers(
             loss=bindparam("b_loss"),
             loss_nan=bindparam("b_loss_nan"),
             group_size=bindparam("b_group"),
+            # a report without them keeps the peer's last claims
+            bytes_sent=func.coalesce(bindparam("b_bytes", type_=BigInteger()), table.c.bytes_sent),
+            compute_utilisation=func.coalesce(
+                bindparam("b_utilisation", type_=Float()), table.c.compute_utilisation
+            ),
         )
     )
     rows = []
@@ -237,6 +255,9 @@ def _update_peers(
                 "b_loss": r.loss,
                 "b_loss_nan": r.loss_nan,
                 "b_group": r.group_size,
+                # the batch's latest claims (a later report without them keeps them)
+                "b_bytes": _latest(a.bytes_sent for a in ordered),
+                "b_utilisation": _latest(a.compute_utilisation for a in ordered),
             }
         )
     connection.execute(statement, rows)
@@ -408,6 +429,9 @@ class RunTotals:
     # What the online peers say they compute, summed: their claim, shown beside the rate
     # the coordinator counts (``samples_per_second``), never instead of it.
     compute_samples_per_second: float = 0.0
+    # Bytes the peers that report them say they sent, over the samples of those peers;
+    # None before any peer reports its bytes.
+    bytes_per_sample: float | None = None
 
 
 # The run's samples/s is its samples counter's growth over at least this long.
@@ -488,6 +512,11 @@ def run_totals(
             EpochSummary.run_id == run_id
         )
     ).one()
+    sent, sending_samples = connection.execute(
+        select(float_sum(Peer.bytes_sent), float_sum(Peer.samples)).where(
+            Peer.run_id == run_id, Peer.bytes_sent.is_not(None)
+        )
+    ).one()
     eval_metric = _median([m for _, m, at in recent if at is not None and at >= since])
     if eval_metric is None:
         newest = connection.execute(
@@ -515,4 +544,5 @@ def run_totals(
         rounds_done=saturated(rounds_done),
         rounds_failed=saturated(rounds_failed),
         compute_samples_per_second=float(row[2]),
+        bytes_per_sample=float(sent) / float(sending_samples) if sending_samples else None,
     )

@@ -45,6 +45,7 @@ async def test_progress_of_a_new_run_is_empty(
         "eval_metric": None,
         "rounds_done": 0,
         "rounds_failed": 0,
+        "bytes_per_sample": None,
         "checkpoint": None,
         "recent_group_sizes": [],
         "epochs": [],
