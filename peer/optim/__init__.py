@@ -14,7 +14,8 @@
   schedule in :mod:`peer.optim.daso_schedule`) and ``DataParallelOptimizer``;
 * :mod:`peer.optim.diloco` — ``DiLoCo``: H inner steps, then an outer step on the swarm's
   mean pseudo-gradient; streamed fragments, overlap, compression (the schedule in
-  :mod:`peer.optim.diloco_schedule`);
+  :mod:`peer.optim.diloco_schedule`, one sync's round in :mod:`peer.optim.diloco_rounds`,
+  :mod:`peer.optim.error_feedback`);
 * :mod:`peer.optim.levels` — the two levels those average over (local world, swarm).
 """
 
