@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing
 import os
 import secrets
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +44,8 @@ from peer.identity import Identity, join_proof_payload  # noqa: E402
 from server.models import ProgressReport  # noqa: E402
 
 ADMIN = "bench-admin-" + secrets.token_urlsafe(32)
+GOAL_REPORT_P99_MS = 100.0
+GOAL_DASHBOARD_P99_MS = 250.0
 DEFAULT_POSTGRES = os.environ.get(
     "SWARMGRAD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
@@ -343,21 +347,40 @@ def stored_reports(database_url: str) -> int:
         engine.dispose()
 
 
-def bench_backend(backend: str, args: argparse.Namespace) -> None:
+def _database(backend: str, args: argparse.Namespace) -> tuple[str, Callable[[], None]]:
+    """A fresh database for one backend: a SQLite file in a temporary directory, or a new
+    schema of the PostgreSQL database at ``--postgres-url``; and what removes it."""
     tmp = tempfile.TemporaryDirectory(prefix="swarmgrad-bench-")
-    schema = None
     if backend == "sqlite":
-        url = f"sqlite:///{tmp.name}/coordinator.db"
-    else:
-        schema = f"bench_{secrets.token_hex(4)}"
-        admin = create_engine(args.postgres_url)
+        return f"sqlite:///{tmp.name}/coordinator.db", tmp.cleanup
+    schema = f"bench_{secrets.token_hex(4)}"
+    admin = create_engine(args.postgres_url)
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = (
+        make_url(args.postgres_url)
+        .update_query_dict({"options": f"-csearch_path={schema}"})
+        .render_as_string(hide_password=False)
+    )
+
+    def cleanup() -> None:
         with admin.begin() as connection:
-            connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-        url = (
-            make_url(args.postgres_url)
-            .update_query_dict({"options": f"-csearch_path={schema}"})
-            .render_as_string(hide_password=False)
-        )
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+        tmp.cleanup()
+
+    return url, cleanup
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return (
+        ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+    )
+
+
+def bench_backend(backend: str, args: argparse.Namespace) -> None:
+    url, cleanup = _database(backend, args)
     process, base = start_server(url, args.workers, args.flush_interval, args.auth_cache_ttl)
     try:
         run_id, tokens = asyncio.run(setup_run(base, args.peers))
@@ -411,11 +434,289 @@ def bench_backend(backend: str, args: argparse.Namespace) -> None:
         f"{cpu_lines}",
         flush=True,
     )
-    if schema is not None:
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
-    tmp.cleanup()
+    cleanup()
+
+
+# --- Volunteers at their pace -------------------------------------------------------------
+#
+# The scenario above asks how fast the coordinator can take reports. This one asks whether it
+# keeps up with a given swarm: ``--volunteers`` joined peers, each reporting once every
+# ``--interval`` seconds (an open loop: a report is sent when it is due, whether or not the
+# earlier ones were answered), while the other calls a run sees are served meanwhile:
+# bootstrap and certificate renewals from the same volunteers, the dashboard's data, and its
+# live feed watched over a WebSocket.
+
+
+async def _drive_paced(
+    base: str,
+    path: str,
+    tokens: list[str],
+    connections: int,
+    duration: float,
+    interval: float,
+    start_at: float,
+) -> tuple[int, int, list[float], float, float]:
+    """Each of ``tokens`` reports every ``interval`` s from ``start_at`` (wall clock, shared by
+    the client processes) for ``duration`` s, over ``connections`` keep-alive connections.
+    Returns accepted, refused, latencies (ms, from send to answer), the seconds the sending
+    took and the worst lag behind schedule (s)."""
+    url = httpx.URL(base)
+    host, port = url.host, url.port or 80
+    spacing = interval / len(tokens)
+    total = max(1, int(duration / spacing))
+    sent = [0] * len(tokens)
+    state = {"next": 0, "ok": 0, "errors": 0, "lag": 0.0}
+    latencies: list[float] = []
+
+    async def connection() -> None:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            while state["next"] < total:
+                j = int(state["next"])
+                state["next"] += 1
+                delay = start_at + j * spacing - time.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                else:
+                    state["lag"] = max(state["lag"], -delay)
+                k = j % len(tokens)
+                sent[k] += 1
+                n = sent[k]
+                body = (
+                    f'{{"epoch": {n // 100}, "samples": {n * 32}, '
+                    f'"samples_per_second": {32 / interval:.3f}, "loss": {1.0 / n:.6f}, '
+                    f'"group_size": {min(8, len(tokens))}}}'
+                ).encode()
+                t0 = time.perf_counter()
+                writer.write(
+                    f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {tokens[k]}"
+                    f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line[:15].lower() == b"content-length:":
+                        length = int(line[15:])
+                await reader.readexactly(length)
+                latencies.append((time.perf_counter() - t0) * 1000)
+                state["ok" if int(head[9:12]) == 202 else "errors"] += 1
+        finally:
+            writer.close()
+            await writer.wait_closed()
+
+    begin = time.time()
+    await asyncio.gather(*(connection() for _ in range(connections)))
+    seconds = time.time() - max(begin, start_at)
+    return int(state["ok"]), int(state["errors"]), latencies, seconds, float(state["lag"])
+
+
+def _paced_process(
+    args: tuple[str, str, list[str], int, float, float, float],
+) -> tuple[int, int, list[float], float, float]:
+    return asyncio.run(_drive_paced(*args))
+
+
+async def _side_load(
+    base: str, run_id: str, tokens: list[str], rate: float, duration: float
+) -> dict[str, Result]:
+    """Bootstrap calls and certificate renewals from the volunteers, and the dashboard's data,
+    each ``rate`` times a second (one at a time) for ``duration`` s."""
+    calls: dict[str, tuple[str, str, int]] = {
+        "bootstrap": ("GET", f"/api/v1/runs/{run_id}/bootstrap", 200),
+        "certificate": ("POST", f"/api/v1/runs/{run_id}/certificate", 200),
+        "dashboard": ("GET", f"/api/v1/runs/{run_id}/dashboard", 200),
+    }
+    results: dict[str, Result] = {}
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+
+        async def one(name: str) -> None:
+            method, path, expected = calls[name]
+            ok = errors = 0
+            latencies: list[float] = []
+            start = time.perf_counter()
+            i = 0
+            while (due := i / rate) < duration:
+                await asyncio.sleep(max(0.0, start + due - time.perf_counter()))
+                headers = (
+                    {}
+                    if name == "dashboard"
+                    else {"Authorization": f"Bearer {tokens[i % len(tokens)]}"}
+                )
+                t0 = time.perf_counter()
+                try:
+                    good = (
+                        await http.request(method, path, headers=headers)
+                    ).status_code == expected
+                except httpx.HTTPError:
+                    good = False
+                latencies.append((time.perf_counter() - t0) * 1000)
+                ok, errors = ok + good, errors + (not good)
+                i += 1
+            results[name] = Result(name, ok, errors, time.perf_counter() - start, latencies)
+
+        await asyncio.gather(*(one(name) for name in calls))
+    return results
+
+
+async def _live_delays(base: str, run_id: str, token: str, duration: float) -> list[float]:
+    """Seconds from a report's POST to the live dashboard frame that shows it, once a second:
+    a WebSocket client of the feed stands in for the browser."""
+    from websockets.asyncio.client import connect
+
+    delays: list[float] = []
+    ws_url = base.replace("http://", "ws://") + f"/api/v1/runs/{run_id}/live"
+    headers = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http, connect(ws_url) as feed:
+        await asyncio.wait_for(feed.recv(), 30)  # the current document
+        end = time.perf_counter() + duration
+        i = 0
+        while time.perf_counter() < end - 1:
+            i += 1
+            report = {"epoch": 0, "samples": 100 * i, "samples_per_second": 10.0}
+            start = time.perf_counter()
+            answer = await http.post(f"/api/v1/runs/{run_id}/reports", json=report, headers=headers)
+            if answer.status_code != 202:
+                raise SystemExit(f"the live-feed probe's report was refused: {answer.text}")
+            while True:
+                frame = json.loads(await asyncio.wait_for(feed.recv(), 30))
+                if frame.get("data", {}).get("headline", {}).get("samples") == 100 * i:
+                    break
+            delays.append(time.perf_counter() - start)
+            await asyncio.sleep(max(0.0, start + 1.0 - time.perf_counter()))
+    return delays
+
+
+def database_bytes(url: str) -> int:
+    """What the coordinator's tables and indexes take: the SQLite file and its WAL, or the
+    PostgreSQL relations of the bench's schema."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        path = Path(parsed.database or "")
+        return sum(p.stat().st_size for p in [path, Path(f"{path}-wal")] if p.exists())
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            return int(
+                connection.scalar(
+                    text(
+                        "SELECT coalesce(sum(pg_relation_size(c.oid)), 0) FROM pg_class c "
+                        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+                        "WHERE n.nspname = current_schema()"
+                    )
+                )
+                or 0
+            )
+    finally:
+        engine.dispose()
+
+
+async def _paced_setup(base: str, volunteers: int) -> tuple[str, list[str], str, str]:
+    """The loaded run and its volunteers, and a second run with one peer whose reports the
+    live-feed probe follows (its headline is that peer's alone, so a frame shows which
+    report it reflects)."""
+    run_id, tokens = await setup_run(base, volunteers)
+    probe_run, probe = await setup_run(base, 1)
+    return run_id, tokens, probe_run, probe[0]
+
+
+def _line(result: Result) -> str:
+    return (
+        f"  {result.name:<12}{result.rate:8.1f}/s  p50 {result.quantile(0.5):7.1f} ms  "
+        f"p99 {result.quantile(0.99):7.1f} ms  errors {result.errors}"
+    )
+
+
+def bench_paced(backend: str, args: argparse.Namespace) -> bool:
+    """Whether the goals held (p99 of reports and of the dashboard's data, every report
+    acknowledged and stored, the schedule kept)."""
+    url, cleanup = _database(backend, args)
+    try:
+        process, base = start_server(url, args.workers, args.flush_interval, args.auth_cache_ttl)
+        try:
+            began = time.perf_counter()
+            run_id, tokens, probe_run, probe_token = asyncio.run(
+                _paced_setup(base, args.volunteers)
+            )
+            joined_s = time.perf_counter() - began
+            size_before = database_bytes(url)
+            processes = max(1, min(args.client_processes, len(tokens)))
+            start_at = time.time() + 2.0 + processes  # the processes start meanwhile
+            per = max(1, args.concurrency // processes)
+            jobs = [
+                (
+                    base,
+                    f"/api/v1/runs/{run_id}/reports",
+                    tokens[p::processes],
+                    per,
+                    args.duration,
+                    args.interval,
+                    start_at + p * args.interval / len(tokens),
+                )
+                for p in range(processes)
+            ]
+            with multiprocessing.get_context("spawn").Pool(processes) as pool:
+                pending = pool.map_async(_paced_process, jobs)
+
+                async def beside() -> tuple[dict[str, Result], list[float]]:
+                    await asyncio.sleep(max(0.0, start_at - time.time()))
+                    side, live = await asyncio.gather(
+                        _side_load(base, run_id, tokens, args.side_rate, args.duration),
+                        _live_delays(base, probe_run, probe_token, args.duration),
+                    )
+                    return side, live
+
+                side, live = asyncio.run(beside())
+                outcomes = pending.get()
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=60)
+        size_after = database_bytes(url)
+        stored = stored_reports(url)
+    finally:
+        cleanup()
+    reports = Result(
+        "reports",
+        ok=sum(o[0] for o in outcomes),
+        errors=sum(o[1] for o in outcomes),
+        seconds=max(o[3] for o in outcomes),
+        latencies_ms=[x for o in outcomes for x in o[2]],
+    )
+    lag = max(o[4] for o in outcomes)
+    expected_stored = reports.ok + len(live)
+    growth = (size_after - size_before) / reports.seconds * 3600
+    report_p99 = reports.quantile(0.99)
+    dashboard_p99 = side["dashboard"].quantile(0.99)
+    held = (
+        report_p99 < GOAL_REPORT_P99_MS
+        and dashboard_p99 < GOAL_DASHBOARD_P99_MS
+        and reports.errors == 0
+        and stored == expected_stored
+        and lag < args.interval
+    )
+    goal_rate = args.volunteers / args.interval
+    print(
+        f"{backend:<10} volunteers={args.volunteers} every {args.interval:g} s "
+        f"(due {goal_rate:.0f} reports/s) workers={args.workers} "
+        f"connections={per * processes} client processes={processes}; "
+        f"joined (with proof of possession) in {joined_s:.0f} s\n"
+        f"{_line(reports)}  accepted {reports.ok}  stored {stored - len(live)}"
+        f"{'' if stored == expected_stored else '  <-- MISMATCH'}\n"
+        f"  worst lag behind the schedule: {lag * 1000:.0f} ms\n"
+        + "\n".join(_line(side[name]) for name in ("bootstrap", "certificate", "dashboard"))
+        + f"\n  report → live dashboard (a WebSocket client of the feed): "
+        f"p50 {statistics.median(live) * 1000:.0f} ms, p99 {percentile(live, 0.99) * 1000:.0f} ms "
+        f"over {len(live)} reports\n"
+        f"  database: {size_before / 1e6:.1f} MB after the joins, {size_after / 1e6:.1f} MB after "
+        f"{reports.seconds:.0f} s -> {growth / 1e6:.0f} MB per hour "
+        f"({(size_after - size_before) / max(1, reports.ok):.0f} bytes per report; raw reports "
+        f"older than SWARMGRAD_REPORT_RETENTION_S are folded away)\n"
+        f"  goals (reports p99 < {GOAL_REPORT_P99_MS:.0f} ms, dashboard p99 < "
+        f"{GOAL_DASHBOARD_P99_MS:.0f} ms, schedule kept, all stored): "
+        f"{'held' if held else 'NOT held'}",
+        flush=True,
+    )
+    return held
 
 
 def main() -> None:
@@ -444,7 +745,26 @@ def main() -> None:
         help="SWARMGRAD_PEER_AUTH_CACHE_TTL_S (0: every report is checked in the database)",
     )
     parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES)
+    parser.add_argument(
+        "--volunteers",
+        type=int,
+        default=0,
+        help="Instead of the fastest rate: this many volunteers, each reporting every "
+        "--interval s, with bootstrap, certificate renewals, the dashboard and its live feed "
+        "served meanwhile.",
+    )
+    parser.add_argument(
+        "--interval", type=float, default=10.0, help="Seconds between one volunteer's reports."
+    )
+    parser.add_argument(
+        "--side-rate",
+        type=float,
+        default=2.0,
+        help="Bootstrap calls, certificate renewals and dashboard reads per second (each).",
+    )
     args = parser.parse_args()
+    if args.volunteers < 0 or args.interval <= 0 or args.side_rate <= 0:
+        parser.error("volunteers >= 0, interval > 0 and side-rate > 0")
     if (
         not 1 <= args.peers <= 100_000
         or not 0 < args.duration <= 600
@@ -453,7 +773,10 @@ def main() -> None:
         parser.error("peers in [1, 100000], duration in (0, 600] s, concurrency in [1, 1024]")
     print(f"coordinator load: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}", flush=True)
     for backend in ["sqlite", "postgresql"] if args.backend == "both" else [args.backend]:
-        bench_backend(backend, args)
+        if args.volunteers:
+            bench_paced(backend, args)
+        else:
+            bench_backend(backend, args)
 
 
 if __name__ == "__main__":
