@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.server.conftest import REPO_ROOT
+from tests.server.conftest import POSTGRES_URL, REPO_ROOT, require_postgres
 
 
 @pytest.mark.slow
@@ -50,3 +50,26 @@ def test_dashboard_benchmark_runs() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "p50/healthz" in result.stdout and "report → live page" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+def test_coordinator_volunteers_benchmark_runs() -> None:
+    require_postgres()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "bench/coordinator_load.py",
+            *("--backend", "postgresql", "--postgres-url", POSTGRES_URL),
+            *("--volunteers", "6", "--interval", "1", "--duration", "3", "--concurrency", "2"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for line in ("reports ", "bootstrap ", "certificate ", "dashboard ", "report → live"):
+        assert line in out, out
+    assert "errors 0" in out and "MISMATCH" not in out and "MB per hour" in out
