@@ -66,6 +66,9 @@ class Headline(BaseModel):
     eval_metric: float | None
     rounds_done: int
     rounds_failed: int
+    bytes_per_sample: float | None = Field(
+        None, description="Bytes the peers claim their nodes sent per sample they trained."
+    )
     eta_s: float | None = Field(description="Estimated seconds to the run's target epoch.")
     checkpoint: CheckpointSummary | None
 
@@ -154,6 +157,11 @@ class MachineRow(BaseModel):
     )
     compute_samples_per_second: float = Field(
         0.0, description="What this machine claims to compute (its own measure)."
+    )
+    compute_utilisation: float | None = Field(
+        None,
+        description="The share of its training loop's time this machine claims it spent "
+        "computing rather than waiting on the swarm, at its latest report.",
     )
     group_size: int | None
     last_seen: datetime

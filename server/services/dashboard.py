@@ -304,6 +304,7 @@ def run_dashboard(
         eval_metric=totals.eval_metric,
         rounds_done=totals.rounds_done,
         rounds_failed=totals.rounds_failed,
+        bytes_per_sample=totals.bytes_per_sample,
         eta_s=eta_seconds(totals.epoch, target, [e.first_report_ms for e in epochs]),
         checkpoint=None
         if checkpoint is None
@@ -486,6 +487,7 @@ def volunteer_detail(
                 samples=p.samples_base + p.samples,
                 samples_per_second=rates.get(p.id, 0.0),
                 compute_samples_per_second=p.samples_per_second,
+                compute_utilisation=p.compute_utilisation,
                 group_size=p.group_size,
                 last_seen=ms_to_datetime(p.last_seen_ms),
                 online=p.last_seen_ms >= since,

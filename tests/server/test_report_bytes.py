@@ -56,3 +56,23 @@ async def test_claims_out_of_bounds_are_422(
     peer = await api.join(run["id"], join_token)
     response = await api.report(run["id"], peer, samples=10, **claim)
     assert response.status_code == 422, response.text
+
+
+async def test_the_dashboard_shows_bytes_per_sample_and_each_machines_utilisation(
+    app: FastAPI, api: Api, client: httpx.AsyncClient
+) -> None:
+    run = await api.create_run(name="wan", config={"algorithm": "diloco", "inner_steps": 10})
+    invite = (await api.create_join_token(run["id"]))["token"]
+    ada = await api.join(run["id"], invite, display_name="ada")
+    response = await api.report(
+        run["id"], ada, epoch=2, samples=640, bytes_sent=64_000, compute_utilisation=0.96
+    )
+    assert response.status_code == 202, response.text
+    await app.state.report_buffer.flush()
+    document = (await client.get(f"/api/v1/runs/{run['id']}/dashboard")).json()
+    assert document["headline"]["epoch"] == 2  # DiLoCo's epochs: outer syncs
+    assert document["headline"]["bytes_per_sample"] == pytest.approx(100.0)
+    detail = (await client.get(f"/api/v1/runs/{run['id']}/volunteers/ada")).json()
+    assert [m["compute_utilisation"] for m in detail["machines"]] == [pytest.approx(0.96)]
+    page = (await client.get(f"/runs/{run['id']}")).text
+    assert 'data-metric="bytes_per_sample">100<' in page

@@ -79,6 +79,7 @@ function renderHeadline(document_) {
   setMetric("loss", measure(h.loss));
   setMetric("eval_metric", measure(h.eval_metric));
   setMetric("rounds", `${integer(h.rounds_done)} / ${integer(h.rounds_failed)}`);
+  setMetric("bytes_per_sample", integer(h.bytes_per_sample));
   setMetric("eta", eta(h.eta_s), status === "paused" && h.eta_s ? "paused" : null);
   const checkpoint = document.querySelector('[data-metric="checkpoint"]');
   if (h.checkpoint) {
