@@ -273,15 +273,6 @@ class ButterflyRound:
         self._accepted: collections.Counter[str] = collections.Counter()  # parts per sender
         self.weight = float(weight)
         self.config = config
-        bandwidths = [0.0 if m.client_mode else m.bandwidth for m in self.members]
-        spans = load_balance(layout.total, bandwidths, config.min_vector_size)
-        self.partition = Partition(layout, spans, config.part_size_bytes, compression, roles)
-        # per reducer: its parts' element counts, and whether each travels uncompressed
-        self._sizes = [self.partition.part_sizes(r) for r in range(len(self.members))]
-        self._plain = [
-            [isinstance(p.codec, NoCompression) for p in self.partition.parts_of(r)]
-            for r in range(len(self.members))
-        ]
         self.is_sender = not self.members[self.index].auxiliary
         senders = [m.peer_id for m in self.members if not m.auxiliary]
         # the weights the senders declared in matchmaking, which their parts must carry, and
@@ -305,6 +296,25 @@ class ButterflyRound:
                 f"this peer's weight {self.overweight[self.me]:g} is over the group's bound "
                 f"of {bound:g} (max_weight, relative_weight_bound)"
             )
+        bandwidths = [0.0 if m.client_mode else m.bandwidth for m in self.members]
+        if any(
+            b != 0.0 and m.peer_id not in self.overweight
+            for b, m in zip(bandwidths, self.members, strict=True)
+        ):
+            # an overweight member reduces nothing: every member leaves it out of the
+            # partition alike, so its exclusion costs the others no span at local values
+            bandwidths = [
+                0.0 if m.peer_id in self.overweight else b
+                for b, m in zip(bandwidths, self.members, strict=True)
+            ]
+        spans = load_balance(layout.total, bandwidths, config.min_vector_size)
+        self.partition = Partition(layout, spans, config.part_size_bytes, compression, roles)
+        # per reducer: its parts' element counts, and whether each travels uncompressed
+        self._sizes = [self.partition.part_sizes(r) for r in range(len(self.members))]
+        self._plain = [
+            [isinstance(p.codec, NoCompression) for p in self.partition.parts_of(r)]
+            for r in range(len(self.members))
+        ]
         my_sizes = self.partition.part_sizes(self.index)
         self.reducer: WeightedMeanReducer | None = None
         if my_sizes and senders:
@@ -803,12 +813,25 @@ class ButterflyRound:
             if done.average is None:
                 self._keep_local(self.partition.part(self.index, done.index).view(self.flat))
                 self._wire_cache[done.index] = (None, b"", readers)
-            else:
+            elif self._plain[self.index][done.index]:
                 if not in_place_already:  # else the reducer divided it into place
                     view = self.partition.part(self.index, done.index).view(self.flat)
                     self._write_average(view, done.average.to(view.dtype))
                 # compressed when first sent alone (a batch sends the averages as they are)
                 self._wire_cache[done.index] = (_NOT_YET, None, readers)
+            else:
+                # a lossy codec: this peer keeps what the others decode, not its exact
+                # average, so every member of the round ends with the same values
+                part = self.partition.part(self.index, done.index)
+                view = part.view(self.flat)
+                compressed = part.codec.compress(done.average.to(view.dtype))
+                sent = extract(compressed, check_finite=False).to(view.dtype)
+                if in_place_already:
+                    view.copy_(sent)
+                else:
+                    self._write_average(view, sent)
+                header, payload = compressed.to_wire()
+                self._wire_cache[done.index] = (header, payload, readers)
             self.finished[done.index] = done
         indices = [done.index for done in finished]
         for peer_id, box in self._outboxes.items():

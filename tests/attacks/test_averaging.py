@@ -75,9 +75,12 @@ def test_a_member_claiming_a_weight_of_1e30_is_excluded(
     """A group member declares a weight of 1e30 to set everyone's parameters
 
     With the plain mean its values would be the group's result; a run's weight bound
-    (a factor of the group's median weight) excludes it before anything is sent."""
+    (a factor of the group's median weight) excludes it before anything is sent, and the
+    honest members end on their exact mean."""
     results, honest_mean, spread, named = _attacked_round(swarm, caplog, 1e30, 100.0)
     gap = _assert_near(results, honest_mean, spread)
+    # every member left it out of the partition alike: no span stays at local values
+    assert gap < 1e-3, gap
     assert "over the bound" in named, named
     attack.outcome("excluded from the round by the weight bound, named in a warning")
     attack.effect(f"honest results {gap:.3g} from their mean (their own spread {spread:.3g})")
