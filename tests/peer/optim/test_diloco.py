@@ -309,10 +309,10 @@ def test_overlapped_compressed_rounds_keep_the_peers_outer_states_together(
         for o in opts:
             assert o.outer_step == 6 and o.rounds_failed == 0
             assert o.rounds_done == 6 and o.last_group_size == peers
-        # A span's reducer keeps its exact average while the other members decode its
-        # int8 copy: outer states agree up to that codec error, not to the last bit.
+        # a span's reducer keeps what the others decode of its int8 average, not its exact
+        # average: every peer applies the same outer update
         for a, b in zip(opts[0].outer_params, opts[1].outer_params, strict=True):
-            torch.testing.assert_close(a, b, atol=2e-3, rtol=0)
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     finally:
         for o in opts:
             o.shutdown()
