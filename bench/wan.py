@@ -19,8 +19,9 @@ initialisation on ``--samples`` samples in all, once per method:
   pseudo-gradients.
 
 Per method it prints compute utilisation (the fraction of the training loop's time spent
-in forward, backward and the optimizer's own step: a ``step()`` call's time beyond the
-method's median call is waiting on the network, :mod:`peer.optim.utilisation`), bytes each peer's node sent per
+in forward, backward and the optimizer's own step: a ``step()`` call's time beyond an AdamW
+step on the model, measured in the same process, is waiting on the network,
+:mod:`peer.optim.utilisation`), bytes each peer's node sent per
 sample it trained, the swarm's samples/s, and peer 0's held-out loss at the end (equal
 samples) and at the wall time the fastest method took (equal wall time, interpolated between
 evaluated snapshots). Then the goals, each a ratio from this run: streaming DiLoCo's compute
@@ -130,6 +131,23 @@ def worker(cfg: dict[str, Any]) -> None:
     node.shutdown()
 
 
+def _local_step_seconds(model: Any) -> float:
+    """What an optimizer's own step costs on this model, here and now: the median of a few
+    AdamW steps on a copy of its parameters (the work a step() call does besides waiting)."""
+    import torch
+
+    params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    seconds = []
+    for _ in range(7):
+        started = time.perf_counter()
+        opt.step()
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
 def _train(
     node: Any, task: Any, config: Any, cfg: dict[str, Any], phase: int, method: str, barrier: Any
 ) -> dict[str, Any]:
@@ -153,9 +171,9 @@ def _train(
         if rank == 0:  # peer 0's curve: copies now, evaluated once the method is done
             snapshots.append((elapsed, samples, [p.detach().clone() for p in model.parameters()]))
 
+    meter, done = ComputeMeter(reference=_local_step_seconds(model)), 0
     barrier(f"{run}.ready")
     sent0 = node.bytes_sent
-    meter, done = ComputeMeter(), 0
     started = time.perf_counter()
     snapshot(0.0, 0)
     while (opt.local_epoch < epochs) if collaborative else (done < steps):
@@ -215,7 +233,7 @@ def run_methods(lab: Any, args: argparse.Namespace, methods: list[str]) -> list[
         "batch_size": args.batch,
         "matchmaking_time": args.matchmaking_time,
         "averaging_timeout": 60.0,
-        "aggregator": "mean",
+        "aggregator": "mean",  # every peer is ours: no robust aggregation needed
         "eval_windows": args.eval_windows,
     }
     processes = []
@@ -328,7 +346,9 @@ def main() -> None:
     parser.add_argument("--mix", type=int, help="a seed: a mix of home links instead")
     parser.add_argument("--samples", type=int, default=8192, help="samples per method, swarm")
     parser.add_argument("--batch", type=int, default=32, help="samples per forward/backward")
-    parser.add_argument("--target", type=int, default=256, help="the Optimizer's global batch")
+    parser.add_argument(
+        "--target", type=int, default=128, help="the Optimizer's global batch (an epoch)"
+    )
     parser.add_argument("--inner-steps", type=int, default=32, help="DiLoCo's H")
     parser.add_argument("--fragments", type=int, default=4, help="streaming DiLoCo's F")
     parser.add_argument("--compression", default="int8", help="streaming DiLoCo's codec")
@@ -385,7 +405,8 @@ def main() -> None:
     print(
         f"wan: {args.peers} peers behind {where} (peer.netlab); charlm transformer of "
         f"{params / 1e6:.2f}M parameters ({params * 4 / 1e6:.1f} MB fp32), {args.samples} "
-        f"samples per method, batches of {args.batch}, one torch thread per peer"
+        f"samples per method, batches of {args.batch}, one torch thread per peer, plain mean "
+        "aggregation"
     )
     print(
         f"optimizer: global batch {args.target}; DiLoCo: H={args.inner_steps} inner AdamW "

@@ -1,11 +1,17 @@
 """Compute utilisation: the share of a training loop's time spent computing, not waiting.
 
-A loop alternates forward/backward passes and ``opt.step()`` calls. Most calls of a swarm
-optimizer are its own local work (accumulating gradients, an inner optimizer step); a few
-also wait for the network (an averaging round that has not finished). The meter counts a
-call's time beyond the median call as waiting, so::
+A loop alternates forward/backward passes and ``opt.step()`` calls. A call of a swarm
+optimizer does its own local work (accumulating gradients, an optimizer step) and may also
+wait for the network (an averaging round that has not finished). The meter counts a call's
+time beyond the local work as waiting, so::
 
-    utilisation = (forward/backward time + calls x median call) / (forward/backward + calls)
+    utilisation = (forward/backward + calls - waiting) / (forward/backward + calls)
+
+The local work of a call is ``reference`` seconds when the caller measured it (the cost of
+the wrapped optimizer's step on this model, as ``bench/wan.py`` does), else the tenth
+percentile of the calls: most calls of DiLoCo are inner steps and most calls of the
+collaborative Optimizer accumulate gradients (with a batch or less per peer per epoch, every
+call averages and only a measured ``reference`` tells the waiting apart).
 
 Pure bookkeeping (no clock of its own): the caller times its loop and adds the figures.
 Used by ``swarmgrad join``'s progress reports and by ``bench/wan.py``.
@@ -14,15 +20,18 @@ Used by ``swarmgrad join``'s progress reports and by ``bench/wan.py``.
 from __future__ import annotations
 
 import math
-import statistics
 
 __all__ = ["ComputeMeter"]
 
 
 class ComputeMeter:
-    """Forward/backward seconds and step() call durations since the last :meth:`take`."""
+    """Forward/backward seconds and step() call durations since the last :meth:`take`;
+    ``reference``: the seconds of a call's local work, if measured."""
 
-    def __init__(self) -> None:
+    def __init__(self, reference: float | None = None) -> None:
+        if reference is not None and not (math.isfinite(reference) and reference >= 0):
+            raise ValueError("reference must be a non-negative number of seconds")
+        self.reference = reference
         self.compute = 0.0
         self.calls: list[float] = []
 
@@ -37,12 +46,21 @@ class ComputeMeter:
         self.calls.append(step_seconds)
 
     @property
-    def waiting(self) -> float:
-        """Seconds of step() calls beyond the median call."""
+    def local_step(self) -> float:
+        """The seconds of a call's local work: ``reference``, else the calls' tenth
+        percentile (0 before the first call)."""
+        if self.reference is not None:
+            return self.reference
         if not self.calls:
             return 0.0
-        median = statistics.median(self.calls)
-        return sum(max(0.0, c - median) for c in self.calls)
+        ordered = sorted(self.calls)
+        return ordered[(len(ordered) - 1) // 10]
+
+    @property
+    def waiting(self) -> float:
+        """Seconds of step() calls beyond their local work."""
+        local = self.local_step
+        return sum(max(0.0, c - local) for c in self.calls)
 
     def utilisation(self) -> float | None:
         """The fraction of the loop's time spent computing, in [0, 1]; None before the

@@ -1,4 +1,4 @@
-"""ComputeMeter: a step() call's time beyond the median call is waiting."""
+"""ComputeMeter: a step() call's time beyond its local work is waiting."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from peer.optim.utilisation import ComputeMeter
 
 
-def test_calls_beyond_the_median_count_as_waiting() -> None:
+def test_calls_beyond_the_lower_decile_count_as_waiting() -> None:
     meter = ComputeMeter()
     assert meter.utilisation() is None
     for _ in range(9):
@@ -29,3 +29,17 @@ def test_bad_durations_are_refused() -> None:
     with pytest.raises(ValueError, match="finite"):
         meter.add(float("nan"), 0.0)
     assert meter.calls == []
+
+
+def test_a_measured_reference_tells_waiting_apart_when_every_call_waits() -> None:
+    meter = ComputeMeter(reference=0.01)
+    for _ in range(4):
+        meter.add(0.1, 0.31)  # every call averages: 0.3 s of each is waiting
+    assert meter.waiting == pytest.approx(1.2)
+    assert meter.utilisation() == pytest.approx((0.4 + 0.04) / (0.4 + 1.24))
+    unmeasured = ComputeMeter()
+    for _ in range(4):
+        unmeasured.add(0.1, 0.31)
+    assert unmeasured.utilisation() == pytest.approx(1.0), "no call stands out"
+    with pytest.raises(ValueError, match="reference"):
+        ComputeMeter(reference=-1.0)
