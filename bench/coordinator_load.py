@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import multiprocessing
 import os
@@ -32,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 from sqlalchemy import create_engine, func, select, text
@@ -150,6 +152,10 @@ def start_server(
         time.sleep(0.1)
 
 
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode()
+
+
 async def setup_run(base: str, peers: int) -> tuple[str, list[str]]:
     admin = {"Authorization": f"Bearer {ADMIN}"}
     async with httpx.AsyncClient(base_url=f"{base}/api/v1", timeout=60) as http:
@@ -164,11 +170,6 @@ async def setup_run(base: str, peers: int) -> tuple[str, list[str]]:
         semaphore = asyncio.Semaphore(16)
 
         async def join(i: int) -> str:
-            import base64
-
-            def b64(data: bytes) -> str:
-                return base64.urlsafe_b64encode(data).decode()
-
             identity = Identity()
             invitee = {"Authorization": f"Bearer {invite['token']}"}
             async with semaphore:
@@ -179,9 +180,9 @@ async def setup_run(base: str, peers: int) -> tuple[str, list[str]]:
                 response = await http.post(
                     f"/runs/{run['id']}/join",
                     json={
-                        "public_key": b64(identity.public_key),
+                        "public_key": _b64(identity.public_key),
                         "challenge": text,
-                        "signature": b64(proof),
+                        "signature": _b64(proof),
                         "addresses": [f"ws://10.0.{i // 250}.{i % 250}:7000"],
                     },
                     headers=invitee,
@@ -559,29 +560,42 @@ async def _side_load(
     return results
 
 
+PROBE_NAME = "live-feed probe"
+PROBE_SAMPLES = 1_000_000  # far above what the simulated volunteers reach in a bench
+
+
 async def _live_delays(base: str, run_id: str, token: str, duration: float) -> list[float]:
-    """Seconds from a report's POST to the live dashboard frame that shows it, once a second:
-    a WebSocket client of the feed stands in for the browser."""
+    """Seconds from a report's POST to the frame of the run's live dashboard that shows it,
+    once a second: a WebSocket client of the feed stands in for the browser, and finds the
+    probe volunteer's row in the volunteers' table of each frame."""
     from websockets.asyncio.client import connect
 
     delays: list[float] = []
     ws_url = base.replace("http://", "ws://") + f"/api/v1/runs/{run_id}/live"
     headers = {"Authorization": f"Bearer {token}"}
-    async with httpx.AsyncClient(base_url=base, timeout=30) as http, connect(ws_url) as feed:
-        await asyncio.wait_for(feed.recv(), 30)  # the current document
+
+    def probe_samples(frame: dict[str, Any]) -> int | None:
+        rows = frame.get("data", {}).get("volunteers", [])
+        return next((r["samples"] for r in rows if r["display_name"] == PROBE_NAME), None)
+
+    async with (
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+        connect(ws_url, max_size=None) as feed,
+    ):
+        await asyncio.wait_for(feed.recv(), 60)  # the current document
         end = time.perf_counter() + duration
         i = 0
         while time.perf_counter() < end - 1:
             i += 1
-            report = {"epoch": 0, "samples": 100 * i, "samples_per_second": 10.0}
+            report = {"epoch": 0, "samples": PROBE_SAMPLES + i, "samples_per_second": 10.0}
             start = time.perf_counter()
             answer = await http.post(f"/api/v1/runs/{run_id}/reports", json=report, headers=headers)
             if answer.status_code != 202:
                 raise SystemExit(f"the live-feed probe's report was refused: {answer.text}")
-            while True:
-                frame = json.loads(await asyncio.wait_for(feed.recv(), 30))
-                if frame.get("data", {}).get("headline", {}).get("samples") == 100 * i:
-                    break
+            while probe_samples(json.loads(await asyncio.wait_for(feed.recv(), 60))) != (
+                PROBE_SAMPLES + i
+            ):
+                pass
             delays.append(time.perf_counter() - start)
             await asyncio.sleep(max(0.0, start + 1.0 - time.perf_counter()))
     return delays
@@ -611,13 +625,31 @@ def database_bytes(url: str) -> int:
         engine.dispose()
 
 
-async def _paced_setup(base: str, volunteers: int) -> tuple[str, list[str], str, str]:
-    """The loaded run and its volunteers, and a second run with one peer whose reports the
-    live-feed probe follows (its headline is that peer's alone, so a frame shows which
-    report it reflects)."""
+async def _paced_setup(base: str, volunteers: int) -> tuple[str, list[str], str]:
+    """The run and its volunteers, and one more volunteer of the same run, named
+    ``PROBE_NAME``, whose reports the live-feed probe follows."""
     run_id, tokens = await setup_run(base, volunteers)
-    probe_run, probe = await setup_run(base, 1)
-    return run_id, tokens, probe_run, probe[0]
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    async with httpx.AsyncClient(base_url=f"{base}/api/v1", timeout=60) as http:
+        invite = (await http.post(f"/runs/{run_id}/tokens", json={}, headers=admin)).json()
+        invitee = {"Authorization": f"Bearer {invite['token']}"}
+        challenge = (await http.post("/join/challenge", headers=invitee)).json()["challenge"]
+        identity = Identity()
+        proof = identity.sign(join_proof_payload(run_id, challenge, identity.public_key))
+        joined = await http.post(
+            f"/runs/{run_id}/join",
+            json={
+                "public_key": _b64(identity.public_key),
+                "challenge": challenge,
+                "signature": _b64(proof),
+                "addresses": [],
+                "client_mode": True,
+                "display_name": PROBE_NAME,
+            },
+            headers=invitee,
+        )
+        joined.raise_for_status()
+    return run_id, tokens, joined.json()["peer_token"]
 
 
 def _line(result: Result) -> str:
@@ -635,9 +667,7 @@ def bench_paced(backend: str, args: argparse.Namespace) -> bool:
         process, base = start_server(url, args.workers, args.flush_interval, args.auth_cache_ttl)
         try:
             began = time.perf_counter()
-            run_id, tokens, probe_run, probe_token = asyncio.run(
-                _paced_setup(base, args.volunteers)
-            )
+            run_id, tokens, probe_token = asyncio.run(_paced_setup(base, args.volunteers))
             joined_s = time.perf_counter() - began
             size_before = database_bytes(url)
             processes = max(1, min(args.client_processes, len(tokens)))
@@ -662,7 +692,7 @@ def bench_paced(backend: str, args: argparse.Namespace) -> bool:
                     await asyncio.sleep(max(0.0, start_at - time.time()))
                     side, live = await asyncio.gather(
                         _side_load(base, run_id, tokens, args.side_rate, args.duration),
-                        _live_delays(base, probe_run, probe_token, args.duration),
+                        _live_delays(base, run_id, probe_token, args.duration),
                     )
                     return side, live
 
