@@ -7,7 +7,10 @@ hands it to every subscriber. Nothing is kept that another worker would need: wh
 worker received a report, it is in the database, and every worker's feeds read it from
 there within ``interval_s`` (plus the report buffer's flush interval).
 
-The cost of a feed is one document build per interval, whatever the number of browsers.
+The cost of a feed is one document build per interval, whatever the number of browsers; and
+at most ``MAX_BUILD_SHARE`` of the worker's time: a document that takes long to build (a
+run of many thousands of volunteers) is rebuilt less often rather than starve the worker's
+other requests.
 """
 
 from __future__ import annotations
@@ -15,12 +18,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 Build = Callable[[], dict[str, Any] | None]  # the document, or None: the view is gone
+
+# The most of a worker's time one feed spends building documents.
+MAX_BUILD_SHARE = 0.25
+
+
+def pause_s(interval_s: float, build_s: float, share: float = MAX_BUILD_SHARE) -> float:
+    """How long a feed waits after a build that took ``build_s`` before the next one:
+    ``interval_s``, or longer when building that often would take more than ``share`` of
+    the worker's time."""
+    return max(interval_s, build_s * (1 - share) / share)
 
 
 class _Feed:
@@ -34,6 +48,7 @@ class _Feed:
     async def run(self) -> None:
         version = None
         while self.subscribers:
+            started = time.perf_counter()
             try:
                 document = await asyncio.to_thread(self.build)
             except Exception:
@@ -48,7 +63,7 @@ class _Feed:
                 self.latest = document
                 for queue in self.subscribers:
                     _offer(queue, document)
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(pause_s(self.interval_s, time.perf_counter() - started))
 
 
 def _offer(queue: asyncio.Queue[dict[str, Any] | None], document: dict[str, Any]) -> None:
