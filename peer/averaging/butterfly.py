@@ -220,6 +220,10 @@ class Idle(enum.Enum):
 
 _NOT_YET: dict[str, Any] = {}  # a wire cache entry whose average is not compressed yet
 
+#: with a robust aggregator, an average holding values over this many times the largest
+#: of this peer's own values there (at least 1) is forged: its reducer is treated as bad
+FORGED_AVERAGE_FACTOR = 1e6
+
 
 def _never(peer_id: str) -> float:
     return 0.0
@@ -774,6 +778,8 @@ class ButterflyRound:
                         f"average of {average.numel()} {average.dtype}, expected "
                         f"{sum(sizes)} {self.flat.dtype}"
                     )
+                if self.config.aggregator != "mean":
+                    self._check_plausible(average, parts[index].start)
         except (CompressionError, ValueError, RuntimeError) as exc:
             self._bad(sender, f"bad average: {exc}")
             return
@@ -803,6 +809,22 @@ class ButterflyRound:
         if not pending:
             self._wake(sender)
         self._check_done()
+
+    def _check_plausible(self, average: torch.Tensor, start: int) -> None:
+        """A robust aggregate stays among the honest contributions, so a reducer's average
+        cannot hold values orders of magnitude beyond this peer's own: ``ValueError`` if it
+        does (one pass over the average; this peer's values are read only then)."""
+        largest = float(average.abs().max()) if average.numel() else 0.0
+        if largest <= FORGED_AVERAGE_FACTOR:
+            return
+        mine = self.flat[start : start + average.numel()]
+        own = max(float(mine.abs().max()), 1.0)
+        if largest > FORGED_AVERAGE_FACTOR * own:
+            raise ValueError(
+                f"values up to {largest:.3g}, over {FORGED_AVERAGE_FACTOR:g} times this "
+                f"peer's own there ({own:.3g}): no {self.config.aggregator} of the group "
+                "holds that"
+            )
 
     def _on_finished(self, finished: list[FinishedPart]) -> None:
         if not finished:

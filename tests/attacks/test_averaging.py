@@ -1,6 +1,7 @@
 """One member of a run's averaging group tries to write its values into everyone's: with a
-huge weight, or with huge finite values. The group averages with a run's defaults (those of
-``TrainingConfig``, as every volunteer's optimizer does); real nodes on loopback."""
+huge weight, with huge finite values, or as the reducer of a span, by returning them as its
+average. The group averages with a run's defaults (those of ``TrainingConfig``, as every
+volunteer's optimizer does); real nodes on loopback."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from peer.averaging.allreduce import AllreduceRunner
+from peer.averaging.butterfly import ButterflyRound
+from peer.averaging.reducer import FinishedPart
 from peer.tasks import TrainingConfig, load_task
 from tests.attacks.conftest import Attack
 from tests.conftest import scaled
@@ -28,17 +32,39 @@ def swarm() -> Iterator[Swarm]:
         swarm.close()
 
 
+class _ForgingRound(ButterflyRound):
+    """Reduces its span as the others do, then sends every member 1e37 as its average."""
+
+    def _on_finished(self, finished: list[FinishedPart]) -> None:
+        for done in finished:
+            if done.average is not None:
+                done.average.fill_(1e37)
+        super()._on_finished(finished)
+
+
+class _ForgingRunner(AllreduceRunner):
+    round_cls = _ForgingRound
+
+
 def _attacked_round(
-    swarm: Swarm, caplog: pytest.LogCaptureFixture, weight: float, values: float
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, str]:
+    swarm: Swarm,
+    caplog: pytest.LogCaptureFixture,
+    weight: float,
+    values: float | None,
+    runner: type[AllreduceRunner] | None = None,
+) -> tuple[list[torch.Tensor], torch.Tensor, float, str]:
     """Three honest members (weight 1, values N(0, 1)) and the attacker (``weight``, every
-    value ``values``) average once with the run's defaults. Returns the honest members'
-    results, their values' mean, their largest distance from it, and what was logged
-    naming the attacker."""
+    value ``values``, or honest-looking ones for None; its round driven by ``runner``)
+    average once with the run's defaults. Returns the honest members' results, their
+    values' mean, their largest distance from it, and what was logged naming the
+    attacker."""
     config = TrainingConfig.from_run_config(load_task("digits"), {})
     g = torch.Generator().manual_seed(0)
     tensors = [[torch.randn(SIZE, generator=g)] for _ in range(HONEST)]
-    tensors.append([torch.full((SIZE,), values)])
+    if values is None:
+        tensors.append([torch.randn(SIZE, generator=g)])
+    else:
+        tensors.append([torch.full((SIZE,), values)])
     honest = torch.stack([t[0] for t in tensors[:HONEST]])  # [members, SIZE]
     honest_mean = honest.mean(dim=0)
     spread = float((honest - honest_mean).norm(dim=1).max())
@@ -49,6 +75,8 @@ def _attacked_round(
         relative_weight_bound=config.relative_weight_bound,
     )
     attacker = averagers[HONEST].peer_id
+    if runner is not None:
+        averagers[HONEST]._runner_cls = runner
     with caplog.at_level(logging.WARNING, logger="peer.averaging"):
         # an excluded attacker hears no average: its own step ends at its timeout
         attacking = {"weight": weight, "timeout": scaled(8), "allow_retries": False}
@@ -97,4 +125,20 @@ def test_a_member_sending_values_of_1e37_cannot_drag_the_average(
     gap = _assert_near(results, honest_mean, spread)
     assert "median distance" in named, named
     attack.outcome("its pull clipped by CenteredClip, named in a warning")
+    attack.effect(f"honest results {gap:.3g} from their mean (their own spread {spread:.3g})")
+
+
+def test_a_reducer_returning_values_of_1e37_as_its_average_is_excluded(
+    swarm: Swarm, attack: Attack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A group member returns values of 1e37 as the average of the span it reduces
+
+    Its contributions look honest; the averages it sends back are forged. No CenteredClip
+    of the group holds values a million times over a member's own: each honest member
+    excludes it as a reducer with a bad average (its span keeps their local values) and
+    names it."""
+    results, honest_mean, spread, named = _attacked_round(swarm, caplog, 1.0, None, _ForgingRunner)
+    gap = _assert_near(results, honest_mean, spread)
+    assert "bad average" in named and "1e+37" in named, named
+    attack.outcome("excluded as a reducer with a bad average, named in a warning")
     attack.effect(f"honest results {gap:.3g} from their mean (their own spread {spread:.3g})")
