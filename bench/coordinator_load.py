@@ -537,7 +537,7 @@ async def _side_load(
             latencies: list[float] = []
             start = time.perf_counter()
             i = 0
-            while (due := i / rate) < duration:
+            while (due := i / rate) < duration and time.perf_counter() - start < duration:
                 await asyncio.sleep(max(0.0, start + due - time.perf_counter()))
                 headers = (
                     {}
@@ -599,6 +599,16 @@ async def _live_delays(base: str, run_id: str, token: str, duration: float) -> l
             delays.append(time.perf_counter() - start)
             await asyncio.sleep(max(0.0, start + 1.0 - time.perf_counter()))
     return delays
+
+
+def _live_process(args: tuple[str, str, str, float, float]) -> list[float]:
+    base, run_id, token, duration, start_at = args
+
+    async def watch() -> list[float]:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        return await _live_delays(base, run_id, token, duration)
+
+    return asyncio.run(watch())
 
 
 def database_bytes(url: str) -> int:
@@ -685,19 +695,22 @@ def bench_paced(backend: str, args: argparse.Namespace) -> bool:
                 )
                 for p in range(processes)
             ]
-            with multiprocessing.get_context("spawn").Pool(processes) as pool:
+            context = multiprocessing.get_context("spawn")
+            # The live-feed probe parses every frame (megabytes with thousands of
+            # volunteers): a process of its own, so that it delays no other measurement.
+            with context.Pool(processes) as pool, context.Pool(1) as probe:
                 pending = pool.map_async(_paced_process, jobs)
+                watching = probe.apply_async(
+                    _live_process, ((base, run_id, probe_token, args.duration, start_at),)
+                )
 
-                async def beside() -> tuple[dict[str, Result], list[float]]:
+                async def beside() -> dict[str, Result]:
                     await asyncio.sleep(max(0.0, start_at - time.time()))
-                    side, live = await asyncio.gather(
-                        _side_load(base, run_id, tokens, args.side_rate, args.duration),
-                        _live_delays(base, run_id, probe_token, args.duration),
-                    )
-                    return side, live
+                    return await _side_load(base, run_id, tokens, args.side_rate, args.duration)
 
-                side, live = asyncio.run(beside())
+                side = asyncio.run(beside())
                 outcomes = pending.get()
+                live = watching.get()
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=60)
