@@ -520,7 +520,7 @@ def _paced_process(
 
 async def _side_load(
     base: str, run_id: str, tokens: list[str], rate: float, duration: float
-) -> dict[str, Result]:
+) -> tuple[dict[str, Result], int]:
     """Bootstrap calls and certificate renewals from the volunteers, and the dashboard's data,
     each ``rate`` times a second (one at a time) for ``duration`` s."""
     calls: dict[str, tuple[str, str, int]] = {
@@ -529,6 +529,7 @@ async def _side_load(
         "dashboard": ("GET", f"/api/v1/runs/{run_id}/dashboard", 200),
     }
     results: dict[str, Result] = {}
+    sizes: dict[str, int] = {}
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
 
         async def one(name: str) -> None:
@@ -546,9 +547,9 @@ async def _side_load(
                 )
                 t0 = time.perf_counter()
                 try:
-                    good = (
-                        await http.request(method, path, headers=headers)
-                    ).status_code == expected
+                    answer = await http.request(method, path, headers=headers)
+                    good = answer.status_code == expected
+                    sizes[name] = len(answer.content)
                 except httpx.HTTPError:
                     good = False
                 latencies.append((time.perf_counter() - t0) * 1000)
@@ -557,7 +558,7 @@ async def _side_load(
             results[name] = Result(name, ok, errors, time.perf_counter() - start, latencies)
 
         await asyncio.gather(*(one(name) for name in calls))
-    return results
+    return results, sizes.get("dashboard", 0)
 
 
 PROBE_NAME = "live-feed probe"
@@ -680,6 +681,7 @@ def bench_paced(backend: str, args: argparse.Namespace) -> bool:
             run_id, tokens, probe_token = asyncio.run(_paced_setup(base, args.volunteers))
             joined_s = time.perf_counter() - began
             size_before = database_bytes(url)
+            cpu_before = process_tree_cpu_seconds(process.pid)
             processes = max(1, min(args.client_processes, len(tokens)))
             start_at = time.time() + 2.0 + processes  # the processes start meanwhile
             per = max(1, args.concurrency // processes)
@@ -704,13 +706,15 @@ def bench_paced(backend: str, args: argparse.Namespace) -> bool:
                     _live_process, ((base, run_id, probe_token, args.duration, start_at),)
                 )
 
-                async def beside() -> dict[str, Result]:
+                async def beside() -> tuple[dict[str, Result], int]:
                     await asyncio.sleep(max(0.0, start_at - time.time()))
                     return await _side_load(base, run_id, tokens, args.side_rate, args.duration)
 
-                side = asyncio.run(beside())
+                side, side_bytes = asyncio.run(beside())
                 outcomes = pending.get()
                 live = watching.get()
+            cpu_after = process_tree_cpu_seconds(process.pid)
+            load = os.getloadavg()[0]
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=60)
@@ -738,6 +742,15 @@ def bench_paced(backend: str, args: argparse.Namespace) -> bool:
         and lag < args.interval
     )
     goal_rate = args.volunteers / args.interval
+    cpu_line = ""
+    if cpu_before is not None and cpu_after is not None and reports.ok:
+        cpu = cpu_after - cpu_before
+        cpu_line = (
+            f"  coordinator CPU: {cpu / reports.seconds:.2f} cores over the run "
+            f"({cpu / reports.ok * 1000:.2f} ms per report, everything else included; "
+            f"PostgreSQL's own not counted); load average {load:.1f} on "
+            f"{os.cpu_count()} CPUs\n"
+        )
     print(
         f"{backend:<10} volunteers={args.volunteers} every {args.interval:g} s "
         f"(due {goal_rate:.0f} reports/s) workers={args.workers} "
@@ -746,10 +759,11 @@ def bench_paced(backend: str, args: argparse.Namespace) -> bool:
         f"{_line(reports)}  accepted {reports.ok}  stored {stored - len(live)}"
         f"{'' if stored == expected_stored else '  <-- MISMATCH'}\n"
         f"  worst lag behind the schedule: {lag * 1000:.0f} ms\n"
+        f"{cpu_line}"
         + "\n".join(_line(side[name]) for name in ("bootstrap", "certificate", "dashboard"))
         + f"\n  report → live dashboard (a WebSocket client of the feed): "
         f"p50 {statistics.median(live) * 1000:.0f} ms, p99 {percentile(live, 0.99) * 1000:.0f} ms "
-        f"over {len(live)} reports\n"
+        f"over {len(live)} reports; dashboard document {side_bytes / 1e6:.2f} MB\n"
         f"  database: {size_before / 1e6:.1f} MB after the joins, {size_after / 1e6:.1f} MB after "
         f"{reports.seconds:.0f} s -> {growth / 1e6:.0f} MB per hour "
         f"({(size_after - size_before) / max(1, reports.ok):.0f} bytes per report; raw reports "
@@ -802,7 +816,7 @@ def main() -> None:
     parser.add_argument(
         "--side-rate",
         type=float,
-        default=2.0,
+        default=1.0,
         help="Bootstrap calls, certificate renewals and dashboard reads per second (each).",
     )
     args = parser.parse_args()
