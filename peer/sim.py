@@ -10,14 +10,16 @@ the configured link latency.
 from __future__ import annotations
 
 import asyncio
+import math
 import selectors
 import statistics
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.gossip import MEMBERS_KEY
-from peer.transport.memory import MemoryNetwork
+from peer.transport.memory import LinkConditions, MemoryNetwork, MemoryTransport
 
 EPOCH = 1_700_000_000.0  # simulated wall clock starts here
 
@@ -136,3 +138,105 @@ def simulate(
         )
     finally:
         loop.close()
+
+
+# -- building blocks of the whole-swarm simulator (bench/scale.py) -------------------------
+
+
+@dataclass(frozen=True)
+class AccessLink:
+    """One host's access link: one-way latency (seconds) and bandwidth (bytes per second)."""
+
+    latency: float
+    bandwidth: float
+
+
+class DrawnLinkNetwork(MemoryNetwork):
+    """A :class:`MemoryNetwork` where every host draws its own access link when it is added
+    (:meth:`add_host`): a message from ``a`` to ``b`` takes ``a``'s latency plus ``b``'s, at
+    the smaller of their bandwidths. Latency and bandwidth are drawn log-uniformly from the
+    given ranges, as home and datacenter links spread over orders of magnitude.
+
+    The bandwidth holds each connection's sender back (per connection, as the transport
+    models it), not the host's links together: a host talking to many peers at once gets
+    more than its uplink. The simulator's groups are small, so this is noted, not modelled.
+    """
+
+    def __init__(
+        self,
+        *,
+        seed: int,
+        latency: tuple[float, float] = (0.005, 0.080),
+        bandwidth: tuple[float, float] = (1e6, 100e6),
+    ) -> None:
+        super().__init__(seed=seed)
+        if not (0 <= latency[0] <= latency[1]) or not (0 < bandwidth[0] <= bandwidth[1]):
+            raise ValueError("need 0 <= latency low <= high and 0 < bandwidth low <= high")
+        self.latency_range = latency
+        self.bandwidth_range = bandwidth
+        self.access: dict[str, AccessLink] = {}
+        self._pairs: dict[tuple[str, str], LinkConditions] = {}
+
+    def _log_uniform(self, low: float, high: float) -> float:
+        if low <= 0 or low == high:
+            return self.random.uniform(low, high)
+        return math.exp(self.random.uniform(math.log(low), math.log(high)))
+
+    def add_host(self, host: str) -> MemoryTransport:
+        """A transport for ``host``, whose access link is drawn now."""
+        self.access[host] = AccessLink(
+            self._log_uniform(*self.latency_range), self._log_uniform(*self.bandwidth_range)
+        )
+        return self.transport(host)
+
+    def conditions(self, src: str, dst: str) -> LinkConditions:
+        found = self._pairs.get((src, dst))
+        if found is not None:
+            return found
+        a, b = self.access.get(src), self.access.get(dst)
+        if a is None or b is None:
+            return super().conditions(src, dst)
+        found = self._pairs[(src, dst)] = LinkConditions(
+            a.latency + b.latency, min(a.bandwidth, b.bandwidth)
+        )
+        return found
+
+
+class LoopHandle:
+    """An :class:`AsyncNode` held as averaging holds a node (:class:`~peer.averaging.seam.
+    NodeHandle`), for many peers on one event loop: ``run_coroutine(wait=False)`` schedules a
+    task on the running loop; ``wait=True`` runs a coroutine that finishes without waiting
+    (an averager's start) and refuses one that would block the loop."""
+
+    def __init__(self, node: AsyncNode) -> None:
+        self._node = node
+        self._loop = asyncio.get_running_loop()
+
+    @property
+    def peer_id(self) -> str:
+        return self._node.peer_id
+
+    @property
+    def client_mode(self) -> bool:
+        return self._node.config.client_mode
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    @property
+    def core(self) -> AsyncNode:
+        return self._node
+
+    def get_time(self) -> float:
+        return self._node.now()
+
+    def run_coroutine(self, coro: Coroutine[Any, Any, Any], *, wait: bool = True) -> Any:
+        if not wait:
+            return self._loop.create_task(coro)
+        try:
+            coro.send(None)
+        except StopIteration as done:
+            return done.value
+        coro.close()
+        raise RuntimeError("LoopHandle cannot wait for a coroutine that suspends")
