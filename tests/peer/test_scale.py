@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.scale import (  # noqa: E402
+from bench.scale import (
     Settings,
     all_cells,
     fit_slope,
@@ -21,7 +21,7 @@ from bench.scale import (  # noqa: E402
     simulate_moshpit,
     simulate_swarm,
 )
-from peer.sim import DrawnLinkNetwork, LoopHandle, VirtualTimeLoop  # noqa: E402
+from peer.sim import DrawnLinkNetwork, LoopHandle, VirtualTimeLoop
 
 
 def test_grid_shape_is_the_smallest_side_for_log_g_dimensions() -> None:
