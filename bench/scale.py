@@ -36,7 +36,7 @@ on top of it run N averagers. So, above ``--full-max`` peers (default 100):
 * **matchmaking, failed rounds, newcomers and donors** come from a full-fidelity swarm of
   ``--full-max`` peers on a grid of the same side ``m``: a peer's matchmaking sees only
   the ``m`` peers of its key and a newcomer's download touches one donor, so those
-  figures depend on ``m`` and the churn rate, not on N; the table marks them ``(s)``.
+  figures depend on ``m`` and the churn rate, not on N; the table marks them ``*``.
 """
 
 from __future__ import annotations
@@ -285,6 +285,8 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
         net.crash(peer.host)
         if peer.step is not None:
             peer.step.cancel()
+        for task in list(peer.averager._step_futures):  # the averager's own step tasks
+            task.cancel()
         await peer.node.shutdown()
 
     async def run_step(peer: Peer, at: float) -> None:
@@ -352,6 +354,8 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
     for peer in present:
         if peer.step is not None:
             peer.step.cancel()
+        for task in list(peer.averager._step_futures):
+            task.cancel()
     await asyncio.gather(*(p.node.shutdown() for p in present), return_exceptions=True)
     return result
 
@@ -608,7 +612,7 @@ def print_table(rows: list[Row], s: Settings, full_max: int) -> None:
     g = s.group_size
     print(
         f"\nMoshpit averaging, groups of at most g={g}, churn {s.churn:.0%} per round, "
-        f"{s.client_share:.0%} client-mode peers; (s) = from a full-protocol swarm of "
+        f"{s.client_share:.0%} client-mode peers; * = from a full-protocol swarm of "
         f"min(N, {full_max}) peers on the same grid side"
     )
     header = (
@@ -619,7 +623,7 @@ def print_table(rows: list[Row], s: Settings, full_max: int) -> None:
     print(header)
     for row in rows:
         sw = row.swarm
-        tag = "(s)" if row.swarm_sampled else "   "
+        tag = "*" if row.swarm_sampled else " "
         ok = sw.matched / max(1, sw.match_attempts)
         failed = sw.failed_steps / max(1, sw.steps)
         mm = statistics.median(sw.match_seconds) if sw.match_seconds else float("nan")
@@ -628,8 +632,8 @@ def print_table(rows: list[Row], s: Settings, full_max: int) -> None:
         print(
             f"{row.n:>5} {row.grid:>5} {row.bound:>9} {_rounds(row.rounds_still, limit):>6} "
             f"{_rounds(row.rounds_churn, limit):>6} {row.dev_at_bound:>8.1e} "
-            f"{ok:>6.1%}{tag[1]} {mm:>7.2f}{tag[1]} {failed:>6.1%}{tag[1]} {new:>8.1f}{tag[1]} "
-            f"{sw.max_donor_load:>3}/{sw.downloads:<4}{tag[1]} "
+            f"{ok:>6.1%}{tag} {mm:>7.2f}{tag} {failed:>6.1%}{tag} {new:>8.1f}{tag} "
+            f"{sw.max_donor_load:>3}/{sw.downloads:<4}{tag} "
             f"{row.gossip.messages_per_peer_s:>7.1f} {row.gossip.bytes_per_peer_s / 1024:>7.1f} "
             f"{row.gossip.store_records:>6.0f} {row.gossip.store_bytes / 1024:>6.0f}"
         )
