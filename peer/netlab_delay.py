@@ -7,7 +7,9 @@ packet, keeps it for the link's one-way delay and writes it back, and policy rou
 sends what comes out of the TUN device on to ``eth0`` (where the token bucket shapes it).
 Packets are released in arrival order (one constant delay per link keeps them in order);
 a queue holding more than ``--limit`` bytes drops what arrives, as a router's buffer would.
-Inbound packets are delivered directly, so a path's one-way delay is the sender's.
+Inbound packets are delivered directly, so a path's one-way delay is the sender's. The
+process raises its own priority: on a machine loaded past its cores, a starved delay line
+would pass fewer Mbit/s than the link's rate (tests/peer/test_netlab.py bounds it).
 
 Run by :class:`peer.netlab.NetLab` as a plain script (no ``peer`` import, so it starts in
 a fraction of a second)::
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import fcntl
 import os
 import select
@@ -122,6 +125,9 @@ def main() -> None:
         fd = attach(args.device)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"netlab_delay: {exc}") from None
+    with contextlib.suppress(OSError):
+        # a link, not a workload: ahead of the peers' compute on a loaded machine (root may)
+        os.nice(-10)
     print("ready", flush=True)
     serve(fd, line, sys.stdin.fileno())
 
