@@ -12,6 +12,18 @@ After a clean shutdown it checks that every acknowledged report was stored.
     python bench/coordinator_load.py --backend sqlite --workers 2 --duration 20
 
 A run of 10,000 volunteers reporting every 5 s is 2,000 reports/s.
+
+With ``--volunteers N`` it asks instead whether the coordinator keeps up with a swarm: N
+volunteers join (each with its own key: challenge, proof of possession), then each reports
+every ``--interval`` seconds on schedule (open loop), while bootstrap calls, certificate
+renewals and the dashboard's data are asked for beside them (``--side-rate`` each per second)
+and a WebSocket client of the run's live feed, standing in for a browser, times a report of
+one more volunteer until the frame that shows it. It prints reports/s, p50/p99 per endpoint,
+the lag behind the schedule, the coordinator's CPU, the database's growth per hour, and checks
+that every acknowledged report was stored (docs/deploy.md has figures):
+
+    python bench/coordinator_load.py --backend postgresql --volunteers 10000 --interval 10 \
+        --duration 60 --workers 2 --concurrency 64 --client-processes 2
 """
 
 from __future__ import annotations
