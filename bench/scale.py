@@ -34,9 +34,10 @@ on top of it run N averagers. So, above ``--full-max`` peers (default 100):
   what the butterfly computes, which the full tier checks to 1e-6 — and the same churn
   (a peer that dies mid-round drops out of its group's mean, as the runner excludes it);
 * **matchmaking, failed rounds, newcomers and donors** come from a full-fidelity swarm of
-  ``--full-max`` peers on a grid of the same side ``m``: a peer's matchmaking sees only
-  the ``m`` peers of its key and a newcomer's download touches one donor, so those
-  figures depend on ``m`` and the churn rate, not on N; the table marks them ``*``.
+  ``--full-max`` peers (its own grid, of side ``m ≤ g`` like every size's): a peer's
+  matchmaking sees only the ``m`` peers of its key and a newcomer's download touches one
+  donor, so those figures depend on ``m`` and the churn rate rather than on N; the table
+  marks them ``*``.
 """
 
 from __future__ import annotations
@@ -613,7 +614,7 @@ def print_table(rows: list[Row], s: Settings, full_max: int) -> None:
     print(
         f"\nMoshpit averaging, groups of at most g={g}, churn {s.churn:.0%} per round, "
         f"{s.client_share:.0%} client-mode peers; * = from a full-protocol swarm of "
-        f"min(N, {full_max}) peers on the same grid side"
+        f"min(N, {full_max}) peers"
     )
     header = (
         f"{'N':>5} {'grid':>5} {'⌈log_g N⌉':>9} {'rounds':>6} {'churn':>6} {'dev@+1':>8} "
@@ -644,7 +645,18 @@ def print_table(rows: list[Row], s: Settings, full_max: int) -> None:
         "failed: steps that failed; donor max: downloads served by the most-asked donor / "
         "all downloads; store: records and KiB of a peer's gossip store"
     )
-    if len(rows) >= 2:
+    seen = set()
+    for row in rows:
+        sw = row.swarm
+        if id(sw) in seen:
+            continue
+        seen.add(id(sw))
+        spread = " ".join(f"{dev:.1e}" for dev in sw.deviations)
+        print(
+            f"the real protocol, {sw.n} peers on {sw.m}^{sw.d} with churn: the survivors' "
+            f"distance from the mean after each round: {spread}"
+        )
+    if len(rows) >= 3:  # two points fit any curve
         ns = [float(r.n) for r in rows]
         ys = [r.gossip.bytes_per_peer_s for r in rows]
         b_log, r2_log = fit_slope([math.log(n) for n in ns], ys)
