@@ -108,6 +108,15 @@ def test_the_real_protocol_reaches_the_mean_in_log_g_rounds_without_churn() -> N
 
 
 @pytest.mark.slow
+def test_the_real_protocol_at_100_reaches_the_mean_in_log_16_rounds() -> None:
+    # about 30 s of CPU: 100 nodes and averagers, a 10 x 10 grid, groups of up to 16
+    result = simulate_swarm(100, Settings(churn=0.0, client_share=0.0, rounds=2))
+    assert (result.d, result.m) == (2, 10) and math.ceil(math.log(100, 16)) == 2
+    assert result.failed_steps == 0 and result.matched == result.match_attempts == 200
+    assert result.rounds_to_mean == 2, result.deviations
+
+
+@pytest.mark.slow
 def test_the_real_protocol_under_churn_downloads_state_and_keeps_averaging() -> None:
     result = simulate_swarm(25, Settings(churn=0.2, client_share=0.1, rounds=3))
     # 5 leave per round (2 of them mid-round), 5 arrive: each downloads the state from a donor
