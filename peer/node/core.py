@@ -87,7 +87,7 @@ class NodeConfig:
     max_store_bytes: int = 32 << 20
     retry_backoff: float = 5.0  # seconds before dialing a peer that just failed again
     # an initial (bootstrap) address that failed this many times in a row is dropped; the
-    # attempts are spaced by a doubling wait, from one gossip period up to a minute
+    # first three retries come every gossip round, then after a doubling wait (up to a minute)
     bootstrap_attempts: int = 8
     # a peer whose membership expired without a goodbye is dialed again (one such peer per
     # interval; None: every member_ttl) until it is back or this many seconds have passed,

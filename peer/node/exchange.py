@@ -182,13 +182,15 @@ class GossipExchange:
             )
 
     def _dial_due(self, address: str) -> bool:
-        """Whether an initial peer that failed before may be dialed again: the wait doubles
-        with each failure in a row, from one gossip period up to a minute."""
+        """Whether an initial peer that failed before may be dialed again: the first few
+        retries come every gossip round (on a lossy link a handshake can fail without the
+        address being bad), then the wait doubles with each failure in a row, up to a
+        minute."""
         failed = self._dial_failures.get(address)
         if failed is None:
             return True
         failures, at = failed
-        wait = min(self.config.gossip_period * 2 ** (failures - 1), 60.0)
+        wait = min(self.config.gossip_period * 2 ** max(0, failures - 3), 60.0)
         return asyncio.get_running_loop().time() - at >= wait
 
     def _gossip_targets(self, exclude: str | None = None) -> list[str]:
