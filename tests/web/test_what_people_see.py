@@ -99,17 +99,27 @@ def test_every_page_fits_the_screen_signed_out_and_in(
 def test_tables_reflow_on_a_phone(site: Site, open_page: Any, width: int, height: int) -> None:
     page = open_page(f"{site.url}/runs/{site.run_id}", width=width, height=height)
     page.wait_for_load_state("networkidle")
-    row = page.locator("#volunteers tr[data-volunteer-id]").first
-    cells = row.locator("th, td")
-    boxes = [cells.nth(i).bounding_box() for i in range(cells.count())]
-    assert all(b is not None and b["x"] + b["width"] <= width for b in boxes)
+    # Measured in one go inside the page: a live update may rebuild the table between two
+    # separate look-ups, leaving a locator on a row that is gone.
+    measured = page.evaluate(
+        """() => {
+            const row = document.querySelector('#volunteers tr[data-volunteer-id]');
+            const cells = [...row.querySelectorAll('th, td')];
+            const td = row.querySelector('td');
+            return {
+                boxes: cells.map(c => { const r = c.getBoundingClientRect();
+                                        return {x: r.x, y: r.y, width: r.width}; }),
+                label: getComputedStyle(td, '::before').content,
+            };
+        }"""
+    )
+    boxes = measured["boxes"]
+    assert boxes and all(b["x"] + b["width"] <= width for b in boxes)
     if width < 700:  # one card per volunteer: cells stacked, each saying what it is
-        assert len({round(b["y"]) for b in boxes if b}) == len(boxes)
-        assert "Samples" in row.locator("td").first.evaluate(
-            "c => getComputedStyle(c, '::before').content"
-        )
+        assert len({round(b["y"]) for b in boxes}) == len(boxes)
+        assert "Samples" in measured["label"]
     else:  # a table: one line per volunteer
-        assert len({round(b["y"]) for b in boxes if b}) == 1
+        assert len({round(b["y"]) for b in boxes}) == 1
 
 
 @pytest.mark.parametrize(("width", "height"), SIZES)
