@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(done.stdout[-4000:] + done.stderr[-2000:])
         print("error: no attack ran", file=sys.stderr)
         return 1
+    for line in lines:  # a test run on each database: say which, where the outcome does not
+        param = line["test"].rpartition("[")[2].rstrip("]") if line["test"].endswith("]") else ""
+        if param and param not in line["outcome"]:
+            line["attack"] += f" [{param}]"
     width = max(len(line["attack"]) for line in lines)
     for line in lines:
         verdict = "held" if line["held"] else "GOT THROUGH"

@@ -73,3 +73,23 @@ def test_coordinator_volunteers_benchmark_runs() -> None:
     for line in ("reports ", "bootstrap ", "certificate ", "dashboard ", "report → live"):
         assert line in out, out
     assert "errors 0" in out and "MISMATCH" not in out and "MB per hour" in out
+
+
+@pytest.mark.slow
+def test_redteam_prints_one_line_per_attack_and_fails_on_none_held() -> None:
+    def redteam(*pytest_args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "bench/redteam.py", "--", *pytest_args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    held = redteam("-k", "test_subkeys or open_node_beyond_loopback")
+    assert held.returncode == 0, held.stdout + held.stderr
+    rows = [line for line in held.stdout.splitlines() if "  held  " in line]
+    assert len(rows) >= 2 and "0 got through" in held.stdout
+    # no attack selected: the bench says so and fails instead of passing on nothing
+    nothing = redteam("-k", "no_attack_has_this_name")
+    assert nothing.returncode != 0 and "no attack ran" in nothing.stderr
