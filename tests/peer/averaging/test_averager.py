@@ -1,4 +1,4 @@
-"""DecentralizedAverager over WebSocket on loopback: points 1 to 6 of issue 3."""
+"""DecentralizedAverager over WebSocket on loopback: groups, weights, modes and metadata."""
 
 from __future__ import annotations
 

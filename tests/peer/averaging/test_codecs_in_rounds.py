@@ -1,4 +1,4 @@
-"""Point 10 of issue 3: codec error bounds, and exact partition/reassembly for odd sizes."""
+"""Codec error bounds in rounds, and exact partition/reassembly for odd sizes."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Faults during all-reduce (points 8 and 9 of issue 3).
+"""Faults during all-reduce: peers that die and peers that send bad parts.
 
-Point 8 runs each peer in its own process (the SIGKILL cases need real processes); point 9
-injects bad parts in-process over WebSocket on loopback.
+Peers that die run each in its own process (the SIGKILL cases need real processes); bad
+parts are injected in-process over WebSocket on loopback.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def test_a_slow_link_is_not_taken_for_a_dead_peer(make_swarm, monkeypatch) -> No
 
 @pytest.mark.parametrize("fault", ["nan", "wrong_length", "oversized", "bad_range"])
 def test_bad_parts_exclude_the_sender(make_swarm, caplog, fault: str) -> None:
-    """Point 9: a sender of NaN, wrong-length or oversized parts (or of a batch of parts past
+    """A sender of NaN, wrong-length or oversized parts (or of a batch of parts past
     the end of the span) is excluded and logged once
     by each honest reducer; honest peers get exactly the mean over honest peers."""
     swarm = make_swarm(4)

@@ -1,4 +1,4 @@
-"""State download (point 7 of issue 3)."""
+"""State download from a live donor."""
 
 from __future__ import annotations
 

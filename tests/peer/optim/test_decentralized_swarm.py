@@ -1,5 +1,6 @@
-"""DecentralizedSGD/Adam over real nodes (WebSocket on loopback, one process): points 5 and
-6 of issue 5, catch-up by state download, prompt shutdown, argument checks."""
+"""DecentralizedSGD/Adam over real nodes (WebSocket on loopback, one process): averaging in
+the background, epochs counted across the swarm, catch-up by state download, prompt shutdown,
+argument checks."""
 
 from __future__ import annotations
 
