@@ -109,8 +109,8 @@ def test_the_real_protocol_reaches_the_mean_in_log_g_rounds_without_churn() -> N
 
 @pytest.mark.slow
 @pytest.mark.xfail(
-    reason="known flake: now and then 2 of 200 steps fail to find their group at 100 peers "
-    "and the mean is not reached in 2 rounds; not yet found",
+    reason="known bug: in many runs 2 of 200 steps at 100 peers fail to find their group "
+    "and the mean is not reached in 2 rounds; cause not yet found",
     strict=False,
 )
 def test_the_real_protocol_at_100_reaches_the_mean_in_log_16_rounds() -> None:
