@@ -45,6 +45,7 @@ already in the target dtype) is sent with ``none`` — the wire name records wha
 
 from __future__ import annotations
 
+import abc
 import enum
 import math
 from collections.abc import Hashable, Mapping, Sequence
@@ -653,8 +654,9 @@ class _BlockwiseQuantization(Compression):
     def applies_to(self, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
 
+    @abc.abstractmethod
     def _code_bytes(self, numel: int) -> int:
-        raise NotImplementedError
+        """Bytes of the codes of ``numel`` elements (each codec packs them its own way)."""
 
     def payload_nbytes(
         self, numel: int, dtype: torch.dtype, info: CompressionInfo | None = None
