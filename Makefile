@@ -43,7 +43,7 @@ test-fast: $(STAMP) browser
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy peer server swarmgrad
+	$(BIN)/mypy peer server swarmgrad swarmlab
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -26,7 +26,7 @@ sealed, the default, and in clear as on a trusted network), each against gloo in
 run; the last column is the encrypted ratio over the clear one.
 
 ``--rate`` puts every peer in a network namespace of its own whose link carries that many
-Mbit/s each way (tc's token bucket, :mod:`peer.netlab`; needs root), as between machines;
+Mbit/s each way (tc's token bucket, :mod:`swarmlab.netlab`; needs root), as between machines;
 gloo runs over the same links. Without it, everything runs on loopback, where the link
 costs nothing and the CPU is the limit.
 """
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 if TYPE_CHECKING:
-    from peer.netlab import NetLab
+    from swarmlab.netlab import NetLab
 
 MEMORY_ROUNDS = 3  # rounds of the memory pass (the first one is also the warm-up)
 
@@ -298,7 +298,7 @@ def main() -> None:
         worker(args)
         return
     if args.rate is not None:
-        from peer.netlab import unavailable
+        from swarmlab.netlab import unavailable
 
         reason = unavailable()
         if reason is not None:
@@ -321,7 +321,7 @@ def main() -> None:
             with contextlib.ExitStack() as stack:
                 lab = None
                 if args.rate is not None:
-                    from peer.netlab import NetLab
+                    from swarmlab.netlab import NetLab
 
                     lab = stack.enter_context(NetLab(peers, rate_mbit=args.rate))
                 r = run(peers, args, encryption=setting == "on", lab=lab)

@@ -4,7 +4,7 @@
     .venv/bin/python bench/chaos.py --coordinator    # the coordinator's (bench/chaos_coordinator.py)
 
 ``--peers - 1`` survivors live for the whole run, each an averager in its own process
-(:class:`peer.averaging.testing.AveragerProcess`, on loopback). Every round a fresh victim
+(:class:`swarmlab.averager_process.AveragerProcess`, on loopback). Every round a fresh victim
 joins them and dies in one of four ways (each in turn, in a random order every four rounds):
 in an averaging round of all ``--peers``, SIGKILLed from outside while the group is
 matchmaking, SIGKILL after its first part went out (a sender dies), or SIGKILL on the first
@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from peer.averaging.testing import AveragerProcess
 from peer.testing import wait_until
+from swarmlab.averager_process import AveragerProcess
 
 MOMENTS = ("matchmaking", "kill_after_first_part", "kill_while_reducing", "kill_mid_state")
 CONFIG: dict[str, Any] = {

@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.sim import simulate
 from peer.testing import NodeProcess, wait_until
+from swarmlab.sim import simulate
 
 
 def processes(n: int, gossip_period: float) -> None:

@@ -3,7 +3,7 @@
     .venv/bin/python bench/overlap.py [--peers 2] [--rate 50] [--width 1024] [--repeat 3]
 
 Runs ``--peers`` processes, each in its own network namespace whose link is shaped to
-``--rate`` Mbit/s each way with tc's token bucket (:mod:`peer.netlab`; needs root and
+``--rate`` Mbit/s each way with tc's token bucket (:mod:`swarmlab.netlab`; needs root and
 iproute2). Each trains an MLP (``--width`` hidden units, random data) with the collaborative
 ``peer.Optimizer`` and plain SGD with momentum, one torch thread per process:
 
@@ -225,7 +225,7 @@ def main() -> None:
         worker(json.loads(args.worker))
         return
 
-    from peer.netlab import NetLab, NetLabError, unavailable
+    from swarmlab.netlab import NetLab, NetLabError, unavailable
 
     reason = unavailable()
     if reason is not None:

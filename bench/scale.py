@@ -6,7 +6,7 @@ downloads hold from 50 to 1,000 peers.
     python bench/scale.py --peers 100 --full-max 100   # the real protocol for every peer
 
 Every peer is a real :class:`~peer.node.AsyncNode` on the in-memory transport, on the one
-virtual-time loop of :mod:`peer.sim` (time jumps to the next timer whenever every peer
+virtual-time loop of :mod:`swarmlab.sim` (time jumps to the next timer whenever every peer
 waits, so the figures are protocol time, not this machine's). Each host draws its access
 link (one-way latency 5-80 ms, bandwidth 1-100 MB/s, log-uniform; a message pays both
 ends' latency, at the slower end's bandwidth); a share of the peers are in client mode
@@ -72,8 +72,8 @@ from peer.averaging.state import StateServer
 from peer.formats.identity import Identity
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.gossip import MEMBERS_KEY, Record
-from peer.sim import EPOCH, DrawnLinkNetwork, LoopHandle, VirtualTimeLoop
 from peer.wire import Frame
+from swarmlab.sim import EPOCH, DrawnLinkNetwork, LoopHandle, VirtualTimeLoop
 
 SIZES = (50, 100, 250, 500, 1000)
 PREFIX = "scale"

@@ -19,7 +19,7 @@ background parameter averaging) and prints:
   peer's training time), and their ratio.
 
 ``--methods collaborative,hierarchical,daso`` (or ``all``) trains the same digits recipe
-with each method instead (:mod:`peer.tasks.digits_compare`: 4 peers, the recipe's 30 epochs by default)
+with each method instead (:mod:`swarmlab.digits_compare`: 4 peers, the recipe's 30 epochs by default)
 and prints, per method, the worst peer's accuracy and its gap to the single process, the
 samples, the bytes each peer's node sent per sample and the seconds per epoch — the last two
 also as ratios to the collaborative ``Optimizer`` measured in the same run.
@@ -37,7 +37,7 @@ Any other task (``charlm``, ``package.module:function``) is trained as a run tra
 collaborative ``peer.Optimizer`` with the task's TrainingConfig (``--config key=value``
 overrides it, as ``swarmgrad runs create --config`` does), one optimizer step per
 ``target_batch_size`` samples of the whole swarm; the single process takes the same steps on
-its own (:func:`peer.tasks.simulate.simulate_swarm` with one peer). Printed: the held-out
+its own (:func:`swarmlab.simulate.simulate_swarm` with one peer). Printed: the held-out
 metric of both against epochs and samples processed (the swarm's from peer 0's parameters;
 evaluated after training, so evaluation costs no one throughput), and the samples/s ratio.
 
@@ -199,7 +199,7 @@ def _method_peer(
     index: int, num_peers: int, bootstrap: list[str], config: dict[str, Any], method: str
 ) -> dict[str, Any]:
     from peer import Node
-    from peer.tasks.digits_compare import train_peer_with
+    from swarmlab.digits_compare import train_peer_with
 
     with Node(bootstrap, gossip_period=0.2) as node:
         result = train_peer_with(node, index, num_peers, DigitsConfig(**config), method)
@@ -210,7 +210,7 @@ def _methods_main(args: argparse.Namespace) -> int:
     """Every method on the same shards, peers and recipe; ratios against the collaborative
     ``Optimizer`` measured in the same run."""
     from peer import Node
-    from peer.tasks.digits_compare import METHODS
+    from swarmlab.digits_compare import METHODS
 
     methods = list(METHODS) if args.methods == "all" else args.methods.split(",")
     unknown = sorted(set(methods) - set(METHODS))
@@ -308,7 +308,7 @@ def _single_task(
 ) -> dict[str, Any]:
 
     from peer.tasks import TrainingConfig, load_task
-    from peer.tasks.simulate import simulate_swarm
+    from swarmlab.simulate import simulate_swarm
 
     task = load_task(task_name)
     config = TrainingConfig.from_run_config(task, run_config)

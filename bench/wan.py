@@ -3,7 +3,7 @@
     .venv/bin/python bench/wan.py [--peers 4] [--rate 50] [--rtt 50] [--samples 8192]
                                   [--plot wan.png] [--mix SEED] [--check]
 
-Puts ``--peers`` processes behind emulated home links (:mod:`peer.netlab`: a network
+Puts ``--peers`` processes behind emulated home links (:mod:`swarmlab.netlab`: a network
 namespace each, ``--rate`` Mbit/s each way by tc's token bucket, ``--rtt`` ms of round trip
 by a delay line; ``--mix SEED`` draws a heterogeneous mix of 20-200 Mbit/s and 10-150 ms
 instead; needs root and iproute2). They train the same model, charlm's byte-level
@@ -369,7 +369,7 @@ def main() -> None:
         worker(json.loads(args.worker))
         return
 
-    from peer.netlab import NetLab, NetLabError, home_links, unavailable
+    from swarmlab.netlab import NetLab, NetLabError, home_links, unavailable
 
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
@@ -403,7 +403,7 @@ def main() -> None:
     )
     params = sum(p.numel() for p in task.build_model(config).parameters())
     print(
-        f"wan: {args.peers} peers behind {where} (peer.netlab); charlm transformer of "
+        f"wan: {args.peers} peers behind {where} (swarmlab.netlab); charlm transformer of "
         f"{params / 1e6:.2f}M parameters ({params * 4 / 1e6:.1f} MB fp32), {args.samples} "
         f"samples per method, batches of {args.batch}, one torch thread per peer, plain mean "
         "aggregation"

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("peer", "server", "swarmgrad")
+PACKAGES = ("peer", "server", "swarmgrad", "swarmlab")
+PRODUCT = ("peer", "server", "swarmgrad")  # what the wheel ships; swarmlab is the tests' own
 
 # The peer library, lowest first: a module may import its own layer and those below.
 PEER_LAYERS: tuple[tuple[str, ...], ...] = (
@@ -27,7 +28,7 @@ PEER_LAYERS: tuple[tuple[str, ...], ...] = (
     ("peer.node",),
     ("peer.averaging",),
     ("peer.optim",),
-    ("peer.coordinator", "peer.testing", "peer.sim", "peer.netlab"),
+    ("peer.coordinator", "peer.testing"),
     ("peer.tasks",),
     ("peer.volunteer",),
     ("peer.integrations",),
@@ -37,11 +38,6 @@ PEER_LAYERS: tuple[tuple[str, ...], ...] = (
 SERVER_MAY_IMPORT = ("peer.exceptions", "peer.formats", "peer.identity", "peer.revocation")
 SERVER_STACK = ("fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "psycopg", "jinja2")
 SERVER_STACK += ("pydantic_settings", "prometheus_client")
-
-# Test and benchmark scaffolding still inside the product packages (simulators, fault
-# injection, comparison helpers), on its way to a support package the wheel does not ship:
-# the rules are not asked of it until then.
-SCAFFOLDING = ("peer.averaging.testing", "peer.tasks.digits_compare", "peer.tasks.simulate")
 
 
 @dataclass(frozen=True)
@@ -117,10 +113,6 @@ def peer_layer(module: str) -> int:
     return best
 
 
-def _scaffolding(module: str) -> bool:
-    return any(_within(module, s) for s in SCAFFOLDING)
-
-
 def test_every_peer_module_has_a_layer() -> None:
     for name in modules():
         if name.split(".")[0] == "peer":
@@ -134,10 +126,18 @@ def test_the_peer_library_imports_only_down_its_layers() -> None:
         if _within(i.importer, "peer")
         and i.importer != "peer"
         and _within(i.imported, "peer")
-        and not _scaffolding(i.importer)
         and peer_layer(i.imported) > peer_layer(i.importer)
     ]
     assert upward == []
+
+
+def test_the_product_never_imports_the_test_and_bench_support() -> None:
+    found = [
+        f"{i.importer} (line {i.line}) imports {i.imported}"
+        for i in all_imports()
+        if i.importer.split(".")[0] in PRODUCT and _within(i.imported, "swarmlab")
+    ]
+    assert found == []
 
 
 def test_the_peer_library_never_imports_the_command_line_nor_the_server() -> None:
@@ -285,7 +285,7 @@ def test_no_node_is_typed_any_in_the_peer_library() -> None:
     node itself: mypy checks every use."""
     found = []
     for name, path in modules().items():
-        if not _within(name, "peer") or _scaffolding(name):
+        if not _within(name, "peer"):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.arg) and node.annotation is not None:

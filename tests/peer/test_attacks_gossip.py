@@ -19,10 +19,10 @@ from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Ide
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.exchange import GOSSIP_PUSH
 from peer.node.gossip import Record, pack_value
-from peer.sim import EPOCH, VirtualTimeLoop
 from peer.testing import wait_until
 from peer.transport.memory import MemoryNetwork
 from peer.wire import Frame
+from swarmlab.sim import EPOCH, VirtualTimeLoop
 from tests.conftest import scaled
 
 

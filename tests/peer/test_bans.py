@@ -14,9 +14,9 @@ from peer.exceptions import AuthenticationError, SwarmgradError
 from peer.identity import Identity
 from peer.node.trust import LINK_REVOCATIONS
 from peer.revocation import RevocationBook, RevocationList
-from peer.sim import VirtualTimeLoop
 from peer.transport.memory import MemoryNetwork
 from peer.wire import Frame
+from swarmlab.sim import VirtualTimeLoop
 from tests.peer.test_attacks_gossip import _certified, _until, vloop  # noqa: F401
 
 RUN = "run"

@@ -8,8 +8,8 @@ import pytest
 
 from peer.exceptions import ConnectionClosed, TransportError
 from peer.node.core import AsyncNode, NodeConfig
-from peer.sim import EPOCH, VirtualTimeLoop, simulate
 from peer.transport.memory import MemoryNetwork
+from swarmlab.sim import EPOCH, VirtualTimeLoop, simulate
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from peer.netlab import Link, NetLab, NetLabError, home_links, unavailable
+from swarmlab.netlab import Link, NetLab, NetLabError, home_links, unavailable
 from tests.conftest import scaled
 
 REASON = unavailable()
@@ -141,9 +141,9 @@ def test_bad_arguments_and_failures_are_clear(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_a_lab_that_fails_half_way_is_removed(monkeypatch: pytest.MonkeyPatch) -> None:
-    import peer.netlab
+    import swarmlab.netlab
 
-    real, calls = peer.netlab._run, []
+    real, calls = swarmlab.netlab._run, []
 
     def failing(argv: list[str]) -> None:
         calls.append(argv)
@@ -151,7 +151,7 @@ def test_a_lab_that_fails_half_way_is_removed(monkeypatch: pytest.MonkeyPatch) -
             raise NetLabError("injected")
         real(argv)
 
-    monkeypatch.setattr(peer.netlab, "_run", failing)
+    monkeypatch.setattr(swarmlab.netlab, "_run", failing)
     lab = NetLab(2)
     with pytest.raises(NetLabError, match="injected"):
         lab.__enter__()

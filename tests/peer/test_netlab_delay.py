@@ -1,10 +1,10 @@
-"""The delay line of peer.netlab's links, without a device: packets out in order, on time."""
+"""The delay line of swarmlab.netlab's links, without a device: packets out in order, on time."""
 
 from __future__ import annotations
 
 import pytest
 
-from peer.netlab_delay import DelayLine
+from swarmlab.netlab_delay import DelayLine
 
 
 def test_packets_come_out_after_the_delay_in_arrival_order() -> None:

@@ -1,4 +1,4 @@
-"""The whole-swarm simulator (bench/scale.py) and its building blocks in peer/sim.py."""
+"""The whole-swarm simulator (bench/scale.py) and its building blocks in swarmlab/sim.py."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from bench.scale import (
     simulate_moshpit,
     simulate_swarm,
 )
-from peer.sim import DrawnLinkNetwork, LoopHandle, VirtualTimeLoop
+from swarmlab.sim import DrawnLinkNetwork, LoopHandle, VirtualTimeLoop
 
 
 def test_grid_shape_is_the_smallest_side_for_log_g_dimensions() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.netlab import unavailable
+from swarmlab.netlab import unavailable
 from tests.conftest import scaled
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

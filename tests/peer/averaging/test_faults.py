@@ -19,7 +19,7 @@ import torch
 import peer.transport.bulk as bulk_module
 from peer.averaging.allreduce import AllreduceRunner
 from peer.averaging.exceptions import NonFiniteTensors
-from peer.averaging.testing import AveragerProcess, faulty_runner
+from swarmlab.averager_process import AveragerProcess, faulty_runner
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import step_all, wait_for
 

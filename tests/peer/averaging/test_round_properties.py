@@ -31,8 +31,8 @@ from peer.averaging.partition import FlatLayout, Partition
 from peer.averaging.protocol import AVERAGE, PART
 from peer.compression import NoCompression
 from peer.exceptions import TransportError
-from peer.sim import VirtualTimeLoop
 from peer.wire import Frame
+from swarmlab.sim import VirtualTimeLoop
 
 PART_BYTES = 64  # 16 float32 values a part: several parts per span
 DEADLINE = 120.0  # virtual seconds: far beyond the timeouts, a round must end before

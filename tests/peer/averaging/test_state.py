@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from peer import DecentralizedAverager
-from peer.averaging.testing import AveragerProcess
+from swarmlab.averager_process import AveragerProcess
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import wait_for
 

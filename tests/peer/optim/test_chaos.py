@@ -2,7 +2,7 @@
 two by the network. Each time the swarm goes on without the missing part and, once it is
 back, is one again by itself: one epoch, one model.
 
-The split runs four peers in an emulated network (:class:`peer.netlab.NetLab`, one network
+The split runs four peers in an emulated network (:class:`swarmlab.netlab.NetLab`, one network
 namespace each): it needs root and iproute2; skipped elsewhere with the reason, and a
 failure under ``CI=true``.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.netlab import NetLab, unavailable
+from swarmlab.netlab import NetLab, unavailable
 from tests.conftest import scaled
 from tests.peer.optim.collab_swarm import (
     all_logs,

@@ -24,8 +24,8 @@ from peer.tasks.digits import (
     train_peer,
     train_single,
 )
-from peer.tasks.digits_compare import METHODS, train_peer_with
 from peer.testing import wait_until
+from swarmlab.digits_compare import METHODS, train_peer_with
 from tests.conftest import scaled
 
 

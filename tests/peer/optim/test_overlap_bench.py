@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.netlab import unavailable
+from swarmlab.netlab import unavailable
 from tests.conftest import scaled
 
 BENCH = Path(__file__).resolve().parents[3] / "bench" / "overlap.py"

@@ -11,7 +11,7 @@ import torch
 
 from peer.tasks import TrainingConfig, load_task
 from peer.tasks.charlm import CharLMTask, load_text
-from peer.tasks.simulate import simulate_swarm
+from swarmlab.simulate import simulate_swarm
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from peer.tasks.base import TrainingConfig
 from peer.tasks.registry import load_task
-from peer.tasks.simulate import simulate_swarm
+from swarmlab.simulate import simulate_swarm
 
 GUIDE = Path(__file__).resolve().parents[3] / "docs" / "volunteers.md"
 

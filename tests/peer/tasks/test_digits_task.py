@@ -13,7 +13,7 @@ import torch
 
 from peer.tasks import TrainingConfig, load_task
 from peer.tasks.digits import DigitsTask
-from peer.tasks.simulate import simulate_swarm
+from swarmlab.simulate import simulate_swarm
 
 TARGET_ACCURACY = 0.93
 

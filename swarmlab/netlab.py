@@ -12,7 +12,7 @@ itself.
 
 Home links: ``rtt_ms`` gives every link a propagation delay, and ``links`` gives each peer a
 :class:`Link` of its own (:func:`home_links` draws a mix of home connections). A peer whose
-link has a round trip of R holds every packet it sends for R/2 (:mod:`peer.netlab_delay`:
+link has a round trip of R holds every packet it sends for R/2 (:mod:`swarmlab.netlab_delay`:
 netem is missing from these kernels, so the packets go through a TUN device and a small
 process that keeps them), so two peers with links of R1 and R2 see a round trip of
 (R1 + R2) / 2 between them, and peers with equal links exactly their link's.

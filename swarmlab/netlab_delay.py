@@ -1,4 +1,4 @@
-"""Propagation delay for :mod:`peer.netlab`, in user space: a TUN device that holds packets.
+"""Propagation delay for :mod:`swarmlab.netlab`, in user space: a TUN device that holds packets.
 
 The kernels this project runs on have tc's token bucket but not ``netem``, so a lab link
 cannot be given a delay by a qdisc. Instead every packet a peer sends to the lab's subnet
@@ -11,10 +11,10 @@ Inbound packets are delivered directly, so a path's one-way delay is the sender'
 process raises its own priority: on a machine loaded past its cores, a starved delay line
 would pass fewer Mbit/s than the link's rate (tests/peer/test_netlab.py bounds it).
 
-Run by :class:`peer.netlab.NetLab` as a plain script (no ``peer`` import, so it starts in
+Run by :class:`swarmlab.netlab.NetLab` as a plain script (no ``peer`` import, so it starts in
 a fraction of a second)::
 
-    ip netns exec NS python peer/netlab_delay.py tun0 25.0
+    ip netns exec NS python swarmlab/netlab_delay.py tun0 25.0
 
 It attaches to the (persistent) TUN device, prints ``ready`` and runs until killed or until
 its standard input closes (its parent gone).

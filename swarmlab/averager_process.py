@@ -1,6 +1,6 @@
 """Run an averager in its own OS process and drive it over a line protocol (for tests).
 
-``python -m peer.averaging.testing --tensors PATH [--initial-peer ADDR] [--config JSON]
+``python -m swarmlab.averager_process --tensors PATH [--initial-peer ADDR] [--config JSON]
 [--fault KIND] [--client-mode]`` starts a node and an averager over the tensors saved at
 ``PATH`` (``torch.save`` of a list), prints ``{"peer_id": ..., "addresses": [...]}`` and
 answers JSON commands on standard input, one per line::
@@ -40,6 +40,7 @@ from peer.averaging.butterfly import ButterflyRound
 from peer.averaging.state import StateServer
 from peer.testing import ChildProcess, serve_json_lines
 from peer.wire import Frame
+from swarmlab import child_env
 
 FAULTS = (
     "kill_after_first_part",
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 class AveragerProcess(ChildProcess):
-    """An averager in a child process (``python -m peer.averaging.testing``)."""
+    """An averager in a child process (``python -m swarmlab.averager_process``)."""
 
     what = "averager"
 
@@ -209,7 +210,7 @@ class AveragerProcess(ChildProcess):
         fault: str | None = None,
         client_mode: bool = False,
     ) -> None:
-        args = [sys.executable, "-m", "peer.averaging.testing", "--tensors", tensors_path]
+        args = [sys.executable, "-m", "swarmlab.averager_process", "--tensors", tensors_path]
         for address in initial_peers:
             args += ["--initial-peer", address]
         args += ["--config", json.dumps(config or {})]
@@ -217,7 +218,7 @@ class AveragerProcess(ChildProcess):
             args += ["--fault", fault]
         if client_mode:
             args.append("--client-mode")
-        super().__init__(args)
+        super().__init__(args, env=child_env())
 
 
 if __name__ == "__main__":
