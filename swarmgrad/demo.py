@@ -102,6 +102,10 @@ def demo(
                 algorithm=algorithm.value,
             ).run()
         except KeyboardInterrupt:
+            # Everything is cleaned up: another Ctrl-C (or an impatient second signal from a
+            # supervisor) while the interpreter exits must not turn the exit status 130 into
+            # a death by signal.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             typer.echo("stopped: every process the demo started is gone", err=True)
             raise
 
