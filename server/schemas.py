@@ -36,6 +36,12 @@ from peer.formats.payloads import (
     CheckpointsPublic as CheckpointsPublic,
 )
 from peer.formats.payloads import (
+    EpochPublic as EpochPublic,
+)
+from peer.formats.payloads import (
+    HistoryPoint as HistoryPoint,
+)
+from peer.formats.payloads import (
     JoinChallengePublic as JoinChallengePublic,
 )
 from peer.formats.payloads import (
@@ -52,6 +58,9 @@ from peer.formats.payloads import (
 )
 from peer.formats.payloads import (
     Port as Port,
+)
+from peer.formats.payloads import (
+    ProgressPublic as ProgressPublic,
 )
 from peer.formats.payloads import (
     ReachabilityPublic as ReachabilityPublic,
@@ -292,63 +301,6 @@ class ReportCreate(_Body):
 
 class ReportAccepted(BaseModel):
     status: Literal["accepted"] = "accepted"
-
-
-class HistoryPoint(BaseModel):
-    t: datetime
-    epoch: int
-    samples: int
-    samples_per_second: float
-    loss: float | None
-    peers_online: int
-    eval_metric: float | None = None
-    mean_group_size: float | None = None
-    rounds_done: int = 0
-    rounds_failed: int = 0
-
-
-class EpochPublic(BaseModel):
-    epoch: int
-    started_at: datetime
-    last_report_at: datetime
-    reports: int
-    mean_loss: float | None
-    max_group_size: int | None
-    rounds_done: int
-    rounds_failed: int
-
-
-class ProgressPublic(BaseModel):
-    run_id: str
-    status: RunStatus
-    epoch: int
-    samples: int
-    samples_per_second: float = Field(
-        description="How fast the run's samples counter grew over the last 10-15 s of the "
-        "coordinator's clock: counted, not claimed."
-    )
-    compute_samples_per_second: float = Field(
-        0.0,
-        description="What the online peers say they compute, summed (time spent averaging "
-        "excluded): their claim, for comparison.",
-    )
-    peers_online: int
-    loss: float | None = Field(description="Median of the online peers' latest losses.")
-    eval_metric: float | None = Field(
-        description="Median of the held-out metrics the online peers reported within the "
-        "online TTL; else the latest reported."
-    )
-    rounds_done: int = Field(description="Averaging rounds completed, summed over peers.")
-    rounds_failed: int = Field(description="Averaging rounds failed, summed over peers.")
-    bytes_per_sample: float | None = Field(
-        None,
-        description="Bytes the peers' nodes sent per sample they trained, over the peers "
-        "that report it (their claims, summed); None before any does.",
-    )
-    checkpoint: CheckpointPublic | None = Field(description="The newest checkpoint.")
-    recent_group_sizes: list[int]
-    epochs: list[EpochPublic] = Field(description="The most recent epochs, newest last.")
-    history: list[HistoryPoint] = Field(description="Downsampled history, oldest first.")
 
 
 class HealthPublic(BaseModel):

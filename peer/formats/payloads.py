@@ -1,12 +1,13 @@
-"""The coordinator's REST payloads that the volunteer's side reads or sends: one description
-of the protocol that both sides hold to.
+"""The coordinator's REST payloads that its clients read or send (a volunteer's peer and the
+organizer's ``swarmgrad`` commands): one description of the protocol that both sides hold to.
 
 The coordinator (``server``) declares them as its routes' request and response models, so
 FastAPI validates and documents them with these very classes; the client
 (:class:`peer.coordinator.CoordinatorClient`) parses every answer into them before it uses a
 field, so an answer of another shape is refused as not a coordinator's, naming the field,
 and mypy checks both sides' uses against one set of types. The server's own bodies (what only
-organizers' pages or the server itself use) stay in ``server.schemas``, which re-exports
+its web pages, its dashboard API or the server itself use, and the requests it validates
+more strictly than a client needs to know) stay in ``server.schemas``, which re-exports
 these.
 
 Pydantic is the one dependency this adds to the volunteer's install (the server stack is not
@@ -28,12 +29,15 @@ __all__ = [
     "CheckpointHeld",
     "CheckpointPublic",
     "CheckpointsPublic",
+    "EpochPublic",
+    "HistoryPoint",
     "JoinChallengePublic",
     "JoinResponse",
     "OrganizerTokenCreated",
     "OrganizerTokenPublic",
     "OrganizerTokensPublic",
     "Port",
+    "ProgressPublic",
     "ReachabilityPublic",
     "ReachabilityRequest",
     "RevocationsPublic",
@@ -143,6 +147,66 @@ class CheckpointHeld(BaseModel):
 
 class CheckpointsPublic(BaseModel):
     checkpoints: list[CheckpointPublic] = Field(description="Newest first.")
+
+
+# -------------------------------------------------------------------- progress
+
+
+class HistoryPoint(BaseModel):
+    t: datetime
+    epoch: int
+    samples: int
+    samples_per_second: float
+    loss: float | None
+    peers_online: int
+    eval_metric: float | None = None
+    mean_group_size: float | None = None
+    rounds_done: int = 0
+    rounds_failed: int = 0
+
+
+class EpochPublic(BaseModel):
+    epoch: int
+    started_at: datetime
+    last_report_at: datetime
+    reports: int
+    mean_loss: float | None
+    max_group_size: int | None
+    rounds_done: int
+    rounds_failed: int
+
+
+class ProgressPublic(BaseModel):
+    run_id: str
+    status: RunStatus
+    epoch: int
+    samples: int
+    samples_per_second: float = Field(
+        description="How fast the run's samples counter grew over the last 10-15 s of the "
+        "coordinator's clock: counted, not claimed."
+    )
+    compute_samples_per_second: float = Field(
+        0.0,
+        description="What the online peers say they compute, summed (time spent averaging "
+        "excluded): their claim, for comparison.",
+    )
+    peers_online: int
+    loss: float | None = Field(description="Median of the online peers' latest losses.")
+    eval_metric: float | None = Field(
+        description="Median of the held-out metrics the online peers reported within the "
+        "online TTL; else the latest reported."
+    )
+    rounds_done: int = Field(description="Averaging rounds completed, summed over peers.")
+    rounds_failed: int = Field(description="Averaging rounds failed, summed over peers.")
+    bytes_per_sample: float | None = Field(
+        None,
+        description="Bytes the peers' nodes sent per sample they trained, over the peers "
+        "that report it (their claims, summed); None before any does.",
+    )
+    checkpoint: CheckpointPublic | None = Field(description="The newest checkpoint.")
+    recent_group_sizes: list[int]
+    epochs: list[EpochPublic] = Field(description="The most recent epochs, newest last.")
+    history: list[HistoryPoint] = Field(description="Downsampled history, oldest first.")
 
 
 # -------------------------------------------------------------- joining a run
