@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -154,9 +153,8 @@ def worker(cfg: dict[str, Any]) -> None:
 
 def run_phases(lab: Any, args: argparse.Namespace, phases: list[tuple[bool, int, int]]) -> list:
     """Start one worker per peer in its namespace; per phase, the list of peers' results."""
-    processes = []
-    for rank in range(args.peers):
-        cfg = dict(
+    configs = [
+        dict(
             rank=rank,
             peers=args.peers,
             batch=args.batch,
@@ -166,30 +164,11 @@ def run_phases(lab: Any, args: argparse.Namespace, phases: list[tuple[bool, int,
             matchmaking_time=args.matchmaking_time,
             phases=phases,
         )
-        argv = [sys.executable, __file__, "--worker", json.dumps(cfg)]
-        processes.append(
-            subprocess.Popen(
-                lab.command(rank, argv),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL,
-                text=True,
-            )
-        )
-    outputs = []
-    for rank, process in enumerate(processes):
-        try:
-            out, err = process.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            for p in processes:
-                p.kill()
-            raise SystemExit(f"peer {rank} did not finish within {args.timeout:.0f} s") from None
-        if process.returncode != 0:
-            for p in processes:
-                p.kill()
-            tail = "\n".join(err.strip().splitlines()[-15:])
-            raise SystemExit(f"peer {rank} failed (exit {process.returncode}):\n{tail}")
-        outputs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+        for rank in range(args.peers)
+    ]
+    from swarmlab.netlab import run_workers
+
+    outputs = run_workers(lab, __file__, configs, args.timeout)
     return [[outputs[r][i] for r in range(args.peers)] for i in range(len(phases))]
 
 

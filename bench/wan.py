@@ -37,7 +37,6 @@ import argparse
 import itertools
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -236,9 +235,8 @@ def run_methods(lab: Any, args: argparse.Namespace, methods: list[str]) -> list[
         "aggregator": "mean",  # every peer is ours: no robust aggregation needed
         "eval_windows": args.eval_windows,
     }
-    processes = []
-    for rank in range(args.peers):
-        cfg = dict(
+    configs = [
+        dict(
             rank=rank,
             peers=args.peers,
             host=lab.address(rank),
@@ -254,30 +252,11 @@ def run_methods(lab: Any, args: argparse.Namespace, methods: list[str]) -> list[
             outer_momentum=args.outer_momentum,
             snapshots=args.snapshots,
         )
-        argv = [sys.executable, __file__, "--worker", json.dumps(cfg)]
-        processes.append(
-            subprocess.Popen(
-                lab.command(rank, argv),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                stdin=subprocess.DEVNULL,
-                text=True,
-            )
-        )
-    outputs = []
-    for rank, process in enumerate(processes):
-        try:
-            out, err = process.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            for p in processes:
-                p.kill()
-            raise SystemExit(f"peer {rank} did not finish within {args.timeout:.0f} s") from None
-        if process.returncode != 0:
-            for p in processes:
-                p.kill()
-            tail = "\n".join(err.strip().splitlines()[-15:])
-            raise SystemExit(f"peer {rank} failed (exit {process.returncode}):\n{tail}")
-        outputs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+        for rank in range(args.peers)
+    ]
+    from swarmlab.netlab import run_workers
+
+    outputs = run_workers(lab, __file__, configs, args.timeout)
     return [[outputs[r][i] for r in range(args.peers)] for i in range(len(methods))]
 
 

@@ -27,6 +27,7 @@ missing. ::
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -322,3 +323,39 @@ class NetLab:
         while self._bridges > 1:
             self._bridges -= 1
             _run(["ip", "-n", self._switch, "link", "del", f"br{self._bridges}"])
+
+
+def run_workers(
+    lab: NetLab, script: str, configs: Sequence[dict[str, object]], timeout: float
+) -> list[list[dict[str, object]]]:
+    """Run ``python script --worker CONFIG`` once per config, the i-th in peer i's namespace,
+    and return each worker's JSON lines on stdout (in rank order). A worker that fails or
+    outlives ``timeout`` ends the benchmark with the tail of its stderr; the others are
+    killed, never left behind."""
+    processes = [
+        subprocess.Popen(
+            lab.command(rank, [sys.executable, script, "--worker", json.dumps(cfg)]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+        )
+        for rank, cfg in enumerate(configs)
+    ]
+    outputs = []
+    try:
+        for rank, process in enumerate(processes):
+            try:
+                out, err = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"peer {rank} did not finish within {timeout:.0f} s") from None
+            if process.returncode != 0:
+                tail = "\n".join(err.strip().splitlines()[-15:])
+                raise SystemExit(f"peer {rank} failed (exit {process.returncode}):\n{tail}")
+            outputs.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return outputs
