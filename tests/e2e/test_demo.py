@@ -8,53 +8,19 @@ from __future__ import annotations
 
 import re
 import statistics
-import subprocess
-import sys
-import threading
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
 from peer.tasks.base import TrainingConfig
 from peer.tasks.registry import load_task
-from swarmgrad.local import child_environment, free_port, stop_process
-from tests.conftest import MARKER_VARIABLE, marked_processes, scaled
+from tests.conftest import scaled
+from tests.e2e.demos import run_demo
 from tests.peer.tasks.test_digits_task import TARGET_ACCURACY
 
 pytestmark = pytest.mark.slow
-
-
-class ProgressWatcher:
-    """Reads every run's progress from the demo's coordinator once a second, in a thread."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.seen: list[dict[str, Any]] = []  # progress answers, with "t": seconds since start
-        self._stop = threading.Event()
-        self._started = time.monotonic()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=5) as client:
-            while not self._stop.wait(1.0):
-                try:
-                    runs = client.get("/api/v1/runs").json()["runs"]
-                    if runs:
-                        progress = client.get(f"/api/v1/runs/{runs[0]['id']}/progress").json()
-                        progress["t"] = time.monotonic() - self._started
-                        self.seen.append(progress)
-                except (httpx.HTTPError, KeyError, ValueError):
-                    continue  # not up yet, or already gone
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
 
 def _check_rates(seen: list[dict[str, Any]], output: str, epochs: int) -> None:
@@ -77,47 +43,26 @@ def _check_rates(seen: list[dict[str, Any]], output: str, epochs: int) -> None:
 
 
 def test_demo_trains_digits_with_four_volunteers(tmp_path: Path) -> None:
-    port = free_port()
     saved = tmp_path / "model.pt"
     epochs = load_task("digits").defaults["epochs"]  # the demo's own: no --epochs
-    marker = uuid.uuid4().hex
-    process = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "swarmgrad", "demo", "--peers", "4"),
-            *("--port", str(port), "--save", str(saved)),
-        ],
-        env=child_environment({MARKER_VARIABLE: marker}),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    watcher = ProgressWatcher(f"http://127.0.0.1:{port}")
-    try:
-        output, _ = process.communicate(timeout=scaled(600))
-    finally:
-        watcher.close()
-        if process.poll() is None:
-            stop_process(process)
-    assert process.returncode == 0, output
-    assert "Traceback" not in output, output
-    assert marked_processes(marker) == [], "every process the demo started is gone"
+    demo = run_demo("--peers", "4", "--save", str(saved), timeout=600)
+    output, port = demo.output, demo.port
     assert re.search(rf"^coordinator: http://127\.0\.0\.1:{port}", output, re.M), output
     assert re.search(rf"^dashboard: http://127\.0\.0\.1:{port}/runs/\w+", output, re.M), output
     shown = [int(m.group(1)) for m in re.finditer(r"^epoch (\d+) \|", output, re.M)]
     assert shown == sorted(shown) and shown[-1] >= epochs, output
     assert f"the checkpoint of epoch {epochs}" in output, output
 
-    early = [p for p in watcher.seen if p["t"] <= scaled(120)]
+    early = [p for p in demo.seen if p["t"] <= scaled(120)]
     assert early, output
     assert max(p["epoch"] for p in early) >= 3, [p["epoch"] for p in early]
     samples = [p["samples"] for p in early]
     assert samples[-1] > samples[0], samples
     assert any(g > 1 for p in early for g in p["recent_group_sizes"]), "peers averaged together"
-    losses = [p["loss"] for p in watcher.seen if p.get("loss") is not None]
+    losses = [p["loss"] for p in demo.seen if p.get("loss") is not None]
     assert len(losses) >= 2 and losses[-1] < losses[0], losses
 
-    _check_rates(watcher.seen, output, epochs)
+    _check_rates(demo.seen, output, epochs)
 
     assert saved.exists(), output
     task = load_task("digits")

@@ -5,51 +5,24 @@ tests/server/test_report_bytes.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import uuid
-from pathlib import Path
-
 import pytest
 
-from swarmgrad.local import child_environment, free_port, stop_process
-from tests.conftest import MARKER_VARIABLE, marked_processes, scaled
-from tests.e2e.test_demo import ProgressWatcher
+from tests.e2e.demos import run_demo
 
 pytestmark = pytest.mark.slow
 
 ROUNDS = 2
 
 
-def test_a_diloco_run_trains_charlm_and_shows_outer_rounds_and_bytes(tmp_path: Path) -> None:
-    port = free_port()
-    marker = uuid.uuid4().hex
-    process = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "swarmgrad", "demo", "--task", "charlm"),
-            *("--algorithm", "diloco", "--peers", "2", "--epochs", str(ROUNDS)),
-            *("--port", str(port)),
-        ],
-        env=child_environment({MARKER_VARIABLE: marker}),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+def test_a_diloco_run_trains_charlm_and_shows_outer_rounds_and_bytes() -> None:
+    demo = run_demo(
+        *("--task", "charlm", "--algorithm", "diloco", "--peers", "2", "--epochs", str(ROUNDS)),
+        timeout=300,
     )
-    url = f"http://127.0.0.1:{port}"
-    watcher = ProgressWatcher(url)
-    try:
-        output, _ = process.communicate(timeout=scaled(300))
-    finally:
-        watcher.close()
-        if process.poll() is None:
-            stop_process(process)
-    assert process.returncode == 0, output
-    assert "Traceback" not in output, output
+    output = demo.output
     assert "(DiLoCo: an epoch is an outer round)" in output, output
-    assert marked_processes(marker) == [], "every process the demo started is gone"
 
-    seen = watcher.seen
+    seen = demo.seen
     assert seen, output
     assert max(p["epoch"] for p in seen) >= ROUNDS, [p["epoch"] for p in seen]
     assert max(p["rounds_done"] for p in seen) >= ROUNDS, "the peers averaged outer rounds"
