@@ -87,7 +87,7 @@ def reporting_overhead(
     """Ratios of samples/s with and without reporting, one per pair of alternating phases of
     one peer (so drift of the machine's speed cancels out)."""
     run = client.create_run(coordinator.admin_token, "overhead", "digits", RUN_CONFIG)
-    token = client.create_invite(coordinator.admin_token, run["id"])["token"]
+    token = client.create_invite(coordinator.admin_token, run.id).token
     reporting = threading.Event()
     real_submit = CoordinatorSession.submit_report
 
@@ -129,7 +129,7 @@ def join_to_first_round(
 ) -> float:
     config = dict(RUN_CONFIG, target_batch_size=64)
     run = client.create_run(coordinator.admin_token, "first-round", "digits", config)
-    token = client.create_invite(coordinator.admin_token, run["id"])["token"]
+    token = client.create_invite(coordinator.admin_token, run.id).token
     with volunteer(coordinator, token, root / "first") as (_, first):
         _wait_for(lambda: next((t for t, s in first if s.samples > 0), None), 120)
         started = time.monotonic()

@@ -553,7 +553,7 @@ def _download_checkpoint(client: Any, answer: Any) -> dict[str, Any] | None:
 def _checkpoint_epoch(client: Any, run_id: str) -> int:
     """The epoch of the coordinator's newest checkpoint of the run; -1 if none or unknown."""
     try:
-        checkpoint = client.progress(run_id).get("checkpoint")
+        checkpoint = client.progress(run_id).checkpoint
     except SwarmgradError:
         return -1
-    return int(checkpoint["epoch"]) if checkpoint else -1
+    return checkpoint.epoch if checkpoint is not None else -1

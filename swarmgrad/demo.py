@@ -29,6 +29,7 @@ import typer
 from rich.console import Console
 
 from peer.coordinator import CoordinatorClient
+from peer.formats.payloads import ProgressPublic, RunPublic
 from swarmgrad.errors import CommandError
 from swarmgrad.extras import require_coordinator
 from swarmgrad.local import LocalCoordinator, start_volunteer, stop_processes
@@ -185,7 +186,7 @@ class Demo:
                 config.update(algorithm="diloco", inner_steps=DEMO_INNER_STEPS)
             run = client.create_run(token, f"demo-{self.task}", self.task, config)
             invites = [
-                client.create_invite(token, run["id"], max_uses=1, label=f"demo peer {i}")
+                client.create_invite(token, run.id, max_uses=1, label=f"demo peer {i}")
                 for i in range(self.peers)
             ]
             peers: list[_Peer] = []
@@ -197,7 +198,7 @@ class Demo:
                 with open(log_path, "w") as log:
                     process = start_volunteer(
                         coordinator.url,
-                        invite["token"],
+                        invite.token,
                         directory / f"peer-{i}",
                         "--quiet",
                         "--name",
@@ -210,16 +211,16 @@ class Demo:
                     )
                 peers.append(_Peer(i, process, log_path))
             self.say(
-                f"run {run['name']} ({run['id']}): {self.peers} volunteer(s) training "
+                f"run {run.name} ({run.id}): {self.peers} volunteer(s) training "
                 f"{self.task} for {self.epochs} epoch(s)"
                 + (" (DiLoCo: an epoch is an outer round)" if self.algorithm == "diloco" else "")
                 + "; Ctrl-C stops everything"
             )
-            self.say(f"dashboard: {coordinator.url}/runs/{run['id']}")
+            self.say(f"dashboard: {coordinator.url}/runs/{run.id}")
             self.say(f"organizer sign-in: {coordinator.url}/signin (token {token})")
             self.metric_name = _metric_name(self.task)
-            progress = self._watch(client, run["id"], coordinator, peers)
-            client.update_run(token, run["id"], status="finished")
+            progress = self._watch(client, run.id, coordinator, peers)
+            client.update_run(token, run.id, status="finished")
             self._wait_for_peers(peers)
             self._report(client, token, run, progress)
             self.say("stopping the coordinator")
@@ -230,7 +231,7 @@ class Demo:
         run_id: str,
         coordinator: LocalCoordinator,
         peers: list[_Peer],
-    ) -> Mapping[str, Any]:
+    ) -> ProgressPublic:
         """Print a line per new swarm epoch until the run is done; its last progress."""
         shown = -1
         reached_at: float | None = None
@@ -239,14 +240,14 @@ class Demo:
             if not coordinator.running:
                 raise CommandError(f"the coordinator stopped (log: {coordinator.log_path})")
             progress = client.progress(run_id)
-            epoch = int(progress["epoch"])
-            if epoch > shown and progress.get("samples"):
+            epoch = progress.epoch
+            if epoch > shown and progress.samples:
                 shown = epoch
                 self.say(self._epoch_line(progress))
             if epoch >= self.epochs:
                 reached_at = reached_at if reached_at is not None else time.monotonic()
-                checkpoint = progress.get("checkpoint")
-                if checkpoint and int(checkpoint["epoch"]) >= self.epochs:
+                checkpoint = progress.checkpoint
+                if checkpoint is not None and checkpoint.epoch >= self.epochs:
                     return progress
                 if time.monotonic() - reached_at > FINAL_CHECKPOINT_GRACE_S:
                     self.say(f"no checkpoint of epoch {self.epochs} arrived; finishing anyway")
@@ -255,18 +256,18 @@ class Demo:
                 return progress  # every peer left on its own: it saw the run end
             time.sleep(POLL_INTERVAL_S)
 
-    def _epoch_line(self, progress: Mapping[str, Any]) -> str:
-        groups = progress.get("recent_group_sizes") or []
-        metric = progress.get("eval_metric")
-        loss = progress.get("loss")
+    def _epoch_line(self, progress: ProgressPublic) -> str:
+        groups = progress.recent_group_sizes
+        metric = progress.eval_metric
+        loss = progress.loss
         return " | ".join(
             [
-                f"epoch {progress['epoch']}",
-                f"samples {progress['samples']:,}",
-                f"{float(progress['samples_per_second']):,.1f} samples/s",
+                f"epoch {progress.epoch}",
+                f"samples {progress.samples:,}",
+                f"{progress.samples_per_second:,.1f} samples/s",
                 f"loss {'-' if loss is None else f'{loss:.3f}'}",
                 f"{self.metric_name} {'-' if metric is None else f'{metric:.3f}'}",
-                f"peers {progress['peers_online']}",
+                f"peers {progress.peers_online}",
                 f"groups {', '.join(str(g) for g in groups[-4:]) or '-'}",
             ]
         )
@@ -289,19 +290,19 @@ class Demo:
         self,
         client: CoordinatorClient,
         token: str,
-        run: Mapping[str, Any],
-        progress: Mapping[str, Any],
+        run: RunPublic,
+        progress: ProgressPublic,
     ) -> None:
-        found = client.download_checkpoint(token, run["id"])
+        found = client.download_checkpoint(token, run.id)
         if found is None:
-            metric = progress.get("eval_metric")
+            metric = progress.eval_metric
             if metric is not None:
                 self.say(f"last reported {self.metric_name}: {metric:.4f} (no checkpoint saved)")
             if self.save is not None:
                 raise CommandError(f"the run left no checkpoint; nothing saved to {self.save}")
             return
         data, epoch = found
-        value = _evaluate(self.task, run.get("config") or {}, data)
+        value = _evaluate(self.task, run.config, data)
         self.say(
             f"the checkpoint of epoch {epoch} ({len(data):,} bytes): "
             f"{self.metric_name} {value:.4f} on held-out data"

@@ -2,8 +2,10 @@
 tokens ...``.
 
 Each is one or two calls of :class:`peer.coordinator.CoordinatorClient` and a rendering of the
-answer: rich tables for people, or with ``--json`` one JSON document on standard output for
-scripts. The coordinator's URL and the organizer token come from ``--url``/``--token`` or
+answer — the coordinator's own payload types (:mod:`peer.formats.payloads`), so mypy checks
+every field read here against the server's description of it: rich tables for people, or
+with ``--json`` one JSON document on standard output for scripts. An answer the client cannot
+parse ends, like every other failure, as one ``error:`` line (:mod:`swarmgrad.cli`). The coordinator's URL and the organizer token come from ``--url``/``--token`` or
 ``SWARMGRAD_URL``/``SWARMGRAD_TOKEN`` (``swarmgrad coordinator admin-token`` makes a token).
 """
 
@@ -20,11 +22,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic_core import to_jsonable_python
 from rich.console import Console
 from rich.table import Table
 
 from peer.coordinator import CoordinatorClient
 from peer.formats.durations import parse_duration
+from peer.formats.payloads import ProgressPublic, RunPublic
 from swarmgrad.errors import CommandError, UsageError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -113,9 +117,10 @@ def _client(url: str) -> Iterator[CoordinatorClient]:
 
 
 def _emit(as_json: bool, document: Any, render: Callable[[Console], None]) -> None:
-    """``document`` as JSON on stdout, or ``render`` it for a person."""
+    """``document`` (payloads, or dicts and lists of them) as JSON on stdout — each payload
+    as the coordinator sent it — or ``render`` it for a person."""
     if as_json:
-        typer.echo(json.dumps(document, indent=2, default=str))
+        typer.echo(json.dumps(to_jsonable_python(document), indent=2))
     else:
         render(Console(highlight=False))
 
@@ -141,14 +146,14 @@ def _fields(title: str, rows: Mapping[str, Any]) -> Table:
     return table
 
 
-def _run_rows(run: Mapping[str, Any]) -> dict[str, Any]:
+def _run_rows(run: RunPublic) -> dict[str, Any]:
     return {
-        "id": run.get("id"),
-        "name": run.get("name"),
-        "task": run.get("task"),
-        "status": run.get("status"),
-        "config": run.get("config") or {},
-        "created": run.get("created_at"),
+        "id": run.id,
+        "name": run.name,
+        "task": run.task,
+        "status": run.status.value,
+        "config": run.config,
+        "created": run.created_at,
     }
 
 
@@ -184,8 +189,8 @@ def create(
         run = client.create_run(token, name, task, settings)
 
     def render(console: Console) -> None:
-        console.print(_fields(f"Created run {run['name']}", _run_rows(run)))
-        console.print(f"Next: swarmgrad invite {run['id']}", soft_wrap=True)
+        console.print(_fields(f"Created run {run.name}", _run_rows(run)))
+        console.print(f"Next: swarmgrad invite {run.id}", soft_wrap=True)
 
     _emit(as_json, run, render)
 
@@ -204,31 +209,27 @@ def list_runs(url: UrlOption = DEFAULT_URL, as_json: JsonOption = False) -> None
         for column in ("id", "name", "task", "status", "created"):
             table.add_column(column, overflow="fold")
         for run in runs:
-            table.add_row(
-                *(_text(run.get(key)) for key in ("id", "name", "task", "status")),
-                _text(run.get("created_at")),
-            )
+            table.add_row(run.id, run.name, run.task, run.status.value, _text(run.created_at))
         console.print(table)
 
     _emit(as_json, runs, render)
 
 
-def _progress_rows(progress: Mapping[str, Any]) -> dict[str, Any]:
-    checkpoint = progress.get("checkpoint")
+def _progress_rows(progress: ProgressPublic) -> dict[str, Any]:
+    checkpoint = progress.checkpoint
     return {
-        "epoch": progress.get("epoch"),
-        "samples": progress.get("samples"),
-        "samples/s": progress.get("samples_per_second"),
-        "peers online": progress.get("peers_online"),
-        "loss": progress.get("loss"),
-        "eval metric": progress.get("eval_metric"),
-        "rounds done": progress.get("rounds_done"),
-        "rounds failed": progress.get("rounds_failed"),
-        "recent group sizes": ", ".join(str(s) for s in progress.get("recent_group_sizes") or [])
-        or None,
+        "epoch": progress.epoch,
+        "samples": progress.samples,
+        "samples/s": progress.samples_per_second,
+        "peers online": progress.peers_online,
+        "loss": progress.loss,
+        "eval metric": progress.eval_metric,
+        "rounds done": progress.rounds_done,
+        "rounds failed": progress.rounds_failed,
+        "recent group sizes": ", ".join(str(s) for s in progress.recent_group_sizes) or None,
         "checkpoint": (
-            f"epoch {checkpoint['epoch']}, {checkpoint['size']:,} bytes, {checkpoint['created_at']}"
-            if checkpoint
+            f"epoch {checkpoint.epoch}, {checkpoint.size:,} bytes, {checkpoint.created_at}"
+            if checkpoint is not None
             else None
         ),
     }
@@ -242,7 +243,7 @@ def show(run_id: RunArgument, url: UrlOption = DEFAULT_URL, as_json: JsonOption 
         progress = client.progress(run_id)
 
     def render(console: Console) -> None:
-        console.print(_fields(f"Run {run['name']}", _run_rows(run)))
+        console.print(_fields(f"Run {run.name}", _run_rows(run)))
         console.print(_fields("Progress", _progress_rows(progress)))
 
     _emit(as_json, {"run": run, "progress": progress}, render)
@@ -255,7 +256,7 @@ def _set_status(run_id: str, status: str, url: str, token: str | None, as_json: 
     _emit(
         as_json,
         run,
-        lambda console: console.print(f"Run {run['name']} ({run['id']}) is {run['status']}."),
+        lambda console: console.print(f"Run {run.name} ({run.id}) is {run.status.value}."),
     )
 
 
@@ -363,7 +364,7 @@ def checkpoints(
         elif delete is not None:
             client.delete_checkpoint(token, run_id, delete)
         found = client.list_checkpoints(token, run_id)
-    served = next((c for c in found if c.get("pinned")), found[0] if found else None)
+    served = next((c for c in found if c.pinned), found[0] if found else None)
 
     def render(console: Console) -> None:
         if not found:
@@ -372,10 +373,10 @@ def checkpoints(
         for c in found:
             mark = ""
             if c is served:
-                mark = "  (pinned, served)" if c.get("pinned") else "  (served)"
+                mark = "  (pinned, served)" if c.pinned else "  (served)"
             console.print(
-                f"epoch {c['epoch']}  {c['size']:,} bytes  {c['created_at']}  "
-                f"peer {c['peer_id']}  sha256 {c['sha256'][:12]}{mark}",
+                f"epoch {c.epoch}  {c.size:,} bytes  {c.created_at}  "
+                f"peer {c.peer_id}  sha256 {c.sha256[:12]}{mark}",
                 soft_wrap=True,
             )
 
@@ -434,16 +435,22 @@ def invite(
             token, run_id, max_uses=uses, expires_in_s=expires_in_s, label=label
         )
         url = client.url
-    command = f"swarmgrad join {shlex.quote(url)} --token {shlex.quote(created['token'])}"
+    command = f"swarmgrad join {shlex.quote(url)} --token {shlex.quote(created.token)}"
     # The invite page: a display name there gives the volunteer a personal credential.
-    link = f"{url.rstrip('/')}/join/{created['token']}"
-    document = {**created, "run_id": run_id, "url": url, "command": command, "link": link}
+    link = f"{url.rstrip('/')}/join/{created.token}"
+    document = {
+        **created.model_dump(mode="json"),
+        "run_id": run_id,
+        "url": url,
+        "command": command,
+        "link": link,
+    }
 
     def render(console: Console) -> None:
-        console.print(f"Invite token: {created['token']}", soft_wrap=True)
+        console.print(f"Invite token: {created.token}", soft_wrap=True)
         limits = [
-            f"{created['max_uses']} use(s)" if created.get("max_uses") else "unlimited uses",
-            f"expires {created['expires_at']}" if created.get("expires_at") else "no expiry",
+            f"{created.max_uses} use(s)" if created.max_uses else "unlimited uses",
+            f"expires {created.expires_at}" if created.expires_at else "no expiry",
         ]
         console.print(f"({', '.join(limits)}; shown only now)")
         console.print(
@@ -473,17 +480,15 @@ def list_tokens(
         for column in ("id", "state", "label", "created", "expires"):
             table.add_column(column, overflow="fold")
         for row in tokens:
-            state = (
-                "active" if row.get("active") else "revoked" if row.get("revoked_at") else "expired"
-            )
-            if row.get("current"):
+            state = "active" if row.active else "revoked" if row.revoked_at else "expired"
+            if row.current:
                 state += " (this one)"
             table.add_row(
-                _text(row.get("id")),
+                row.id,
                 state,
-                _text(row.get("label")),
-                _text(row.get("created_at")),
-                _text(row.get("expires_at")),
+                _text(row.label),
+                _text(row.created_at),
+                _text(row.expires_at),
             )
         console.print(table)
 
@@ -512,9 +517,9 @@ def create_token(
         created = client.create_organizer_token(token, label=label, expires_in_s=expires_in_s)
 
     def render(console: Console) -> None:
-        console.print(f"Organizer token: {created['token']}", soft_wrap=True)
-        expiry = f"expires {created['expires_at']}" if created.get("expires_at") else "no expiry"
-        console.print(f"(id {created['id']}, {expiry}; shown only now)")
+        console.print(f"Organizer token: {created.token}", soft_wrap=True)
+        expiry = f"expires {created.expires_at}" if created.expires_at else "no expiry"
+        console.print(f"(id {created.id}, {expiry}; shown only now)")
 
     _emit(as_json, created, render)
 

@@ -5,8 +5,9 @@ must carry the ``X-Swarmgrad-Coordinator`` header, so that a captive portal or a
 service at the URL is reported as such instead of as a puzzling error. Every answer is
 parsed into its type of :mod:`peer.formats.payloads` — the classes the coordinator's routes
 validate with — before a field is read; one of another shape is :class:`NotACoordinator`,
-naming the field. The organizer's calls return those payloads as JSON dicts (what ``--json``
-prints); :meth:`~CoordinatorClient.progress` returns the dashboard's progress as it comes.
+naming the field. The organizer's calls return those payloads themselves (``RunPublic``,
+``ProgressPublic``, ``CheckpointPublic``, ...; ``model_dump(mode="json")`` is what ``--json``
+prints), so mypy checks every use of a field against the coordinator's own description of it.
 Every failure is a :class:`~peer.coordinator.exceptions.CoordinatorError` with a one-line
 message; httpx's own errors never escape.
 
@@ -59,12 +60,15 @@ from peer.formats.payloads import (
     JoinChallengePublic,
     JoinResponse,
     OrganizerTokenCreated,
+    OrganizerTokenPublic,
     OrganizerTokensPublic,
+    ProgressPublic,
     ReachabilityPublic,
     ReachabilityRequest,
     RevocationsPublic,
     RunPublic,
     RunsPublic,
+    RunStatus,
     TokenCreated,
 )
 
@@ -112,8 +116,7 @@ class JoinAnswer:
     ``Certificate.from_base64``) until ``certificate_expires_at`` (Unix seconds) with
     ``run_public_key`` (raw 32 bytes, for ``CertificateVerifier``) is what the swarm's
     handshakes check. ``bootstrap`` lists addresses of live peers to start the node with;
-    ``checkpoint`` describes the run's newest checkpoint (``epoch``, ``size``, ``sha256``,
-    ...), or is None."""
+    ``checkpoint`` describes the run's newest checkpoint, or is None."""
 
     run_id: str
     peer_id: str
@@ -124,9 +127,9 @@ class JoinAnswer:
     run_name: str
     status: str
     task: str
-    config: Mapping[str, Any]
+    config: Mapping[str, Any]  # the organizer's hyper-parameters: free-form JSON
     bootstrap: tuple[str, ...]
-    checkpoint: Mapping[str, Any] | None
+    checkpoint: CheckpointPublic | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,9 +249,7 @@ class CoordinatorClient:
             task=body.task,
             config=dict(body.config),
             bootstrap=_addresses(body.bootstrap),
-            checkpoint=(
-                body.checkpoint.model_dump(mode="json") if body.checkpoint is not None else None
-            ),
+            checkpoint=body.checkpoint,
         )
 
     def check_reachability(
@@ -316,10 +317,9 @@ class CoordinatorClient:
             timeout=timeout,
         )
 
-    def run(self, run_id: str) -> dict[str, Any]:
-        """The run: ``id``, ``name``, ``task``, ``config``, ``status`` ("running",
-        "paused", "finished"), ``public_key``, ... (public, no token)."""
-        return self._parse(RunPublic, self._json("GET", _run_path(run_id))).model_dump(mode="json")
+    def run(self, run_id: str) -> RunPublic:
+        """The run: its name, task, config, status, public key, ... (public, no token)."""
+        return self._parse(RunPublic, self._json("GET", _run_path(run_id)))
 
     def revocations(self, run_id: str) -> bytes:
         """The run's revocation list as its authority signed it (public, no token; a node
@@ -332,17 +332,18 @@ class CoordinatorClient:
         except ValueError:  # pydantic's ValidationError and binascii.Error are ones
             raise NotACoordinator("the answer carries no revocation list") from None
 
-    def progress(self, run_id: str) -> dict[str, Any]:
+    def progress(self, run_id: str) -> ProgressPublic:
         """The run's progress as the dashboard shows it (public, no token)."""
-        return self._json("GET", _run_path(run_id, "progress"))
+        return self._parse(ProgressPublic, self._json("GET", _run_path(run_id, "progress")))
 
     def upload_checkpoint(
         self, peer_token: str, run_id: str, epoch: int, data: bytes
-    ) -> dict[str, Any]:
+    ) -> CheckpointPublic | CheckpointHeld:
         """Upload a checkpoint (the bytes ``torch.save`` wrote) of swarm epoch ``epoch``;
-        returns its description (``epoch``, ``size``, ``sha256``, ``created_at``,
-        ``peer_id``). :class:`RunNotAccepting` when the run already has one of that epoch
-        or newer; :class:`RequestRejected` when it is too large or not a torch.save file."""
+        returns its description, or a :class:`CheckpointHeld` when the coordinator kept only
+        its digest (and says why). :class:`RunNotAccepting` when the run already has one of
+        that epoch or newer; :class:`RequestRejected` when it is too large or not a
+        torch.save file."""
         body = self._json(
             "PUT",
             _run_path(run_id, "checkpoint"),
@@ -352,9 +353,9 @@ class CoordinatorClient:
             headers={"Content-Type": "application/octet-stream"},
         )
         try:
-            return CheckpointPublic.model_validate(body).model_dump(mode="json")
+            return CheckpointPublic.model_validate(body)
         except ValidationError:  # 202: the coordinator kept only the digest, and says why
-            return self._parse(CheckpointHeld, body).model_dump(mode="json")
+            return self._parse(CheckpointHeld, body)
 
     def download_checkpoint(self, token: str, run_id: str) -> tuple[bytes, int] | None:
         """The run's newest checkpoint as ``(data, epoch)``, or None when it has none
@@ -383,26 +384,44 @@ class CoordinatorClient:
 
     def create_run(
         self, token: str, name: str, task: str, config: Mapping[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """Create a run (status "running"); returns it."""
+    ) -> RunPublic:
+        """Create a run (status "running") with ``config``, the hyper-parameters its peers
+        read (free-form JSON); returns it."""
         body = self._json(
             "POST",
             f"{API_PREFIX}/runs",
             token=token,
             json_body={"name": name, "task": task, "config": dict(config or {})},
         )
-        return self._parse(RunPublic, body).model_dump(mode="json")
+        return self._parse(RunPublic, body)
 
-    def list_runs(self, *, include_archived: bool = False) -> list[dict[str, Any]]:
+    def list_runs(self, *, include_archived: bool = False) -> list[RunPublic]:
         """Runs, newest first (public)."""
         params = {"include_archived": "true"} if include_archived else None
-        body = self._parse(RunsPublic, self._json("GET", f"{API_PREFIX}/runs", params=params))
-        return [run.model_dump(mode="json") for run in body.runs]
+        return self._parse(RunsPublic, self._json("GET", f"{API_PREFIX}/runs", params=params)).runs
 
-    def update_run(self, token: str, run_id: str, **fields: Any) -> dict[str, Any]:
-        """Change ``name``, ``status`` ("running", "paused", "finished") or ``config``."""
+    def update_run(
+        self,
+        token: str,
+        run_id: str,
+        *,
+        name: str | None = None,
+        status: RunStatus | str | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> RunPublic:
+        """Change the run's ``name``, ``status`` ("running", "paused", "finished") or
+        ``config``; what is None stays as it is. Returns the run as changed."""
+        fields = {
+            k: v
+            for k, v in {
+                "name": name,
+                "status": None if status is None else RunStatus(status).value,
+                "config": None if config is None else dict(config),
+            }.items()
+            if v is not None
+        }
         body = self._json("PATCH", _run_path(run_id), token=token, json_body=fields)
-        return self._parse(RunPublic, body).model_dump(mode="json")
+        return self._parse(RunPublic, body)
 
     def create_invite(
         self,
@@ -412,9 +431,9 @@ class CoordinatorClient:
         max_uses: int | None = None,
         expires_in_s: float | None = None,
         label: str | None = None,
-    ) -> dict[str, Any]:
-        """A join token for volunteers: ``{"id", "token", "expires_at", "max_uses",
-        "label"}``. The token is shown only in this answer."""
+    ) -> TokenCreated:
+        """A join token for volunteers, with its limits. The token is shown only in this
+        answer."""
         request = {
             k: v
             for k, v in {
@@ -425,42 +444,42 @@ class CoordinatorClient:
             if v is not None
         }
         body = self._json("POST", _run_path(run_id, "tokens"), token=token, json_body=request)
-        return self._parse(TokenCreated, body).model_dump(mode="json")
+        return self._parse(TokenCreated, body)
 
-    def list_organizer_tokens(self, token: str) -> list[dict[str, Any]]:
-        """The coordinator's organizer tokens, oldest first, without secrets: ``{"id",
-        "label", "created_at", "expires_at", "revoked_at", "active", "current"}``."""
-        body = self._parse(
+    def list_organizer_tokens(self, token: str) -> list[OrganizerTokenPublic]:
+        """The coordinator's organizer tokens, oldest first, without secrets (``current``
+        marks the caller's)."""
+        return self._parse(
             OrganizerTokensPublic, self._json("GET", f"{API_PREFIX}/tokens", token=token)
-        )
-        return [t.model_dump(mode="json") for t in body.tokens]
+        ).tokens
 
     def create_organizer_token(
         self, token: str, *, label: str | None = None, expires_in_s: float | None = None
-    ) -> dict[str, Any]:
-        """A new organizer token: ``{"id", "token", "label", "expires_at"}``, the token shown
-        only in this answer."""
+    ) -> OrganizerTokenCreated:
+        """A new organizer token, shown only in this answer."""
         request = {"label": label, "expires_in_s": expires_in_s}
         body = {k: v for k, v in request.items() if v is not None}
         answer = self._json("POST", f"{API_PREFIX}/tokens", token=token, json_body=body)
-        return self._parse(OrganizerTokenCreated, answer).model_dump(mode="json")
+        return self._parse(OrganizerTokenCreated, answer)
 
     def revoke_organizer_token(self, token: str, token_id: str) -> None:
         """Revoke an organizer token. :class:`RequestRejected` (409) for the caller's own
         token while it is the coordinator's last one."""
         self._request("DELETE", f"{API_PREFIX}/tokens/{quote(token_id, safe='')}", token=token)
 
-    def list_checkpoints(self, token: str, run_id: str) -> list[dict[str, Any]]:
+    def list_checkpoints(self, token: str, run_id: str) -> list[CheckpointPublic]:
         """The checkpoints the coordinator keeps for the run, newest first."""
-        body = self._parse(
+        return self._parse(
             CheckpointsPublic, self._json("GET", _run_path(run_id, "checkpoints"), token=token)
-        )
-        return [c.model_dump(mode="json") for c in body.checkpoints]
+        ).checkpoints
 
-    def pin_checkpoint(self, token: str, run_id: str, epoch: int) -> dict[str, Any]:
+    def pin_checkpoint(self, token: str, run_id: str, epoch: int) -> CheckpointPublic:
         """Serve the checkpoint of ``epoch`` (downloads, joining peers) instead of the newest,
-        until unpinned; :class:`NotFound` when the run has none of that epoch."""
-        return self._json("POST", _run_path(run_id, f"checkpoints/{int(epoch)}/pin"), token=token)
+        until unpinned; returns it. :class:`NotFound` when the run has none of that epoch."""
+        return self._parse(
+            CheckpointPublic,
+            self._json("POST", _run_path(run_id, f"checkpoints/{int(epoch)}/pin"), token=token),
+        )
 
     def unpin_checkpoint(self, token: str, run_id: str) -> None:
         """Serve the run's newest checkpoint again."""

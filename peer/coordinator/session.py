@@ -421,18 +421,17 @@ class CoordinatorSession:
         self._back(time.monotonic())
         self._poll_backoff.reset()
         self._poll_at = time.monotonic() + self.timings.poll_interval
-        status = run.get("status")
-        if isinstance(status, str):
-            with self._lock:
-                changed, self._status = status != self._status, status
-            if changed:
-                logger.info("the run is %s", status)
-                if self._on_status is not None:
-                    self._on_status(status)
-        serial = run.get("revocations_serial")
+        status = run.status.value
+        with self._lock:
+            changed, self._status = status != self._status, status
+        if changed:
+            logger.info("the run is %s", status)
+            if self._on_status is not None:
+                self._on_status(status)
+        serial = run.revocations_serial
         if (
             self._on_revocations is not None
-            and isinstance(serial, int)
+            and serial is not None
             and serial > self._revocations_serial
         ):
             self._fetch_revocations(serial)

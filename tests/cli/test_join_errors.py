@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from peer.formats.payloads import TokenCreated
 from tests.cli.conftest import Coordinator, Result, run_swarmgrad
 from tests.conftest import free_port
 
@@ -18,11 +19,11 @@ def join(url: str, *args: str, data_dir: Path) -> Result:
     return run_swarmgrad("join", url, "--data-dir", str(data_dir), "--quiet", *args)
 
 
-def new_run(coordinator: Coordinator, **invite: Any) -> tuple[str, dict[str, Any]]:
+def new_run(coordinator: Coordinator, **invite: Any) -> tuple[str, TokenCreated]:
     with coordinator.client() as client:
         run = client.create_run(coordinator.admin_token, "r", "digits", {})
-        created = client.create_invite(coordinator.admin_token, run["id"], **invite)
-    return run["id"], created
+        created = client.create_invite(coordinator.admin_token, run.id, **invite)
+    return run.id, created
 
 
 def organizer_headers(coordinator: Coordinator) -> dict[str, str]:
@@ -68,26 +69,20 @@ def test_expired_token(coordinator: Coordinator, tmp_path: Path) -> None:
     try:
         with engine.begin() as connection:
             past = datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=1)
-            connection.execute(
-                update(Token).where(Token.id == invite["id"]).values(expires_at=past)
-            )
+            connection.execute(update(Token).where(Token.id == invite.id).values(expires_at=past))
     finally:
         engine.dispose()
-    join(coordinator.url, "--token", invite["token"], data_dir=tmp_path).assert_one_error_line(
-        code=1
-    )
+    join(coordinator.url, "--token", invite.token, data_dir=tmp_path).assert_one_error_line(code=1)
 
 
 def test_revoked_token(coordinator: Coordinator, tmp_path: Path) -> None:
     run_id, invite = new_run(coordinator)
     revoked = httpx.delete(
-        f"{coordinator.url}/api/v1/runs/{run_id}/tokens/{invite['id']}",
+        f"{coordinator.url}/api/v1/runs/{run_id}/tokens/{invite.id}",
         headers=organizer_headers(coordinator),
     )
     assert revoked.status_code == 204
-    join(coordinator.url, "--token", invite["token"], data_dir=tmp_path).assert_one_error_line(
-        code=1
-    )
+    join(coordinator.url, "--token", invite.token, data_dir=tmp_path).assert_one_error_line(code=1)
 
 
 def test_used_up_token(coordinator: Coordinator, tmp_path: Path) -> None:
@@ -95,10 +90,8 @@ def test_used_up_token(coordinator: Coordinator, tmp_path: Path) -> None:
 
     _, invite = new_run(coordinator, max_uses=1)
     with coordinator.client() as client:  # someone else joined with it
-        client.join(invite["token"], client.join_challenge(invite["token"]), Identity())
-    join(coordinator.url, "--token", invite["token"], data_dir=tmp_path).assert_one_error_line(
-        code=1
-    )
+        client.join(invite.token, client.join_challenge(invite.token), Identity())
+    join(coordinator.url, "--token", invite.token, data_dir=tmp_path).assert_one_error_line(code=1)
 
 
 @pytest.mark.parametrize("status", ["paused", "finished"])
@@ -106,14 +99,14 @@ def test_run_not_accepting(coordinator: Coordinator, tmp_path: Path, status: str
     run_id, invite = new_run(coordinator)
     with coordinator.client() as client:
         client.update_run(coordinator.admin_token, run_id, status=status)
-    result = join(coordinator.url, "--token", invite["token"], data_dir=tmp_path)
+    result = join(coordinator.url, "--token", invite.token, data_dir=tmp_path)
     assert status in result.assert_one_error_line(code=1)
 
 
 def test_unknown_task(coordinator: Coordinator, tmp_path: Path) -> None:
     _, invite = new_run(coordinator)
     result = join(
-        coordinator.url, "--token", invite["token"], "--task", "nosuch.module:fn", data_dir=tmp_path
+        coordinator.url, "--token", invite.token, "--task", "nosuch.module:fn", data_dir=tmp_path
     )
     assert "nosuch" in result.assert_one_error_line(code=1)
     assert not (tmp_path / "identity.key").exists(), "refused before the invite was used"
@@ -125,9 +118,7 @@ def test_cuda_without_cuda(coordinator: Coordinator, tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     _, invite = new_run(coordinator)
-    result = join(
-        coordinator.url, "--token", invite["token"], "--device", "cuda", data_dir=tmp_path
-    )
+    result = join(coordinator.url, "--token", invite.token, "--device", "cuda", data_dir=tmp_path)
     assert "cuda" in result.assert_one_error_line(code=1).lower()
 
 
@@ -135,5 +126,5 @@ def test_unwritable_data_dir(coordinator: Coordinator, tmp_path: Path) -> None:
     _, invite = new_run(coordinator)
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    result = join(coordinator.url, "--token", invite["token"], data_dir=blocker / "sub")
+    result = join(coordinator.url, "--token", invite.token, data_dir=blocker / "sub")
     assert "sub" in result.assert_one_error_line(code=1)

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import hashlib
+import http.server
 import json
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,7 @@ import pytest
 
 from tests.cli.conftest import Coordinator, Result
 from tests.conftest import free_port
+from tests.peer.coordinator.answers import progress_body, run_body
 
 
 @pytest.fixture
@@ -186,6 +190,70 @@ def test_a_web_server_that_is_not_a_coordinator(cli: Any, other_server: str) -> 
     line = cli("runs", "list", "--url", other_server).assert_one_error_line(code=1)
     assert "coordinator" in line
     cli("runs", "pause", "x", "--url", other_server, "--token", "t").assert_one_error_line(code=1)
+
+
+# A coordinator of another version: it says it is one (the header), and its answers are
+# JSON objects, but of shapes this client's payload types do not accept.
+_DRIFTED: dict[str, Any] = {
+    "/api/v1/runs": {"runs": [run_body() | {"status": "sleeping"}]},
+    "/api/v1/runs/r1": run_body(),
+    "/api/v1/runs/r1/progress": {k: v for k, v in progress_body().items() if k != "samples"},
+    "/api/v1/runs/r1/checkpoints": {"checkpoints": [{"epoch": "one"}]},
+    "/api/v1/tokens": {"tokens": [{"id": "t1", "label": None}]},
+}
+
+
+class _DriftedCoordinator(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = json.dumps(_DRIFTED.get(self.path.split("?")[0], {})).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("X-Swarmgrad-Coordinator", "1")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def drifted_coordinator() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DriftedCoordinator)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.mark.parametrize(
+    ("args", "what"),
+    [
+        (["runs", "list"], "a malformed 'runs.0.status'"),
+        (["runs", "show", "r1"], "no 'samples'"),
+        (["runs", "checkpoints", "r1", "--token", "t"], "a malformed 'checkpoints.0.epoch'"),
+        (["tokens", "list", "--token", "t"], "no 'tokens.0.created_at'"),
+    ],
+)
+def test_an_answer_the_client_cannot_parse_is_one_error_line(
+    cli: Any, drifted_coordinator: str, args: list[str], what: str
+) -> None:
+    """Both sides hold to one set of payload types: an answer of another shape is said to be
+    from another coordinator version, with the field, in one line and with nothing on
+    standard output, for people and for scripts alike."""
+    host = drifted_coordinator.removeprefix("http://")
+    for output in ([], ["--json"]):
+        result = cli(*args, *output, "--url", drifted_coordinator)
+        line = result.assert_one_error_line(code=1)
+        assert line == (
+            f"error: {host} sent an answer with {what}; it is not a Swarmgrad coordinator "
+            "of this version"
+        )
+        assert result.out == ""
 
 
 def test_wrong_token_unknown_run_and_finished_run(organizer: Any, cli: Any) -> None:

@@ -25,6 +25,7 @@ from peer.coordinator import (
     Unauthorized,
 )
 from peer.exceptions import SwarmgradError
+from peer.formats.payloads import CheckpointPublic, RunPublic
 from peer.identity import Certificate, CertificateVerifier, Identity
 from peer.testing import wait_until
 from tests.conftest import scaled, served
@@ -57,13 +58,12 @@ def client(coordinator_url: str) -> Iterator[CoordinatorClient]:
 
 
 @pytest.fixture
-def run(client: CoordinatorClient) -> dict[str, Any]:
+def run(client: CoordinatorClient) -> RunPublic:
     return client.create_run(ADMIN, f"live-{time.monotonic_ns()}", "digits", {"lr": 0.1})
 
 
-def invite(client: CoordinatorClient, run: dict[str, Any], **options: Any) -> str:
-    token: str = client.create_invite(ADMIN, run["id"], **options)["token"]
-    return token
+def invite(client: CoordinatorClient, run: RunPublic, **options: Any) -> str:
+    return client.create_invite(ADMIN, run.id, **options).token
 
 
 def join(client: CoordinatorClient, token: str, identity: Identity | None = None) -> JoinAnswer:
@@ -83,25 +83,25 @@ def listening_port() -> Iterator[int]:
 
 
 def test_join_gives_a_certificate_the_swarm_accepts_and_renewal_gives_another(
-    client: CoordinatorClient, run: dict[str, Any]
+    client: CoordinatorClient, run: RunPublic
 ) -> None:
     identity = Identity()
     token = invite(client, run, max_uses=1)
     challenge = client.join_challenge(token)
-    assert (challenge.run_id, challenge.task, challenge.status) == (run["id"], "digits", "running")
+    assert (challenge.run_id, challenge.task, challenge.status) == (run.id, "digits", "running")
     assert challenge.expires_at > time.time()
     answer = client.join(token, challenge, identity, display_name="ada")
     assert (answer.run_id, answer.peer_id, answer.status) == (
-        run["id"],
+        run.id,
         identity.peer_id,
         "running",
     )
     assert answer.config == {"lr": 0.1} and answer.checkpoint is None
-    verify = CertificateVerifier(answer.run_public_key, run["id"])
+    verify = CertificateVerifier(answer.run_public_key, run.id)
     verify(Certificate.from_base64(answer.certificate).to_bytes(), identity.public_key)
     assert answer.certificate_expires_at == pytest.approx(time.time() + 3600, abs=60)
 
-    certificate, expires_at = client.renew_certificate(answer.peer_token, run["id"])
+    certificate, expires_at = client.renew_certificate(answer.peer_token, run.id)
     verify(Certificate.from_base64(certificate).to_bytes(), identity.public_key)
     assert expires_at >= answer.certificate_expires_at
 
@@ -113,28 +113,26 @@ def test_join_gives_a_certificate_the_swarm_accepts_and_renewal_gives_another(
 
 
 def test_a_join_proof_for_another_challenge_is_refused(
-    client: CoordinatorClient, run: dict[str, Any]
+    client: CoordinatorClient, run: RunPublic
 ) -> None:
     token = invite(client, run)
     challenge = client.join_challenge(token)
     other_run = client.create_run(ADMIN, f"other-{time.monotonic_ns()}", "digits", {})
     elsewhere = client.join_challenge(invite(client, other_run))
     forged = JoinChallenge(
-        run["id"], "x", "digits", "running", elsewhere.challenge, challenge.expires_at
+        run.id, "x", "digits", "running", elsewhere.challenge, challenge.expires_at
     )
     with pytest.raises(Forbidden) as caught:
         client.join(token, forged, Identity())
     assert "\n" not in str(caught.value) and str(caught.value)
 
 
-def test_refusals_carry_the_coordinators_words(
-    client: CoordinatorClient, run: dict[str, Any]
-) -> None:
+def test_refusals_carry_the_coordinators_words(client: CoordinatorClient, run: RunPublic) -> None:
     with pytest.raises(Unauthorized) as caught:
         client.join_challenge("sgj_" + "x" * 40)
     assert str(caught.value) and "sgj_" not in str(caught.value)
     token = invite(client, run)
-    client.update_run(ADMIN, run["id"], status="paused")
+    client.update_run(ADMIN, run.id, status="paused")
     with pytest.raises(RunNotAccepting, match="paused"):
         client.join_challenge(token)
     with pytest.raises(NotFound):
@@ -142,21 +140,21 @@ def test_refusals_carry_the_coordinators_words(
 
 
 def test_reachability_bootstrap_and_reports(
-    client: CoordinatorClient, run: dict[str, Any], listening_port: int
+    client: CoordinatorClient, run: RunPublic, listening_port: int
 ) -> None:
     token = invite(client, run)
     first, second = join(client, token), join(client, token)
-    reach = client.check_reachability(first.peer_token, run["id"], listening_port, None)
+    reach = client.check_reachability(first.peer_token, run.id, listening_port, None)
     assert reach.reachable and reach.address == f"ws://127.0.0.1:{listening_port}"
     with pytest.raises(RateLimited) as caught:
-        client.check_reachability(first.peer_token, run["id"], listening_port, None)
+        client.check_reachability(first.peer_token, run.id, listening_port, None)
     assert caught.value.retry_after >= 1
-    assert client.bootstrap(second.peer_token, run["id"]) == [reach.address]
-    assert client.bootstrap(first.peer_token, run["id"]) == []  # never itself
+    assert client.bootstrap(second.peer_token, run.id) == [reach.address]
+    assert client.bootstrap(first.peer_token, run.id) == []  # never itself
 
     client.report(
         first.peer_token,
-        run["id"],
+        run.id,
         {
             "epoch": 2,
             "samples": 640,
@@ -169,31 +167,32 @@ def test_reachability_bootstrap_and_reports(
             "group_size": None,
         },
     )
-    progress = client.progress(run["id"])
-    assert (progress["rounds_done"], progress["rounds_failed"]) == (3, 1)
-    assert progress["eval_metric"] == 0.9 and progress["epoch"] == 2
+    progress = client.progress(run.id)
+    assert (progress.rounds_done, progress.rounds_failed) == (3, 1)
+    assert progress.eval_metric == 0.9 and progress.epoch == 2
     with pytest.raises(RequestRejected, match="epoch"):
-        client.report(first.peer_token, run["id"], {"epoch": -1, "samples": 0})
+        client.report(first.peer_token, run.id, {"epoch": -1, "samples": 0})
 
 
-def test_checkpoints_round_trip(client: CoordinatorClient, run: dict[str, Any]) -> None:
+def test_checkpoints_round_trip(client: CoordinatorClient, run: RunPublic) -> None:
     answer = join(client, invite(client, run))
     data = b"PK\x03\x04" + bytes(range(256)) * 40
-    assert client.download_checkpoint(answer.peer_token, run["id"]) is None
-    described = client.upload_checkpoint(answer.peer_token, run["id"], 1, data)
-    assert (described["epoch"], described["size"]) == (1, len(data))
+    assert client.download_checkpoint(answer.peer_token, run.id) is None
+    described = client.upload_checkpoint(answer.peer_token, run.id, 1, data)
+    assert isinstance(described, CheckpointPublic)
+    assert (described.epoch, described.size) == (1, len(data))
     with pytest.raises(RunNotAccepting):
-        client.upload_checkpoint(answer.peer_token, run["id"], 1, data)
+        client.upload_checkpoint(answer.peer_token, run.id, 1, data)
     with pytest.raises(RequestRejected):
-        client.upload_checkpoint(answer.peer_token, run["id"], 2, b"not a zip")
-    assert client.download_checkpoint(answer.peer_token, run["id"]) == (data, 1)
-    assert client.download_checkpoint(ADMIN, run["id"]) == (data, 1)
-    assert [c["epoch"] for c in client.list_checkpoints(ADMIN, run["id"])] == [1]
+        client.upload_checkpoint(answer.peer_token, run.id, 2, b"not a zip")
+    assert client.download_checkpoint(answer.peer_token, run.id) == (data, 1)
+    assert client.download_checkpoint(ADMIN, run.id) == (data, 1)
+    assert [c.epoch for c in client.list_checkpoints(ADMIN, run.id)] == [1]
     assert join(client, invite(client, run)).checkpoint is not None
 
 
 def test_a_session_reports_renews_and_sees_the_run_pause(
-    client: CoordinatorClient, run: dict[str, Any]
+    client: CoordinatorClient, run: RunPublic
 ) -> None:
     answer = join(client, invite(client, run))
     renewed: list[float] = []
@@ -219,10 +218,10 @@ def test_a_session_reports_renews_and_sees_the_run_pause(
                 }
             )
         assert wait_until(lambda: session.pending_reports == 0, scaled(10))
-        assert wait_until(lambda: client.progress(run["id"])["rounds_done"] == 3, scaled(10))
+        assert wait_until(lambda: client.progress(run.id).rounds_done == 3, scaled(10))
         assert wait_until(lambda: renewed, scaled(10))
         assert renewed[0] == pytest.approx(time.time() + 3600, abs=60)
-        client.update_run(ADMIN, run["id"], status="paused")
+        client.update_run(ADMIN, run.id, status="paused")
         assert wait_until(lambda: statuses == ["paused"], scaled(10))
         assert session.coordinator_reachable
     finally:
@@ -230,7 +229,7 @@ def test_a_session_reports_renews_and_sees_the_run_pause(
 
 
 def test_a_ban_shuts_the_peer_out_of_the_swarm(
-    client: CoordinatorClient, run: dict[str, Any], coordinator_url: str
+    client: CoordinatorClient, run: RunPublic, coordinator_url: str
 ) -> None:
     """Three volunteers' nodes joined through the coordinator; the organizer bans one:
     within a status poll the others close its links and forget it, and it cannot link
@@ -256,10 +255,10 @@ def test_a_ban_shuts_the_peer_out_of_the_swarm(
         assert wait_until(lambda: all(mallory in n.core._links for n in honest), scaled(30))
 
         organizer = {"Authorization": f"Bearer {ADMIN}"}
-        rows = httpx.get(f"{coordinator_url}/api/v1/runs/{run['id']}/dashboard").json()
+        rows = httpx.get(f"{coordinator_url}/api/v1/runs/{run.id}/dashboard").json()
         (volunteer,) = [v for v in rows["volunteers"] if v["display_name"] == "mallory"]
         banned = httpx.post(
-            f"{coordinator_url}/api/v1/runs/{run['id']}/volunteers/{volunteer['id']}/ban",
+            f"{coordinator_url}/api/v1/runs/{run.id}/volunteers/{volunteer['id']}/ban",
             headers=organizer,
         )
         assert banned.status_code == 200, banned.text

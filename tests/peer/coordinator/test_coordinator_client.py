@@ -28,8 +28,9 @@ from peer.coordinator import (
     RunNotAccepting,
     Unauthorized,
 )
+from peer.formats.payloads import CheckpointPublic, RunPublic, RunStatus
 from peer.identity import Identity, join_proof_payload, verify_signature
-from tests.peer.coordinator.answers import run_body
+from tests.peer.coordinator.answers import progress_body, run_body
 
 URL = "http://coord.example:8000"
 TOKEN = "sgj_" + "t0k3n" * 8
@@ -124,7 +125,7 @@ def test_join_challenge_then_join_signs_a_proof_the_coordinator_can_verify() -> 
     assert joined.run_public_key == authority.public_key
     assert joined.bootstrap == ("ws://10.0.0.1:4000", "ws://h:1")  # flattened, no repeats
     assert joined.certificate_expires_at == 1893542400.0
-    assert joined.checkpoint is not None and joined.checkpoint["epoch"] == 3
+    assert joined.checkpoint is not None and joined.checkpoint.epoch == 3
     assert dict(joined.config) == {"lr": 0.1}
     assert "sgp_secret" not in repr(joined) and b64(b"cert") not in repr(joined)
 
@@ -193,7 +194,8 @@ def test_checkpoints_up_and_down() -> None:
 
     with client_with(handler) as client:
         assert client.download_checkpoint("sgp_x", "r1") is None
-        assert client.upload_checkpoint("sgp_x", "r1", 4, data)["sha256"] == digest
+        uploaded = client.upload_checkpoint("sgp_x", "r1", 4, data)
+        assert isinstance(uploaded, CheckpointPublic) and uploaded.sha256 == digest
         assert stored == {"body": data, "type": "application/octet-stream", "epoch": "4"}
         assert client.download_checkpoint("sgp_x", "r1") == (data, 4)
         stored["damage"] = True
@@ -211,21 +213,30 @@ def test_organizer_calls() -> None:
             return answer(200, {"runs": [run_body()]})
         if path.endswith("/checkpoints"):
             return answer(200, {"checkpoints": [CHECKPOINT]})
+        if path.endswith("/pin"):
+            return answer(200, CHECKPOINT | {"pinned": True})
         if path.endswith("/tokens"):
             invite = {"id": "t1", "token": "sgj_x", "expires_at": None, "max_uses": 3}
             return answer(201, invite | {"label": None})
         if path.endswith("/progress"):
-            return answer(200, {"epoch": 7})  # the dashboard's format: not checked here
+            return answer(200, progress_body(epoch=7, checkpoint=CHECKPOINT))
         return answer(201 if request.method == "POST" else 200, run_body())
 
     with client_with(handler) as client:
-        assert client.create_run("adm", "mnist", "digits", {"lr": 0.1}) == run_body()
-        assert client.list_runs() == [run_body()]
+        created = client.create_run("adm", "mnist", "digits", {"lr": 0.1})
+        assert isinstance(created, RunPublic)
+        assert created.model_dump(mode="json") == run_body()  # --json prints what came
+        assert client.list_runs() == [RunPublic.model_validate(run_body())]
         client.list_runs(include_archived=True)
-        client.update_run("adm", "r1", status="paused")
-        assert client.create_invite("adm", "r1", max_uses=3)["token"] == "sgj_x"
-        assert client.list_checkpoints("adm", "r1") == [CHECKPOINT]
-        assert client.run("r1") == run_body() and client.progress("r1") == {"epoch": 7}
+        assert client.update_run("adm", "r1", status="paused").status is RunStatus.running
+        assert client.create_invite("adm", "r1", max_uses=3).token == "sgj_x"
+        (listed_checkpoint,) = client.list_checkpoints("adm", "r1")
+        assert listed_checkpoint.model_dump(mode="json") == CHECKPOINT
+        assert client.pin_checkpoint("adm", "r1", 3).pinned
+        assert client.run("r1").public_key == "k"
+        progress = client.progress("r1")
+        assert progress.epoch == 7 and progress.checkpoint is not None
+        assert progress.checkpoint.epoch == 3 and progress.status is RunStatus.running
     create, listed, archived, update, invite = requests[:5]
     assert json.loads(create.content) == {"name": "mnist", "task": "digits", "config": {"lr": 0.1}}
     assert "Authorization" not in listed.headers
@@ -349,6 +360,49 @@ def test_an_answer_missing_fields_is_not_this_coordinator() -> None:
         pytest.raises(NotACoordinator, match=r"a malformed 'checkpoint\.sha256'"),
     ):
         client.join(TOKEN, _challenge(), Identity())
+
+
+def test_the_organizers_answers_are_checked_as_closely_as_the_volunteers() -> None:
+    """The progress, a checkpoint list, a pin: each of another shape is not this coordinator,
+    naming the field, down to a history point's time."""
+    history = [{"t": "not a time", "epoch": 0, "samples": 0, "samples_per_second": 0.0}]
+    cases: list[tuple[dict[str, Any], Callable[[CoordinatorClient], Any], str]] = [
+        ({"epoch": 7}, lambda c: c.progress("r1"), "no 'run_id'"),
+        (
+            progress_body() | {"history": [{**history[0], "loss": None, "peers_online": 0}]},
+            lambda c: c.progress("r1"),
+            r"a malformed 'history\.0\.t'",
+        ),
+        ({"checkpoints": [{"epoch": 1}]}, lambda c: c.list_checkpoints("adm", "r1"), "no "),
+        ({"pinned": True}, lambda c: c.pin_checkpoint("adm", "r1", 1), "no 'epoch'"),
+        ({"tokens": None}, lambda c: c.list_organizer_tokens("adm"), "a malformed 'tokens'"),
+    ]
+    for body, call, message in cases:
+        with (
+            client_with(lambda request, body=body: answer(200, body)) as client,
+            pytest.raises(NotACoordinator, match=message),
+        ):
+            call(client)
+
+
+def test_no_call_returns_an_untyped_dict() -> None:
+    """Every answer comes as its payload type; only a run's config is free-form JSON."""
+    import inspect
+
+    for name, method in inspect.getmembers(CoordinatorClient, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        returns = str(inspect.signature(method).return_annotation)
+        assert "dict" not in returns and "Any" not in returns, (name, returns)
+
+
+def test_a_status_that_is_none_of_a_runs_is_refused_before_sending() -> None:
+    sent: list[httpx.Request] = []
+    with client_with(lambda request: sent.append(request) or answer(200, run_body())) as client:
+        with pytest.raises(ValueError, match="sleeping"):
+            client.update_run("adm", "r1", status="sleeping")
+        client.update_run("adm", "r1", status=RunStatus.finished, name="m2")
+    assert [json.loads(r.content) for r in sent] == [{"name": "m2", "status": "finished"}]
 
 
 def _challenge() -> JoinChallenge:

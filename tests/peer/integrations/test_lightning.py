@@ -312,7 +312,7 @@ def test_a_coordinators_invite_joins_its_run_and_reports_progress(tmp_path: Path
     admin = server_fixtures.ADMIN_TOKEN
     with served(create_app(settings)) as url, CoordinatorClient(url) as client:
         run = client.create_run(admin, "lightning", "digits", {})
-        token = client.create_invite(admin, run["id"])["token"]
+        token = client.create_invite(admin, run.id).token
         strategy = SwarmgradStrategy(
             target_batch_size=4,
             matchmaking_time=0.2,
@@ -322,7 +322,7 @@ def test_a_coordinators_invite_joins_its_run_and_reports_progress(tmp_path: Path
             name="lightning volunteer",
             data_dir=tmp_path / "volunteer",
         )
-        assert strategy._run_id == run["id"]
+        assert strategy._run_id == run.id
         trainer = L.Trainer(
             strategy=strategy,
             max_steps=12,
@@ -334,9 +334,9 @@ def test_a_coordinators_invite_joins_its_run_and_reports_progress(tmp_path: Path
         )
         trainer.fit(BoringModel())
         assert not strategy.node.is_alive()  # teardown left the run
-        progress = client.progress(run["id"])
-    assert progress["samples"] == 12  # batches of 1, every one reported by the last flush
-    assert progress["epoch"] == 3  # 12 samples, 4 per swarm epoch
+        progress = client.progress(run.id)
+    assert progress.samples == 12  # batches of 1, every one reported by the last flush
+    assert progress.epoch == 3  # 12 samples, 4 per swarm epoch
     with pytest.raises(ValueError, match="needs both coordinator= and token="):
         SwarmgradStrategy(target_batch_size=4, coordinator=url)
 
