@@ -655,7 +655,7 @@ class DecentralizedAverager(StateSharing):
                     ):
                         if alpha:
                             tensor.add_(delta.to(tensor.dtype), alpha=alpha)
-        self.last_round_left = frozenset(runner.failed)
+        self.last_round_left = frozenset(runner.round.left)
         if runner.failed:
             logger.info(
                 "averaged with %d of %d peers (%d left the round)",
@@ -777,8 +777,9 @@ class DecentralizedAverager(StateSharing):
 
     #: wall time of the last successful all-reduce (snapshot to write-back), for benchmarks
     last_allreduce_seconds: float | None = None
-    #: members that left the last all-reduce this peer finished (excluded in both roles): the
-    #: span a departed reducer held kept this peer's own values, so members' results may differ
+    #: members that left the last all-reduce this peer finished (excluded in both roles, or
+    #: reducers silent until the timeout before all their averages came: ButterflyRound.left):
+    #: the span a departed reducer held kept this peer's own values, so results may differ
     last_round_left: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:

@@ -63,7 +63,10 @@ Faults (each decision is local; survivors always finish):
 * a sender silent for ``sender_timeout`` while still owing parts is excluded from this
   reducer's parts not yet final;
 * a reducer silent for ``reducer_timeout`` (no average, no accepted send) fails: its span's
-  remaining parts keep the local values;
+  remaining parts keep the local values. A member killed once its contributions went out is
+  seen this way (nothing more is sent to it, so no send fails), and only by the members
+  still owed one of its averages: :attr:`ButterflyRound.left` names it with the members
+  excluded in both roles, so the caller knows its result may differ from the others';
 * a member that takes nothing of a frame sent to it for ``sender_timeout`` (it stopped
   reading: a frozen process) is excluded in both roles. Silence is the absence of bytes,
   not of complete frames: the driver passes the transport's signs of life to
@@ -527,6 +530,16 @@ class ButterflyRound:
     def contributors(self) -> set[str]:
         """Members none of whose roles failed (for logging and tests)."""
         return set(self.peer_index) - self.failed
+
+    @property
+    def left(self) -> set[str]:
+        """Members that left the round as far as this one can tell: excluded in both roles,
+        or reducers that failed (silent for ``reducer_timeout``) before every average of
+        their span came. Their spans kept this member's own values, and another member may
+        have had every average of them in time, so the members' results can differ where
+        this set is not empty (a sender excluded for its silence is not here: each
+        reducer sends every member the same average, without it)."""
+        return self.failed | {self.members[r].peer_id for r in self.failed_reducers}
 
     @property
     def offenders(self) -> frozenset[str]:

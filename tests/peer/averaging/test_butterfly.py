@@ -191,6 +191,38 @@ def test_a_silent_sender_is_excluded_at_its_timeout_and_the_rest_averaged() -> N
     assert kinds[-1] == "avg" and "part" in kinds
 
 
+def test_a_reducer_killed_after_averaging_for_one_member_is_named_by_the_other() -> None:
+    # c dies after its average reached b but before it reached a, which had sent all it
+    # had to send: only the watchdog tells a, and c's span keeps a's own values there
+    # while b has the mean. The results differ, and the member holding the odd one says so
+    local = {p: torch.full((64,), float(i)) for i, p in enumerate(("a", "b", "c"))}
+    machines = _machines(local)
+    for m in machines.values():
+        m.start(0.0)
+    lost = 0
+    moved = True
+    while moved:
+        moved = False
+        for p, m in machines.items():
+            for q in machines:
+                if q != p and isinstance(send := m.next_send(q), Send):
+                    moved = True
+                    m.sent(0.1, send)
+                    if (p, q, send.kind) == ("c", "a", "avg"):
+                        lost += 1  # (c is dead by then)
+                    else:
+                        machines[q].on_frame(0.1, p, _copy(send.frame))
+    a, b = machines["a"], machines["b"]
+    assert lost and b.done and not a.done
+    assert a.tick(0.1 + CONFIG.reducer_timeout + 0.1) and a.done
+    results = {p: _result(machines[p], local[p]) for p in ("a", "b")}
+    c_span = slice(*a.partition.spans[2])
+    assert not torch.equal(results["a"][c_span], results["b"][c_span])
+    assert a.failed == set() and a.left == {"c"}  # no send to c failed
+    assert b.left == set()
+    assert torch.equal(results["b"], torch.full((64,), 1.0))  # the mean
+
+
 def test_an_abort_from_a_reducer_that_found_nan_makes_this_member_leave() -> None:
     local = {p: torch.zeros(64) for p in ("a", "b")}
     _, stop = _machines(local)["a"].partition.spans[1]
@@ -492,6 +524,11 @@ def test_any_interleaving_ends_each_staying_member_on_its_own_values_or_an_exact
             # every member that took this part's average took the same one
             for got in taken[1:]:
                 assert torch.allclose(got, taken[0], atol=1e-5, rtol=0), (r, part)
+    # members that do not name anyone as having left the round end on the same result
+    # (DiLoCo applies a round only then: tests/peer/optim/test_diloco_swarm.py)
+    whole = [p for p in honest if p != hostile and not machines[p].left]
+    for p in whole[1:]:
+        assert torch.allclose(results[p], results[whole[0]], atol=1e-5, rtol=0), (p, whole[0])
     if fair and not (bad or hostile):
         total = sum(w)
         mean = sum(v * (wi / total) for v, wi in zip(values, w, strict=True))
