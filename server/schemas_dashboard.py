@@ -114,6 +114,31 @@ class VolunteerRow(BaseModel):
     banned: bool
 
 
+VolunteerSort = Literal["samples", "share", "display_name", "online_s", "last_seen", "reachable"]
+
+
+class VolunteerPageInfo(BaseModel):
+    """Which page of the volunteers' table a document carries, and how many there are."""
+
+    page: int = Field(description="1-based; past the last page, the last page is sent.")
+    per_page: int
+    pages: int = Field(description="Pages of volunteers that match the filter (at least 1).")
+    matching: int = Field(description="Volunteers that match the filter.")
+    total: int = Field(description="Volunteers of the run, whatever the filter.")
+    online: int = Field(description="Volunteers of the run with a machine online.")
+    sort: VolunteerSort
+    order: Literal["asc", "desc"]
+    q: str = Field(description="The filter: part of a display name, any case ('' for none).")
+
+
+class VolunteerPage(BaseModel):
+    """One page of a run's volunteers' table, sorted and filtered by the coordinator."""
+
+    now: datetime
+    volunteers_page: VolunteerPageInfo
+    volunteers: list[VolunteerRow]
+
+
 class RunDashboard(BaseModel):
     run: RunHeader
     now: datetime
@@ -122,7 +147,8 @@ class RunDashboard(BaseModel):
     alerts: list[Alert]
     series: Series
     group_sizes: GroupSizes
-    volunteers: list[VolunteerRow]
+    volunteers_page: VolunteerPageInfo
+    volunteers: list[VolunteerRow] = Field(description="One page: see volunteers_page.")
 
 
 class VolunteerSummary(BaseModel):

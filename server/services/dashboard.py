@@ -15,9 +15,8 @@ import itertools
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from sqlalchemy import ColumnElement, case, func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from server.clock import ms_to_datetime, now_ms
@@ -38,14 +37,18 @@ from server.schemas_dashboard import (
     Series,
     SessionRow,
     VolunteerDetail,
+    VolunteerPage,
     VolunteerRow,
     VolunteerSummary,
 )
 from server.services import checkpoints as checkpoint_service
-from server.services import rollups
+from server.services import rollups, volunteer_table
 from server.services import runs as run_service
 from server.services.progress import history
 from server.services.reports import RATE_WINDOW_MS, float_sum, run_totals, saturated
+from server.services.volunteer_table import Row, View
+
+DEFAULT_VIEW = View()
 
 RECENT_GROUP_REPORTS = 200  # reports behind the group-size distribution
 RECENT_EPOCHS = 10  # epochs behind the ETA and the rounds-failing alert
@@ -158,64 +161,26 @@ def alerts(inputs: AlertInputs) -> list[Alert]:
 # ----------------------------------------------------------------------------- queries
 
 
-class Row(NamedTuple):  # a tuple: a frozen dataclass per row costs more than the query
-    id: int
-    display_name: str
-    banned: bool
-    samples: int
-    online_ms: int
-    last_seen_ms: int | None
-    reachable_peers: int
-    peers: int
-    first_seen_ms: int | None
-    online: bool
-
-
-def _online_ms_expression() -> ColumnElement[int]:
-    """A peer's time online: its closed sessions plus the open one."""
-    open_session = case(
-        (Peer.session_started_ms.is_not(None), Peer.last_seen_ms - Peer.session_started_ms),
-        else_=0,
-    )
-    return Peer.online_ms + open_session
-
-
 def _volunteer_rows(session: Session, run_id: str, now: int, online_ttl_s: float) -> list[Row]:
-    since = now - int(online_ttl_s * 1000)
-    rows = session.execute(
-        select(
-            Volunteer.id,
-            Volunteer.display_name,
-            # A flag, not the timestamp: converting a thousand datetimes costs more than the query.
-            case((Volunteer.banned_at.is_(None), 0), else_=1),
-            float_sum(Peer.samples_base + Peer.samples),
-            func.coalesce(func.sum(_online_ms_expression()), 0),
-            func.max(Peer.last_seen_ms),
-            func.coalesce(func.sum(case((Peer.client_mode.is_(False), 1), else_=0)), 0),
-            func.count(Peer.id),
-            func.min(Peer.first_seen_ms),
+    return volunteer_table.all_rows(session, run_id, now - int(online_ttl_s * 1000))
+
+
+def _table_rows(rows: list[Row], total_samples: int) -> list[VolunteerRow]:
+    return [
+        VolunteerRow(
+            id=v.id,
+            display_name=v.display_name,
+            samples=v.samples,
+            share=_share(v.samples, total_samples),
+            online_s=v.online_ms / 1000,
+            last_seen=None if v.last_seen_ms is None else ms_to_datetime(v.last_seen_ms),
+            online=v.online,
+            reachable=v.reachable_peers > 0,
+            peers=v.peers,
+            banned=v.banned,
         )
-        .join(Peer, Peer.volunteer_id == Volunteer.id, isouter=True)
-        .where(Volunteer.run_id == run_id)
-        .group_by(Volunteer.id, Volunteer.display_name, Volunteer.banned_at)
-    ).all()
-    result = [
-        Row(
-            id=int(r[0]),
-            display_name=r[1],
-            banned=bool(r[2]),
-            samples=saturated(r[3]),
-            online_ms=int(r[4]),
-            last_seen_ms=None if r[5] is None else int(r[5]),
-            reachable_peers=int(r[6]),
-            peers=int(r[7]),
-            first_seen_ms=None if r[8] is None else int(r[8]),
-            online=r[5] is not None and int(r[5]) >= since,
-        )
-        for r in rows
+        for v in rows
     ]
-    result.sort(key=lambda r: (-r.samples, r.id))
-    return result
 
 
 def _share(samples: int, total: int) -> float:
@@ -243,8 +208,14 @@ def target_epochs(run: Run) -> int | None:
 
 
 def run_dashboard(
-    session: Session, run: Run, *, online_ttl_s: float, history_points: int
+    session: Session,
+    run: Run,
+    *,
+    online_ttl_s: float,
+    history_points: int,
+    view: View = DEFAULT_VIEW,
 ) -> RunDashboard:
+    """Headline, alerts, charts and one page of the volunteers' table (``view``)."""
     now = now_ms()
     online_ttl_s = presence_s(online_ttl_s)
     totals = run_totals(session, run.id, now, online_ttl_s)
@@ -329,7 +300,7 @@ def run_dashboard(
             else (now - int(last_report_ms)) / 1000,
         )
     )
-    volunteers = _volunteer_rows(session, run.id, now, online_ttl_s)
+    volunteers, info = volunteer_table.page(session, run.id, since, view)
     document = RunDashboard(
         run=RunHeader(
             id=run.id,
@@ -348,24 +319,28 @@ def run_dashboard(
             recent=group_sizes,
             histogram=[GroupSizeCount(size=s, count=c) for s, c in sorted(counts.items())],
         ),
-        volunteers=[
-            VolunteerRow(
-                id=v.id,
-                display_name=v.display_name,
-                samples=v.samples,
-                share=_share(v.samples, totals.samples),
-                online_s=v.online_ms / 1000,
-                last_seen=None if v.last_seen_ms is None else ms_to_datetime(v.last_seen_ms),
-                online=v.online,
-                reachable=v.reachable_peers > 0,
-                peers=v.peers,
-                banned=v.banned,
-            )
-            for v in volunteers
-        ],
+        volunteers_page=info,
+        volunteers=_table_rows(volunteers, totals.samples),
     )
     document.version = _version(document)
     return document
+
+
+def volunteers_page(
+    session: Session, run: Run, *, online_ttl_s: float, view: View
+) -> VolunteerPage:
+    """One page of the run's volunteers' table, as the dashboard's document carries it."""
+    now = now_ms()
+    since = now - int(presence_s(online_ttl_s) * 1000)
+    total_samples = saturated(
+        session.scalar(
+            select(float_sum(Peer.samples_base + Peer.samples)).where(Peer.run_id == run.id)
+        )
+    )
+    rows, info = volunteer_table.page(session, run.id, since, view)
+    return VolunteerPage(
+        now=ms_to_datetime(now), volunteers_page=info, volunteers=_table_rows(rows, total_samples)
+    )
 
 
 def runs_overview(session: Session, *, online_ttl_s: float) -> RunsOverview:

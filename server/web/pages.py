@@ -31,6 +31,7 @@ from server.services import checkpoints as checkpoint_service
 from server.services import dashboard as dashboard_service
 from server.services import runs as run_service
 from server.services import tokens as token_service
+from server.services import volunteer_table
 from server.services import volunteers as volunteer_service
 from server.web import formatting
 from server.web.credential_cookie import (
@@ -188,6 +189,7 @@ def run_page(
         run,
         online_ttl_s=settings.peer_online_ttl_s,
         history_points=settings.history_points,
+        view=volunteer_table.view_from_query(request.query_params),
     )
     invites = []
     checkpoints: list[Any] = []

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Query, Response, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Depends, Path, Query, Response, WebSocket, WebSocketDisconnect
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.api import API_PREFIX
@@ -15,11 +15,20 @@ from server.api.deps import CurrentOrganizer, RunDep, SessionDep, SettingsDep
 from server.config import Settings
 from server.exceptions import NotFound
 from server.live import LiveHub
-from server.schemas_dashboard import RunDashboard, RunsOverview, VolunteerBanned, VolunteerDetail
+from server.schemas_dashboard import (
+    RunDashboard,
+    RunsOverview,
+    VolunteerBanned,
+    VolunteerDetail,
+    VolunteerPage,
+    VolunteerSort,
+)
 from server.services import dashboard as dashboard_service
 from server.services import runs as run_service
+from server.services import volunteer_table
 from server.services import volunteers as volunteer_service
 from server.services.dashboard import MAX_ID
+from server.services.volunteer_table import View
 
 router = APIRouter(prefix=API_PREFIX, tags=["dashboard"])
 
@@ -33,17 +42,49 @@ def read_runs_overview(session: SessionDep, settings: SettingsDep) -> RunsOvervi
     return dashboard_service.runs_overview(session, online_ttl_s=settings.peer_online_ttl_s)
 
 
+def volunteer_view(
+    page: int = Query(1, ge=1, le=volunteer_table.MAX_PAGE, description="1-based."),
+    per_page: int = Query(volunteer_table.DEFAULT_PER_PAGE, ge=1, le=volunteer_table.MAX_PER_PAGE),
+    sort: VolunteerSort = Query("samples", description="The column to sort by."),
+    order: Literal["asc", "desc"] = Query("desc"),
+    q: str = Query(
+        "", max_length=volunteer_table.MAX_QUERY, description="Part of a display name, any case."
+    ),
+) -> View:
+    """Which page of the volunteers' table to send."""
+    return View(page=page, per_page=per_page, sort=sort, order=order, q=q)
+
+
+ViewDep = Annotated[View, Depends(volunteer_view)]
+
+
 @router.get("/runs/{run_id}/dashboard", response_model=RunDashboard)
-def read_run_dashboard(session: SessionDep, settings: SettingsDep, run: RunDep) -> Response:
-    """Headline numbers, alerts, chart series, group sizes and the volunteers' table."""
+def read_run_dashboard(
+    session: SessionDep, settings: SettingsDep, run: RunDep, view: ViewDep
+) -> Response:
+    """Headline numbers, alerts, chart series, group sizes, and one page of the volunteers'
+    table with their counts (the first page by samples unless the query asks for another)."""
     document = dashboard_service.run_dashboard(
         session,
         run,
         online_ttl_s=settings.peer_online_ttl_s,
         history_points=settings.history_points,
+        view=view,
     )
     # Serialised once, as built: the response model is for the schema; validating a document
     # of a thousand volunteers again would cost as much as building it.
+    return Response(document.model_dump_json(), media_type="application/json")
+
+
+@router.get("/runs/{run_id}/volunteers", response_model=VolunteerPage)
+def read_volunteers(
+    session: SessionDep, settings: SettingsDep, run: RunDep, view: ViewDep
+) -> Response:
+    """One page of the volunteers' table, sorted and filtered here: what the dashboard asks
+    for when someone pages, sorts or filters the table."""
+    document = dashboard_service.volunteers_page(
+        session, run, online_ttl_s=settings.peer_online_ttl_s, view=view
+    )
     return Response(document.model_dump_json(), media_type="application/json")
 
 

@@ -55,9 +55,20 @@ const charts = {
   }),
 };
 
-let sortKey = "samples";
-let sortDescending = true;
-let latest = null;
+// The volunteers' table shows one page, sorted and filtered by the coordinator. The live
+// feed carries the first page by samples; any other view is asked for again on each update.
+const pager = document.getElementById("volunteers-pager");
+const view = {
+  page: Number(pager.dataset.page) || 1,
+  per_page: Number(pager.dataset.perPage) || 50,
+  sort: pager.dataset.sort || "samples",
+  order: pager.dataset.order || "desc",
+  q: pager.dataset.q || "",
+};
+const volunteersPath = `/api/v1/runs/${encodeURIComponent(runId)}/volunteers`;
+let asked = 0; // the latest page request's number: older answers are dropped
+let pageInFlight = false;
+let pageWanted = false;
 
 function setMetric(name, text, note) {
   const node = document.querySelector(`[data-metric="${name}"]`);
@@ -141,25 +152,76 @@ function renderCharts(document_) {
   charts.rounds.set([t, upToNow(s.rounds_done, h.rounds_done), upToNow(s.rounds_failed, h.rounds_failed)]);
 }
 
-function compare(a, b) {
-  const x = a[sortKey];
-  const y = b[sortKey];
-  if (typeof x === "string" && typeof y === "string") return x.localeCompare(y);
-  return (x ?? -Infinity) > (y ?? -Infinity) ? 1 : (x ?? -Infinity) < (y ?? -Infinity) ? -1 : 0;
-}
-
 function cell(label, text, className) {
   const node = element("td", text, className);
   node.dataset.label = label;
   return node;
 }
 
-function renderVolunteers(volunteers) {
-  const rows = [...volunteers].sort((a, b) => (sortDescending ? -compare(a, b) : compare(a, b)));
+function isDefaultView() {
+  return view.page === 1 && view.per_page === 50 && view.sort === "samples" && view.order === "desc" && !view.q.trim();
+}
+
+function pageQuery(page) {
+  const query = new URLSearchParams({ page: String(page), sort: view.sort, order: view.order });
+  if (view.per_page !== 50) query.set("per_page", String(view.per_page));
+  if (view.q) query.set("q", view.q);
+  return query.toString();
+}
+
+function renderPager(info) {
+  view.page = info.page; // the coordinator clamps a page past the last one
+  const previous = document.getElementById("volunteers-previous");
+  const next = document.getElementById("volunteers-next");
+  previous.hidden = info.page <= 1;
+  next.hidden = info.page >= info.pages;
+  previous.href = `/runs/${encodeURIComponent(runId)}?${pageQuery(info.page - 1)}#volunteers-heading`;
+  next.href = `/runs/${encodeURIComponent(runId)}?${pageQuery(info.page + 1)}#volunteers-heading`;
+  const which = info.q ? `${integer(info.matching)} matching of ${integer(info.total)}` : `${integer(info.matching)} volunteers`;
+  const text = `Page ${integer(info.page)} of ${integer(info.pages)}: ${which}, ${integer(info.online)} online`;
+  const position = document.getElementById("volunteers-position");
+  if (position.textContent !== text) position.textContent = text;
+  for (const header of document.querySelectorAll("#volunteers th[aria-sort]")) {
+    const key = header.querySelector("button.sort")?.dataset.key;
+    const sorted = key === info.sort ? (info.order === "desc" ? "descending" : "ascending") : "none";
+    if (header.getAttribute("aria-sort") !== sorted) header.setAttribute("aria-sort", sorted);
+  }
+}
+
+// One request at a time; a change meanwhile asks again once it is answered.
+async function requestPage() {
+  if (pageInFlight) {
+    pageWanted = true;
+    return;
+  }
+  pageInFlight = true;
+  pageWanted = false;
+  const number = ++asked;
+  try {
+    const answer = await fetch(`${volunteersPath}?${pageQuery(view.page)}`, {
+      headers: { Accept: "application/json" },
+      cache: "no-store",
+    });
+    if (answer.ok) {
+      const page = await answer.json();
+      if (number === asked) {
+        renderPager(page.volunteers_page);
+        renderVolunteers(page.volunteers, page.volunteers_page);
+      }
+    }
+  } catch (error) {
+    // the coordinator is unreachable: keep the rows shown, the next update asks again
+  } finally {
+    pageInFlight = false;
+    if (pageWanted) requestPage();
+  }
+}
+
+function renderVolunteers(rows, info) {
   const body = document.querySelector("#volunteers tbody");
   if (rows.length === 0) {
     const row = element("tr");
-    const empty = element("td", "Nobody has joined yet.");
+    const empty = element("td", info.q && info.total ? "No volunteer's name matches." : "Nobody has joined yet.");
     empty.colSpan = organizer ? 7 : 6;
     row.append(empty);
     body.replaceChildren(row);
@@ -203,26 +265,58 @@ function renderVolunteers(volunteers) {
 }
 
 function apply(document_) {
-  latest = document_;
   setServerNow(document_.now);
   renderHeadline(document_);
   renderAlerts(document_.alerts);
   renderCharts(document_);
-  renderVolunteers(document_.volunteers);
+  if (isDefaultView()) {
+    asked++; // an answer to an older request would be staler than this document
+    renderPager(document_.volunteers_page);
+    renderVolunteers(document_.volunteers, document_.volunteers_page);
+  } else {
+    requestPage();
+  }
 }
 
 for (const button of document.querySelectorAll("#volunteers button.sort")) {
   button.addEventListener("click", () => {
     const key = button.dataset.key;
-    sortDescending = key === sortKey ? !sortDescending : key !== "display_name";
-    sortKey = key;
-    for (const header of document.querySelectorAll("#volunteers th[aria-sort]")) {
-      header.setAttribute("aria-sort", "none");
-    }
-    button.parentElement.setAttribute("aria-sort", sortDescending ? "descending" : "ascending");
-    if (latest) renderVolunteers(latest.volunteers);
+    view.order = key === view.sort ? (view.order === "desc" ? "asc" : "desc") : key === "display_name" ? "asc" : "desc";
+    view.sort = key;
+    view.page = 1;
+    requestPage();
   });
 }
+
+for (const [id, step] of [
+  ["volunteers-previous", -1],
+  ["volunteers-next", 1],
+]) {
+  document.getElementById(id).addEventListener("click", (event) => {
+    event.preventDefault();
+    view.page = Math.max(1, view.page + step);
+    requestPage();
+  });
+}
+
+const filter = document.getElementById("volunteers-filter");
+const filterInput = document.getElementById("volunteers-q");
+let filterTimer = null;
+function applyFilter() {
+  if (filterInput.value === view.q) return;
+  view.q = filterInput.value;
+  view.page = 1;
+  requestPage();
+}
+filter.addEventListener("submit", (event) => {
+  event.preventDefault();
+  clearTimeout(filterTimer);
+  applyFilter();
+});
+filterInput.addEventListener("input", () => {
+  clearTimeout(filterTimer);
+  filterTimer = setTimeout(applyFilter, 300);
+});
 
 keepRelativeTimesGrowing();
 

@@ -1,0 +1,202 @@
+"""The volunteers' table of a run's dashboard, one page at a time.
+
+A run of 10,000 volunteers cannot send its whole table with every update (about 2 MB of
+JSON): the dashboard's document carries the run's totals and one page, and the page asks for
+others (``GET /api/v1/runs/{id}/volunteers``). Sorting, filtering and paging happen in SQL
+over one aggregate of the run's peers per volunteer, so the rows built in Python are a page's,
+whatever the size of the run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, cast, get_args
+
+from sqlalchemy import ColumnElement, Select, case, func, select
+from sqlalchemy.orm import Session
+
+from server.models import Peer, Volunteer
+from server.schemas_dashboard import VolunteerPageInfo, VolunteerSort
+from server.services.reports import float_sum, saturated
+
+DEFAULT_PER_PAGE = 50
+MAX_PER_PAGE = 200
+MAX_PAGE = 1_000_000
+MAX_QUERY = 64  # a display name is at most this long
+SORTS: tuple[str, ...] = get_args(VolunteerSort)
+
+
+class Row(NamedTuple):  # a tuple: a frozen dataclass per row costs more than the query
+    id: int
+    display_name: str
+    banned: bool
+    samples: int
+    online_ms: int
+    last_seen_ms: int | None
+    reachable_peers: int
+    peers: int
+    first_seen_ms: int | None
+    online: bool
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """Which page, in which order, of which volunteers. The default is what the live feed
+    sends: the first page by samples, most first."""
+
+    page: int = 1
+    per_page: int = DEFAULT_PER_PAGE
+    sort: VolunteerSort = "samples"
+    order: Literal["asc", "desc"] = "desc"
+    q: str = ""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.page <= MAX_PAGE:
+            raise ValueError(f"page must be in [1, {MAX_PAGE}]")
+        if not 1 <= self.per_page <= MAX_PER_PAGE:
+            raise ValueError(f"per_page must be in [1, {MAX_PER_PAGE}]")
+        if self.sort not in SORTS:
+            raise ValueError(f"sort must be one of {', '.join(SORTS)}")
+        if self.order not in ("asc", "desc"):
+            raise ValueError("order must be asc or desc")
+        if len(self.q) > MAX_QUERY:
+            raise ValueError(f"q must be at most {MAX_QUERY} characters")
+
+
+def _online_ms_expression() -> ColumnElement[int]:
+    """A peer's time online: its closed sessions plus the open one."""
+    open_session = case(
+        (Peer.session_started_ms.is_not(None), Peer.last_seen_ms - Peer.session_started_ms),
+        else_=0,
+    )
+    return Peer.online_ms + open_session
+
+
+def _name_filter(q: str) -> ColumnElement[bool] | None:
+    q = q.strip()
+    if not q:
+        return None
+    return func.lower(Volunteer.display_name).contains(q.lower(), autoescape=True)
+
+
+def aggregate(run_id: str, q: str = "") -> Select[tuple[object, ...]]:
+    """One row per volunteer of the run (matching ``q``): its peers summed."""
+    statement = (
+        select(
+            Volunteer.id.label("id"),
+            Volunteer.display_name.label("display_name"),
+            # A flag, not the timestamp: converting a thousand datetimes costs more than the query.
+            case((Volunteer.banned_at.is_(None), 0), else_=1).label("banned"),
+            float_sum(Peer.samples_base + Peer.samples).label("samples"),
+            func.coalesce(func.sum(_online_ms_expression()), 0).label("online_ms"),
+            func.max(Peer.last_seen_ms).label("last_seen_ms"),
+            func.coalesce(func.sum(case((Peer.client_mode.is_(False), 1), else_=0)), 0).label(
+                "reachable_peers"
+            ),
+            func.count(Peer.id).label("peers"),
+            func.min(Peer.first_seen_ms).label("first_seen_ms"),
+        )
+        .join(Peer, Peer.volunteer_id == Volunteer.id, isouter=True)
+        .where(Volunteer.run_id == run_id)
+        .group_by(Volunteer.id, Volunteer.display_name, Volunteer.banned_at)
+    )
+    condition = _name_filter(q)
+    return statement if condition is None else statement.where(condition)
+
+
+def to_row(values: Sequence[Any], since: int) -> Row:
+    last_seen = values[5]
+    return Row(
+        id=int(values[0]),
+        display_name=values[1],
+        banned=bool(values[2]),
+        samples=saturated(values[3]),
+        online_ms=int(values[4]),
+        last_seen_ms=None if last_seen is None else int(last_seen),
+        reachable_peers=int(values[6]),
+        peers=int(values[7]),
+        first_seen_ms=None if values[8] is None else int(values[8]),
+        online=last_seen is not None and int(last_seen) >= since,
+    )
+
+
+def all_rows(session: Session, run_id: str, since: int) -> list[Row]:
+    """Every volunteer of the run, by samples (most first), then id."""
+    rows = [to_row(r, since) for r in session.execute(aggregate(run_id))]
+    rows.sort(key=lambda r: (-r.samples, r.id))
+    return rows
+
+
+def page(
+    session: Session, run_id: str, since: int, view: View
+) -> tuple[list[Row], VolunteerPageInfo]:
+    """The rows of ``view`` (its page clamped to the last one) and what the pager shows.
+
+    ``since``: a volunteer with a machine seen at or after it (ms) counts as online."""
+    table = aggregate(run_id, view.q).subquery()
+    key: ColumnElement[object] = {
+        "samples": table.c.samples,
+        "share": table.c.samples,
+        "display_name": func.lower(table.c.display_name),
+        "online_s": table.c.online_ms,
+        # Never seen sorts below any time.
+        "last_seen": func.coalesce(table.c.last_seen_ms, -1),
+        "reachable": case((table.c.reachable_peers > 0, 1), (table.c.peers > 0, 0), else_=-1),
+    }[view.sort]
+    condition = _name_filter(view.q)
+    count = select(func.count()).select_from(Volunteer).where(Volunteer.run_id == run_id)
+    total = int(session.scalar(count) or 0)
+    matching = total if condition is None else int(session.scalar(count.where(condition)) or 0)
+    online = int(
+        session.scalar(
+            select(func.count(func.distinct(Peer.volunteer_id))).where(
+                Peer.run_id == run_id, Peer.last_seen_ms >= since
+            )
+        )
+        or 0
+    )
+    pages = max(1, math.ceil(matching / view.per_page))
+    number = min(view.page, pages)
+    ordered = key.desc() if view.order == "desc" else key.asc()
+    rows = [
+        to_row(r, since)
+        for r in session.execute(
+            select(table)
+            .order_by(ordered, table.c.id)
+            .limit(view.per_page)
+            .offset((number - 1) * view.per_page)
+        )
+    ]
+    info = VolunteerPageInfo(
+        page=number,
+        per_page=view.per_page,
+        pages=pages,
+        matching=matching,
+        total=total,
+        online=online,
+        sort=view.sort,
+        order=view.order,
+        q=view.q,
+    )
+    return rows, info
+
+
+def view_from_query(params: Mapping[str, str]) -> View:
+    """The view a page's address asks for (``?page=&per_page=&sort=&order=&q=``), each
+    value that does not fit left at its default: for links followed without JavaScript."""
+
+    def number(name: str, default: int, top: int) -> int:
+        value = params.get(name, "")
+        return int(value) if value.isdigit() and 1 <= int(value) <= top else default
+
+    sort = params.get("sort", "samples")
+    order = params.get("order", "desc")
+    return View(
+        page=number("page", 1, MAX_PAGE),
+        per_page=number("per_page", DEFAULT_PER_PAGE, MAX_PER_PAGE),
+        sort=cast(VolunteerSort, sort) if sort in SORTS else "samples",
+        order="asc" if order == "asc" else "desc",
+        q=params.get("q", "")[:MAX_QUERY],
+    )
