@@ -223,6 +223,10 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
         )
         await node.start(bootstrap=False)
         tensor = value.clone()
+
+        class Server(CountingStateServer):
+            owner = node.peer_id
+
         averager = DecentralizedAverager(
             [tensor],
             LoopHandle(node),
@@ -236,14 +240,8 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
             part_size_bytes=4 * s.numel,
             next_chunk_timeout=2.0,
             client_mode=client,
+            state_server_factory=Server,
         )
-        owner = node.peer_id
-
-        class Server(CountingStateServer):
-            pass
-
-        Server.owner = owner
-        averager._state_server_cls = Server
         averager.run()
         driver = averager._driver
         assert driver is not None

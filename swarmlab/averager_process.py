@@ -14,7 +14,9 @@ answers JSON commands on standard input, one per line::
     {"cmd": "donors"}                           -> {"donors": [peer ids, best first]}
     {"cmd": "quit"}                             -> {"ok": true}, then exits
 
-``--fault`` injects one misbehaviour (by subclassing the round runner or the state server):
+``--fault`` injects one misbehaviour, through the averager's ``runner_factory`` (a round
+whose frames misbehave, sends held at the seam by :mod:`swarmlab.send_gate`) or its
+``state_server_factory`` (a donor that dies):
 ``kill_after_first_part`` / ``stall_after_first_part`` / ``freeze_after_first_part``
 (SIGKILL itself, stop sending anything, or SIGSTOP itself -- no more reading either, its
 connections left open, like a laptop put to sleep -- right after its first part went out),
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -35,12 +38,15 @@ from typing import Any
 
 import torch
 
-from peer.averaging.allreduce import AllreduceRunner
+from peer.averaging.allreduce import AllreduceRunner, RunnerFactory
 from peer.averaging.butterfly import ButterflyRound
+from peer.averaging.protocol import PART
+from peer.averaging.seam import Link
 from peer.averaging.state import StateServer
 from peer.testing import ChildProcess, serve_json_lines
 from peer.wire import Frame
 from swarmlab import child_env
+from swarmlab.send_gate import gated_runner
 
 FAULTS = (
     "kill_after_first_part",
@@ -59,10 +65,14 @@ def _kill_self() -> None:
 
 
 class FaultyRound(ButterflyRound):
-    """A round whose frames misbehave as ``fault`` says."""
+    """A round whose frames misbehave as ``fault`` says (``nan``, ``wrong_length``,
+    ``oversized``, ``bad_range``, ``kill_while_reducing``; others leave its frames alone)."""
 
-    fault = ""
     max_batch_bytes = 0  # one part per frame: faults land between parts
+
+    def __init__(self, *args: Any, fault: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fault = fault
 
     def _on_received_parts(self, sender: str, index: int, count: int) -> None:
         if self.fault == "kill_while_reducing":
@@ -89,40 +99,50 @@ class FaultyRound(ButterflyRound):
         return frame
 
 
-class FaultyRunner(AllreduceRunner):
-    """An all-reduce runner whose sends misbehave as ``fault`` says."""
+class SendFault:
+    """Awaited before each frame of a round goes out (see :mod:`swarmlab.send_gate`): once
+    the first part went out, ``kill_after_first_part`` SIGKILLs this process,
+    ``stall_after_first_part`` holds that send and every later one forever, and
+    ``freeze_after_first_part`` SIGSTOPs the process. Counts over every round of the
+    averager it is given to."""
 
-    fault = ""
-    round_cls = FaultyRound
-    _parts_sent = 0
-    _stalled: asyncio.Event | None = None
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+        self.parts_sent = 0
+        self.stalled = False
 
-    async def _before_send(self, peer_id: str, kind: str, index: int) -> None:
-        cls = type(self)
-        if cls._stalled is not None:
+    async def __call__(self, peer_id: str, frame: Frame) -> None:
+        if self.stalled:
             await asyncio.Event().wait()  # never: stay silent until cancelled
-        if kind == "part":
-            if cls._parts_sent >= 1:
-                if self.fault == "kill_after_first_part":
-                    _kill_self()
-                elif self.fault == "stall_after_first_part":
-                    cls._stalled = asyncio.Event()
-                    await asyncio.Event().wait()
-                elif self.fault == "freeze_after_first_part":
-                    os.kill(os.getpid(), signal.SIGSTOP)
-            cls._parts_sent += 1
+        if frame.type != PART:
+            return
+        if self.parts_sent >= 1:
+            if self.fault == "kill_after_first_part":
+                _kill_self()
+            elif self.fault == "stall_after_first_part":
+                self.stalled = True
+                await asyncio.Event().wait()
+            elif self.fault == "freeze_after_first_part":
+                os.kill(os.getpid(), signal.SIGSTOP)
+        self.parts_sent += 1
 
 
-def faulty_runner(fault: str) -> type[FaultyRunner]:
-    """A runner class that misbehaves as ``fault`` says, in its sends or its frames."""
-    machine = type("Faulty", (FaultyRound,), {"fault": fault})
-    return type("Faulty", (FaultyRunner,), {"fault": fault, "round_cls": machine})
+def faulty_runner(fault: str) -> RunnerFactory:
+    """A runner factory (``DecentralizedAverager(runner_factory=...)``) whose rounds
+    misbehave as ``fault`` says, in their sends or their frames."""
+    runner = functools.partial(
+        AllreduceRunner, round_factory=functools.partial(FaultyRound, fault=fault)
+    )
+    return gated_runner(SendFault(fault), runner)
 
 
 class FaultyStateServer(StateServer):
-    async def _before_chunk(self, index: int) -> None:
-        if index == 2:
+    """A donor that SIGKILLs itself as it is asked for the third chunk of a state."""
+
+    async def on_chunk(self, link: Link, frame: Frame) -> Frame:
+        if frame.fields["i"] == 2:
             _kill_self()
+        return await super().on_chunk(link, frame)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,12 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     tensors = torch.load(args.tensors, weights_only=True)
     node = Node(args.initial_peer, gossip_period=0.2, client_mode=args.client_mode)
     config = json.loads(args.config)
-    averager = DecentralizedAverager(tensors, node, start=False, **config)
     if args.fault == "kill_mid_state":
-        averager._state_server_cls = FaultyStateServer
+        config["state_server_factory"] = FaultyStateServer
     elif args.fault:
-        averager._runner_cls = faulty_runner(args.fault)
-    averager.run()
+        config["runner_factory"] = faulty_runner(args.fault)
+    averager = DecentralizedAverager(tensors, node, start=True, **config)
 
     def step(command: dict[str, Any]) -> Any:
         try:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +44,10 @@ from peer.compression import Compression, TensorRole
 from peer.exceptions import SwarmgradError, TransportError
 from peer.wire import Frame
 
-__all__ = ["AllreduceConfig", "AllreduceRunner", "MemberInfo"]
+__all__ = ["AllreduceConfig", "AllreduceRunner", "MemberInfo", "RoundFactory", "RunnerFactory"]
+
+#: builds a round's machine; takes :class:`~peer.averaging.butterfly.ButterflyRound`'s arguments
+RoundFactory = Callable[..., ButterflyRound]
 
 
 def _never(peer_id: str) -> float:
@@ -54,10 +57,12 @@ def _never(peer_id: str) -> float:
 class AllreduceRunner:
     """Run one round: ``await run()``; afterwards ``flat`` holds the round's result (see
     :mod:`peer.averaging.butterfly` for the two modes). ``run()`` raises
-    :class:`~peer.averaging.exceptions.BadContribution` if this peer's own values are bad."""
+    :class:`~peer.averaging.exceptions.BadContribution` if this peer's own values are bad.
 
-    #: the round's rules (tests put a misbehaving one here)
-    round_cls: type[ButterflyRound] = ButterflyRound
+    ``round_factory`` is for tests: it builds the round's machine in place of
+    :class:`~peer.averaging.butterfly.ButterflyRound` (a subclass that misbehaves, to see
+    the other members cope). Faults in sending are injected through ``core`` (a wrapper
+    around the node's)."""
 
     def __init__(
         self,
@@ -75,9 +80,10 @@ class AllreduceRunner:
         scratch: Any = None,
         in_place: bool = False,
         alpha: float = 1.0,
+        round_factory: RoundFactory = ButterflyRound,
     ) -> None:
         self.core = core
-        self.round = self.round_cls(
+        self.round = round_factory(
             core.peer_id,
             prefix,
             group,
@@ -190,7 +196,6 @@ class AllreduceRunner:
                 if link is None or link.closed:
                     # lazily: two client-mode members never exchange anything (nor can)
                     link = await self._link_to(peer_id)
-                await self._before_send(peer_id, send.kind, send.index)
                 if bulk is not None:
                     await bulk.send(peer_id, send.frame, timeout)  # a TCP lane if possible
                 else:
@@ -201,9 +206,6 @@ class AllreduceRunner:
             self._apply(machine.sent(self._loop.time(), send, error))
             if error is not None:
                 return
-
-    async def _before_send(self, peer_id: str, kind: str, index: int) -> None:
-        """Hook for fault-injection tests; does nothing here."""
 
     async def _send_quietly(self, peer_id: str, frame: Frame) -> None:
         with contextlib.suppress(SwarmgradError, TimeoutError):
@@ -223,3 +225,8 @@ class AllreduceRunner:
         while not self.round.done:
             await asyncio.sleep(tick)
             self._apply(self.round.tick(self._loop.time(), heard, taken))
+
+
+#: builds a round's runner; takes :class:`AllreduceRunner`'s arguments (tests pass one that
+#: misbehaves to :class:`~peer.averaging.averager.DecentralizedAverager`)
+RunnerFactory = Callable[..., AllreduceRunner]

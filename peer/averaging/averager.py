@@ -6,8 +6,9 @@ small frozen configs (:class:`~peer.averaging.matchmaking.MatchmakingConfig`,
 :class:`~peer.averaging.allreduce.AllreduceConfig`, :class:`AveragerConfig`) and the work
 is split into layers beside this module: ``matchmaking`` (pure state machine) and
 ``matchmaking_io`` (its I/O), ``members`` (what each member tells its group), ``butterfly``
-(one round, pure) and ``allreduce`` (its driver), ``sharing`` and ``state`` (serving and
-downloading state), ``control`` (:class:`StepControl`).
+(one round, pure) and ``allreduce`` (its driver), ``sharing`` (a
+:class:`~peer.averaging.sharing.StateSharing` the averager owns: declaring, serving and
+downloading state) over ``state`` (its protocol), ``control`` (:class:`StepControl`).
 
 Failure contract: :meth:`DecentralizedAverager.step` either returns a dict peer id →
 gathered data (every member of the group, this peer included) with the averaged tensors
@@ -36,13 +37,13 @@ import contextlib
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from peer.averaging.allreduce import AllreduceConfig, AllreduceRunner, MemberInfo
+from peer.averaging.allreduce import AllreduceConfig, AllreduceRunner, MemberInfo, RunnerFactory
 from peer.averaging.control import AveragingStage, StepControl
 from peer.averaging.early import EarlyFrames
 from peer.averaging.exceptions import (
@@ -77,8 +78,8 @@ from peer.averaging.protocol import (
     Router,
 )
 from peer.averaging.seam import Link, NodeCore, NodeHandle
-from peer.averaging.sharing import StateSharing
-from peer.averaging.state import StateServer, state_key
+from peer.averaging.sharing import StateServerFactory, StateSharing
+from peer.averaging.state import StateServer
 from peer.compression import Compression, CompressionInfo, NoCompression, TensorRole
 from peer.exceptions import SwarmgradError
 from peer.wire import Frame
@@ -117,7 +118,7 @@ class AveragerConfig:
             raise ValueError("declare_state_period must be positive")
 
 
-class DecentralizedAverager(StateSharing):
+class DecentralizedAverager:
     """Average ``averaged_tensors`` with other peers of the swarm sharing ``prefix``.
 
     Arguments keep hivemind's names and meanings; the notable ones:
@@ -142,6 +143,11 @@ class DecentralizedAverager(StateSharing):
     * ``aggregator`` (not in hivemind): ``"mean"`` (default, streamed), ``"trimmed_mean"`` or
       ``"centered_clip"``: how a reducer combines the contributions to each part of its
       span (see :mod:`peer.averaging.robust`). Every member should use the same.
+
+    For tests and benchmarks only (not in hivemind): ``runner_factory`` builds each round's
+    :class:`~peer.averaging.allreduce.AllreduceRunner` (default: that class) and
+    ``state_server_factory`` the donor side :class:`~peer.averaging.state.StateServer`:
+    doubles that misbehave or count, with the same arguments.
 
     ``start=False`` defers registration on the node until :meth:`run`. Call
     :meth:`shutdown` when done (or use as a context manager); the node is not shut down.
@@ -179,6 +185,8 @@ class DecentralizedAverager(StateSharing):
         max_weight: float = math.inf,
         relative_weight_bound: float | None = None,
         aggregator: str = "mean",
+        runner_factory: RunnerFactory | None = None,
+        state_server_factory: StateServerFactory | None = None,
     ) -> None:
         tensors = tuple(averaged_tensors)
         for t in tensors:
@@ -233,14 +241,6 @@ class DecentralizedAverager(StateSharing):
         )
         self.schema_hash = schema_hash(tensors, compression, self.roles)
         self._group_bits = validate_group_bits(initial_group_bits)
-        self._allow_state_sharing = (
-            (not client_mode and not auxiliary)
-            if allow_state_sharing is None
-            else bool(allow_state_sharing)
-        )
-        if self._allow_state_sharing and client_mode:
-            raise ValueError("a client-mode averager cannot share state (nobody can dial it)")
-        self._state_sharing_priority = 0.0
         self._lock = threading.RLock()
         self._round_holds_lock = False  # an in-place round holds _lock (loop thread)
         self._running = False
@@ -249,7 +249,6 @@ class DecentralizedAverager(StateSharing):
         # loop-side state, created in run()
         self._core: NodeCore | None = None
         self._driver: MatchmakingDriver | None = None
-        self._state_server: StateServer | None = None
         self._runners: dict[bytes, AllreduceRunner] = {}
         # frames of the group this peer is about to join, come before the group did: an
         # honest sender sends at most the parts of this peer's span (at most every tensor)
@@ -262,13 +261,30 @@ class DecentralizedAverager(StateSharing):
         self._told_abort: set[tuple[bytes, str]] = set()
         self._background: set[asyncio.Task[Any]] = set()
         self._step_lock: asyncio.Lock | None = None
-        self._declare_task: asyncio.Task[Any] | None = None
-        self._declare_wake: asyncio.Event | None = None
-        self._declared_until = 0.0
-        self._runner_cls: type[AllreduceRunner] = AllreduceRunner
+        # AllreduceRunner is looked up here, not bound as a default: a test worker may
+        # replace the module's name before the optimizers it drives build their averagers
+        self._runner_factory = AllreduceRunner if runner_factory is None else runner_factory
         self._flat: torch.Tensor | None = None  # flat snapshot, then deltas (reused)
         self._acc: torch.Tensor | None = None  # reducer accumulator (reused)
-        self._state_server_cls: type[StateServer] = StateServer
+        self.sharing = StateSharing(
+            node,
+            prefix,
+            get_state=self.get_current_state,
+            locked=self._locked,
+            hold=self.get_tensors,
+            compression=state_compression,
+            chunk_bytes=self.allreduce_config.part_size_bytes * 2,
+            request_timeout=self.matchmaking_config.request_timeout,
+            chunk_timeout=self.config.next_chunk_timeout,
+            declare_period=self.config.declare_state_period,
+            allow=(
+                (not client_mode and not auxiliary)
+                if allow_state_sharing is None
+                else bool(allow_state_sharing)
+            ),
+            client_mode=client_mode,
+            server_factory=StateServer if state_server_factory is None else state_server_factory,
+        )
         if start:
             self.run()
 
@@ -301,16 +317,9 @@ class DecentralizedAverager(StateSharing):
         self._driver = MatchmakingDriver(
             core, self.config.prefix, self.matchmaking_config, self.config.poll_interval
         )
-        self._state_server = self._state_server_cls(
-            self.get_current_state,
-            self.state_compression,
-            self.allreduce_config.part_size_bytes * 2,
-            self._locked,
-        )
         self._step_lock = asyncio.Lock()
-        self._declare_wake = asyncio.Event()
         Router.of(core).add(self.config.prefix, self._endpoint, self._route_round)
-        self._declare_task = asyncio.get_running_loop().create_task(self._declare_state_loop())
+        self.sharing.start(core)
 
     def shutdown(self) -> None:
         """Cancel pending steps, stop declaring state and unregister. Idempotent."""
@@ -328,17 +337,7 @@ class DecentralizedAverager(StateSharing):
     async def _stop(self) -> None:
         core = self.core
         Router.of(core).remove(self.config.prefix)
-        if self._declare_task is not None:
-            self._declare_task.cancel()
-            await asyncio.gather(self._declare_task, return_exceptions=True)
-        if self._declared_until:
-            with contextlib.suppress(SwarmgradError):
-                await core.store(
-                    state_key(self.config.prefix),
-                    None,
-                    self._declared_until + 1.0,
-                    subkey=core.peer_id,
-                )
+        await self.sharing.stop()
         if self._driver is not None:
             await self._driver.close()
         self._early.drop()
@@ -395,6 +394,57 @@ class DecentralizedAverager(StateSharing):
         if target is None:
             return f"{self.config.prefix}.0b{self._group_bits}"
         return group_key(self.config.prefix, self._group_bits, target)
+
+    # --------------------------------------------------------------- state sharing
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
+        """What this peer shares with newcomers: ``(metadata, tensors)``. Override to share
+        more (e.g. optimizer state). Metadata must be msgpack-serialisable. Called on the
+        node's event loop with the tensors locked (and in the thread of
+        :meth:`load_state_from_peers`, to bound what a donor may send)."""
+        return {"group_bits": self.get_group_bits()}, self._averaged_tensors
+
+    def load_state_from_peers(
+        self,
+        wait: bool = True,
+        timeout: float | None = None,
+        *,
+        max_priority: float = math.inf,
+        check: Callable[[Any], str | None] | None = None,
+    ) -> tuple[Any, list[torch.Tensor]] | concurrent.futures.Future[Any] | None:
+        """Download ``(metadata, tensors)`` from the donor with the highest
+        ``state_sharing_priority`` (random among ties), falling back to the next one if a
+        donor fails. Returns None if no donor could provide it within ``timeout``. Donors
+        declaring a priority over ``max_priority`` are not asked; a state whose metadata
+        ``check`` refuses (it returns why; called on the node's loop) is dropped and the
+        next donor asked. A donor's state may take at most
+        :data:`~peer.averaging.sharing.STATE_SIZE_FACTOR` times this peer's own
+        (:meth:`get_current_state`) plus :data:`~peer.averaging.sharing.STATE_SIZE_SLACK`
+        bytes."""
+        return self.sharing.load(wait, timeout, max_priority=max_priority, check=check)
+
+    @property
+    def last_state_donor(self) -> str | None:
+        """The donor of the last state downloaded (None: none yet)."""
+        return self.sharing.last_donor
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        """Whether this peer declares itself a donor and serves its state."""
+        return self.sharing.allow
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        self.sharing.allow = value
+
+    @property
+    def state_sharing_priority(self) -> float:
+        """The priority this peer declares as a donor (newcomers ask the highest first)."""
+        return self.sharing.priority
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        self.sharing.priority = value
 
     # ------------------------------------------------------------------------ step
 
@@ -599,7 +649,7 @@ class DecentralizedAverager(StateSharing):
             else:
                 flat = alias
         try:
-            runner = self._runner_cls(
+            runner = self._runner_factory(
                 self.core,
                 self.config.prefix,
                 group,
@@ -704,17 +754,8 @@ class DecentralizedAverager(StateSharing):
             assert self._driver is not None
             await self._driver.on_notice(link, frame)
             return None
-        if kind == STATE_BEGIN:
-            if not self._allow_state_sharing or self._state_server is None:
-                raise ValueError("this peer does not share its state")
-            return await self._state_server.on_begin(link, frame)
-        if kind == STATE_CHUNK:
-            assert self._state_server is not None
-            return await self._state_server.on_chunk(link, frame)
-        if kind == STATE_DIGEST:
-            if not self._allow_state_sharing or self._state_server is None:
-                raise ValueError("this peer does not share its state")
-            return await self._state_server.on_digest(link, frame, self._state_sharing_priority)
+        if kind in (STATE_BEGIN, STATE_CHUNK, STATE_DIGEST):
+            return await self.sharing.serve(link, frame)
         return None
 
     def _route_round(self, sender: str, frame: Frame) -> None:

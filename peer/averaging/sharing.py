@@ -1,11 +1,15 @@
-"""State sharing for :class:`~peer.averaging.averager.DecentralizedAverager`: declaring this
-peer as a donor, and downloading the newest state from the others.
+"""State sharing, as one averager takes part in it: declaring this peer as a donor, serving
+its state, and downloading the newest state from the others.
 
-A donor declares its ``state_sharing_priority`` under the averager's state key (refreshed
-every ``declare_state_period``, retracted when sharing stops); newcomers download from the
-donor with the highest priority (:func:`~peer.averaging.state.download_state`), bounded in
-size by what their own state takes. The protocol itself lives in
-:mod:`peer.averaging.state`.
+A donor declares its ``priority`` under the averager's state key (refreshed every
+``declare_period``, retracted when sharing stops); newcomers download from the donor with
+the highest priority (:func:`~peer.averaging.state.download_state`), bounded in size by
+what their own state takes. The protocol itself lives in :mod:`peer.averaging.state`.
+
+:class:`StateSharing` is a collaborator that
+:class:`~peer.averaging.averager.DecentralizedAverager` owns and delegates its public
+state-sharing API to; everything it needs of the averager is passed in explicitly (what
+state to serve, and the two ways of locking the tensors).
 """
 
 from __future__ import annotations
@@ -16,58 +20,177 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from typing import Any
 
 import torch
 
-from peer.averaging.seam import NodeCore, NodeHandle
-from peer.averaging.state import download_state, state_key
+from peer.averaging.protocol import STATE_BEGIN, STATE_CHUNK, STATE_DIGEST
+from peer.averaging.seam import Link, NodeCore, NodeHandle
+from peer.averaging.state import StateServer, download_state, state_key
+from peer.compression import Compression
 from peer.exceptions import SwarmgradError
+from peer.wire import Frame
 
 logger = logging.getLogger("peer.averaging.averager")
 
-__all__ = ["STATE_SIZE_FACTOR", "STATE_SIZE_SLACK", "StateSharing"]
+__all__ = ["STATE_SIZE_FACTOR", "STATE_SIZE_SLACK", "StateServerFactory", "StateSharing"]
 
 #: a donor's state may take at most STATE_SIZE_FACTOR times this peer's own state + SLACK bytes
 STATE_SIZE_FACTOR = 8
 STATE_SIZE_SLACK = 16 << 20
 
+#: builds the donor side; takes :class:`~peer.averaging.state.StateServer`'s arguments
+StateServerFactory = Callable[..., StateServer]
+
+#: ``(metadata, tensors)`` this peer serves
+State = tuple[Any, Sequence[torch.Tensor]]
+
 
 class StateSharing:
-    """Mixed into :class:`~peer.averaging.averager.DecentralizedAverager`, whose attributes
-    these are."""
+    """One averager's declaring, serving and downloading of state.
 
-    node: NodeHandle
-    config: Any  # AveragerConfig
-    matchmaking_config: Any  # MatchmakingConfig
-    _averaged_tensors: Sequence[torch.Tensor]
-    _allow_state_sharing: bool
-    _state_sharing_priority: float
-    _running: bool
-    _shut: bool
-    _declare_wake: asyncio.Event | None
-    _declared_until: float
+    ``get_state`` gives what this peer serves (called with the tensors locked: on the node's
+    loop under ``locked()``, an async context manager, and in a caller's thread under
+    ``hold()``, a plain one). ``client_mode`` peers cannot share (nobody can dial them).
+    ``server_factory`` is for tests and benchmarks (a donor that counts or misbehaves).
 
-    #: the donor of the last state downloaded
-    last_state_donor: str | None = None
+    Lifetime: :meth:`start` on the node's loop (registers nothing: the averager routes
+    ``avg.state_*`` requests to :meth:`serve`), :meth:`stop` there to retract.
+    """
 
-    if TYPE_CHECKING:  # provided by DecentralizedAverager
+    def __init__(
+        self,
+        node: NodeHandle,
+        prefix: str,
+        *,
+        get_state: Callable[[], State],
+        locked: Callable[[], AbstractAsyncContextManager[Any]],
+        hold: Callable[[], AbstractContextManager[Any]],
+        compression: Compression,
+        chunk_bytes: int,
+        request_timeout: float,
+        chunk_timeout: float,
+        declare_period: float,
+        allow: bool,
+        client_mode: bool,
+        server_factory: StateServerFactory = StateServer,
+    ) -> None:
+        if allow and client_mode:
+            raise ValueError("a client-mode averager cannot share state (nobody can dial it)")
+        if declare_period <= 0:
+            raise ValueError("declare_state_period must be positive")
+        self.node = node
+        self.prefix = prefix
+        self.get_state = get_state
+        self._locked = locked
+        self._hold = hold
+        self.compression = compression
+        self.chunk_bytes = chunk_bytes
+        self.request_timeout = request_timeout
+        self.chunk_timeout = chunk_timeout
+        self.declare_period = declare_period
+        self.client_mode = client_mode
+        self._server_factory = server_factory
+        self._allow = allow
+        self._priority = 0.0
+        #: the donor of the last state downloaded
+        self.last_donor: str | None = None
+        # loop-side, from start() to stop()
+        self._core: NodeCore | None = None
+        self._server: StateServer | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._declared_until = 0.0
 
-        @property
-        def core(self) -> NodeCore: ...
+    # ------------------------------------------------------------------ settings
 
-        def get_group_bits(self) -> str: ...
+    @property
+    def allow(self) -> bool:
+        return self._allow
 
-        def get_tensors(self) -> AbstractContextManager[Sequence[torch.Tensor]]: ...
+    @allow.setter
+    def allow(self, value: bool) -> None:
+        if value and self.client_mode:
+            raise ValueError("a client-mode averager cannot share state")
+        self._allow = bool(value)
+        self._wake_declare()
 
-    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
-        """What this peer shares with newcomers: ``(metadata, tensors)``. Override to share
-        more (e.g. optimizer state). Metadata must be msgpack-serialisable. Called on the
-        node's event loop with the tensors locked."""
-        return {"group_bits": self.get_group_bits()}, self._averaged_tensors
+    @property
+    def priority(self) -> float:
+        return self._priority
 
-    def load_state_from_peers(
+    @priority.setter
+    def priority(self, value: float) -> None:
+        self._priority = float(value)
+        self._wake_declare()
+
+    def _wake_declare(self) -> None:
+        wake = self._wake
+        if wake is not None:
+            with contextlib.suppress(RuntimeError):  # the node's loop is closed: nothing to do
+                self.node.loop.call_soon_threadsafe(wake.set)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def start(self, core: NodeCore) -> None:
+        """Begin serving and declaring (on the node's loop)."""
+        self._core = core
+        self._server = self._server_factory(
+            self.get_state, self.compression, self.chunk_bytes, self._locked
+        )
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._declare_state_loop())
+
+    async def stop(self) -> None:
+        """Stop declaring and retract the declaration, if any (on the node's loop)."""
+        self._wake = None
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        core = self._core
+        if core is not None and self._declared_until:
+            with contextlib.suppress(SwarmgradError):
+                await core.store(
+                    state_key(self.prefix), None, self._declared_until + 1.0, subkey=core.peer_id
+                )
+
+    async def _declare_state_loop(self) -> None:
+        core, wake = self._core, self._wake
+        assert core is not None and wake is not None
+        period = self.declare_period
+        while True:
+            wake.clear()
+            expiration = max(core.now() + period, self._declared_until + 1e-3)
+            value = self._priority if self._allow else None
+            if value is not None or self._declared_until:
+                with contextlib.suppress(SwarmgradError):
+                    await core.store(state_key(self.prefix), value, expiration, subkey=core.peer_id)
+                    self._declared_until = expiration
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(period / 2):
+                    await wake.wait()
+
+    # ------------------------------------------------------------------- serving
+
+    async def serve(self, link: Link, frame: Frame) -> Frame:
+        """Answer a newcomer's ``avg.state_begin`` / ``avg.state_chunk`` /
+        ``avg.state_digest``; ``ValueError`` if this peer does not share its state (a
+        transfer already begun is finished all the same)."""
+        server = self._server
+        if server is None or (frame.type != STATE_CHUNK and not self._allow):
+            raise ValueError("this peer does not share its state")
+        if frame.type == STATE_BEGIN:
+            return await server.on_begin(link, frame)
+        if frame.type == STATE_CHUNK:
+            return await server.on_chunk(link, frame)
+        if frame.type == STATE_DIGEST:
+            return await server.on_digest(link, frame, self._priority)
+        raise ValueError(f"not a state request: {frame.type}")
+
+    # ---------------------------------------------------------------- downloading
+
+    def load(
         self,
         wait: bool = True,
         timeout: float | None = None,
@@ -75,23 +198,21 @@ class StateSharing:
         max_priority: float = math.inf,
         check: Callable[[Any], str | None] | None = None,
     ) -> tuple[Any, list[torch.Tensor]] | concurrent.futures.Future[Any] | None:
-        """Download ``(metadata, tensors)`` from the donor with the highest
-        ``state_sharing_priority`` (random among ties), falling back to the next one if a
-        donor fails. Returns None if no donor could provide it within ``timeout``. Donors
-        declaring a priority over ``max_priority`` are not asked; a state whose metadata
-        ``check`` refuses (it returns why; called on the node's loop) is dropped and the
-        next donor asked."""
-
+        """See :meth:`DecentralizedAverager.load_state_from_peers
+        <peer.averaging.averager.DecentralizedAverager.load_state_from_peers>`."""
         max_bytes = self._state_size_bound()
 
         async def download() -> tuple[Any, list[torch.Tensor]] | None:
+            core = self._core
+            if core is None:
+                raise RuntimeError("the averager has not started: call run() first")
             try:
                 async with asyncio.timeout(timeout):
                     found = await download_state(
-                        self.core,
-                        self.config.prefix,
-                        request_timeout=self.matchmaking_config.request_timeout,
-                        chunk_timeout=self.config.next_chunk_timeout,
+                        core,
+                        self.prefix,
+                        request_timeout=self.request_timeout,
+                        chunk_timeout=self.chunk_timeout,
                         max_bytes=max_bytes,
                         max_priority=max_priority,
                         check=check,
@@ -102,7 +223,7 @@ class StateSharing:
             if found is None:
                 return None
             metadata, tensors, donor = found
-            self.last_state_donor = donor
+            self.last_donor = donor
             return metadata, tensors
 
         future = self.node.run_coroutine(download(), wait=False)
@@ -112,49 +233,7 @@ class StateSharing:
         """The most bytes a donor's state may take: a few times this peer's own state (same
         model; an optimizer's state may not exist here yet) plus room for headers, so a
         hostile donor cannot make this peer allocate what it claims."""
-        with self.get_tensors():
-            _, tensors = self.get_current_state()
+        with self._hold():
+            _, tensors = self.get_state()
             own = sum(t.numel() * t.element_size() for t in tensors)
         return STATE_SIZE_FACTOR * own + STATE_SIZE_SLACK
-
-    @property
-    def allow_state_sharing(self) -> bool:
-        return self._allow_state_sharing
-
-    @allow_state_sharing.setter
-    def allow_state_sharing(self, value: bool) -> None:
-        if value and self.config.client_mode:
-            raise ValueError("a client-mode averager cannot share state")
-        self._allow_state_sharing = bool(value)
-        self._wake_declare()
-
-    @property
-    def state_sharing_priority(self) -> float:
-        return self._state_sharing_priority
-
-    @state_sharing_priority.setter
-    def state_sharing_priority(self, value: float) -> None:
-        self._state_sharing_priority = float(value)
-        self._wake_declare()
-
-    def _wake_declare(self) -> None:
-        if self._running and self._declare_wake is not None and not self._shut:
-            self.node.loop.call_soon_threadsafe(self._declare_wake.set)
-
-    async def _declare_state_loop(self) -> None:
-        core = self.core
-        period = self.config.declare_state_period
-        assert self._declare_wake is not None
-        while True:
-            self._declare_wake.clear()
-            expiration = max(core.now() + period, self._declared_until + 1e-3)
-            value = self._state_sharing_priority if self._allow_state_sharing else None
-            if value is not None or self._declared_until:
-                with contextlib.suppress(SwarmgradError):
-                    await core.store(
-                        state_key(self.config.prefix), value, expiration, subkey=core.peer_id
-                    )
-                    self._declared_until = expiration
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(period / 2):
-                    await self._declare_wake.wait()

@@ -181,14 +181,10 @@ class StateServer:
         transfer.served.add(index)
         if len(transfer.served) == transfer.num_chunks:
             del self._transfers[tid]
-        await self._before_chunk(index)
         start = index * transfer.chunk_bytes
         return Frame(
             STATE_DATA, payload=memoryview(transfer.buffer)[start : start + transfer.chunk_bytes]
         )
-
-    async def _before_chunk(self, index: int) -> None:
-        """Hook for fault-injection tests; does nothing here."""
 
 
 async def list_donors(core: NodeCore, prefix: str) -> list[tuple[float, str]]:

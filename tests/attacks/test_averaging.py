@@ -5,13 +5,14 @@ volunteer's optimizer does); real nodes on loopback."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from peer.averaging.allreduce import AllreduceRunner
+from peer.averaging.allreduce import AllreduceRunner, RunnerFactory
 from peer.averaging.butterfly import ButterflyRound
 from peer.averaging.reducer import FinishedPart
 from peer.tasks import TrainingConfig, load_task
@@ -42,8 +43,7 @@ class _ForgingRound(ButterflyRound):
         super()._on_finished(finished)
 
 
-class _ForgingRunner(AllreduceRunner):
-    round_cls = _ForgingRound
+_ForgingRunner = functools.partial(AllreduceRunner, round_factory=_ForgingRound)
 
 
 def _attacked_round(
@@ -51,7 +51,7 @@ def _attacked_round(
     caplog: pytest.LogCaptureFixture,
     weight: float,
     values: float | None,
-    runner: type[AllreduceRunner] | None = None,
+    runner: RunnerFactory | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, float, str]:
     """Three honest members (weight 1, values N(0, 1)) and the attacker (``weight``, every
     value ``values``, or honest-looking ones for None; its round driven by ``runner``)
@@ -73,10 +73,9 @@ def _attacked_round(
         part_size_bytes=4096,
         aggregator=config.aggregator,
         relative_weight_bound=config.relative_weight_bound,
+        per_peer=[{}] * HONEST + [{} if runner is None else {"runner_factory": runner}],
     )
     attacker = averagers[HONEST].peer_id
-    if runner is not None:
-        averagers[HONEST]._runner_cls = runner
     with caplog.at_level(logging.WARNING, logger="peer.averaging"):
         # an excluded attacker hears no average: its own step ends at its timeout
         attacking = {"weight": weight, "timeout": scaled(8), "allow_retries": False}

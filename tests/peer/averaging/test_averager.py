@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from peer import AveragingStage, DecentralizedAverager
-from peer.averaging.allreduce import AllreduceRunner
+from peer.averaging.allreduce import RunnerFactory
 from peer.averaging.exceptions import MatchmakingFailed, StepCancelled
 from peer.averaging.group_bits import grid_bits
+from peer.wire import Frame
+from swarmlab.send_gate import gated_runner
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import random_tensors, step_all, wait_for
 
@@ -49,6 +51,28 @@ def test_four_peers_average_to_the_exact_mean(make_swarm, clients: int, auxiliar
             assert_close(tensors[i], expected)
     for i in aux:
         assert all(torch.equal(a, o) for a, o in zip(tensors[i], originals[i], strict=True))
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_an_auxiliary_peer_keeps_its_own_tensor_bit_for_bit(make_swarm, concurrent: bool) -> None:
+    """An auxiliary peer reduces a span of the others' values (weight 0) and leaves its own
+    tensor untouched, whether rounds average in place or on a snapshot; here one tensor,
+    whose memory a contributing peer would average directly."""
+    swarm = make_swarm(3)
+    tensors = [[torch.randn(4000, generator=torch.Generator().manual_seed(i))] for i in range(3)]
+    original = tensors[2][0].clone()
+    expected = (tensors[0][0] + tensors[1][0]) / 2
+    averagers = swarm.add_averagers(
+        tensors,
+        concurrent_updates=concurrent,
+        part_size_bytes=1024,
+        per_peer=[{}, {}, {"auxiliary": True}],
+    )
+    results = step_all(averagers)
+    assert all(isinstance(r, dict) and len(r) == 3 for r in results), results
+    assert torch.equal(tensors[2][0], original)
+    for i in (0, 1):
+        assert torch.allclose(tensors[i][0], expected, atol=1e-6, rtol=0)
 
 
 def test_weighted_mean(make_swarm) -> None:
@@ -254,13 +278,13 @@ def test_a_late_step_sees_who_already_averaged_without_it(make_swarm) -> None:
     assert torch.equal(tensors[2][0], torch.ones(3)), "a step called off leaves the values"
 
 
-class _GatedRunner(AllreduceRunner):
-    """Holds every send until ``gate`` opens: the round stays in its all-reduce."""
+def _gated(gate: threading.Event) -> RunnerFactory:
+    """Rounds whose every send waits until ``gate`` opens: they stay in their all-reduce."""
 
-    gate = threading.Event()
+    async def hold(peer_id: str, frame: Frame) -> None:
+        await asyncio.to_thread(gate.wait)
 
-    async def _before_send(self, peer_id: str, kind: str, index: int) -> None:
-        await asyncio.to_thread(self.gate.wait)
+    return gated_runner(hold)
 
 
 @pytest.mark.parametrize("concurrent", [False, True])
@@ -270,9 +294,10 @@ def test_tensor_lock_during_a_round(make_swarm, concurrent: bool) -> None:
     and an update made during the round is kept on top of the average."""
     swarm = make_swarm(2)
     tensors = [[torch.zeros(1000)], [torch.ones(1000)]]
-    a, b = swarm.add_averagers(tensors, concurrent_updates=concurrent)
     gate = threading.Event()
-    b._runner_cls = type("Gated", (_GatedRunner,), {"gate": gate})
+    a, b = swarm.add_averagers(
+        tensors, concurrent_updates=concurrent, per_peer=[{}, {"runner_factory": _gated(gate)}]
+    )
     try:
         ca, cb = (x.step(wait=False, timeout=scaled(30)) for x in (a, b))
         assert wait_for(lambda: ca.stage is AveragingStage.RUNNING_ALLREDUCE, 15)
@@ -304,15 +329,13 @@ def test_state_download_waits_for_an_in_place_round(make_swarm) -> None:
     (reentrant) tensor lock: it must wait for the round, not read half-averaged tensors."""
     swarm = make_swarm(3)
     tensors = [[torch.zeros(1000)], [torch.ones(1000)], [torch.full((1000,), 7.0)]]
-    a, b = swarm.add_averagers(tensors[:2], allow_state_sharing=True)
+    gate = threading.Event()
+    a, b = swarm.add_averagers(tensors[:2], allow_state_sharing=True, runner_factory=_gated(gate))
     newcomer = DecentralizedAverager(
         tensors[2], swarm.nodes[2], start=True, prefix="test", allow_state_sharing=False
     )
     swarm.averagers.append(newcomer)
     assert wait_for(lambda: newcomer_sees_donors(newcomer), 15)
-    gate = threading.Event()
-    for x in (a, b):
-        x._runner_cls = type("Gated", (_GatedRunner,), {"gate": gate})
     try:
         ca, cb = (x.step(wait=False, timeout=scaled(30)) for x in (a, b))
         assert wait_for(

@@ -12,6 +12,7 @@ import math
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -185,9 +186,9 @@ def test_bad_parts_exclude_the_sender(make_swarm, caplog, fault: str) -> None:
         tensors,
         part_size_bytes=4096,
         sender_timeout=scaled(5.0),
-        per_peer=[{}, {}, {}, {"bandwidth": 0.0}],  # the bad peer reduces nothing
+        # the bad peer reduces nothing
+        per_peer=[{}, {}, {}, {"bandwidth": 0.0, "runner_factory": faulty_runner(fault)}],
     )
-    averagers[3]._runner_cls = faulty_runner(fault)
     with caplog.at_level(logging.WARNING, logger="peer.averaging"):
         results = step_all(averagers)
     # no task of the round outlives it (a last abort notice may still be on its way)
@@ -212,8 +213,9 @@ def test_bad_reducer_span_keeps_local_values(make_swarm) -> None:
     tensors = [[torch.randn(3000)] for _ in range(3)]
     local = [t[0].clone() for t in tensors]
     expected = (local[0] + local[1]) / 2
-    averagers = swarm.add_averagers(tensors, part_size_bytes=2048)
-    averagers[2]._runner_cls = faulty_runner("nan")
+    averagers = swarm.add_averagers(
+        tensors, part_size_bytes=2048, per_peer=[{}, {}, {"runner_factory": faulty_runner("nan")}]
+    )
     results = step_all(averagers)
     for i in (0, 1):
         assert isinstance(results[i], dict)
@@ -249,14 +251,13 @@ def test_a_peer_with_non_finite_tensors_fails_its_step_and_the_others_go_on(
     if where != "outside its span":
         tensors[2][0][::7] = math.nan
     local = [t[0].clone() for t in tensors]
+    third: dict[str, Any] = {
+        "no span": {"bandwidth": 0.0},
+        "outside its span": {"runner_factory": _NanOutsideOwnSpan},
+    }.get(where, {})
     averagers = swarm.add_averagers(
-        tensors,
-        part_size_bytes=2048,
-        sender_timeout=scaled(5.0),
-        per_peer=[{}, {}, {"bandwidth": 0.0} if where == "no span" else {}],
+        tensors, part_size_bytes=2048, sender_timeout=scaled(5.0), per_peer=[{}, {}, third]
     )
-    if where == "outside its span":
-        averagers[2]._runner_cls = _NanOutsideOwnSpan
     results = step_all(averagers)
     assert isinstance(results[2], NonFiniteTensors), results[2]
     if where == "outside its span":

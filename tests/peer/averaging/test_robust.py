@@ -167,10 +167,6 @@ class _LyingRound(ButterflyRound):
         self.weight = 1000.0
 
 
-class _LyingRunner(AllreduceRunner):
-    round_cls = _LyingRound
-
-
 def test_a_sender_cannot_take_over_the_mean_by_weight_or_overflow(caplog) -> None:
     """Three peers; the third attacks in turn: it declares 1000 times the others' weight, sends
     values whose weighted sum overflows float32, and sends a weight it did not declare.
@@ -179,8 +175,16 @@ def test_a_sender_cannot_take_over_the_mean_by_weight_or_overflow(caplog) -> Non
         tensors = [[torch.zeros(4000)] for _ in range(3)]
         options = dict(prefix="attack", relative_weight_bound=10.0, part_size_bytes=4096)
         group = averagers(nodes[:2], tensors[:2], **options)
+        lying = False  # from the third attack on, its rounds send a weight it did not declare
+
+        def attacker_runner(*args: Any, **kwargs: Any) -> AllreduceRunner:
+            machine = _LyingRound if lying else ButterflyRound
+            return AllreduceRunner(*args, round_factory=machine, **kwargs)
+
         # the attacker reduces nothing: every span is an honest reducer's
-        group += averagers(nodes[2:], tensors[2:], bandwidth=0.0, **options)
+        group += averagers(
+            nodes[2:], tensors[2:], bandwidth=0.0, runner_factory=attacker_runner, **options
+        )
         attacker = group[2]
         g = torch.Generator().manual_seed(1)
         attacks: list[tuple[str, float, float | None]] = [
@@ -194,8 +198,7 @@ def test_a_sender_cannot_take_over_the_mean_by_weight_or_overflow(caplog) -> Non
                     t[0].copy_(torch.randn(4000, generator=g))
                 honest_mean = (tensors[0][0] + tensors[1][0]) / 2
                 tensors[2][0].copy_(torch.full((4000,), value) if value else -honest_mean)
-                if why.startswith("differs"):
-                    attacker._runner_cls = _LyingRunner
+                lying = why.startswith("differs")
                 caplog.clear()
                 with caplog.at_level(logging.WARNING, logger="peer.averaging"):
                     results = step_all(

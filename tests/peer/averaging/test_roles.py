@@ -8,6 +8,7 @@ by honest reducers only. Over WebSocket on loopback, in certificate mode.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -38,8 +39,7 @@ class _TamperingRound(ButterflyRound):
         return Frame(frame.type, frame.fields, np.full(size, 1e6, dtype=np.float32).tobytes())
 
 
-class _Tampering(AllreduceRunner):
-    round_cls = _TamperingRound
+_Tampering = functools.partial(AllreduceRunner, round_factory=_TamperingRound)
 
 
 def _credentials(authority: Identity, role: str) -> tuple[Identity, CertificateAuth]:
@@ -69,11 +69,11 @@ def test_a_client_that_claims_to_reduce_gets_no_span(caplog: pytest.LogCaptureFi
             nodes.append(Node(initial, identity=identity, auth=auth, **FAST))
         assert wait_for(lambda: all(len(n.members()) == 3 for n in nodes), 15)
         options: dict[str, Any] = {"prefix": "roles", "target_group_size": 3}
-        for node, t in zip(nodes, tensors, strict=True):
+        extra: list[dict[str, Any]] = [{}, {}, {"runner_factory": _Tampering}]
+        for node, t, more in zip(nodes, tensors, extra, strict=True):
             averagers.append(
-                DecentralizedAverager(t, node, request_timeout=3.0, start=True, **options)
+                DecentralizedAverager(t, node, request_timeout=3.0, start=True, **options, **more)
             )
-        averagers[2]._runner_cls = _Tampering
         with caplog.at_level(logging.WARNING, logger="peer.averaging"):
             step_all(averagers, [{"allow_retries": False}] * 3)
         honest = [tensors[0][0], tensors[1][0]]

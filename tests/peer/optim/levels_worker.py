@@ -8,6 +8,7 @@ JSON line with its addresses. Every process writes what it saw to ``--out`` (tor
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -56,8 +57,7 @@ class RecordingRound(ButterflyRound):
         return frame
 
 
-class RecordingRunner(AllreduceRunner):
-    round_cls = RecordingRound
+RecordingRunner = functools.partial(AllreduceRunner, round_factory=RecordingRound)
 
 
 def main() -> None:
