@@ -17,6 +17,7 @@ Logs (WARNING and above by default) go to standard error.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -211,6 +212,19 @@ def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.1
         if result or time.monotonic() >= deadline:
             return result
         time.sleep(interval)
+
+
+async def wait_until_async(predicate: Callable[[], T], timeout: float, interval: float = 0.05) -> T:
+    """:func:`wait_until` inside an event loop: polls ``predicate`` while the loop runs,
+    measuring ``timeout`` on the loop's own clock (so it costs nothing under a virtual-time
+    loop). Returns the predicate's last value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        result = predicate()
+        if result or loop.time() >= deadline:
+            return result
+        await asyncio.sleep(interval)
 
 
 if __name__ == "__main__":

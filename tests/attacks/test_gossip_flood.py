@@ -15,21 +15,12 @@ import pytest
 from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.gossip import MEMBERS_KEY, GossipStore, Record
+from peer.testing import wait_until_async
 from peer.transport.websocket import WebSocketTransport
 from tests.attacks.conftest import Attack
 from tests.conftest import scaled
 
 FAST = {"gossip_period": 0.2, "member_ttl": 10.0}
-
-
-async def _eventually(predicate: Any, seconds: float) -> bool:
-    deadline = time.monotonic() + scaled(seconds)
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.05)
 
 
 async def _start(node: AsyncNode, nodes: list[AsyncNode]) -> AsyncNode:
@@ -73,7 +64,9 @@ async def test_many_certified_identities_cannot_fill_the_store(
         victim = await _start(node([], Identity(), max_store_bytes=cap), nodes)
         honest = await _start(node(victim.visible_addresses, Identity()), nodes)
         await honest.store("honest.before", 1, honest.now() + 120)
-        assert await _eventually(lambda: victim.store_.get("honest.before", victim.now()), 10)
+        assert await wait_until_async(
+            lambda: victim.store_.get("honest.before", victim.now()), scaled(10)
+        )
 
         # 16 identities, each within the per-owner quota: 64 records of 4 KiB, 4 MiB in all
         mallory = node(victim.visible_addresses, Identity())
@@ -91,12 +84,12 @@ async def test_many_certified_identities_cannot_fill_the_store(
                 assert mallory.store_.put(record, now)
         with caplog.at_level(logging.WARNING, logger="peer.node"):
             await _start(mallory, nodes)
-            assert await _eventually(
+            assert await wait_until_async(
                 lambda: any(
                     f"over its share of the full gossip store (relayed by {mallory.peer_id})" in m
                     for m in _messages(caplog)
                 ),
-                15,
+                scaled(15),
             ), _messages(caplog)
         held = victim.store_.total_bytes
         members = sum(1 for _ in victim.store_.records(MEMBERS_KEY, victim.now()))
@@ -106,7 +99,9 @@ async def test_many_certified_identities_cannot_fill_the_store(
             "owners past their share are refused and named with their relay"
         )
         await honest.store("honest.after", 2, honest.now() + 120)
-        assert await _eventually(lambda: victim.store_.get("honest.after", victim.now()), 10)
+        assert await wait_until_async(
+            lambda: victim.store_.get("honest.after", victim.now()), scaled(10)
+        )
         assert victim.store_.get("honest.before", victim.now()) is not None
         attack.effect("unaffected: the honest member's records, old and new, are all held")
     finally:
@@ -137,8 +132,8 @@ async def test_a_store_larger_than_one_want_reply_keeps_links_up(
                 ),
                 nodes,
             )
-            assert await _eventually(
-                lambda: len(victim.store_.records("many", victim.now())) == count, 30
+            assert await wait_until_async(
+                lambda: len(victim.store_.records("many", victim.now())) == count, scaled(30)
             ), len(victim.store_.records("many", victim.now()))
             dropped = [m for m in _messages(caplog) if "closing link" in m or "lost contact" in m]
             assert not dropped, dropped

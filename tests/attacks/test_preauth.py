@@ -31,7 +31,7 @@ from peer.identity import (
 )
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.links import HELLO
-from peer.testing import NodeProcess, wait_until
+from peer.testing import NodeProcess, wait_until, wait_until_async
 from peer.transport.websocket import WebSocketTransport
 from peer.wire import Frame, Schema, encode_frame
 from tests.attacks.conftest import Attack
@@ -71,17 +71,6 @@ async def _gossip_flows(sender: AsyncNode, receiver: AsyncNode, value: int) -> b
             return True
         await asyncio.sleep(0.05)
     return False
-
-
-async def _eventually(predicate: Any, seconds: float) -> bool:
-    """Whether ``predicate()`` holds within ``seconds`` (polled; the nodes run meanwhile)."""
-    deadline = time.monotonic() + scaled(seconds)
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.05)
 
 
 async def _logged(caplog: pytest.LogCaptureFixture, *parts: str) -> bool:
@@ -251,7 +240,9 @@ async def test_idle_connections_from_one_source_leave_room_for_honest_peers(
                 )
             limit = victim.config.max_pending_handshakes_per_source
             # refused ones are closed at once
-            await _eventually(lambda: sum(c.state is WsState.OPEN for c in idle) <= limit, 5)
+            await wait_until_async(
+                lambda: sum(c.state is WsState.OPEN for c in idle) <= limit, scaled(5)
+            )
             waiting = sum(c.state is WsState.OPEN for c in idle)
             assert waiting <= limit, waiting
             assert any(
@@ -260,7 +251,7 @@ async def test_idle_connections_from_one_source_leave_room_for_honest_peers(
             )
         attack.outcome(f"{waiting} of 64 kept waiting, the rest closed busy; source named")
         honest = await _node(victim.visible_addresses, request_timeout=scaled(30))
-        assert await _eventually(lambda: honest.peer_id in victim.members(), 10)
+        assert await wait_until_async(lambda: honest.peer_id in victim.members(), scaled(10))
         assert await _gossip_flows(honest, victim, 2)
         attack.effect("unaffected: an honest peer joins and gossips meanwhile")
     finally:
@@ -306,14 +297,16 @@ async def test_silent_connections_to_the_lane_port_hold_few_descriptors(
             def held_by_victim() -> int:
                 return _fds() - base - len(sockets)
 
-            await _eventually(lambda: held_by_victim() <= bulk.MAX_ADMISSIONS_PER_SOURCE, 5)
+            await wait_until_async(
+                lambda: held_by_victim() <= bulk.MAX_ADMISSIONS_PER_SOURCE, scaled(5)
+            )
             held = held_by_victim()
             assert held <= bulk.MAX_ADMISSIONS_PER_SOURCE, held
             assert any(ATTACKER_HOST in r.getMessage() for r in caplog.records)
         attack.outcome(f"the victim holds {held} descriptors for 300 connections; source named")
         frame = Frame("test.blob", payload=bytes(1 << 20))
         await honest.send_bulk(victim.peer_id, frame)
-        assert await _eventually(lambda: received, 10)
+        assert await wait_until_async(lambda: received, scaled(10))
         assert len(received[0].payload) == 1 << 20
         assert honest.bulk is not None and honest.bulk.has_lane(victim.peer_id)
         attack.effect("unaffected: an honest peer opens a lane and sends 1 MiB over it")
@@ -375,19 +368,19 @@ async def test_connections_that_never_open_hold_few_descriptors(
             def held_by_victim() -> int:
                 return _fds() - base - len(sockets)
 
-            await _eventually(
+            await wait_until_async(
                 lambda: (
                     held_by_victim() <= websocket.MAX_OPENING_PER_SOURCE
                     and any(ATTACKER_HOST in r.getMessage() for r in caplog.records)
                 ),
-                5,
+                scaled(5),
             )
             held = held_by_victim()
             assert held <= websocket.MAX_OPENING_PER_SOURCE, held
             assert any(ATTACKER_HOST in r.getMessage() for r in caplog.records)
         attack.outcome(f"the victim holds {held} descriptors for 300 connections; source named")
         honest = await _node(victim.visible_addresses)
-        assert await _eventually(lambda: honest.peer_id in victim.members(), 10)
+        assert await wait_until_async(lambda: honest.peer_id in victim.members(), scaled(10))
         assert await _gossip_flows(honest, victim, 3)
         attack.effect("unaffected: an honest peer joins and gossips meanwhile")
     finally:

@@ -19,7 +19,7 @@ from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Ide
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.exchange import GOSSIP_PUSH
 from peer.node.gossip import Record, pack_value
-from peer.testing import wait_until
+from peer.testing import wait_until, wait_until_async
 from peer.transport.memory import MemoryNetwork
 from peer.wire import Frame
 from swarmlab.sim import EPOCH, VirtualTimeLoop
@@ -265,15 +265,6 @@ async def _certified(
     return nodes, authority, verifier
 
 
-async def _until(predicate: Any, limit: float = 30.0) -> bool:
-    """Wait in virtual time (free in real time) until ``predicate()`` holds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while not predicate() and loop.time() < deadline:  # noqa: ASYNC110 - virtual time
-        await asyncio.sleep(0.1)
-    return bool(predicate())
-
-
 def test_records_of_a_key_without_a_certificate_are_refused_and_their_relay_named(
     vloop: VirtualTimeLoop, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -285,7 +276,9 @@ def test_records_of_a_key_without_a_certificate_are_refused_and_their_relay_name
     async def main() -> tuple[Any, ...]:
         net = MemoryNetwork(latency=0.01)
         (alice, carol, mallory), _, _ = await _certified(["alice", "carol", "mallory"], net)
-        assert await _until(lambda: all(len(n.members()) == 3 for n in (alice, carol, mallory)))
+        assert await wait_until_async(
+            lambda: all(len(n.members()) == 3 for n in (alice, carol, mallory)), 30.0, 0.1
+        )
         sybil = Identity()
         own_made = Certificate.issue(
             mallory.identity,
@@ -303,9 +296,11 @@ def test_records_of_a_key_without_a_certificate_are_refused_and_their_relay_name
             if certs:
                 fields["certs"] = certs
             await link.send(Frame(GOSSIP_PUSH, fields))
-            closed.append(await _until(lambda link=link: link.closed, 5.0))
+            closed.append(await wait_until_async(lambda link=link: link.closed, 5.0, 0.1))
         await alice.store("after", "still heard", alice.now() + 60)
-        heard = await _until(lambda: carol.store_.get("after", carol.now()) is not None)
+        heard = await wait_until_async(
+            lambda: carol.store_.get("after", carol.now()) is not None, 30.0, 0.1
+        )
         await asyncio.sleep(3.0)  # gossip rounds that would carry a stored sybil record
         leaked = [
             n.peer_id
@@ -340,7 +335,9 @@ def test_a_relayed_record_is_vouched_for_by_the_certificate_that_travels_with_it
         net.cut(["alice"], ["carol"])
         (bob, alice, carol), _, _ = await _certified(["bob", "alice", "carol"], net)
         await alice.store("from.alice", 42, alice.now() + 60)
-        got = await _until(lambda: carol.store_.get("from.alice", carol.now()) is not None)
+        got = await wait_until_async(
+            lambda: carol.store_.get("from.alice", carol.now()) is not None, 30.0, 0.1
+        )
         linked = alice.peer_id in carol._links or carol.peer_id in alice._links
         vouched = alice.identity.public_key in (carol.certificates or ())
         for node in (alice, bob, carol):
@@ -376,13 +373,16 @@ def test_records_of_a_peer_whose_certificate_expired_are_dropped(
         )
         await mallory.start()
         await mallory.store("m", 1, mallory.now() + 600)
-        seen = await _until(lambda: alice.store_.get("m", alice.now()) is not None)
-        gone = await _until(
+        seen = await wait_until_async(
+            lambda: alice.store_.get("m", alice.now()) is not None, 30.0, 0.1
+        )
+        gone = await wait_until_async(
             lambda: (
                 alice.store_.get("m", alice.now()) is None
                 and mallory.peer_id not in alice.members()
             ),
             60.0,
+            0.1,
         )
         for node in (alice, bob, mallory):
             await node.shutdown()
@@ -423,7 +423,9 @@ def test_a_relay_cannot_bring_back_an_older_copy_of_a_record(vloop: VirtualTimeL
         await alice.start()
         await mallory.start()
         await alice.store("state", "old", alice.now() + 600)
-        assert await _until(lambda: mallory.store_.get("state", mallory.now()) is not None)
+        assert await wait_until_async(
+            lambda: mallory.store_.get("state", mallory.now()) is not None, 30.0, 0.1
+        )
         kept = mallory.store_.records("state", mallory.now())[0]
         await alice.shutdown()
         await asyncio.sleep(1.0)
@@ -435,7 +437,7 @@ def test_a_relay_cannot_bring_back_an_older_copy_of_a_record(vloop: VirtualTimeL
             found = carol.store_.get("state", carol.now())
             return found and found.value
 
-        assert await _until(lambda: carol_reads() == "new")
+        assert await wait_until_async(lambda: carol_reads() == "new", 30.0, 0.1)
         link = await mallory.link(carol.peer_id)
         seen = []
         for _ in range(5):

@@ -14,10 +14,11 @@ from peer.exceptions import AuthenticationError, SwarmgradError
 from peer.identity import Identity
 from peer.node.trust import LINK_REVOCATIONS
 from peer.revocation import RevocationBook, RevocationList
+from peer.testing import wait_until_async
 from peer.transport.memory import MemoryNetwork
 from peer.wire import Frame
 from swarmlab.sim import VirtualTimeLoop
-from tests.peer.test_attacks_gossip import _certified, _until, vloop  # noqa: F401
+from tests.peer.test_attacks_gossip import _certified, vloop  # noqa: F401
 
 RUN = "run"
 
@@ -99,10 +100,10 @@ def test_a_ban_reaches_every_peer_within_a_gossip_period_and_shuts_the_peer_out(
         nodes, authority, _ = await _certified(["bob", "alice", "carol", "mallory"], net)
         bob, alice, carol, mallory = nodes
         honest = (alice, bob, carol)
-        assert await _until(lambda: all(len(n.members()) == 4 for n in nodes))
+        assert await wait_until_async(lambda: all(len(n.members()) == 4 for n in nodes), 30.0, 0.1)
         await mallory.store("m.progress", 1, mallory.now() + 600)
-        assert await _until(
-            lambda: all(n.store_.get("m.progress", n.now()) is not None for n in honest)
+        assert await wait_until_async(
+            lambda: all(n.store_.get("m.progress", n.now()) is not None for n in honest), 30.0, 0.1
         )
         started = loop.time()
         assert alice.revoke(_list(authority, 1, mallory.identity.public_key))
@@ -117,7 +118,7 @@ def test_a_ban_reaches_every_peer_within_a_gossip_period_and_shuts_the_peer_out(
                 for n in honest
             )
 
-        assert await _until(shut_out, 5.0)
+        assert await wait_until_async(shut_out, 5.0, 0.1)
         took = loop.time() - started
         refused = []
         for target in (alice, carol):
@@ -126,7 +127,7 @@ def test_a_ban_reaches_every_peer_within_a_gossip_period_and_shuts_the_peer_out(
             except SwarmgradError:
                 refused.append(target.peer_id)
                 continue
-            if await _until(lambda link=link: link.closed, 5.0):
+            if await wait_until_async(lambda link=link: link.closed, 5.0, 0.1):
                 refused.append(target.peer_id)
         linked = [n.peer_id for n in honest if mallory.peer_id in n._links]
         await mallory.store("m.later", 2, mallory.now() + 600)
@@ -157,13 +158,15 @@ def test_a_forged_ban_is_refused_and_its_sender_dropped(
     async def main() -> tuple[Any, ...]:
         net = MemoryNetwork(latency=0.01)
         (alice, carol, mallory), _, _ = await _certified(["alice", "carol", "mallory"], net)
-        assert await _until(lambda: all(len(n.members()) == 3 for n in (alice, carol, mallory)))
+        assert await wait_until_async(
+            lambda: all(len(n.members()) == 3 for n in (alice, carol, mallory)), 30.0, 0.1
+        )
         forged = RevocationList.issue(
             mallory.identity, run_id=RUN, serial=10**9, entries=[(alice.identity.public_key, 2e9)]
         ).to_bytes()
         link = await mallory.link(carol.peer_id)
         await link.send(Frame(LINK_REVOCATIONS, {"list": forged}))
-        closed = await _until(lambda: link.closed, 5.0)
+        closed = await wait_until_async(lambda: link.closed, 5.0, 0.1)
         kept = alice.peer_id in carol.members() and carol.revocations is not None
         serial = carol.revocations.serial if carol.revocations is not None else None
         for node in (alice, carol, mallory):

@@ -23,7 +23,7 @@ from peer import Node
 from peer.exceptions import FrameTooLarge, NodeShutdown, RemoteError, TransportError
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.links import PeerLink
-from peer.testing import wait_until
+from peer.testing import wait_until, wait_until_async
 from peer.transport.bulk import MAGIC, BulkSender
 from peer.transport.memory import MemoryNetwork
 from peer.transport.secure import LaneSealer
@@ -97,12 +97,6 @@ async def _pair(make_peer: MakePeer, **config: Any) -> tuple[Peer, Peer]:
     a = await make_peer(**config)
     b = await make_peer(a.core.visible_addresses, **config)
     return a, b
-
-
-async def _eventually(predicate: Callable[[], bool]) -> None:
-    async with asyncio.timeout(scaled(10)):
-        while not predicate():  # noqa: ASYNC110 - a state without an event to wait on
-            await asyncio.sleep(0.005)
 
 
 def _lane_port(peer: Peer) -> int:
@@ -255,7 +249,7 @@ async def test_inline_handler_gets_lane_frames_in_order_and_link_frames_go_to_th
     a.core.registry.register(INLINE, BLOB_SCHEMA)
     for seq in range(50):
         await a.core.send_bulk(b.peer_id, Frame(INLINE, {"seq": seq}, bytes(seq * 997)))
-    await _eventually(lambda: len(inline) == 50)
+    assert await wait_until_async(lambda: len(inline) == 50, scaled(10), 0.005)
     assert inline == [(a.peer_id, seq) for seq in range(50)] and not b.received
     await a.core.send(b.peer_id, Frame(INLINE, {"seq": 50}, b"link"))  # not a lane
     [(sender, frame)] = await b.wait_for(1)
@@ -279,7 +273,7 @@ async def test_a_handler_that_raises_loses_its_frame_not_the_lane(
     with caplog.at_level(logging.ERROR, logger="peer.transport.bulk"):
         for seq in range(4):
             await a.core.send_bulk(b.peer_id, Frame(INLINE, {"seq": seq}, b"x" * 100_000))
-        await _eventually(lambda: len(seen) == 3)
+        assert await wait_until_async(lambda: len(seen) == 3, scaled(10), 0.005)
     assert seen == [0, 2, 3]
     assert any("handler bug" in (r.exc_text or "") for r in caplog.records)
     assert b.core.bulk is not None and b.core.bulk.open_lanes == 1  # the same lane goes on
@@ -304,7 +298,9 @@ async def test_a_slow_async_handler_holds_the_lane_back(make_peer: MakePeer) -> 
         await a.core.send_bulk(b.peer_id, Frame(BLOB, {"seq": seq}, b"y" * 1000))
     assert b.core.bulk is not None
     [lane] = b.core.bulk._all
-    await _eventually(lambda: not lane._reading)  # paused, with a bounded backlog
+    assert await wait_until_async(
+        lambda: not lane._reading, scaled(10), 0.005
+    )  # paused, with a bounded backlog
     assert len(lane._backlog) == bulk_module._BACKLOG_FRAMES
     release.set()
     received = await b.wait_for(40)
@@ -342,7 +338,7 @@ async def test_a_sender_keeps_to_one_lane_when_the_peer_dialed_too(
     connect = lanes._connect
 
     async def connect_once_the_peer_has(host: str, port: int) -> Any:
-        await _eventually(lambda: lanes.has_lane(b.peer_id))
+        assert await wait_until_async(lambda: lanes.has_lane(b.peer_id), scaled(10), 0.005)
         return await connect(host, port)
 
     monkeypatch.setattr(lanes, "_connect", connect_once_the_peer_has)
@@ -424,7 +420,9 @@ async def test_a_ticket_is_single_use(
                 assert await _closed_by_remote(replay)
         assert any("without a valid ticket" in r.getMessage() for r in caplog.records)
         assert b.core.bulk.open_lanes == 1
-    await _eventually(lambda: b.core.bulk is not None and b.core.bulk.open_lanes == 0)
+    assert await wait_until_async(
+        lambda: b.core.bulk is not None and b.core.bulk.open_lanes == 0, scaled(10), 0.005
+    )
 
 
 async def test_a_stolen_ticket_opens_no_lane(
@@ -514,7 +512,9 @@ async def test_a_bad_frame_closes_only_that_lane(
     # The good frame before the bad one was delivered; nothing after it.
     [(sender, frame)] = b.received
     assert _over_lane(sender, a) and bytes(frame.payload) == b"ok"
-    await _eventually(lambda: b.core.bulk is not None and b.core.bulk.open_lanes == 0)
+    assert await wait_until_async(
+        lambda: b.core.bulk is not None and b.core.bulk.open_lanes == 0, scaled(10), 0.005
+    )
     # Both nodes keep working: new lanes, both ways.
     await a.core.send_bulk(b.peer_id, Frame(BLOB, {"seq": 1}, b"after"))
     await b.core.send_bulk(a.peer_id, Frame(BLOB, {"seq": 2}, b"after"))
@@ -656,7 +656,9 @@ async def test_client_mode_peer_dials_a_lane_used_both_ways(make_peer: MakePeer)
 async def test_shutdown_does_not_wait_for_a_silent_connection(make_peer: MakePeer) -> None:
     a = await make_peer()
     async with _raw_lane(_lane_port(a), MAGIC[:2]) as reader:  # half a preamble, then silence
-        await _eventually(lambda: a.core.bulk is not None and len(a.core.bulk._tasks) == 1)
+        assert await wait_until_async(
+            lambda: a.core.bulk is not None and len(a.core.bulk._tasks) == 1, scaled(10), 0.005
+        )
         started = time.monotonic()
         await a.core.shutdown()
         assert time.monotonic() - started < scaled(2.5), "shutdown waited for the preamble (5 s)"

@@ -8,6 +8,7 @@ import pytest
 
 from peer.exceptions import ConnectionClosed, TransportError
 from peer.node.core import AsyncNode, NodeConfig
+from peer.testing import wait_until_async
 from peer.transport.memory import MemoryNetwork
 from swarmlab.sim import EPOCH, VirtualTimeLoop, simulate
 
@@ -34,11 +35,6 @@ async def _echo_pair(net: MemoryNetwork):
     listener = await net.transport("server").listen("", 0, handler)
     conn = await net.transport("client").connect(listener.addresses[0], timeout=1)
     return conn, received, done, listener
-
-
-async def _until(predicate) -> None:
-    while not predicate():  # noqa: ASYNC110 - virtual time: polling costs nothing, cannot race
-        await asyncio.sleep(0.001)
 
 
 async def _chain(net: MemoryNetwork, n: int, config: NodeConfig) -> list[AsyncNode]:
@@ -84,7 +80,7 @@ def test_bandwidth_holds_the_sender_back(vloop: VirtualTimeLoop) -> None:
         await conn.send(b"x" * 500)
         await conn.send([b"y" * 250, memoryview(b"z" * 250)])
         elapsed = asyncio.get_running_loop().time() - t0
-        await _until(lambda: len(received) == 2)
+        assert await wait_until_async(lambda: len(received) == 2, 60.0, 0.001)
         await conn.close()
         await done.wait()
         await listener.close()
@@ -101,7 +97,7 @@ def test_drops_and_crash(vloop: VirtualTimeLoop) -> None:
         conn, received, done, listener = await _echo_pair(net)
         for i in range(200):
             await conn.send(bytes([i % 256]))
-        await _until(lambda: len(received) + net.stats.dropped == 200)
+        assert await wait_until_async(lambda: len(received) + net.stats.dropped == 200, 60.0, 0.001)
         delivered = len(received)
         net.crash("server")
         await done.wait()
