@@ -179,8 +179,9 @@ def test_more_than_one_optimizer_is_refused(node: Node) -> None:
 
 def test_a_batch_size_that_cannot_be_inferred_is_refused(node: Node) -> None:
     with (
-        mock.patch(
-            "peer.integrations.lightning.extract_batch_size",
+        mock.patch.object(
+            SwarmgradStrategy.lightning_package,
+            "extract_batch_size",
             side_effect=MisconfigurationException("no tensor in the batch"),
         ),
         pytest.raises(MisconfigurationException, match="provide the batch size"),
@@ -372,3 +373,116 @@ def test_algorithm_diloco_takes_inner_steps_with_the_modules_optimizer(node: Nod
         SwarmgradStrategy(algorithm="diloco", delay_grad_averaging=True, node=node)
     with pytest.raises(ValueError, match="target_batch_size"):
         SwarmgradStrategy(node=node)
+
+
+# ------------------------------------------------------------- one strategy, two packages
+
+
+def _pytorch_lightning() -> Any:
+    """``pytorch_lightning`` (the swarmgrad[lightning] extra brings it along), or a skip."""
+    try:
+        import pytorch_lightning
+    except ModuleNotFoundError:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip("needs the pytorch_lightning package")
+    return pytorch_lightning
+
+
+def test_both_packages_strategies_are_one_implementation() -> None:
+    """Each package's class declares only which package it is for: every method, property
+    and default is the shared class's own object, none a copy."""
+    _pytorch_lightning()
+    from peer.integrations import pytorch_lightning as for_pl
+    from peer.integrations.lightning_strategy import SwarmgradStrategyBase
+
+    for strategy, package in (
+        (SwarmgradStrategy, "lightning.pytorch"),
+        (for_pl.SwarmgradStrategy, "pytorch_lightning"),
+    ):
+        assert set(vars(strategy)) - {
+            "__module__",
+            "__doc__",
+            "__abstractmethods__",
+            "_abc_impl",
+        } == {"lightning_package"}
+        assert strategy.lightning_package.name == package
+        assert strategy.__mro__[1] is SwarmgradStrategyBase
+        for name in ("optimizer_step", "teardown", "on_train_batch_start", "__init__"):
+            assert getattr(strategy, name) is getattr(SwarmgradStrategyBase, name)
+    assert for_pl.SwarmScheduler is SwarmScheduler
+
+
+def test_a_strategy_declared_for_a_package_derives_from_its_strategy() -> None:
+    from peer.integrations.lightning_strategy import LightningPackage, SwarmgradStrategyBase
+
+    with pytest.raises(TypeError, match=r"derives from lightning\.pytorch\.strategies\.Strategy"):
+
+        class Detached(SwarmgradStrategyBase):
+            lightning_package = LightningPackage.load("lightning.pytorch")
+
+
+def test_pytorch_lightning_trains_with_its_own_helpers_and_counts_peers_after_fit(
+    node: Node,
+) -> None:
+    """pytorch_lightning's Trainer takes its strategy, which raises pytorch_lightning's
+    configuration error and, after fit, gives the last count without asking the swarm."""
+    pl = _pytorch_lightning()
+    from pytorch_lightning.demos.boring_classes import BoringModel as PlBoringModel
+    from pytorch_lightning.utilities.exceptions import (
+        MisconfigurationException as PlMisconfigurationException,
+    )
+
+    from peer.integrations.pytorch_lightning import SwarmgradStrategy as PlStrategy
+
+    def fit(strategy: Any) -> None:
+        pl.Trainer(
+            strategy=strategy,
+            fast_dev_run=True,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(PlBoringModel())
+
+    strategy = PlStrategy(target_batch_size=1, matchmaking_time=0.2, node=node)
+    fit(strategy)
+    assert isinstance(strategy.optimizer, Optimizer) and strategy.optimizer.local_epoch == 1
+    with mock.patch.object(
+        Optimizer, "global_progress", new_callable=mock.PropertyMock, side_effect=AssertionError
+    ):
+        assert strategy.num_peers == 1
+    assert PlMisconfigurationException is not MisconfigurationException
+    with pytest.raises(PlMisconfigurationException, match="supports exactly one optimizer"):
+
+        class TwoOptimizers(PlBoringModel):
+            def __init__(self) -> None:
+                super().__init__()
+                self.automatic_optimization = False
+
+            def training_step(self, batch: Any, batch_idx: int) -> None:
+                pass
+
+            def configure_optimizers(self) -> Any:
+                return [torch.optim.SGD(self.layer.parameters(), lr=0.1)] * 2
+
+        pl.Trainer(
+            strategy=PlStrategy(target_batch_size=1, matchmaking_time=0.2, node=node),
+            fast_dev_run=True,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(TwoOptimizers())
+
+
+def test_num_peers_after_a_diloco_fit_is_the_last_count(node: Node) -> None:
+    from peer.optim.diloco import DiLoCo
+
+    strategy = SwarmgradStrategy(
+        algorithm="diloco", inner_steps=2, matchmaking_time=0.2, node=node, batch_size=2
+    )
+    _trainer(strategy).fit(BoringModel())
+    assert isinstance(strategy.optimizer, DiLoCo)
+    with mock.patch.object(
+        DiLoCo, "global_progress", new_callable=mock.PropertyMock, side_effect=AssertionError
+    ):
+        assert strategy.num_peers == 1
