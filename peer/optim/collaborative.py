@@ -13,32 +13,27 @@ swarm's epoch is ready when the samples reported at it reach ``target_batch_size
 The pieces, one idea each: :mod:`peer.optim.options` resolves and checks the options;
 :mod:`peer.optim.epochs` plans the phases that end an epoch (pure);
 :mod:`peer.optim.live_state` holds the tensors the wrapped optimizer steps and its state;
-:mod:`peer.optim.state` serves that state to newcomers; :mod:`peer.optim.joining` brings a
-peer that is behind to the swarm's epoch. This module runs them.
+:mod:`peer.optim.state` serves that state to newcomers; :mod:`peer.optim.catchup` brings a
+peer that is behind to the swarm's epoch; :mod:`peer.optim.accumulation` sums gradients
+between rounds; :mod:`peer.optim.rounds` runs one round and calls it off when nobody can
+join; :mod:`peer.optim.pending` holds the background epoch. This module runs them.
 
 Rules that keep the swarm moving:
 
 * a peer whose ``local_epoch`` is behind the swarm's loads state (parameters, optimizer
-  state, epoch) from a peer instead of stepping; a newcomer does so on start. Donors declare
-  the epoch of the state they serve as their ``state_sharing_priority`` (as hivemind does),
-  so the newest state is downloaded, not a straggler's; while no donor has given a state as
-  new as the swarm's epoch, the download is retried (bounded by ``load_state_timeout``);
+  state, epoch) from a peer instead of stepping; a newcomer does so on start — the newest
+  state, retried within ``load_state_timeout`` (:mod:`peer.optim.catchup`);
 * a peer that has nothing accumulated when the swarm is ready joins the round with weight 0
   (it receives the average and steps in sync) rather than stalling the others;
 * the gradient round's group key carries the epoch, so peers at different epochs never
-  average together;
-* a new epoch is announced only once the epoch's rounds have ended (in the background too),
-  so a peer slow to notice the target still finds the others in the round;
+  average together; a new epoch is announced only once the epoch's rounds have ended (in
+  the background too), so a peer slow to notice the target still finds the others there;
 * if the gradient round fails (a peer died mid-round, a timeout), the peer logs it and steps
   with the gradients it has — the round's partial average or its own — and periodic state
   averaging (``average_state_every`` epochs) pulls diverged parameters back together;
-* a peer alone in the run (no other live progress report) skips the rounds instead of
-  waiting out ``averaging_timeout`` for a group that cannot form;
-* a peer whose gradient round nobody can join any more — every other peer announced a later
-  epoch or withdrew from the round's matchmaking because its group began without this peer
-  (it came back late: a laptop lid, a network partition healed, a slow state download) —
-  calls the round off and skips the epoch's step: it loads the others' state at its next
-  step, rather than step alone and drift from them.
+* a lone peer skips the rounds, and a round nobody can join any more is called off: the
+  peer left behind loads the others' state at its next step rather than step alone
+  (:mod:`peer.optim.rounds`).
 
 Each epoch runs three phases (:class:`peer.optim.epochs.Phase`): the gradient round, the
 optimizer step (with the scheduler step), the state round (every ``average_state_every``
@@ -70,48 +65,36 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from peer.averaging.averager import DecentralizedAverager
-from peer.averaging.control import StepControl
-from peer.averaging.exceptions import StepFailed
-from peer.averaging.partition import zeros_back_to_back
 from peer.averaging.robust import check_aggregator
 from peer.compression import Compression, NoCompression
-from peer.optim.epochs import EpochRun, Phase, plan_epoch
-from peer.optim.joining import JoiningSwarm
+from peer.optim.accumulation import GradientAccumulator
+from peer.optim.catchup import CatchUp, CatchUpHost, CatchUpPolicy
+from peer.optim.epochs import EpochRun, plan_epoch
 from peer.optim.live_state import LiveState, OptimizerFactory
 from peer.optim.options import resolve_options
+from peer.optim.pending import Pending
+from peer.optim.phases import EpochPhases
 from peer.optim.progress import PerformanceEMA, ProgressReport, ProgressTracker, SwarmProgress
+from peer.optim.rounds import RoundRunner
 from peer.optim.seam import SwarmNode
 from peer.optim.state import StateSharingAverager
 
 logger = logging.getLogger("peer.optim.collaborative")
 
-#: how often a round that looks for a group checks whether anyone can still join it
-ROUND_RECHECK_S = 0.25
-
 __all__ = ["Optimizer"]
-
-
-# --------------------------------------------------------------------------- the optimizer
-
-
-class _ModelGradients:
-    """The model's parameters as ``GradScaler.unscale_`` sees an optimizer: with
-    ``offload_optimizer`` the wrapped optimizer holds the host-memory copies instead."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.param_groups = [{"params": params}]
 
 
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
-class Optimizer(JoiningSwarm):
+class Optimizer:
     """Collaborative optimizer with a global batch size (see the module docstring).
 
     Typical loop::
@@ -238,41 +221,20 @@ class Optimizer(JoiningSwarm):
         self.client_mode = client_mode
         self.verbose = verbose
         self.local_epoch = 0
-        self._samples = 0  # accumulated at local_epoch
-        self._samples_total = 0
-        self._pending: EpochRun | None = None
-        self._round: StepControl | None = None  # the round in flight, for cancellation
-        # Outcomes of the gradient and state rounds, for progress reports: rounds that found
-        # nobody to average with (a lone peer) count as neither.
-        self.rounds_done = 0
-        self.rounds_failed = 0
-        # set when this epoch's gradient round was called off because the others averaged
-        # without this peer: it loads their state at its next step instead of stepping alone
-        self._behind = False
-        self.last_group_size: int | None = None
-        self.last_failure: str | None = None  # class name of the last failed round's error
+        self._pending: Pending[EpochRun] = Pending()  # the background epoch, its round
         self._closed = False
         self._closing = threading.Event()  # set by shutdown(): ends a state-download retry
-        self._model_grads = _ModelGradients(self.params)
+        # the gradient averager's tensors (host memory) and the accumulators
+        self.grads = GradientAccumulator(self.params, self.options, batch_size_per_step)
 
         opts = dict(averager_opts or {})
         opts.setdefault("aggregator", check_aggregator(aggregator))
         opts.setdefault("relative_weight_bound", relative_weight_bound)
         opts.setdefault("min_matchmaking_time", matchmaking_time)
         opts.setdefault("allreduce_timeout", averaging_timeout)
-        self._epoch_in_group_bits = opts.get("target_group_size") is None
-        # The gradient averager's tensors (host memory). They also accumulate gradients, except
-        # with delay_grad_averaging: then the next epoch accumulates in a second buffer while
-        # a background round averages these.
-        # one flat buffer: in-place rounds average it without a copy
-        self._averaged_grads = zeros_back_to_back(self.params)
-        self._acc = (
-            [torch.zeros_like(g) for g in self._averaged_grads]
-            if self.options.delay_grad_averaging
-            else self._averaged_grads
-        )
+        epoch_in_group_bits = opts.get("target_group_size") is None
         self.grad_averager = DecentralizedAverager(
-            self._averaged_grads,
+            self.grads.averaged,
             node,
             start=True,
             prefix=f"{run_id}_grad_averager",
@@ -305,6 +267,46 @@ class Optimizer(JoiningSwarm):
         )
         self.performance = PerformanceEMA()
         self.tracker = ProgressTracker(node, run_id, target_batch_size, expiration=60.0)
+        self.rounds = RoundRunner(
+            tracker=self.tracker,
+            peer_id=node.peer_id,
+            timeout=averaging_timeout,
+            pending=self._pending,
+            closing=self._closing,
+        )
+        self.phases = EpochPhases(
+            live=self.live,
+            grad_averager=self.grad_averager,
+            state_averager=self.state_averager,
+            rounds=self.rounds,
+            step_scheduler=self._step_scheduler,
+            set_state_epoch=self._set_state_epoch,
+            auxiliary=auxiliary,
+            use_local_updates=use_local_updates,
+            epoch_in_group_bits=epoch_in_group_bits,
+            verbose=verbose,
+        )
+        self.catch_up = CatchUp(
+            CatchUpHost(
+                local_epoch=lambda: self.local_epoch,
+                settle=lambda: self._settle_pending(cancel=True),
+                report=self._local_report,
+                adopt=self._adopt_state,
+                move_to=self._move_to_epoch,
+            ),
+            node=node,
+            tracker=self.tracker,
+            averager=self.state_averager,
+            # the gradient rounds need the swarm's parameters, not just its epoch: retry
+            # within load_state_timeout, then go on at this peer's own epoch
+            policy=CatchUpPolicy(
+                timeout=load_state_timeout,
+                retry=True,
+                on_timeout="discount",
+                discount_s=load_state_timeout,
+            ),
+            closing=self._closing,
+        )
         self._report()
         if not auxiliary:
             self.load_state_from_peers()
@@ -322,6 +324,61 @@ class Optimizer(JoiningSwarm):
             tensors = [t.detach().clone() for t in self.live.tensors()]
         return {"epoch": self.live.epoch}, tensors
 
+    def _set_state_epoch(self, epoch: int) -> None:
+        """The live state now belongs to ``epoch``. It is also the state's sharing priority, so
+        newcomers download the newest state rather than a straggler's (hivemind does the
+        same). Live-state lock held; any thread."""
+        self.live.epoch = epoch
+        self.state_averager.state_sharing_priority = float(epoch)
+
+    # ------------------------------------------------------------- catching up
+
+    def load_state_from_peers(self) -> bool:
+        """Download parameters, optimizer state and epoch from the peer with the newest state;
+        True if a state was loaded. A background epoch still in progress is abandoned first
+        (the state replaces it). While this peer is still behind the swarm's epoch as it
+        stood when the download began, the download is retried with backoff for
+        ``load_state_timeout`` seconds in all: a newcomer joining a running swarm starts from
+        the swarm's state, not from scratch. The policy — from whom, when to give up, what
+        then — is :mod:`peer.optim.catchup`'s."""
+        return self.catch_up.run()
+
+    def _adopt_state(self, epoch: int, metadata: Any, tensors: Sequence[torch.Tensor]) -> None:
+        """A downloaded state, at ``epoch``, replaces this peer's (``ValueError``: it does not
+        fit, nothing changed)."""
+        with self._live_state():
+            self.live.load(tensors)
+            self._step_scheduler_to(epoch)
+        self._start_epoch_at(epoch)
+
+    def _move_to_epoch(self, epoch: int) -> None:
+        """Move to the swarm's ``epoch`` keeping this peer's parameters (nobody can give
+        theirs); what was accumulated for an older epoch is dropped, as after a download."""
+        with self._live_state():
+            self._step_scheduler_to(epoch)
+        self._start_epoch_at(epoch)
+
+    def _step_scheduler_to(self, epoch: int) -> None:
+        """Step the scheduler once per epoch from the live state's to ``epoch``, and move the
+        live state there. Live-state lock held."""
+        with warnings.catch_warnings():
+            # epochs can pass before this peer's first optimizer step (a newcomer catching
+            # up): that is the intended order here, not the mistake torch warns about
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+            for _ in range(epoch - self.live.epoch):
+                self._step_scheduler()
+        self._set_state_epoch(epoch)
+
+    def _step_scheduler(self) -> None:
+        """One swarm epoch passed: the scheduler (if any) steps once."""
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _start_epoch_at(self, epoch: int) -> None:
+        self.grads.reset()
+        self.local_epoch = epoch
+        self._report()
+
     # ----------------------------------------------------------------------- API
 
     @property
@@ -332,7 +389,25 @@ class Optimizer(JoiningSwarm):
     @property
     def pending_update(self) -> bool:
         """True while a background epoch (round, optimizer step) has not been applied yet."""
-        return self._pending is not None
+        return self._pending.run is not None
+
+    # outcomes of the gradient and state rounds, for progress reports
+    @property
+    def rounds_done(self) -> int:
+        return self.rounds.rounds_done
+
+    @property
+    def rounds_failed(self) -> int:
+        return self.rounds.rounds_failed
+
+    @property
+    def last_group_size(self) -> int | None:
+        return self.rounds.last_group_size
+
+    @property
+    def last_failure(self) -> str | None:
+        """The class name of the last failed round's error."""
+        return self.rounds.last_failure
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -398,22 +473,21 @@ class Optimizer(JoiningSwarm):
             raise ValueError(
                 "with reuse_grad_buffers every step must have batch_size_per_step samples"
             )
-        pending = self._pending
-        if pending is not None and pending.future is not None and pending.future.done():
+        if self._pending.landed:
             self._settle_pending()
 
         progress = self.global_progress
-        if progress.epoch > self.local_epoch or self._behind:
+        if progress.epoch > self.local_epoch or self.rounds.behind:
             logger.info(
                 "epoch %d is behind the swarm's %d: loading state from peers",
                 self.local_epoch,
                 progress.epoch,
             )
-            self._behind = False
+            self.rounds.behind = False
             self.load_state_from_peers()
             return loss
 
-        if batch_size and grad_scaler is not None and not self._unscale(grad_scaler):
+        if batch_size and grad_scaler is not None and not self.grads.unscale(grad_scaler):
             logger.debug(
                 "gradients overflowed at scale %s: dropping this batch", grad_scaler.get_scale()
             )
@@ -421,7 +495,7 @@ class Optimizer(JoiningSwarm):
                 p.grad = None
             batch_size = 0
         if batch_size:
-            self._accumulate(batch_size)
+            self.grads.add(batch_size)
         if self.use_local_updates and batch_size:
             self._local_step()
         self._wait_when_a_full_epoch_ahead()
@@ -437,22 +511,26 @@ class Optimizer(JoiningSwarm):
         epoch is about due: wait for the running one here. Parameters stay at most one epoch
         stale and an epoch does not grow without bound when averaging is slower than
         compute; the overlap is one epoch's averaging behind the next epoch's compute."""
-        pending = self._pending
-        if pending is not None and pending.plan.share > 0 and self._samples >= pending.plan.share:
+        pending = self._pending.run
+        if (
+            pending is not None
+            and pending.plan.share > 0
+            and self.grads.samples >= pending.plan.share
+        ):
             self._settle_pending()
 
     def _local_report(self) -> ProgressReport:
-        pending = self._pending
+        pending = self._pending.run
         if pending is not None and pending.plan.holds_announcement:
             # the epoch's rounds still run: keep inviting slower peers into them
             epoch, samples = pending.plan.epoch, pending.plan.samples
         else:
-            epoch, samples = self.local_epoch, self._samples
+            epoch, samples = self.local_epoch, self.grads.samples
         return ProgressReport(
             self.node.peer_id,
             epoch,
             samples,
-            self._samples_total,
+            self.grads.samples_total,
             self.node.get_time(),
             self.performance.samples_per_second,
             self.client_mode,
@@ -462,27 +540,6 @@ class Optimizer(JoiningSwarm):
         if new_samples:
             self.performance.update(new_samples)
         self.tracker.report(self._local_report())
-
-    def _unscale(self, grad_scaler: torch.amp.GradScaler) -> bool:
-        """Unscale the model's ``.grad`` in place and update the scaler; False if any gradient
-        overflowed."""
-        grad_scaler.unscale_(cast(torch.optim.Optimizer, self._model_grads))
-        finite = all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in self.params)
-        grad_scaler.update()  # lowers the scale after an overflow, raises it after a clean run
-        return finite
-
-    def _accumulate(self, batch_size: int) -> None:
-        # Σ batch_size · grad over local steps: divided by Σ batch_size before averaging, it is
-        # this peer's mean gradient per sample; averaging with weight Σ batch_size then gives
-        # the mean over every sample the swarm processed.
-        if not (self.reuse_grad_buffers or self.use_local_updates):
-            # (with reuse_grad_buffers .grad itself accumulates: backward adds to it)
-            with torch.no_grad():
-                for p, acc in zip(self.params, self._acc, strict=True):
-                    if p.grad is not None:
-                        acc.add_(p.grad.to(acc.device), alpha=float(batch_size))
-        self._samples += batch_size
-        self._samples_total += batch_size
 
     def _local_step(self) -> None:
         """use_local_updates: step with this call's gradients."""
@@ -502,7 +559,7 @@ class Optimizer(JoiningSwarm):
         plan = plan_epoch(
             self.options,
             epoch=self.local_epoch,
-            samples=self._samples,
+            samples=self.grads.samples,
             swarm_samples=self.global_progress.done_at_epoch,
             target_batch_size=self.target_batch_size,
             average_state_every=self.average_state_every,
@@ -510,242 +567,39 @@ class Optimizer(JoiningSwarm):
         )
         run = EpochRun(plan)
         if not self.use_local_updates:
-            self._load_round_gradients(float(self._samples))
-        self._run_phases(run, plan.inline)
-        self._consume_model_gradients()
+            with self.grad_averager.get_tensors() as grads:
+                self.grads.load_round(grads, float(self.grads.samples))
+        self.phases.run(run, plan.inline)
+        self.grads.consume_model_gradients()
         if not run.cancelled:  # (called off as behind: the epoch comes with the others' state)
             self.local_epoch = plan.epoch + 1
-        self._samples = 0
+        self.grads.samples = 0
         if plan.background:
             assert self._executor is not None
-            self._pending = run
-            run.future = self._executor.submit(self._run_phases, run, plan.background)
+            self._pending.run = run
+            run.future = self._executor.submit(self.phases.run, run, plan.background)
         else:
-            self._apply(run)
+            self.phases.apply(run)
         # Announced only now (or, while a background round runs, once it ended): a peer that
         # sees the new epoch before joining this epoch's rounds would load state instead of
         # averaging, and leave the others waiting for it.
         self._report()
 
-    def _load_round_gradients(self, weight: float) -> None:
-        """This peer's mean gradient into the gradient averager's tensors; the accumulators
-        are emptied for the next epoch. Training thread; no round is in flight."""
-        with self.grad_averager.get_tensors() as grads, torch.no_grad():
-            for g, acc, p in zip(grads, self._acc, self.params, strict=True):
-                if self.reuse_grad_buffers:
-                    # .grad holds the sum of per-step mean gradients, each over batch_size_per_step
-                    g.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
-                    per_step = float(self.batch_size_per_step or 0)
-                    g.mul_(per_step / weight if weight else 0.0)
-                elif acc is not g:
-                    g.copy_(acc).div_(weight) if weight else g.zero_()
-                    acc.zero_()
-                elif weight:
-                    g.div_(weight)
-
-    def _consume_model_gradients(self) -> None:
-        # The gradients are consumed: they were accumulated before this round. Left in .grad,
-        # the next backward would add to them (the epoch may end in a later step() call, after
-        # the user's zero_grad()).
-        if self.use_local_updates:
-            return
-        for p in self.params:
-            if self.reuse_grad_buffers and p.grad is not None:
-                p.grad.zero_()
-            else:
-                p.grad = None
-
-    def _run_phases(self, run: EpochRun, phases: Sequence[Phase]) -> None:
-        """Run some of an epoch's phases, in order: here or in the background thread."""
-        for phase in phases:
-            if run.cancelled:
-                return
-            if phase is Phase.GRADIENTS:
-                self._average_gradients(run)
-            elif phase is Phase.STEP:
-                self._optimizer_step(run)
-            else:
-                self._average_state(run)
-
-    def _average_gradients(self, run: EpochRun) -> None:
-        epoch, samples = run.plan.epoch, run.plan.samples
-        if self._epoch_in_group_bits:
-            self.grad_averager.set_group_bits(format(epoch % (1 << 16), "016b"))
-        group = self._run_round(
-            self.grad_averager,
-            weight=0.0 if self.auxiliary else float(samples),
-            gather={"epoch": epoch, "samples": samples},
-            epoch=epoch,
-            what=f"epoch {epoch}: gradient averaging",
-            fallback="stepping with local gradients",
-        )
-        if self.verbose and group is not None:
-            logger.info("epoch %d: averaged gradients with %d peers", epoch, len(group))
-        if group is None and self._behind:
-            run.cancelled = True  # no step: the others' state replaces this epoch
-        with self.grad_averager.get_tensors() as grads, torch.no_grad():
-            if run.plan.optimizer_step and not run.cancelled:
-                with self._live_state():
-                    self.live.set_grads(list(grads))
-            for g in grads:
-                g.zero_()  # without delay_grad_averaging they accumulate the next epoch
-
-    def _optimizer_step(self, run: EpochRun) -> None:
-        with self._live_state():
-            if run.plan.optimizer_step:
-                self.opt.step()
-                run.stepped = True
-            if self.scheduler is not None:
-                self.scheduler.step()
-            self._set_state_epoch(run.plan.epoch + 1)
-
-    def _average_state(self, run: EpochRun) -> None:
-        with self._live_state(), self.state_averager.get_tensors() as shared, torch.no_grad():
-            for mine, s in zip(self.live.tensors(), shared, strict=True):
-                s.copy_(mine)
-            run.state_version = self.live.version
-            if self.use_local_updates:  # local steps may change the live state meanwhile
-                run.state_snapshot = [s.clone() for s in shared]
-        if self._epoch_in_group_bits:
-            self.state_averager.set_group_bits(format((run.plan.epoch + 1) % (1 << 16), "016b"))
-        group = self._run_round(
-            self.state_averager,
-            weight=0.0 if self.auxiliary else 1.0,
-            gather=None,
-            epoch=run.plan.epoch,
-            what=f"epoch {run.plan.epoch}: state averaging",
-            fallback="skipped",
-            level=logging.DEBUG,
-        )
-        if group is not None:
-            with self.state_averager.get_tensors() as shared:
-                run.state_averaged = [s.clone() for s in shared]
-
-    def _run_round(
-        self,
-        averager: DecentralizedAverager,
-        *,
-        weight: float,
-        gather: Any,
-        epoch: int,
-        what: str,
-        fallback: str,
-        level: int = logging.WARNING,
-    ) -> dict[str, Any] | None:
-        """One averaging round; None (logged) if it failed or was cancelled, or if no other
-        peer of the run has a live progress report (nobody to average with: a lone peer does
-        not wait out ``averaging_timeout`` every epoch). A peer that is there but behind
-        still gets the chance to join: the round looks for a group as usual."""
-        if not self.tracker.others_reporting():
-            logger.debug("%s skipped: no other peer in the run; %s", what, fallback)
-            return None
-        try:
-            control = averager.step(
-                weight=weight, timeout=self.averaging_timeout, gather=gather, wait=False
-            )
-            assert isinstance(control, StepControl)  # wait=False always returns one
-            self._round = control
-            result = self._await_round(averager, control, epoch)
-        except StepFailed as exc:
-            if not self._closed and not (self._behind and averager is self.grad_averager):
-                self.rounds_failed += 1
-                self.last_failure = type(exc).__name__
-                logger.log(level, "%s failed (%s); %s", what, exc, fallback)
-            return None
-        except RuntimeError:
-            if self._closed:  # the averager shut down under us
-                return None
-            raise
-        finally:
-            self._round = None
-        self.rounds_done += 1
-        group = cast(dict[str, Any], result)
-        self.last_group_size = len(group)
-        return group
-
-    def _await_round(
-        self, averager: DecentralizedAverager, control: StepControl, epoch: int
-    ) -> Any:
-        """The round's result. While it looks for a group, it is called off as soon as
-        nobody can join it any more: every other peer either reports a later epoch (it
-        announced it only after this epoch's rounds ended) or withdrew from this round's
-        matchmaking (its group began without this peer), or none reports at all. If others
-        moved on, this peer is behind: rather than step alone and drift from them, it skips
-        this epoch and loads their state at its next step (:attr:`_behind`)."""
-        while True:
-            try:
-                return control.result(timeout=ROUND_RECHECK_S)
-            except TimeoutError:
-                pass
-            if control.began_allreduce:
-                return control.result()
-            others = [r for r in self.tracker.fetch() if r.peer_id != self.node.peer_id]
-            withdrawn = averager.withdrawn_peers()
-            if all(r.epoch > epoch or r.peer_id in withdrawn for r in others) and control.cancel():
-                if others and averager is self.grad_averager:
-                    self._behind = True
-                    logger.info(
-                        "epoch %d: the other peers averaged without this one; it will load "
-                        "their state instead of stepping alone",
-                        epoch,
-                    )
-                else:
-                    logger.info("epoch %d: the other peers moved on; calling its round off", epoch)
-                return control.result()
-
-    def _apply(self, run: EpochRun) -> None:
-        """Bring a finished epoch's results to the model. Training thread."""
-        with self._live_state():
-            if run.state_averaged is not None:
-                if self.live.version == run.state_version or run.state_snapshot is None:
-                    self.live.load(run.state_averaged)
-                else:
-                    # local steps were taken during the round: keep them, add the round's change
-                    self.live.load(
-                        [
-                            t + (a - s)
-                            for t, a, s in zip(
-                                self.live.tensors(),
-                                run.state_averaged,
-                                run.state_snapshot,
-                                strict=True,
-                            )
-                        ]
-                    )
-            elif run.stepped:
-                self.live.copy_to_model()
-
     def _settle_pending(self, *, cancel: bool = False, timeout: float | None = None) -> bool:
         """Wait for the background epoch and apply what it finished (with ``cancel``, it
         stops at the next phase and a round in matchmaking is called off). False if it is
         still running after ``timeout``."""
-        run = self._pending
-        if run is None:
-            return True
-        if cancel:
-            run.cancelled = True
-            control = self._round
-            if control is not None:
-                control.cancel()
-        assert run.future is not None
-        try:
-            run.future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            return False
-        finally:
-            if run.future.done():
-                self._pending = None
-        self._apply(run)  # even a cancelled one: its optimizer step may have run
+        return self._pending.settle(self._land, cancel=cancel, timeout=timeout)
+
+    def _land(self, run: EpochRun) -> None:
+        self.phases.apply(run)  # even a cancelled one: its optimizer step may have run
         if run.plan.holds_announcement:
             self._report()
-        return True
 
     def interrupt(self) -> None:
         """Call off the averaging round in flight, if any; safe from any thread (e.g. a
         signal handler's). The step running it goes on as after a failed round."""
-        control = self._round
-        if control is not None:
-            control.cancel()
+        self._pending.interrupt()
 
     def wait_for_pending(self, timeout: float | None = None) -> bool:
         """Wait until background work (a delayed round or optimizer step) has finished, and
@@ -783,17 +637,13 @@ class Optimizer(JoiningSwarm):
             return
         self._closed = True
         self._closing.set()
-        if self._pending is not None:
-            self._pending.cancelled = True
-        control = self._round
-        if control is not None:
-            control.cancel()
+        self._pending.call_off()
         self.tracker.shutdown()
         self.grad_averager.shutdown()  # cancels its steps: a background round ends now
         self.state_averager.shutdown()
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
-        self._pending = None
+        self._pending.run = None
 
     def __enter__(self) -> Optimizer:
         return self

@@ -48,7 +48,8 @@ import torch
 
 from peer.averaging.control import StepControl
 from peer.averaging.exceptions import StepFailed
-from peer.optim.claims import DISCOUNT_S, StateOffers, claims_ahead
+from peer.optim.catchup import CatchUp, CatchUpHost, CatchUpPolicy
+from peer.optim.claims import DISCOUNT_S
 from peer.optim.progress import (
     PerformanceEMA,
     ProgressReport,
@@ -188,10 +189,31 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             concurrent_updates=True,
             **averager_kwargs,
         )
-        self._offers = StateOffers(node, prefix, self.averager.config.declare_state_period)
         self.scheduler = scheduler_cls(opt) if scheduler_cls is not None else None
         self.tracker = ProgressTracker(
             node, prefix, total_steps_in_epoch, expiration=report_progress_expiration
+        )
+        self._stop = threading.Event()
+        self.catch_up = CatchUp(
+            CatchUpHost(
+                local_epoch=lambda: self.local_epoch,
+                settle=lambda: None,  # background rounds keep running: they add their change
+                report=self._local_report,
+                adopt=self._adopt_state,
+                move_to=self._move_to_epoch,
+            ),
+            node=node,
+            tracker=self.tracker,
+            averager=self.averager,
+            # one attempt per call (step() calls again while behind); averaging pulls a peer
+            # that went on with its own parameters towards the others
+            policy=CatchUpPolicy(
+                timeout=self.config.timeout,
+                retry=False,
+                on_timeout="move_on",
+                discount_s=DISCOUNT_S,
+            ),
+            closing=self._stop,
         )
         self.performance = PerformanceEMA()
         self.local_epoch = 0
@@ -203,7 +225,6 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.last_progress: SwarmProgress | None = None
         self._rounds_changed = threading.Condition()
         self._want_round = threading.Event()
-        self._stop = threading.Event()
         self._current_round: Any = None
         self._shut = False
         self._report()
@@ -512,37 +533,25 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self, timeout: float | None = None, *, fallback_epoch: int | None = None
     ) -> bool:
         """Download parameters, optimizer state and epoch from the peer with the freshest
-        state. Returns False if no peer provided a state that fits this model; then this peer
-        keeps its own parameters and, if ``fallback_epoch`` is given, moves to that epoch (so
-        training goes on and averaging pulls it towards the swarm) — unless no donor even
-        offers a state newer than this peer's: then the epochs claimed ahead are backed by
-        nothing, and the claimers are discounted instead (:mod:`peer.optim.claims`)."""
-        timeout = timeout if timeout is not None else self.config.timeout
-        result = self.averager.load_state_from_peers(timeout=timeout)
-        loaded = result is not None and self._apply_state(*result)  # type: ignore[misc]
+        state; True if one was loaded. With ``fallback_epoch`` (this peer is behind the
+        swarm), a peer that got no state goes on from its own parameters at the swarm's
+        epoch (training goes on and averaging pulls it towards the swarm) — unless no donor
+        even offers a state newer than this peer's: then the epochs claimed ahead are backed
+        by nothing, and the claimers are discounted instead. The policy is
+        :mod:`peer.optim.catchup`'s; ``timeout`` (default: the optimizer's) bounds the
+        download."""
+        loaded = self.catch_up.run(chase=fallback_epoch is not None, timeout=timeout)
         if not loaded:
             logger.warning("could not load state from peers; continuing with local state")
-        if fallback_epoch is None or self.local_epoch >= fallback_epoch:
-            return loaded
-        ahead = claims_ahead(self.tracker, self.local_epoch)
-        if any(not r.client_mode for r in ahead) and not self._offers.newer_state_offered(
-            self.local_epoch
-        ):
-            # a donor could serve that epoch, yet none offers it: wait for one (a declaration
-            # period), then take the claims as backed by nothing
-            self._offers.discount_if_unbacked(self.tracker, self.local_epoch, DISCOUNT_S)
-            return loaded
-        if not loaded:
-            self._advance_to(fallback_epoch)
-            self._report()
         return loaded
 
     #: hivemind's older name (its DecentralizedOptimizer's), for scripts ported from it
     load_states_from_peers = load_state_from_peers
 
-    def _apply_state(self, metadata: Any, tensors: list[torch.Tensor]) -> bool:
+    def _adopt_state(self, epoch: int, metadata: Any, tensors: Sequence[torch.Tensor]) -> None:
+        """A downloaded state replaces this peer's parameters and optimizer state, and it
+        moves to the state's ``epoch``; ``ValueError`` if it does not fit (nothing changed)."""
         try:
-            epoch = int(metadata["epoch"])
             layout = metadata["state"]
             if len(layout) != len(self.params) or epoch < 0:
                 raise ValueError("a different number of parameters")
@@ -552,9 +561,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             for p, t in zip(self.params, tensors, strict=False):
                 if t.shape != p.shape:
                     raise ValueError(f"shape {tuple(t.shape)} where {tuple(p.shape)} expected")
-        except (KeyError, TypeError, ValueError) as exc:
-            logger.warning("ignoring a downloaded state that does not fit: %s", exc)
-            return False
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed state ({type(exc).__name__}: {exc})") from exc
         incoming = iter(tensors[len(self.params) :])
         with self.averager.get_tensors(), torch.no_grad():
             for p, t in zip(self.params, tensors, strict=False):
@@ -576,9 +584,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                         current.copy_(t.to(current.dtype))  # in place: the averager holds it
                     else:
                         state[key] = t.clone()
+        self._move_to_epoch(epoch)
+
+    def _move_to_epoch(self, epoch: int) -> None:
         self._advance_to(epoch)
         self._report()
-        return True
 
     # ------------------------------------------------------------------ lifecycle
 

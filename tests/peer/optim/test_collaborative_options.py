@@ -265,13 +265,13 @@ def test_grad_scaler_overflow_drops_the_batch(nodes: list[Node]) -> None:
         x, y = _batch(0, 0)
         scaler.scale(torch.nn.functional.mse_loss(model(x), y) * float("inf")).backward()
         opt.step(grad_scaler=scaler)
-        assert opt._samples == 0, "an overflowed batch adds no samples"
+        assert opt.grads.samples == 0, "an overflowed batch adds no samples"
         assert scaler.get_scale() < 2.0**12, "the scaler backs off after an overflow"
         assert all(p.grad is None for p in model.parameters())
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
         opt.step(grad_scaler=scaler)
-        assert opt._samples == 4
-        assert all(torch.isfinite(g).all() for g in opt._acc)
+        assert opt.grads.samples == 4
+        assert all(torch.isfinite(g).all() for g in opt.grads.acc)
     finally:
         opt.shutdown()
 
@@ -439,7 +439,7 @@ def test_a_round_nobody_can_join_any_more_is_called_off(nodes: list[Node]) -> No
         torch.nn.functional.mse_loss(models[1](x), y).backward()
         stepping = threading.Thread(target=behind.step)  # 8 samples: epoch 0 is complete
         stepping.start()
-        assert wait_until(lambda: behind._round is not None, scaled(20))
+        assert wait_until(lambda: behind._pending.round is not None, scaled(20))
         ahead.local_epoch = 5  # as after five epochs this peer did on its own
         ahead.step(batch_size=0)
         stepping.join(scaled(60))
