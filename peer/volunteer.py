@@ -14,7 +14,8 @@
 4. build the task's model, load the swarm's state from a live peer, or the coordinator's
    newest checkpoint when no peer is left, and train with the collaborative
    :class:`~peer.Optimizer`, or :class:`~peer.DiLoCo` when the run's config says
-   ``algorithm: diloco`` (its epochs are then outer syncs);
+   ``algorithm: diloco`` (its epochs are then outer syncs, and its checkpoints hold the
+   outer parameters that every peer shares);
 5. meanwhile a :class:`~peer.coordinator.CoordinatorSession` renews the certificate, sends
    progress reports (buffered while the coordinator is away: training never waits on it),
    follows the run's status (paused: stop stepping and wait; finished: leave) and asks for
@@ -495,6 +496,8 @@ class _Trainer:
         the second before its body is read. One upload at a time."""
         import torch
 
+        from peer.optim.diloco import DiLoCo
+
         optimizer = self.optimizer
         epoch = optimizer.local_epoch
         if epoch == self.uploaded_epoch or (self.upload is not None and not self.upload.done()):
@@ -506,14 +509,21 @@ class _Trainer:
         self.uploaded_epoch = epoch
         if min([*candidates, peer_id]) != peer_id:
             return
-        state = {
-            "model": {
+        optimizer_state = optimizer.state_dict()  # (DiLoCo: once a round in flight landed)
+        if isinstance(optimizer, DiLoCo):
+            # the outer parameters, which every peer shares; the model's own are this
+            # peer's inner steps since the last sync (with fragments or overlap, mid-round)
+            model_state = optimizer.synchronised_state_dict(self.model)
+        else:
+            model_state = {
                 k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
-            },
+            }
+        state = {
+            "model": model_state,
             "epoch": epoch,
             "task": self.task.name,
             "config": dict(self.answer.config),
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer_state,
         }
         client, answer = self.client, self.answer
 

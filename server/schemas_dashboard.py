@@ -42,6 +42,10 @@ class RunHeader(BaseModel):
     status: RunStatus
     created_at: datetime
     target_epochs: int | None
+    algorithm: str = Field(
+        "collaborative",
+        description="How its peers train: collaborative, or diloco (an epoch is an outer round).",
+    )
 
 
 class CheckpointSummary(BaseModel):

@@ -414,6 +414,26 @@ class DiLoCo(SyncRounds, JoiningSwarm):
                 "steps": self._steps,
             }
 
+    def synchronised_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` on the CPU with the parameters this optimizer steps at
+        their outer values, each in its own dtype: the model every peer of the run agrees
+        on, to checkpoint or evaluate (the model's own parameters hold this peer's inner
+        steps since the last sync). Buffers (e.g. batch-norm statistics) are the model's
+        own. Waits for no background round: call :meth:`wait_for_pending` first to include
+        it. ``ValueError`` if ``model`` holds none of this optimizer's parameters."""
+        where = {id(p): i for i, p in enumerate(self.params)}
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        found = 0
+        with self._live_state(), torch.no_grad():
+            for name, p in model.named_parameters(remove_duplicate=False):
+                i = where.get(id(p))
+                if i is not None and name in state:
+                    state[name] = self.outer_params[i].to(p.dtype, copy=True)
+                    found += 1
+        if not found:
+            raise ValueError("the model holds none of the parameters this optimizer steps")
+        return state
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned; ``ValueError`` if it does not fit."""
         outer = list(state["outer_params"])

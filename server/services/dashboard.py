@@ -207,6 +207,12 @@ def target_epochs(run: Run) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def run_algorithm(run: Run) -> str:
+    """How the run's peers train (its config's ``algorithm``; collaborative by default)."""
+    value = (run.config or {}).get("algorithm")
+    return value if value in ("collaborative", "diloco") else "collaborative"
+
+
 def run_dashboard(
     session: Session,
     run: Run,
@@ -309,6 +315,7 @@ def run_dashboard(
             status=run.status,
             created_at=run.created_at,
             target_epochs=target,
+            algorithm=run_algorithm(run),
         ),
         now=ms_to_datetime(now),
         version="",
