@@ -32,6 +32,7 @@ from peer.identity import (
     OpenAuth,
     peer_id_from_public_key,
 )
+from peer.node.cost import membership_ttl
 from peer.node.exchange import GOSSIP_PUSH, GossipExchange
 from peer.node.gossip import (
     MEMBERS_KEY,
@@ -222,7 +223,10 @@ class AsyncNode(Trust, GossipExchange):
         self._started = False
         self._stopping = False
         self.rounds = 0
-        self.exchanges = 0
+        self.exchanges = 0  # gossip exchanges this node started and saw answered
+        self.full_exchanges = 0  # ... and those (started or answered) comparing whole stores
+        self.swarm_size = 1  # live members at the last round (peer.node.cost)
+        self._next_refresh = 0.0  # clock time of the next membership refresh
         self._register_trust()
         self._register_gossip()
 
@@ -254,6 +258,8 @@ class AsyncNode(Trust, GossipExchange):
             self._stopping = True
             raise
         self._publish_membership()
+        # the first refresh at a random point of the first interval
+        self._next_refresh = self.now() + self._refresh_interval() * self.random.random()
         self._spawn(self._gossip_loop(), "gossip")
         self._spawn(self._maintenance_loop(), "maintenance")
         if bootstrap and self.initial_peers:
@@ -428,7 +434,10 @@ class AsyncNode(Trust, GossipExchange):
             MEMBERS_KEY,
             self.peer_id,
             {"addresses": self._addresses, "client_mode": self.config.client_mode},
-            max(now + self.config.member_ttl, latest + 1e-3),
+            max(
+                now + membership_ttl(self.config.member_ttl, self.swarm_size, self.store_.max_ttl),
+                latest + 1e-3,
+            ),
             seq=self._next_seq(),
         )
         self.store_.put(record, now)
@@ -765,16 +774,21 @@ class AsyncNode(Trust, GossipExchange):
                 del self._links[link.peer_id]
             self._spawn(link.close("idle"), "evict")
 
+    def _refresh_interval(self) -> float:
+        """Seconds until this node republishes its membership record: a third of its time
+        to live (:func:`~peer.node.cost.membership_ttl`), less up to a quarter at random
+        so that peers that started together do not refresh together."""
+        ttl = membership_ttl(self.config.member_ttl, self.swarm_size, self.store_.max_ttl)
+        return max(self.config.gossip_period, ttl / 3 * self.random.uniform(0.75, 1.0))
+
     async def _maintenance_loop(self) -> None:
         cfg = self.config
-        refresh = max(cfg.gossip_period, cfg.member_ttl / 3)
-        last_refresh = self.now()
         while True:
-            await asyncio.sleep(min(refresh, cfg.gossip_period))
+            await asyncio.sleep(cfg.gossip_period)
             now = self.now()
-            if now - last_refresh >= refresh:
+            if now >= self._next_refresh:
                 self._publish_membership()
-                last_refresh = now
+                self._next_refresh = now + self._refresh_interval()
             self._close_expired_links()
             self._forget_expired_certificates(now)
             for record in self.store_.expire(now):

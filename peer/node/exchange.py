@@ -2,12 +2,21 @@
 their relays, and the checks every record passes before it is stored.
 
 Every ``gossip_period`` (jittered) a node starts a round with up to ``fanout`` peers (and
-any initial peer not reached yet): it sends the digest of its store, takes the records the
-other side has newer, and pushes back what that side wants. A round never waits for its
-slowest exchange: a peer whose exchange is still under way is left out of the next rounds.
-A store is also pushed at once to a few peers, which relay what was news to them. A record
-is stored only if its signature verifies, its owner is not banned and, in certificate mode,
-holds a valid certificate of the run; a peer that relays forged records loses its link.
+any initial peer not reached yet). Most exchanges are *rumour* exchanges: the node sends
+the digest of its news (records it took in the last few rounds, :mod:`peer.node.cost`);
+the other side answers with the ids it lacks, newer copies of records listed, and the
+digest of its own news that was not listed; the node pushes what was wanted and fetches
+what it lacks. Now and then (always in a small swarm, at bootstrap and for ``get(...,
+latest=True)``) an exchange compares whole stores instead: the digest of every record,
+answered with the records the other side has newer and the ids it wants. So a round costs
+O(log N) bytes on average while a record still reaches every peer in O(log N) rounds, and
+anything a rumour missed is caught by a whole-store comparison.
+
+A round never waits for its slowest exchange: a peer whose exchange is still under way is
+left out of the next rounds. A store is also pushed at once to a few peers, which relay
+what was news to them. A record is stored only if its signature verifies, its owner is not
+banned and, in certificate mode, holds a valid certificate of the run; a peer that relays
+forged records loses its link.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from peer.exceptions import (
     SwarmgradError,
     TransportError,
 )
+from peer.node.cost import full_sync_chance, news_rounds
 from peer.node.gossip import (
     MEMBERS_KEY,
     RECORD_ID_BYTES,
@@ -35,6 +45,7 @@ from peer.node.gossip import (
     Record,
     RecordError,
     certificates_for,
+    digest_entries,
     sendable,
     take_within_budget,
 )
@@ -58,9 +69,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("peer.node")
 
-__all__ = ["GOSSIP_DIGEST", "GOSSIP_PUSH", "GOSSIP_REPLY", "GossipExchange"]
+__all__ = [
+    "GOSSIP_DIGEST",
+    "GOSSIP_FETCH",
+    "GOSSIP_NEWS",
+    "GOSSIP_PUSH",
+    "GOSSIP_REPLY",
+    "GossipExchange",
+]
 
-GOSSIP_DIGEST = "gossip.digest"
+GOSSIP_DIGEST = "gossip.digest"  # whole-store comparison
+GOSSIP_NEWS = "gossip.news"  # rumour exchange: the digest of recent records only
+GOSSIP_FETCH = "gossip.fetch"  # the records of ids a rumour exchange offered
 GOSSIP_REPLY = "gossip.reply"
 GOSSIP_PUSH = "gossip.push"
 
@@ -77,6 +97,13 @@ def want_budget(limits: Limits, max_exchange_bytes: int) -> int:
 MIN_RECORD_BYTES = 128  # what take_within_budget counts for a record beyond its value and key
 
 
+def _record_ids(want: bytes) -> list[bytes]:
+    """The record ids packed in a ``want`` field; ProtocolError if it is not whole ids."""
+    if len(want) % RECORD_ID_BYTES:
+        raise ProtocolError("'want' is not a whole number of record ids")
+    return [want[i : i + RECORD_ID_BYTES] for i in range(0, len(want), RECORD_ID_BYTES)]
+
+
 class GossipExchange:
     """Mixed into :class:`peer.node.core.AsyncNode`, whose attributes these are."""
 
@@ -88,6 +115,8 @@ class GossipExchange:
     initial_peers: list[str]
     rounds: int
     exchanges: int
+    full_exchanges: int
+    swarm_size: int
     _links: dict[str, PeerLink]
     _failed_at: dict[str, float]
     _exchanging: set[str]
@@ -124,9 +153,14 @@ class GossipExchange:
         certs = ListOf(ListOf(Scalar(bytes, max_length=4096), exact_length=2))
         # The digest travels as the raw payload (see GossipStore.digest); "want" is packed ids.
         self.register_handler(GOSSIP_DIGEST, Schema(payload=True), self._on_digest)
+        self.register_handler(GOSSIP_NEWS, Schema(payload=True), self._on_news)
+        self.register_handler(GOSSIP_FETCH, Schema(required={"want": BYTES}), self._on_fetch)
         self.registry.register(
             GOSSIP_REPLY,
-            Schema(required={"records": record_list, "want": BYTES}, optional={"certs": certs}),
+            Schema(
+                required={"records": record_list, "want": BYTES},
+                optional={"certs": certs, "offer": BYTES},
+            ),
         )
         self.register_handler(
             GOSSIP_PUSH,
@@ -212,9 +246,18 @@ class GossipExchange:
                 candidates.append(member.peer_id)
         return candidates
 
-    async def _gossip_round(self) -> None:
+    async def _gossip_round(self, *, full: bool = False) -> None:
+        """One round: an exchange with up to ``fanout`` peers, each comparing whole stores
+        if ``full`` or by chance (:func:`~peer.node.cost.full_sync_chance`), else news."""
+        self.swarm_size = len(self.members())
         targets = self._gossip_targets()
         self.rounds += 1
+        chance = 1.0 if full else full_sync_chance(self.swarm_size)
+        whole = {p for p in targets if chance >= 1.0 or self.random.random() < chance}
+
+        async def exchange(peer_id: str) -> None:
+            await self._exchange_with_peer(peer_id, full=peer_id in whole)
+
         # Initial peers not yet reached stay on the list: a bootstrap that failed once must
         # not leave this node (and whoever bootstraps from it) in a separate swarm. When
         # alone (every known peer died), all initial peers are retried. An address that
@@ -230,7 +273,7 @@ class GossipExchange:
             retry.append(departed[1])
         retry = [a for a in retry if a not in self._exchanging]
         await asyncio.gather(
-            *(self._exclusively(p, self._exchange_with_peer) for p in targets),
+            *(self._exclusively(p, exchange) for p in targets),
             *(self._exclusively(a, self._exchange_with_address) for a in retry),
             return_exceptions=True,
         )
@@ -245,11 +288,11 @@ class GossipExchange:
         finally:
             self._exchanging.discard(key)
 
-    async def _exchange_with_peer(self, peer_id: str) -> None:
+    async def _exchange_with_peer(self, peer_id: str, *, full: bool = True) -> None:
         link: PeerLink | None = None
         try:
             link = await self.link(peer_id)
-            await self._exchange(link)
+            await (self._exchange(link) if full else self._exchange_news(link))
         except ConnectionClosed as exc:
             if exc.clean:
                 # The other side closed an idle link just as we used it: not a lost peer.
@@ -277,20 +320,85 @@ class GossipExchange:
         if reply.type != GOSSIP_REPLY:
             raise ProtocolError(f"expected {GOSSIP_REPLY}, got {reply.type}")
         self.exchanges += 1
+        self.full_exchanges += 1
         self._accept_records(reply.fields["records"], link, reply.fields.get("certs", ()))
-        want: bytes = reply.fields["want"]
-        if len(want) % RECORD_ID_BYTES:
-            raise ProtocolError("gossip.reply: 'want' is not a whole number of record ids")
-        ids = [want[i : i + RECORD_ID_BYTES] for i in range(0, len(want), RECORD_ID_BYTES)]
+        await self._push_wanted(link, reply.fields["want"])
+
+    async def _push_wanted(self, link: PeerLink, want: bytes) -> None:
+        """Push the records of the ids a reply asked for (what one push may carry)."""
         now = self.now()
-        wanted = self.store_.get_by_ids(ids, now)
+        wanted = self.store_.get_by_ids(_record_ids(want), now)
         batch = take_within_budget(
             wanted, self.config.max_exchange_bytes, self.random, self.certificates, now
         )
         if batch:
             await link.send(Frame(GOSSIP_PUSH, self._records_fields(batch, now)))
 
+    def _news_since(self, now: float) -> float:
+        """When the records this node still offers as news arrived, at the latest."""
+        return now - news_rounds(self.swarm_size) * self.config.gossip_period
+
+    async def _exchange_news(self, link: PeerLink) -> None:
+        """Rumour exchange: send the digest of this node's news; take the newer copies the
+        other side sends, push what it wants, fetch what it offered that is news here."""
+        now = self.now()
+        reply = await link.request(
+            Frame(GOSSIP_NEWS, payload=self.store_.recent_digest(self._news_since(now), now)),
+            self.config.request_timeout,
+        )
+        if reply.type != GOSSIP_REPLY:
+            raise ProtocolError(f"expected {GOSSIP_REPLY}, got {reply.type}")
+        self.exchanges += 1
+        self._accept_records(reply.fields["records"], link, reply.fields.get("certs", ()))
+        await self._push_wanted(link, reply.fields["want"])
+        try:
+            missing, _ = self.store_.wanted(
+                digest_entries(reply.fields.get("offer", b"")), self.now()
+            )
+        except RecordError as exc:
+            raise ProtocolError(f"gossip.reply: {exc}") from None
+        budget = want_budget(self.config.limits, self.config.max_exchange_bytes)
+        if len(missing) > budget:
+            missing = self.random.sample(missing, budget)
+        if not missing:
+            return
+        fetched = await link.request(
+            Frame(GOSSIP_FETCH, {"want": b"".join(missing)}), self.config.request_timeout
+        )
+        if fetched.type != GOSSIP_REPLY:
+            raise ProtocolError(f"expected {GOSSIP_REPLY}, got {fetched.type}")
+        self._accept_records(fetched.fields["records"], link, fetched.fields.get("certs", ()))
+
+    async def _on_news(self, link: PeerLink, frame: Frame) -> Frame:
+        now = self.now()
+        try:
+            listed = digest_entries(frame.payload)
+        except RecordError as exc:
+            raise ProtocolError(str(exc)) from None
+        theirs_newer, mine_newer = self.store_.wanted(listed, now)
+        # the news here that the other side did not list: it fetches what it lacks
+        offer = self.store_.recent_digest(self._news_since(now), now, exclude=listed)
+        batch = take_within_budget(
+            mine_newer, self.config.max_exchange_bytes, self.random, self.certificates, now
+        )
+        budget = want_budget(self.config.limits, self.config.max_exchange_bytes)
+        if len(theirs_newer) > budget:
+            theirs_newer = self.random.sample(theirs_newer, budget)
+        return Frame(
+            GOSSIP_REPLY,
+            {**self._records_fields(batch, now), "want": b"".join(theirs_newer), "offer": offer},
+        )
+
+    async def _on_fetch(self, link: PeerLink, frame: Frame) -> Frame:
+        now = self.now()
+        records = self.store_.get_by_ids(_record_ids(frame.fields["want"]), now)
+        batch = take_within_budget(
+            records, self.config.max_exchange_bytes, self.random, self.certificates, now
+        )
+        return Frame(GOSSIP_REPLY, {**self._records_fields(batch, now), "want": b""})
+
     async def _on_digest(self, link: PeerLink, frame: Frame) -> Frame:
+        self.full_exchanges += 1
         now = self.now()
         try:
             mine_newer, theirs_newer = self.store_.compare(frame.payload, now)
@@ -340,6 +448,8 @@ class GossipExchange:
         for item in items:
             try:
                 record = Record.from_wire(item)
+                if self.store_.holds(record, now):
+                    continue  # this very copy is held (checked when it came): not news
                 if self._banned(record.owner):
                     continue  # a relay may not know of the ban yet: not its fault
                 if book is not None and not book.valid(record.owner, now):

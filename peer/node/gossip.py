@@ -260,6 +260,8 @@ class GossipStore:
         self._usage: dict[bytes, tuple[int, int]] = {}  # owner → (records, value bytes)
         self._cost: dict[bytes, int] = {}  # owner → record_cost of its records
         self._by_owner: dict[bytes, set[bytes]] = {}  # owner → its records' ids
+        # record id → when this store took it, oldest first: the news of :meth:`recent_digest`
+        self._learnt: dict[bytes, float] = {}
         self.total_bytes = 0  # record_cost of every record held
 
     def __len__(self) -> int:
@@ -300,6 +302,8 @@ class GossipStore:
         self._records[rid] = record
         self._by_key.setdefault(record.key, set()).add(rid)
         self._by_owner.setdefault(record.owner, set()).add(rid)
+        self._learnt.pop(rid, None)  # to the end: newest last
+        self._learnt[rid] = now
         return True
 
     def _over_total(self, record: Record, existing: Record | None) -> bool:
@@ -426,6 +430,7 @@ class GossipStore:
         for record in gone:
             rid = record.rid
             del self._records[rid]
+            self._learnt.pop(rid, None)
             self._account(record, -1)
             _unindex(self._by_key, record.key, rid)
             _unindex(self._by_owner, record.owner, rid)
@@ -440,6 +445,43 @@ class GossipStore:
         pack = _DIGEST_ENTRY.pack
         return b"".join(pack(rid, r.seq) for rid, r in self._records.items() if r.expiration > now)
 
+    def recent_digest(
+        self, since: float, now: float, exclude: dict[bytes, int] | None = None
+    ) -> bytes:
+        """Like :meth:`digest`, for the live records this store took at ``since`` or later
+        only (the news a rumour exchange offers; see :mod:`peer.node.cost`), less the ids in
+        ``exclude``. Costs what it lists, not the whole store (the times given to
+        :meth:`put` are taken to grow)."""
+        pack = _DIGEST_ENTRY.pack
+        out = []
+        for rid in reversed(self._learnt):
+            if self._learnt[rid] < since:
+                break
+            record = self._records[rid]
+            if record.expiration > now and (exclude is None or rid not in exclude):
+                out.append(pack(rid, record.seq))
+        return b"".join(out)
+
+    def wanted(self, remote: dict[bytes, int], now: float) -> tuple[list[bytes], list[Record]]:
+        """Given a partial digest's entries (:func:`digest_entries` of a
+        :meth:`recent_digest`): the ids it lists that are missing or older here, and the
+        live records held here in a newer copy than it lists."""
+        theirs_newer: list[bytes] = []
+        mine_newer: list[Record] = []
+        for rid, seq in remote.items():
+            mine = self._records.get(rid)
+            if mine is None or mine.expiration <= now or mine.seq < seq:
+                theirs_newer.append(rid)
+            elif mine.seq > seq:
+                mine_newer.append(mine)
+        return theirs_newer, mine_newer
+
+    def holds(self, record: Record, now: float) -> bool:
+        """Whether this store holds ``record`` itself (every field equal), live: such a
+        copy is not news and need not be checked again."""
+        held = self._records.get(record.rid)
+        return held is not None and held.expiration > now and held == record
+
     def compare(
         self, remote_digest: bytes | bytearray | memoryview, now: float
     ) -> tuple[list[Record], list[bytes]]:
@@ -450,11 +492,8 @@ class GossipStore:
         default caps lists fewer): a peer cannot make this side build a table of millions
         of ids from one request. Raises RecordError if the digest is not a whole number of
         entries."""
-        if len(remote_digest) % _DIGEST_ENTRY.size:
-            raise RecordError(f"a digest is a multiple of {_DIGEST_ENTRY.size} bytes")
-        remote_digest = memoryview(remote_digest)[: MAX_DIGEST_ENTRIES * _DIGEST_ENTRY.size]
         # a digest lists live records only; a sequence number says which copy is newer
-        remote: dict[bytes, int] = dict(_DIGEST_ENTRY.iter_unpack(remote_digest))
+        remote = digest_entries(remote_digest)
         theirs_newer: list[bytes] = []
         for rid, seq in remote.items():
             mine = self._records.get(rid)
@@ -474,6 +513,16 @@ class GossipStore:
             if record is not None and record.expiration > now:
                 out.append(record)
         return out
+
+
+def digest_entries(digest: bytes | bytearray | memoryview) -> dict[bytes, int]:
+    """A packed digest's first :data:`MAX_DIGEST_ENTRIES` entries, id → sequence number
+    (a peer cannot make this side build a table of millions of ids from one request).
+    RecordError if the digest is not a whole number of entries."""
+    if len(digest) % _DIGEST_ENTRY.size:
+        raise RecordError(f"a digest is a multiple of {_DIGEST_ENTRY.size} bytes")
+    digest = memoryview(digest)[: MAX_DIGEST_ENTRIES * _DIGEST_ENTRY.size]
+    return dict(_DIGEST_ENTRY.iter_unpack(digest))
 
 
 K = TypeVar("K")

@@ -19,6 +19,7 @@ from peer.node.gossip import (
     RecordError,
     Subkey,
     certificates_for,
+    digest_entries,
     next_sequence,
     pack_value,
     sendable,
@@ -201,6 +202,36 @@ def test_anti_entropy_converges_two_stores() -> None:
     assert a.digest(0.0) and sorted(a.digest(0.0)) == sorted(b.digest(0.0))
     assert a.get("y", 0.0) == (2, 150.0) and b.get("x", 0.0) == (1, 100.0)
     assert b.compare(a.digest(0.0), 0.0) == ([], [])
+
+
+def test_a_rumour_exchange_lists_only_recent_records_and_asks_only_for_news() -> None:
+    a, b = GossipStore(), GossipStore()
+    ids = [Identity() for _ in range(4)]
+    old = create(ids[0], "old", None, 1, 100.0)
+    for store in (a, b):
+        store.put(old, 1.0)  # both took it long ago
+    fresh = create(ids[1], "fresh", None, 1, 100.0)
+    a.put(fresh, 10.0)
+    b_copy_then_newer = create(ids[2], "y", None, 1, 100.0)
+    a.put(b_copy_then_newer, 10.0)
+    newer = create(ids[2], "y", None, 2, 100.0)
+    b.put(newer, 11.0)
+    gone = create(ids[3], "gone", None, 1, 12.0)
+    a.put(gone, 11.0)
+    # a's news since 5.0: fresh and its copy of y (gone expires before "now"), not old
+    listed = digest_entries(a.recent_digest(5.0, 12.0))
+    assert set(listed) == {fresh.rid, b_copy_then_newer.rid}
+    theirs_newer, mine_newer = b.wanted(listed, 12.0)
+    assert theirs_newer == [fresh.rid] and mine_newer == [newer]
+    # b offers its own news that a did not list: only y's newer copy... which a listed
+    assert b.recent_digest(5.0, 12.0, exclude=listed) == b""
+    assert digest_entries(b.recent_digest(5.0, 12.0)) == {newer.rid: newer.seq}
+    # a record taken again moves to the end: it is news again
+    b.put(create(ids[0], "old", None, 2, 100.0), 12.0)
+    assert len(digest_entries(b.recent_digest(12.0, 12.0))) == 1
+    # the very copy held is recognised; a changed one (forged) is not
+    assert a.holds(fresh, 12.0) and not a.holds(dataclasses.replace(fresh, value=b"\x02"), 12.0)
+    assert not a.holds(gone, 12.0)
 
 
 def test_digest_must_be_whole_entries() -> None:
