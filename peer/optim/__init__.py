@@ -2,10 +2,14 @@
 
 * :mod:`peer.optim.progress` — progress reports and the swarm's epoch (pure logic + tracker),
   shared by both training loops;
+* :mod:`peer.optim.catchup` — catching up with the swarm (download the newest state, or go
+  on with one's own), one policy for every optimizer that counts swarm epochs;
 * :mod:`peer.optim.collaborative` — ``Optimizer``: a global batch size, averaged gradients;
   its options (:mod:`peer.optim.options`), the phases ending an epoch
-  (:mod:`peer.optim.epochs`) and the live state it averages and shares
-  (:mod:`peer.optim.live_state`, :mod:`peer.optim.state`);
+  (:mod:`peer.optim.epochs` plans them, :mod:`peer.optim.phases` runs them, one round at a
+  time: :mod:`peer.optim.rounds`; in the background: :mod:`peer.optim.pending`), the
+  gradients between rounds (:mod:`peer.optim.accumulation`) and the live state it averages
+  and shares (:mod:`peer.optim.live_state`, :mod:`peer.optim.state`);
 * :mod:`peer.optim.decentralized` — ``DecentralizedOptimizer``/``SGD``/``Adam``: local steps,
   background averaging, swarm epochs;
 * :mod:`peer.optim.hierarchical` — ``HierarchicalModelAverager`` (periods per level: the

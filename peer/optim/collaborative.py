@@ -62,10 +62,8 @@ served to newcomers, so nobody reads them half-updated.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -84,7 +82,7 @@ from peer.optim.phases import EpochPhases
 from peer.optim.progress import PerformanceEMA, ProgressReport, ProgressTracker, SwarmProgress
 from peer.optim.rounds import RoundRunner
 from peer.optim.seam import SwarmNode
-from peer.optim.state import StateSharingAverager
+from peer.optim.state import SharedLiveState
 
 logger = logging.getLogger("peer.optim.collaborative")
 
@@ -244,20 +242,19 @@ class Optimizer:
             allow_state_sharing=False,
             **opts,
         )
-        self.state_averager = StateSharingAverager(
-            [t.detach().clone() for t in self.live.tensors()],
+        # the live state, served to newcomers and averaged by the state rounds
+        self.shared = SharedLiveState(
+            self.live,
             node,
-            self._shared_state,
             start=True,
             prefix=f"{run_id}_state_averager",
             compression=state_averaging_compression,
             state_compression=state_averaging_compression,
             client_mode=client_mode,
             auxiliary=auxiliary,
-            # its lock is also the live state's: a round must not hold it while it runs
-            concurrent_updates=True,
             **opts,
         )
+        self.state_averager = self.shared.averager
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix=f"swarmgrad-collab-{run_id}"
@@ -275,12 +272,10 @@ class Optimizer:
             closing=self._closing,
         )
         self.phases = EpochPhases(
-            live=self.live,
+            shared=self.shared,
             grad_averager=self.grad_averager,
-            state_averager=self.state_averager,
             rounds=self.rounds,
             step_scheduler=self._step_scheduler,
-            set_state_epoch=self._set_state_epoch,
             auxiliary=auxiliary,
             use_local_updates=use_local_updates,
             epoch_in_group_bits=epoch_in_group_bits,
@@ -311,26 +306,6 @@ class Optimizer:
         if not auxiliary:
             self.load_state_from_peers()
 
-    # ---------------------------------------------------------------- optimizer state
-
-    def _live_state(self) -> contextlib.AbstractContextManager[Any]:
-        """The lock on the live state (the state averager's, which its snapshots also take)."""
-        return self.state_averager.get_tensors()
-
-    def _shared_state(self) -> tuple[Any, list[torch.Tensor]]:
-        """What a newcomer downloads; the state averager calls it with its lock held, which
-        guards the live state."""
-        with torch.no_grad():
-            tensors = [t.detach().clone() for t in self.live.tensors()]
-        return {"epoch": self.live.epoch}, tensors
-
-    def _set_state_epoch(self, epoch: int) -> None:
-        """The live state now belongs to ``epoch``. It is also the state's sharing priority, so
-        newcomers download the newest state rather than a straggler's (hivemind does the
-        same). Live-state lock held; any thread."""
-        self.live.epoch = epoch
-        self.state_averager.state_sharing_priority = float(epoch)
-
     # ------------------------------------------------------------- catching up
 
     def load_state_from_peers(self) -> bool:
@@ -346,28 +321,17 @@ class Optimizer:
     def _adopt_state(self, epoch: int, metadata: Any, tensors: Sequence[torch.Tensor]) -> None:
         """A downloaded state, at ``epoch``, replaces this peer's (``ValueError``: it does not
         fit, nothing changed)."""
-        with self._live_state():
+        with self.shared.lock():
             self.live.load(tensors)
-            self._step_scheduler_to(epoch)
+            self.shared.move_to(epoch, self._step_scheduler)
         self._start_epoch_at(epoch)
 
     def _move_to_epoch(self, epoch: int) -> None:
         """Move to the swarm's ``epoch`` keeping this peer's parameters (nobody can give
         theirs); what was accumulated for an older epoch is dropped, as after a download."""
-        with self._live_state():
-            self._step_scheduler_to(epoch)
+        with self.shared.lock():
+            self.shared.move_to(epoch, self._step_scheduler)
         self._start_epoch_at(epoch)
-
-    def _step_scheduler_to(self, epoch: int) -> None:
-        """Step the scheduler once per epoch from the live state's to ``epoch``, and move the
-        live state there. Live-state lock held."""
-        with warnings.catch_warnings():
-            # epochs can pass before this peer's first optimizer step (a newcomer catching
-            # up): that is the intended order here, not the mistake torch warns about
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
-            for _ in range(epoch - self.live.epoch):
-                self._step_scheduler()
-        self._set_state_epoch(epoch)
 
     def _step_scheduler(self) -> None:
         """One swarm epoch passed: the scheduler (if any) steps once."""
@@ -543,7 +507,7 @@ class Optimizer:
 
     def _local_step(self) -> None:
         """use_local_updates: step with this call's gradients."""
-        with self._live_state(), torch.no_grad():
+        with self.shared.lock(), torch.no_grad():
             if self.options.offload_optimizer:
                 self.live.set_grads([p.grad for p in self.params])
             self.opt.step()
@@ -620,13 +584,13 @@ class Optimizer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._settle_pending(cancel=True)
-        with self._live_state():
+        with self.shared.lock():
             self.opt.load_state_dict(state["optimizer"])
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
             self.live.version += 1
             self.local_epoch = int(state["local_epoch"])
-            self._set_state_epoch(self.local_epoch)
+            self.shared.set_epoch(self.local_epoch)
         self._report()
 
     def shutdown(self) -> None:

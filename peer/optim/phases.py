@@ -5,9 +5,9 @@ with the scheduler's, the state round) and which of them run in the background;
 :class:`EpochPhases` runs them — on the training thread, or on the background thread — and
 :meth:`EpochPhases.apply` brings a finished run to the model on the training thread.
 
-The live state (:class:`~peer.optim.live_state.LiveState`) is read and written under the
-state averager's lock (``state_averager.get_tensors()``), which also guards the snapshot
-served to newcomers; see "Locking" in :mod:`peer.optim.collaborative`.
+The live state is read and written under its lock
+(:meth:`peer.optim.state.SharedLiveState.lock`, the state averager's), which also guards the
+snapshot served to newcomers; see "Locking" in :mod:`peer.optim.collaborative`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import torch
 
 from peer.averaging.averager import DecentralizedAverager
 from peer.optim.epochs import EpochRun, Phase
-from peer.optim.live_state import LiveState
 from peer.optim.rounds import RoundRunner
-from peer.optim.state import StateSharingAverager
+from peer.optim.state import SharedLiveState
 
 __all__ = ["EpochPhases"]
 
@@ -31,31 +30,29 @@ logger = logging.getLogger("peer.optim.collaborative")
 class EpochPhases:
     """The phases of :class:`peer.Optimizer`'s epochs, over its live state and averagers.
 
-    ``step_scheduler`` steps the optimizer's scheduler (if any) once; ``set_state_epoch``
-    says which epoch the live state now belongs to (lock held). ``epoch_in_group_bits``:
+    ``shared`` is the live state with its averager (the state rounds'); ``step_scheduler``
+    steps the optimizer's scheduler (if any) once. ``epoch_in_group_bits``:
     rounds of different epochs never meet (the epoch is their group key; without a
     ``target_group_size``, which makes the group bits Moshpit's)."""
 
     def __init__(
         self,
         *,
-        live: LiveState,
+        shared: SharedLiveState,
         grad_averager: DecentralizedAverager,
-        state_averager: StateSharingAverager,
         rounds: RoundRunner,
         step_scheduler: Callable[[], None],
-        set_state_epoch: Callable[[int], None],
         auxiliary: bool,
         use_local_updates: bool,
         epoch_in_group_bits: bool,
         verbose: bool,
     ) -> None:
-        self.live = live
+        self.shared = shared
+        self.live = shared.live
         self.grad_averager = grad_averager
-        self.state_averager = state_averager
+        self.state_averager = shared.averager
         self.rounds = rounds
         self.step_scheduler = step_scheduler
-        self.set_state_epoch = set_state_epoch
         self.auxiliary = auxiliary
         self.use_local_updates = use_local_updates
         self.epoch_in_group_bits = epoch_in_group_bits
@@ -92,25 +89,22 @@ class EpochPhases:
             run.cancelled = True  # no step: the others' state replaces this epoch
         with self.grad_averager.get_tensors() as grads, torch.no_grad():
             if run.plan.optimizer_step and not run.cancelled:
-                with self.state_averager.get_tensors():
+                with self.shared.lock():
                     self.live.set_grads(list(grads))
             for g in grads:
                 g.zero_()  # without delay_grad_averaging they accumulate the next epoch
 
     def _optimizer_step(self, run: EpochRun) -> None:
-        with self.state_averager.get_tensors():
+        with self.shared.lock():
             if run.plan.optimizer_step:
                 self.live.opt.step()
                 run.stepped = True
             self.step_scheduler()
-            self.set_state_epoch(run.plan.epoch + 1)
+            self.shared.set_epoch(run.plan.epoch + 1)
 
     def _average_state(self, run: EpochRun) -> None:
-        with (
-            self.state_averager.get_tensors(),
-            self.state_averager.get_tensors() as shared,
-            torch.no_grad(),
-        ):
+        # (the live state's lock is the state averager's: its tensors are under it too)
+        with self.state_averager.get_tensors() as shared, torch.no_grad():
             for mine, s in zip(self.live.tensors(), shared, strict=True):
                 s.copy_(mine)
             run.state_version = self.live.version
@@ -134,7 +128,7 @@ class EpochPhases:
 
     def apply(self, run: EpochRun) -> None:
         """Bring a finished epoch's results to the model. Training thread."""
-        with self.state_averager.get_tensors():
+        with self.shared.lock():
             if run.state_averaged is not None:
                 if self.live.version == run.state_version or run.state_snapshot is None:
                     self.live.load(run.state_averaged)

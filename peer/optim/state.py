@@ -5,19 +5,27 @@
   leaves the optimizer as if it had never stepped.
 * :class:`StateSharingAverager` is an averager that serves a caller-defined state (parameters,
   optimizer state, epoch) to peers that download it. Both optimizers use it.
+* :class:`SharedLiveState` is a :class:`~peer.optim.live_state.LiveState` served that way:
+  the averager's lock guards it, and the epoch it belongs to is the averager's sharing
+  priority, so newcomers download the newest state rather than a straggler's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from peer.averaging.averager import DecentralizedAverager
 from peer.optim.seam import SwarmNode
 
-__all__ = ["StateSharingAverager", "initialize_optimizer_state"]
+if TYPE_CHECKING:  # (live_state imports this module)
+    from peer.optim.live_state import LiveState
+
+__all__ = ["SharedLiveState", "StateSharingAverager", "initialize_optimizer_state"]
 
 
 def initialize_optimizer_state(opt: torch.optim.Optimizer) -> None:
@@ -68,3 +76,48 @@ class StateSharingAverager(DecentralizedAverager):
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
         return self._state_fn()
+
+
+class SharedLiveState:
+    """``live`` served to newcomers by its own :class:`StateSharingAverager` (built here with
+    ``averager_kwargs``; its rounds average the live state's tensors too). The averager's
+    lock, :meth:`lock`, guards the live state: every read and write of it takes the lock,
+    which the averager's snapshots for newcomers also take, so nobody reads it half-updated
+    (a round does not hold it while it runs: ``concurrent_updates``)."""
+
+    def __init__(self, live: LiveState, node: SwarmNode, **averager_kwargs: Any) -> None:
+        self.live = live
+        self.averager = StateSharingAverager(
+            [t.detach().clone() for t in live.tensors()],
+            node,
+            self.snapshot,
+            concurrent_updates=True,
+            **averager_kwargs,
+        )
+
+    def lock(self) -> contextlib.AbstractContextManager[Any]:
+        return self.averager.get_tensors()
+
+    def snapshot(self) -> tuple[Any, list[torch.Tensor]]:
+        """What a newcomer downloads: the epoch and a copy of the tensors (the averager
+        calls it with the lock held)."""
+        with torch.no_grad():
+            tensors = [t.detach().clone() for t in self.live.tensors()]
+        return {"epoch": self.live.epoch}, tensors
+
+    def set_epoch(self, epoch: int) -> None:
+        """The live state now belongs to ``epoch``, which is also its sharing priority
+        (hivemind does the same). Lock held; any thread."""
+        self.live.epoch = epoch
+        self.averager.state_sharing_priority = float(epoch)
+
+    def move_to(self, epoch: int, step_scheduler: Callable[[], None]) -> None:
+        """Move the live state to a later ``epoch`` (catching up), calling
+        ``step_scheduler`` once per epoch passed. Lock held."""
+        with warnings.catch_warnings():
+            # epochs can pass before this peer's first optimizer step (a newcomer catching
+            # up): that is the intended order here, not the mistake torch warns about
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+            for _ in range(epoch - self.live.epoch):
+                step_scheduler()
+        self.set_epoch(epoch)
