@@ -393,7 +393,7 @@ class AsyncNode(Trust, GossipExchange):
         from up to ``fanout`` peers so that a store made elsewhere a moment ago is seen."""
         self._check_running()
         if latest:
-            await self._gossip_round()
+            await self._gossip_round(full=True)
         return self.store_.get(key, self.now())
 
     def members(self) -> dict[str, Member]:
