@@ -22,7 +22,10 @@ peer lands in the order, never whether peers agree on it). The rules:
 2. A peer waits on at most one other peer: the leader it is REQUESTING or FOLLOWING
    (:meth:`Matchmaker.waiting_on`). While it does, it answers every join request to itself
    at once with a redirect to that leader (which precedes the requester too, by
-   transitivity) — it never accepts followers and never lets a requester wait on it.
+   transitivity) — it never holds followers and never lets a requester wait on it: a
+   leader with followers that asks an earlier leader sends them there first
+   (:class:`GroupDisbanded` with a redirect), so they ask it alongside, not after, their
+   leader (each hop of a chain costs a request, and the group forms at the earliest one).
 3. Every request is answered immediately by the handler (:meth:`Matchmaker.on_join_request`
    returns its :class:`Reply`); no answer waits for another peer's action.
 4. A leader never waits on its followers: it assembles on its own (full group, or its start
@@ -41,8 +44,8 @@ them regardless of order.
 Other guarantees read off the code
 ----------------------------------
 * A peer is in at most one group per attempt: it emits at most one :class:`BeginAllreduce`,
-  after which it refuses every request; it leads or follows, never both (accepted by a
-  leader, it first redirects its own followers there with :class:`GroupDisbanded`).
+  after which it refuses every request; it leads or follows, never both (asking a leader,
+  it first redirects its own followers there with :class:`GroupDisbanded`).
 * Group size stays within ``[min_group_size, target_group_size]``: the leader counts.
 * Different ``group_key`` or ``schema_hash`` (shapes, dtypes, compression) never share a
   group: leaders refuse such requests and peers never ask such leaders.
@@ -441,18 +444,25 @@ class Matchmaker:
 
     def on_declaration(self, now: float, declaration: Declaration) -> list[Command]:
         """A declaration seen in gossip (new, or a newer revision)."""
+        return self.on_declarations(now, [declaration])
+
+    def on_declarations(self, now: float, declarations: list[Declaration]) -> list[Command]:
+        """Declarations seen in gossip at once (one poll of the key): learnt together, then
+        one decision, so the first request goes to the earliest of them (where the group
+        forms), not to whichever came first.
+
+        A peer already REQUESTING keeps waiting for its answer even if an earlier leader
+        appears: leaving a request in flight could make it a member of two groups' lists
+        (a leader that is full, or past its start time, assembles as it accepts). The
+        earlier leader is asked as soon as the answer is anything but an acceptance
+        (see :meth:`_redirected`)."""
         self._tick_clock(now)
-        if declaration.peer_id == self.peer_id:
-            return []
-        previous = self.known.get(declaration.peer_id)
-        if (
-            previous is not None
-            and previous.order_key == declaration.order_key
-            and previous.revision >= declaration.revision
-        ):
-            return []  # nothing new (gossip may deliver old revisions late)
-        self.known[declaration.peer_id] = declaration
-        return self._progress(now) if self.state is MatchState.LOOKING else []
+        learnt = False
+        for declaration in declarations:
+            learnt |= self._learn(declaration)
+        if learnt and self.state is MatchState.LOOKING:
+            return self._progress(now)
+        return []
 
     def forget(self, peer_id: PeerID) -> None:
         """Drop a peer's declaration (retracted from gossip, or the peer left)."""
@@ -508,20 +518,13 @@ class Matchmaker:
         assert a is not None and a.leader is not None
         leader = a.leader
         if response.status is ResponseStatus.ACCEPTED:
-            out: list[Command] = [
-                Notify(f, GroupDisbanded(self.peer_id, redirect_to=leader)) for f in a.followers
-            ]
-            a.followers.clear()
             a.since = now
             self.state = MatchState.FOLLOWING
-            return out
+            return []
         self._give_up_on(leader)
         self.state = MatchState.LOOKING
         if response.status is ResponseStatus.REDIRECT and response.redirect_to is not None:
-            target = response.redirect_to
-            if self._viable(target, now):
-                self.known.setdefault(target.peer_id, target)
-                return self._request(now, target)
+            return self._redirected(now, response.redirect_to)
         return self._progress(now)
 
     def on_request_failed(self, now: float, peer_id: PeerID) -> list[Command]:
@@ -569,25 +572,18 @@ class Matchmaker:
                 and self.peer_id in group.peer_ids
                 and group.group_key == a.declaration.group_key
             ):
-                # (if the notice overtook the acceptance, our followers still wait on us)
-                out: list[Command] = [
-                    Notify(f, GroupDisbanded(self.peer_id, redirect_to=a.leader))
-                    for f in a.followers
-                ]
-                a.followers.clear()
+                # (the notice may overtake the acceptance)
                 self.group = group
                 self.state = MatchState.GROUPED
-                return [*out, Retract(a.declaration), BeginAllreduce(group)]
+                return [Retract(a.declaration), BeginAllreduce(group)]
             self._give_up_on(a.leader)  # assembled without us
             self.state = MatchState.LOOKING
             return self._progress(now)
         if isinstance(message, GroupDisbanded):
             self._give_up_on(a.leader)
             self.state = MatchState.LOOKING
-            target = message.redirect_to
-            if target is not None and self._viable(target, now):
-                self.known.setdefault(target.peer_id, target)
-                return self._request(now, target)
+            if message.redirect_to is not None:
+                return self._redirected(now, message.redirect_to)
             return self._progress(now)
         raise TypeError(f"unknown notice {type(message).__name__}")
 
@@ -664,13 +660,49 @@ class Matchmaker:
         # a newer revision means the peer leads again after a failed attempt to follow
         return a.tried.get(other.order_key, -1) < other.revision
 
+    def _learn(self, declaration: Declaration) -> bool:
+        """Remember ``declaration`` unless it is ours or nothing new (gossip may deliver old
+        revisions late); whether it was new."""
+        if declaration.peer_id == self.peer_id:
+            return False
+        previous = self.known.get(declaration.peer_id)
+        if (
+            previous is not None
+            and previous.order_key == declaration.order_key
+            and previous.revision >= declaration.revision
+        ):
+            return False
+        self.known[declaration.peer_id] = declaration
+        return True
+
+    def _earliest_viable(self, now: float) -> Declaration | None:
+        candidates = [d for d in self.known.values() if self._viable(d, now)]
+        return min(candidates, key=lambda d: d.order_key) if candidates else None
+
+    def _redirected(self, now: float, target: Declaration) -> list[Command]:
+        """Pointed at ``target`` (the leader of the peer we asked): ask the earliest viable
+        leader we know, the target included — the target may itself be waiting on one we
+        already know of, and every hop of a redirect chain costs a request."""
+        if self._viable(target, now):
+            self._learn(target)
+        best = self._earliest_viable(now)
+        if best is not None:
+            return self._request(now, best)
+        return self._progress(now)
+
     def _request(self, now: float, leader: Declaration) -> list[Command]:
         a = self._attempt
         assert a is not None
+        # rule 2: a peer that waits holds no followers; they go to that leader at once
+        out: list[Command] = [
+            Notify(f, GroupDisbanded(self.peer_id, redirect_to=leader)) for f in a.followers
+        ]
+        a.followers.clear()
         a.leader = leader
         a.since = now
         self.state = MatchState.REQUESTING
-        return [SendRequest(leader.peer_id, JoinRequest(a.declaration, leader.peer_id, a.metadata))]
+        request = JoinRequest(a.declaration, leader.peer_id, a.metadata)
+        return [*out, SendRequest(leader.peer_id, request)]
 
     def _progress(self, now: float) -> list[Command]:
         """In LOOKING: fail at the deadline, assemble if ready, else ask the earliest leader."""
@@ -692,9 +724,9 @@ class Matchmaker:
             or (now >= a.declaration.start_time and size >= self.config.min_group_size)
         ):
             return out + self._assemble(now)
-        candidates = [d for d in self.known.values() if self._viable(d, now)]
-        if candidates:
-            return out + self._request(now, min(candidates, key=lambda d: d.order_key))
+        best = self._earliest_viable(now)
+        if best is not None:
+            return out + self._request(now, best)
         return out
 
     def _assemble(self, now: float) -> list[Command]:

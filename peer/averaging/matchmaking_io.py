@@ -159,8 +159,8 @@ class MatchmakingDriver:
         entry = await self.core.get(key)
         seen: set[str] = set()
         withdrawn: set[str] = set()
+        declarations: list[Declaration] = []
         if entry is not None and isinstance(entry.value, dict):
-            now = self.core.now()
             for subkey, item in entry.value.items():
                 value = getattr(item, "value", None)
                 if subkey == self.core.peer_id:
@@ -179,7 +179,9 @@ class MatchmakingDriver:
                     logger.debug(
                         "%s sees %s (%s)", self.core.peer_id[:6], subkey[:6], self.machine.state
                     )
-                await self._execute(self.machine.on_declaration(now, declaration))
+                declarations.append(declaration)
+        # all of them at once: the machine asks the earliest, not the first one listed
+        await self._execute(self.machine.on_declarations(self.core.now(), declarations))
         for peer_id in list(self.machine.known):
             if peer_id not in seen:
                 self.machine.forget(peer_id)

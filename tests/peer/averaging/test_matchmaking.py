@@ -144,16 +144,29 @@ def test_waiting_peer_redirects_requests_to_its_leader() -> None:
     assert of(SendRequest, out)[0].to == "a" and c.waiting_on() == "a"
 
 
-def test_accepted_leader_hands_its_followers_to_its_own_leader() -> None:
+def test_a_leader_asking_an_earlier_one_hands_it_its_followers_first() -> None:
+    # seen at 100 peers: followers handed over only once their leader was accepted asked
+    # the group's leader a request later, after it had assembled, and were left alone
     a, out_a = started("a", scheduled_time=5.0)
     b, _ = started("b", scheduled_time=6.0)
     (reply,) = b.on_join_request(0.1, JoinRequest(Declaration(KEY, "c", 7.0, SCHEMA), "b"))
     assert reply.response.status is ResponseStatus.ACCEPTED and b.followers == ("c",)
-    (req,) = of(SendRequest, b.on_declaration(0.2, of(Publish, out_a)[0].declaration))
-    (reply,) = a.on_join_request(0.3, req.request)
-    out = b.on_join_response(0.4, "a", reply.response)
-    assert out == [Notify("c", GroupDisbanded("b", redirect_to=a.declaration))]
-    assert b.followers == () and b.state is MatchState.FOLLOWING
+    out = b.on_declaration(0.2, of(Publish, out_a)[0].declaration)
+    assert out[0] == Notify("c", GroupDisbanded("b", redirect_to=a.declaration))
+    (req,) = of(SendRequest, out)
+    assert req.to == "a" and b.followers == ()  # a peer that waits holds no followers
+    # c asks a alongside b: both are in a's group when it assembles
+    c, _ = started("c", scheduled_time=7.0)
+    c.on_declaration(0.1, b.declaration)  # type: ignore[arg-type]
+    c.on_join_response(0.15, "b", reply.response)
+    (c_req,) = of(SendRequest, c.on_notice(0.25, "b", out[0].message))
+    assert c_req.to == "a"
+    for request in (req.request, c_req.request):
+        (answer,) = a.on_join_request(0.3, request)
+        assert answer.response.status is ResponseStatus.ACCEPTED
+    assert b.on_join_response(0.4, "a", JoinResponse("a", ResponseStatus.ACCEPTED)) == []
+    assert b.state is MatchState.FOLLOWING
+    assert of(BeginAllreduce, a.tick(5.0))[0].group.peer_ids == ("a", "b", "c")
 
 
 def test_follower_of_a_dead_leader_moves_on_and_leads() -> None:
@@ -189,13 +202,35 @@ def test_follower_gives_up_on_silent_leader_after_its_deadline() -> None:
 def test_request_failed_and_refusal_move_to_next_leader_in_order() -> None:
     decls = [Declaration(KEY, p, t, SCHEMA) for p, t in (("a", 1.0), ("b", 2.0), ("c", 3.0))]
     d, _ = started("d", scheduled_time=9.0)
-    for decl in reversed(decls):
-        d.on_declaration(0.0, decl)
-    assert d.waiting_on() == "c"  # first one it heard of
-    d.on_join_response(0.1, "c", JoinResponse("c", ResponseStatus.REFUSED, RefuseReason.FULL))
-    assert d.waiting_on() == "a"  # then the earliest remaining
-    d.on_request_failed(0.2, "a")
-    assert d.waiting_on() == "b"
+    d.on_declarations(0.0, list(reversed(decls)))
+    assert d.waiting_on() == "a"  # the earliest of those seen together
+    d.on_join_response(0.1, "a", JoinResponse("a", ResponseStatus.REFUSED, RefuseReason.FULL))
+    assert d.waiting_on() == "b"  # then the earliest remaining
+    d.on_request_failed(0.2, "b")
+    assert d.waiting_on() == "c"
+
+
+def test_a_redirect_goes_to_the_earliest_leader_known() -> None:
+    # seen at 100 peers: a peer followed a chain of redirects, one request per hop, though
+    # it had heard of the group's leader meanwhile, and reached it after it had assembled
+    a_decl = Declaration(KEY, "a", 1.0, SCHEMA)
+    c_decl = Declaration(KEY, "c", 1.5, SCHEMA)
+    d, _ = started("d", scheduled_time=9.0)
+    (req,) = of(SendRequest, d.on_declaration(0.0, Declaration(KEY, "b", 2.0, SCHEMA)))
+    assert req.to == "b"
+    # learnt while the request is in flight: d keeps waiting for b's answer (leaving it
+    # could put d on two leaders' lists)
+    assert d.on_declaration(0.1, a_decl) == [] and d.waiting_on() == "b"
+    redirect = JoinResponse("b", ResponseStatus.REDIRECT, redirect_to=c_decl)
+    (req,) = of(SendRequest, d.on_join_response(0.2, "b", redirect))
+    assert req.to == "a" and d.known["c"] == c_decl  # not c, where b pointed
+    # a leader's disband with a redirect does the same
+    e, _ = started("e", scheduled_time=9.0)
+    e.on_declarations(0.0, [Declaration(KEY, "b", 2.0, SCHEMA)])
+    e.on_join_response(0.1, "b", JoinResponse("b", ResponseStatus.ACCEPTED))
+    assert e.on_declaration(0.15, a_decl) == []  # a follower stays with its leader
+    (req,) = of(SendRequest, e.on_notice(0.2, "b", GroupDisbanded("b", redirect_to=c_decl)))
+    assert req.to == "a"
 
 
 def test_lost_connection_to_leader_moves_on() -> None:
@@ -211,11 +246,11 @@ def test_notice_overtaking_the_acceptance_still_groups_and_releases_followers() 
     b, _ = started("b", scheduled_time=6.0)
     b.on_join_request(0.0, JoinRequest(Declaration(KEY, "c", 7.0, SCHEMA), "b"))
     a_decl = Declaration(KEY, "a", 5.0, SCHEMA)
-    b.on_declaration(0.0, a_decl)
+    out = b.on_declaration(0.0, a_decl)
+    assert Notify("c", GroupDisbanded("b", redirect_to=a_decl)) in out
     group = GroupInfo(b"g", KEY, "a", ("a", "b"), (b"", b""), (False, False))
     out = b.on_notice(0.1, "a", GroupAssembled(group))
-    assert Notify("c", GroupDisbanded("b", redirect_to=a_decl)) in out
-    assert of(BeginAllreduce, out)[0].group == group
+    assert of(BeginAllreduce, out)[0].group == group and not of(Notify, out)
     assert b.on_join_response(0.2, "a", JoinResponse("a", ResponseStatus.ACCEPTED)) == []
 
 
@@ -247,9 +282,12 @@ def test_lone_peer_fails_cleanly_at_deadline() -> None:
 def test_cancel_releases_followers_and_leader() -> None:
     b, _ = started("b", scheduled_time=6.0)
     b.on_join_request(0.1, JoinRequest(Declaration(KEY, "c", 7.0, SCHEMA), "b"))
+    out = b.cancel(0.15)
+    assert Notify("c", GroupDisbanded("b")) in out
+    b, _ = started("b", scheduled_time=6.0)
     b.on_declaration(0.2, Declaration(KEY, "a", 5.0, SCHEMA))
     out = b.cancel(0.3)
-    assert Notify("c", GroupDisbanded("b")) in out and Notify("a", LeaveGroup("b", "a")) in out
+    assert Notify("a", LeaveGroup("b", "a")) in out
     assert out[-1].reason is FailureReason.CANCELLED and b.state is MatchState.FAILED
     assert b.cancel(0.4) == []
     # a new attempt may start after a terminal state, not during one
