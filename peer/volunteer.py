@@ -62,7 +62,11 @@ __all__ = [
 ]
 
 IDENTITY_FILE = "identity.key"
-REPORT_INTERVAL_S = 1.0
+# Progress reports to the coordinator, at most this often (10,000 volunteers: 1,000 a
+# second); the dashboard shows a silent machine offline after PRESENCE_S (server/services/
+# dashboard.py), a few intervals. The volunteer's own status refreshes every STATUS_INTERVAL_S.
+REPORT_INTERVAL_S = 10.0
+STATUS_INTERVAL_S = 1.0
 # Held-out evaluation runs on a new epoch at most every MIN_EVAL_INTERVAL_S seconds, and
 # no sooner than EVAL_SPACING times its own duration after the previous one.
 MIN_EVAL_INTERVAL_S = 1.0
@@ -333,7 +337,8 @@ class _Trainer:
         self.optimizer = optimizer
         self.samples = 0
         self.losses: list[float] = []
-        self.reported_at = -math.inf
+        self.reported_at = -math.inf  # the status's refresh
+        self.submitted_at = -math.inf  # the last report queued for the coordinator
         from peer.coordinator.reports import OptimizerReports
 
         self.reports = OptimizerReports()
@@ -405,7 +410,7 @@ class _Trainer:
             self._maybe_upload()
         if new_epoch != self.evaluated_epoch:
             self._evaluate()
-        if time.monotonic() - self.reported_at >= REPORT_INTERVAL_S:
+        if time.monotonic() - self.reported_at >= STATUS_INTERVAL_S:
             self._report(self.optimizer.performance.samples_per_second)
 
     def _evaluate(self, *, force: bool = False) -> None:
@@ -419,25 +424,29 @@ class _Trainer:
         self.evaluated_at, self.evaluated_epoch = started, self.optimizer.local_epoch
         self.eval_interval = max(MIN_EVAL_INTERVAL_S, EVAL_SPACING * took)
 
-    def _report(self, samples_per_second: float) -> None:
-        """Queue a progress report (never blocks) and refresh the volunteer's status."""
+    def _report(self, samples_per_second: float, *, force: bool = False) -> None:
+        """Refresh the volunteer's status, and queue a progress report (never blocks) if
+        REPORT_INTERVAL_S passed since the last one (or ``force``)."""
         optimizer = self.optimizer
         if self.losses:
             self.loss = sum(self.losses) / len(self.losses)
         loss = self.loss
         utilisation = self.meter.take()
-        self.session.submit_report(
-            self.reports.fields(
-                optimizer,
-                samples=self.samples,
-                samples_per_second=samples_per_second,
-                loss=loss,
-                eval_metric=self.eval_metric,
-                compute_utilisation=utilisation,
+        now = time.monotonic()
+        if force or now - self.submitted_at >= REPORT_INTERVAL_S:
+            self.session.submit_report(
+                self.reports.fields(
+                    optimizer,
+                    samples=self.samples,
+                    samples_per_second=samples_per_second,
+                    loss=loss,
+                    eval_metric=self.eval_metric,
+                    compute_utilisation=utilisation,
+                )
             )
-        )
-        self.losses.clear()
-        self.reported_at = time.monotonic()
+            self.losses.clear()  # the report's loss: the mean since the previous report
+            self.submitted_at = now
+        self.reported_at = now
         self.volunteer._update(
             compute_utilisation=utilisation,
             bytes_per_sample=optimizer.node.bytes_sent / self.samples if self.samples else None,
@@ -458,9 +467,9 @@ class _Trainer:
             volunteer._update(
                 state="paused", message="the run is paused; waiting for the organizer"
             )
-        if time.monotonic() - self.reported_at >= REPORT_INTERVAL_S:
+        if time.monotonic() - self.reported_at >= STATUS_INTERVAL_S:
             self._report(0.0)  # still here: a paused peer stays online on the dashboard
-        volunteer._wake.wait(REPORT_INTERVAL_S)
+        volunteer._wake.wait(STATUS_INTERVAL_S)
         volunteer._wake.clear()
 
     def _after_last_epoch(self) -> str | None:
@@ -472,7 +481,7 @@ class _Trainer:
         if self.last_epoch_since is None:
             self.last_epoch_since = now
             self._evaluate(force=True)
-            self._report(0.0)
+            self._report(0.0, force=True)
             self.volunteer._update(state="finished")
             self.volunteer._say(f"the run reached its last epoch ({epochs}); saving it")
         if now - self.checked_at >= 1.0:

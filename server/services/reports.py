@@ -438,6 +438,8 @@ class RunTotals:
 RATE_WINDOW_MS = 10_000
 # Nor over less than this: before the run has snapshots that old, its rate is 0.
 MIN_RATE_SPAN_MS = 1_000
+# Two report intervals of a volunteer (REPORT_INTERVAL_S in peer/volunteer.py).
+QUIET_MS = 20_000
 
 
 def counted_rate(samples: int, now: int, reference: tuple[int, int] | None) -> float:
@@ -484,8 +486,8 @@ def run_totals(
     evaluated within the TTL), the averaging rounds done and failed so far.
 
     The samples/s is counted, not claimed: the growth of the run's samples counter since
-    the newest progress snapshot at least :data:`RATE_WINDOW_MS` old, on the coordinator's
-    clock (0 with no peer online). What the peers claim to compute is summed apart.
+    the newest progress snapshot at least :data:`RATE_WINDOW_MS` older than the newest
+    report, on the coordinator's clock (0 with no peer online). What the peers claim to compute is summed apart.
 
     Medians, so that one peer's wild value (within the report bounds) moves no headline or
     chart; sums in double precision, saturated at MAX_INT, so that none can overflow.
@@ -500,6 +502,7 @@ def run_totals(
             func.coalesce(func.sum(case((online, Peer.samples_per_second), else_=0.0)), 0.0),
             func.coalesce(func.sum(case((online, 1), else_=0)), 0),
             func.avg(case((online, Peer.group_size), else_=None)),
+            func.max(Peer.last_report_ms),
         ).where(Peer.run_id == run_id)
     ).one()
     recent = connection.execute(
@@ -528,8 +531,13 @@ def run_totals(
         eval_metric = None if newest is None else float(newest)
     samples = saturated(row[1])
     peers_online = int(row[3])
+    # Up to the newest report, not to now: the total stands still between two reports (10 s
+    # apart for a volunteer), and a run of one or two volunteers would read up to half its
+    # rate just before the next one lands. Not further back than QUIET_MS, though: reports
+    # that stop make the rate fall.
+    until = now if row[5] is None else min(now, max(int(row[5]), now - QUIET_MS))
     rate = (
-        counted_rate(samples, now, _rate_reference(connection, run_id, now))
+        counted_rate(samples, until, _rate_reference(connection, run_id, until))
         if peers_online
         else 0.0
     )

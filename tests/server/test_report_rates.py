@@ -3,6 +3,8 @@ run's (from progress snapshots) and each machine's (from its reports) — pure r
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from server.services.reports import counted_rate
@@ -34,3 +36,41 @@ def test_a_machines_rate_counts_rolled_up_buckets() -> None:
         [bucket, single(1, 20_000, 2000)], now_ms=20_000, online_ttl_s=60, window_ms=10_000
     )
     assert rates[1] == pytest.approx((2000 - 900) / 11)
+
+
+async def test_the_runs_rate_runs_to_its_newest_report_not_to_now(app: Any, api: Any) -> None:
+    """A volunteer reports every 10 s: between two reports the run's total stands still, and
+    its rate must not sink with every second until the next one (a small run's headline
+    would read up to half its rate); reports that stop still make it fall."""
+    from sqlalchemy import update
+
+    from server.clock import now_ms
+    from server.models import Peer, ProgressSnapshot
+    from server.services.reports import run_totals
+
+    run = await api.create_run(name="rate")
+    invite = (await api.create_join_token(run["id"]))["token"]
+    await api.join(run["id"], invite)
+    t = now_ms() - 60_000
+    with app.state.session_factory() as session, session.begin():
+        session.execute(
+            update(Peer)
+            .where(Peer.run_id == run["id"])
+            .values(samples=1000, last_report_ms=t + 20_000, last_seen_ms=t + 20_000)
+        )
+        for taken, samples in ((t, 0), (t + 10_000, 500)):
+            session.add(
+                ProgressSnapshot(
+                    run_id=run["id"],
+                    taken_ms=taken,
+                    epoch=0,
+                    samples=samples,
+                    samples_per_second=0.0,
+                    peers_online=1,
+                )
+            )
+    with app.state.session_factory() as session:
+        # 9 s after the last report: 500 samples in the 10 s between the two reports.
+        assert run_totals(session, run["id"], t + 29_000, 60).samples_per_second == 50.0
+        # Silent for 25 s: counted up to 20 s before now, and falling.
+        assert run_totals(session, run["id"], t + 45_000, 60).samples_per_second == 500 / 15

@@ -165,7 +165,7 @@ def test_an_invite_from_the_page_brings_a_volunteer_into_the_table(
     assert "used up" in again.get_by_role("alert").inner_text()
 
 
-def test_a_stopped_volunteer_shows_offline_within_10_s(swarm: Swarm, open_page: Any) -> None:
+def test_a_stopped_volunteer_shows_offline_within_25_s(swarm: Swarm, open_page: Any) -> None:
     page = open_page(swarm.dashboard)
     row = page.locator("#volunteers tr[data-volunteer-id]", has_text="carol")
     row.locator(".badge-running").wait_for(timeout=scaled(60) * 1000)
@@ -174,8 +174,8 @@ def test_a_stopped_volunteer_shows_offline_within_10_s(swarm: Swarm, open_page: 
     carol.send_signal(signal.SIGINT)  # Ctrl-C: it leaves the run and exits
     carol.wait(scaled(30))
     gone = time.monotonic()
-    row.locator(".badge-running").wait_for(state="detached", timeout=scaled(30) * 1000)
-    assert time.monotonic() - gone <= scaled(10), swarm.logs()
+    row.locator(".badge-running").wait_for(state="detached", timeout=scaled(45) * 1000)
+    assert time.monotonic() - gone <= scaled(25), swarm.logs()
     assert wait_until(lambda: metric(page, "peers_online") == online - 1, scaled(5))
 
 

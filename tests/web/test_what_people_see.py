@@ -359,7 +359,7 @@ def test_the_browser_and_the_server_format_alike(site: Site, open_page: Any) -> 
 
 
 @pytest.mark.parametrize(("width", "height"), SIZES)
-def test_a_volunteer_gone_silent_shows_offline_within_10_s(
+def test_a_volunteer_gone_silent_shows_offline_within_25_s(
     site: Site, open_page: Any, width: int, height: int
 ) -> None:
     """No retraction, no goodbye: the volunteer's reports just stop (its process is gone)."""
@@ -376,9 +376,11 @@ def test_a_volunteer_gone_silent_shows_offline_within_10_s(
     row = page.locator("#volunteers tr[data-volunteer-id]", has_text=name)
     row.locator(".badge-running").wait_for(timeout=5000)
     assert int(page.locator("[data-metric=peers_online]").inner_text()) >= 1
-    row.locator(".badge-running").wait_for(state="detached", timeout=15000)
+    row.locator(".badge-running").wait_for(state="detached", timeout=35000)
     gone_after = time.monotonic() - last_contact
-    assert gone_after <= 11.5, gone_after  # 10 s of silence, and the next live update
+    # PRESENCE_S (25 s) of silence, and the next live update; and not before: one report
+    # interval (10 s) late is no reason to show it offline.
+    assert 20 <= gone_after <= 26.5, gone_after
     assert page.locator("[data-metric=peers_online]").inner_text() == "0"
     assert "s ago" in row.locator("time").inner_text()
     # The peers chart ends at now's count, not at the last snapshot's.
