@@ -45,7 +45,6 @@ import torch
 
 from peer.averaging.allreduce import AllreduceConfig, AllreduceRunner, MemberInfo, RunnerFactory
 from peer.averaging.control import AveragingStage, StepControl
-from peer.averaging.early import EarlyFrames
 from peer.averaging.exceptions import (
     AllreduceFailed,
     AllreduceTimeout,
@@ -62,7 +61,8 @@ from peer.averaging.group_bits import (
     slot_in_group,
     validate_group_bits,
 )
-from peer.averaging.matchmaking import GroupInfo, MatchmakingConfig, MatchState
+from peer.averaging.inbox import RoundInbox
+from peer.averaging.matchmaking import GroupInfo, MatchmakingConfig
 from peer.averaging.matchmaking_io import MatchmakingDriver
 from peer.averaging.members import certified, pack_metadata, parse_members
 from peer.averaging.partition import FlatLayout, schema_hash
@@ -249,17 +249,7 @@ class DecentralizedAverager:
         # loop-side state, created in run()
         self._core: NodeCore | None = None
         self._driver: MatchmakingDriver | None = None
-        self._runners: dict[bytes, AllreduceRunner] = {}
-        # frames of the group this peer is about to join, come before the group did: an
-        # honest sender sends at most the parts of this peer's span (at most every tensor)
-        wire_bytes = self.layout.total * self.layout.dtype.itemsize
-        self._early = EarlyFrames(
-            total_limit=4 * wire_bytes + (1 << 20), sender_limit=wire_bytes + (64 << 10)
-        )
-        self._early_refused: set[str] = set()  # senders told about, once each
-        self._finished_groups: dict[bytes, None] = {}
-        self._told_abort: set[tuple[bytes, str]] = set()
-        self._background: set[asyncio.Task[Any]] = set()
+        self._inbox = RoundInbox(prefix, self.layout.total * self.layout.dtype.itemsize)
         self._step_lock: asyncio.Lock | None = None
         # AllreduceRunner is looked up here, not bound as a default: a test worker may
         # replace the module's name before the optimizers it drives build their averagers
@@ -340,7 +330,7 @@ class DecentralizedAverager:
         await self.sharing.stop()
         if self._driver is not None:
             await self._driver.close()
-        self._early.drop()
+        self._inbox.early.drop()
 
     def __enter__(self) -> DecentralizedAverager:
         return self
@@ -557,11 +547,11 @@ class DecentralizedAverager:
                     cancel=control._cancel,
                 )
             except MatchmakingFailed:
-                self._early.drop()
+                self._inbox.early.drop()
                 if deadline is not None and core.now() >= deadline:
                     raise
                 continue
-            self._early.drop(keep=group.group_id)
+            self._inbox.early.drop(keep=group.group_id)
             try:
                 return await self._run_group(control, group, deadline)
             except AllreduceFailed as exc:
@@ -667,9 +657,8 @@ class DecentralizedAverager:
         except ValueError as exc:
             await self._leave_group(group, str(exc))
             raise AllreduceFailed(f"cannot average with this group: {exc}") from exc
-        self._runners[group.group_id] = runner
         try:
-            runner.early.extend(self._early.take(group.group_id))
+            self._inbox.open(group.group_id, runner)
             timeout = self.config.allreduce_timeout
             try:
                 async with asyncio.timeout(timeout):
@@ -692,10 +681,7 @@ class DecentralizedAverager:
                         ):
                             tensor.copy_(view)
         finally:
-            del self._runners[group.group_id]
-            self._finished_groups[group.group_id] = None
-            while len(self._finished_groups) > 64:
-                del self._finished_groups[next(iter(self._finished_groups))]
+            self._inbox.close(group.group_id)
         if not in_place and not self.config.auxiliary:
             async with self._locked():
                 with torch.no_grad():
@@ -723,7 +709,7 @@ class DecentralizedAverager:
 
     async def _leave_group(self, group: GroupInfo, reason: str) -> None:
         frame = Frame(ABORT, {"p": self.config.prefix, "g": group.group_id, "why": reason[:200]})
-        self._finished_groups[group.group_id] = None
+        self._inbox.close(group.group_id)
 
         async def tell(peer_id: str) -> None:
             with contextlib.suppress(SwarmgradError, TimeoutError):
@@ -759,53 +745,8 @@ class DecentralizedAverager:
         return None
 
     def _route_round(self, sender: str, frame: Frame) -> None:
-        group_id = frame.fields["g"]
-        runner = self._runners.get(group_id)
-        if runner is not None:
-            if runner.started:
-                runner.on_frame(sender, frame)
-            else:
-                runner.early.append((sender, frame))
-            return
-        if group_id in self._finished_groups:
-            return
         driver = self._driver
-        machine = driver.machine if driver is not None else None
-        expected = machine is not None and (
-            (
-                machine.state is MatchState.GROUPED
-                and machine.group is not None
-                and machine.group.group_id == group_id
-            )
-            or (frame.type != ABORT and machine.waiting_on() == frame.fields.get("l"))
-        )
-        if expected:
-            if not self._early.add(group_id, sender, frame) and sender not in self._early_refused:
-                if len(self._early_refused) >= 4096:
-                    self._early_refused.clear()
-                self._early_refused.add(sender)
-                logger.warning(
-                    "%s: dropped frames peer %s sent ahead of its group: over its share of "
-                    "the %d bytes kept for them",
-                    self.config.prefix,
-                    sender,
-                    self._early.sender_limit,
-                )
-            return
-        if frame.type != ABORT and (group_id, sender) not in self._told_abort:
-            # a group that named us after we left (see matchmaking): tell it to go on
-            self._told_abort.add((group_id, sender))
-            if len(self._told_abort) > 4096:
-                self._told_abort.clear()
-            abort = Frame(ABORT, {"p": self.config.prefix, "g": group_id, "why": "not a member"})
-            task = asyncio.get_running_loop().create_task(self._send_quietly(sender, abort))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _send_quietly(self, peer_id: str, frame: Frame) -> None:
-        with contextlib.suppress(SwarmgradError, TimeoutError):
-            async with asyncio.timeout(2.0):
-                await self.core.send(peer_id, frame)
+        self._inbox.route(self.core, driver.machine if driver is not None else None, sender, frame)
 
     @property
     def core(self) -> NodeCore:
