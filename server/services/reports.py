@@ -472,6 +472,23 @@ def _rate_reference(
     return None if row is None else (int(row[0]), int(row[1]))
 
 
+def _sql_median(
+    connection: Connection | Session,
+    column: InstrumentedAttribute[float | None],
+    n: int,
+    *where: ColumnElement[bool],
+) -> float | None:
+    """The median of ``column`` over the ``n`` peers ``where`` holds (as
+    :func:`statistics.median`; None when n is 0): sorted in SQL, the middle one or two rows
+    read back, so that a run of 10,000 peers does not send them all to Python."""
+    if n <= 0:
+        return None
+    middle = connection.scalars(
+        select(column).where(*where).order_by(column).limit(2 - n % 2).offset((n - 1) // 2)
+    ).all()
+    return _median(middle)
+
+
 def _median(values: Sequence[float | None]) -> float | None:
     found = [float(v) for v in values if v is not None]
     return statistics.median(found) if found else None
@@ -495,6 +512,7 @@ def run_totals(
     or two snapshots; none reads raw reports."""
     since = now - int(online_ttl_s * 1000)
     online = Peer.last_seen_ms >= since
+    evaluated = Peer.eval_metric.is_not(None) & (Peer.eval_metric_ms >= since)
     row = connection.execute(
         select(
             func.coalesce(func.max(Peer.epoch), 0),
@@ -503,13 +521,10 @@ def run_totals(
             func.coalesce(func.sum(case((online, 1), else_=0)), 0),
             func.avg(case((online, Peer.group_size), else_=None)),
             func.max(Peer.last_report_ms),
+            func.count(case((online & Peer.loss.is_not(None), 1))),
+            func.count(case((online & evaluated, 1))),
         ).where(Peer.run_id == run_id)
     ).one()
-    recent = connection.execute(
-        select(Peer.loss, Peer.eval_metric, Peer.eval_metric_ms).where(
-            Peer.run_id == run_id, online
-        )
-    ).all()
     rounds_done, rounds_failed = connection.execute(
         select(float_sum(EpochSummary.rounds_done), float_sum(EpochSummary.rounds_failed)).where(
             EpochSummary.run_id == run_id
@@ -520,7 +535,9 @@ def run_totals(
             Peer.run_id == run_id, Peer.bytes_sent.is_not(None)
         )
     ).one()
-    eval_metric = _median([m for _, m, at in recent if at is not None and at >= since])
+    where = (Peer.run_id == run_id, online)
+    loss = _sql_median(connection, Peer.loss, int(row[6]), *where, Peer.loss.is_not(None))
+    eval_metric = _sql_median(connection, Peer.eval_metric, int(row[7]), *where, evaluated)
     if eval_metric is None:
         newest = connection.execute(
             select(Peer.eval_metric)
@@ -545,7 +562,7 @@ def run_totals(
         epoch=int(row[0]),
         samples=samples,
         samples_per_second=rate,
-        loss=_median([loss for loss, _, _ in recent]),
+        loss=loss,
         peers_online=peers_online,
         mean_group_size=None if row[4] is None else float(row[4]),
         eval_metric=eval_metric,
