@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from peer import DiLoCo, Node
+from peer.averaging.butterfly import ButterflyRound, Idle, Send
 from peer.averaging.control import AveragingStage, StepControl
 from peer.identity import OpenAuth
 from peer.optim.progress import ProgressTracker
@@ -53,6 +54,35 @@ def die_once_the_allreduce_runs(control: StepControl) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+def die_owing_one_average() -> None:
+    """From now on this peer sends its averages to one other member only (the lowest peer
+    id), and is SIGKILLed once they are all out: the other members are owed them and
+    nothing this peer sends fails, so only their watchdogs see it go."""
+    real_next_send, real_sent = ButterflyRound.next_send, ButterflyRound.sent
+    out: dict[int, int] = {}  # parts of averages sent, per round
+
+    def favoured(machine: ButterflyRound) -> str:
+        return min(p for p in machine.peer_index if p != machine.me)
+
+    def next_send(self: ButterflyRound, peer_id: str) -> Send | Idle:
+        send = real_next_send(self, peer_id)
+        if isinstance(send, Send) and send.kind == "avg" and peer_id != favoured(self):
+            return Idle.WAIT  # withheld: that member is owed it
+        return send
+
+    def sent(self: ButterflyRound, now: float, send: Send, error: str | None = None) -> list:
+        commands = real_sent(self, now, send, error)
+        if send.kind == "avg" and send.peer_id == favoured(self) and error is None:
+            out[id(self)] = out.get(id(self), 0) + send.count
+            if self.reducer is not None and out[id(self)] == self.reducer.num_parts:
+                # (a moment for the frames to leave the socket before the kill resets it)
+                threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        return commands
+
+    ButterflyRound.next_send = next_send  # type: ignore[method-assign]
+    ButterflyRound.sent = sent  # type: ignore[method-assign]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -71,6 +101,11 @@ def main() -> None:
     )
     parser.add_argument("--join-at-sync", type=int, default=0)
     parser.add_argument("--die-in-sync", type=int, default=-1)
+    parser.add_argument(
+        "--owing-one-average",
+        action="store_true",
+        help="die in that sync once its averages reached one member only (not as it begins)",
+    )
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
     parser.add_argument("--silence", type=float, default=3.0)
     parser.add_argument("--step-delay", type=float, default=0.0)
@@ -125,8 +160,11 @@ def main() -> None:
             real_step = averager.step
 
             def step_then_die(*a: object, _real=real_step, **kw: object) -> object:
+                dying = opt.outer_step == args.die_in_sync
+                if dying and args.owing_one_average:
+                    die_owing_one_average()
                 control = _real(*a, **kw)
-                if opt.outer_step == args.die_in_sync and isinstance(control, StepControl):
+                if dying and not args.owing_one_average and isinstance(control, StepControl):
                     die_once_the_allreduce_runs(control)
                 return control
 
