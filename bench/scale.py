@@ -127,6 +127,22 @@ def all_cells(d: int, m: int) -> list[str]:
     return [grid_bits_at(p, d, m) for p in range(m**d)]
 
 
+def newcomer_cell(
+    cells: list[str], taken: set[str], donor_bits: str | None, m: int, rng: random.Random
+) -> str:
+    """The grid cell a newcomer takes: a free one in its donor's last group if there is one
+    (the cells that share the donor's bits but the last coordinate, written by the round
+    the donor last averaged in), so that it holds what the peer it replaces held; else any
+    free cell; else (a full grid) any cell."""
+    free = [c for c in cells if c not in taken]
+    if donor_bits is not None and len(donor_bits) == len(cells[0]):
+        w = bits_per_coordinate(m)
+        same_group = [c for c in free if c[:-w] == donor_bits[:-w]]
+        if same_group:
+            return rng.choice(same_group)
+    return rng.choice(free) if free else rng.choice(cells)
+
+
 def deviation(values: list[torch.Tensor], everyone: list[torch.Tensor]) -> float:
     """The largest distance of ``values`` from the mean of ``everyone`` (∞-norm)."""
     mean = torch.stack(everyone).double().mean(0)
@@ -220,6 +236,7 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
             config=_node_config(s, client),
             clock=clock,
             seed=rng.randrange(2**31),
+            identity=Identity.from_private_bytes(rng.randbytes(32)),  # ids from the seed
         )
         await node.start(bootstrap=False)
         tensor = value.clone()
@@ -313,13 +330,15 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
         await asyncio.sleep(2 * s.gossip_period)  # its membership and the donors' records
         pending: Any = newcomer.averager.load_state_from_peers(wait=False, timeout=10.0)
         loaded = await pending  # a task on this loop (LoopHandle)
+        donor_bits = None
         if loaded is not None:
             result.downloads += 1
-            _, tensors = loaded
+            metadata, tensors = loaded
             newcomer.tensor.copy_(tensors[0])
+            if isinstance(metadata, dict) and isinstance(metadata.get("group_bits"), str):
+                donor_bits = metadata["group_bits"]
         taken = {p.averager.get_group_bits() for p in peers.values() if p is not newcomer}
-        free = [c for c in cells if c not in taken] or cells
-        newcomer.averager.set_group_bits(rng.choice(free))
+        newcomer.averager.set_group_bits(newcomer_cell(cells, taken, donor_bits, m, rng))
 
     t_gossip = loop.time()
     stats0 = (net.stats.messages, net.stats.bytes)
@@ -397,7 +416,7 @@ def simulate_moshpit(n: int, settings: Settings = Settings()) -> MoshpitResult:
     group's exact mean (see the module docstring). Before each round ``churn·n`` peers
     leave — half at once, half during the round's all-reduce, where they drop out of their
     group's mean — and as many arrive after it, each holding a random donor's values and
-    taking a random free cell of the grid."""
+    taking a free cell in its donor's last group (:func:`newcomer_cell`)."""
     s = settings
     rng = random.Random(s.seed)
     gen = torch.Generator().manual_seed(s.seed)
@@ -437,11 +456,11 @@ def simulate_moshpit(n: int, settings: Settings = Settings()) -> MoshpitResult:
         for i in mid:
             del peers[i]
         taken = {bits for bits, _, _ in peers.values()}
-        free = [c for c in cells if c not in taken]
         donors = sorted(peers)
         for _ in leaving:
             donor = peers[rng.choice(donors)]
-            cell = free.pop(rng.randrange(len(free))) if free else rng.choice(cells)
+            cell = newcomer_cell(cells, taken, donor[0], m, rng)
+            taken.add(cell)
             peers[next(ids)] = (cell, donor[1].clone(), False)
         survivors = [v for _, v, original in peers.values() if original]
         dev = deviation(survivors, [v for _, v, _ in peers.values()])

@@ -17,6 +17,7 @@ from bench.scale import (
     fit_slope,
     grid_shape,
     main,
+    newcomer_cell,
     simulate_gossip,
     simulate_moshpit,
     simulate_swarm,
@@ -34,6 +35,21 @@ def test_grid_shape_is_the_smallest_side_for_log_g_dimensions() -> None:
     d, m = grid_shape(100, 16)
     cells = all_cells(d, m)
     assert len(set(cells)) == 100 and all(len(c) == 8 for c in cells)
+
+
+def test_a_newcomer_takes_a_free_cell_of_its_donors_last_group() -> None:
+    import random
+
+    d, m = grid_shape(16, 4)  # 4 x 4, 2 bits a coordinate
+    cells = all_cells(d, m)
+    donor = "0110"  # its last group: the cells "01??"
+    rng = random.Random(0)
+    taken = set(cells) - {"0100", "1111"}
+    assert {newcomer_cell(cells, taken, donor, m, rng) for _ in range(20)} == {"0100"}
+    taken.add("0100")  # none free in the donor's group: any free cell
+    assert newcomer_cell(cells, taken, donor, m, rng) == "1111"
+    assert newcomer_cell(cells, taken, None, m, rng) == "1111"  # donor unknown
+    assert newcomer_cell(cells, set(cells), donor, m, rng) in cells  # a full grid
 
 
 def test_moshpit_at_100_reaches_the_mean_in_log_g_rounds_and_contracts_under_churn() -> None:
