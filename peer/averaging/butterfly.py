@@ -31,32 +31,14 @@ Time is only ever an argument (``now``), tensors and frames are the only state, 
 here touches a socket or an event loop, so the round's fault handling is tested by feeding
 it interleavings of events (``tests/peer/averaging/test_butterfly.py``).
 
-In-place result: when the average of a part arrives, the part's slot in the flat buffer is
-rewritten (the local values were already sent, or are no longer needed by anyone: the
-reducer only finalises a part once it has them or has excluded this peer). Two modes:
-
-* ``in_place=False`` (*delta*): the slot becomes ``average - local``; the caller adds
-  ``alpha · delta`` to the tensors, so a failed reducer's span (delta 0) keeps the local
-  values and updates made to the tensors during the round are preserved.
-* ``in_place=True``: ``flat`` is the averaged tensors' memory (or a copy the caller writes
-  back) and the slot becomes ``local + alpha · (average - local)`` as soon as the average is
-  known — except that averages from a reducer whose own contributions to this peer's span
-  are not all in and checked yet are held until they are (a reducer found bad meanwhile
-  then leaves its whole span at the local values, as in delta mode; once they are all in
-  and valid, its held averages are written). Contributions are checked for NaN/Inf with
-  the sums of the parts they are in (:class:`~peer.averaging.reducer.WeightedMeanReducer`),
-  and a sender's values in parts still open when its last one arrives right then. Two
-  passes over the tensors fewer than delta mode, and no snapshot.
-
-Payloads are views of the flat buffer or of the accumulator (``NoCompression`` is
-zero-copy); received ``none`` payloads are decoded with one copy (the transport hands out
-read-only ``bytes``).
-
-Batching: consecutive uncompressed parts that are ready for the same member at once (all
-of a member's contributions are, at the start) go out as one frame of up to
-:attr:`ButterflyRound.max_batch_bytes` (field ``k``: how many parts, from ``i`` on): the
-receiver handles them part by part, but per-frame costs (system calls, wake-ups, headers)
-are paid once per batch. Parts stay the unit of reduction, exclusion and fault handling.
+The module's parts, each without I/O: :mod:`~peer.averaging.butterfly_types` (options,
+member info, commands), :mod:`~peer.averaging.butterfly_plan` (roles, weight bound and
+spans, computed alike by every member), :mod:`~peer.averaging.butterfly_send` (outboxes,
+frames, batching of consecutive uncompressed parts, mixed into :class:`ButterflyRound`) and
+:mod:`~peer.averaging.butterfly_results` (in-place or delta results, and the averages held
+until their reducer is trusted). This module keeps the machine itself: its events, what it
+accepts, and its faults. Received ``none`` payloads are decoded with one copy (the
+transport hands out read-only ``bytes``).
 
 Faults (each decision is local; survivors always finish):
 
@@ -87,31 +69,40 @@ Faults (each decision is local; survivors always finish):
 from __future__ import annotations
 
 import collections
-import enum
 import logging
-import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
+from peer.averaging.butterfly_plan import make_reducer, plan_round
+from peer.averaging.butterfly_results import (
+    FORGED_AVERAGE_FACTOR,
+    RoundResults,
+    check_plausible,
+)
+from peer.averaging.butterfly_send import NOT_YET, Outbox, RoundSending
+from peer.averaging.butterfly_types import (
+    AllreduceConfig,
+    Command,
+    Done,
+    Idle,
+    MemberInfo,
+    Send,
+    Tell,
+    Wake,
+)
 from peer.averaging.exceptions import BadContribution
-from peer.averaging.load_balancing import load_balance
 from peer.averaging.matchmaking import GroupInfo
-from peer.averaging.partition import FlatLayout, Partition
+from peer.averaging.partition import FlatLayout
 from peer.averaging.protocol import ABORT, AVERAGE, PART
-from peer.averaging.reducer import FinishedPart, WeightedMeanReducer
-from peer.averaging.robust import check_aggregator, weight_bound
+from peer.averaging.reducer import FinishedPart
 from peer.compression import (
     CompressedTensor,
     Compression,
     CompressionError,
-    NoCompression,
     TensorRole,
     all_finite,
-    byte_view,
-    dtype_name,
     extract,
     plain_values,
 )
@@ -120,6 +111,7 @@ from peer.wire import Frame
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "FORGED_AVERAGE_FACTOR",
     "AllreduceConfig",
     "ButterflyRound",
     "Command",
@@ -132,120 +124,13 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class AllreduceConfig:
-    """Options of the all-reduce round (seed names: hivemind's ``DecentralizedAverager``)."""
-
-    part_size_bytes: int = 2**19
-    sender_timeout: float = 10.0
-    reducer_timeout: float = 20.0
-    min_vector_size: int = 0
-    # a contribution weighing more is refused and its sender excluded (one peer with a huge
-    # weight would otherwise be the whole mean)
-    max_weight: float = math.inf
-    # a member that declared a weight over this factor times the group's median is excluded
-    relative_weight_bound: float | None = None
-    # how a reducer combines the contributions to a part (peer.averaging.robust)
-    aggregator: str = "mean"
-
-    def __post_init__(self) -> None:
-        if self.part_size_bytes < 1:
-            raise ValueError("part_size_bytes must be positive")
-        if not self.max_weight > 0:
-            raise ValueError("max_weight must be positive")
-        bound = self.relative_weight_bound
-        if bound is not None and not (1 <= bound < math.inf):
-            raise ValueError("relative_weight_bound must be a finite factor of at least 1")
-        check_aggregator(self.aggregator)
-        if self.sender_timeout <= 0 or self.reducer_timeout <= 0:
-            raise ValueError("sender_timeout and reducer_timeout must be positive")
-
-
-@dataclass(frozen=True)
-class MemberInfo:
-    """What a member told the group through the gathered metadata."""
-
-    peer_id: str
-    client_mode: bool
-    bandwidth: float | None
-    auxiliary: bool
-    weight: float | None = None  # the weight it declared for the round
-
-
-# ------------------------------------------------------------------ commands
-
-
-@dataclass(frozen=True, slots=True)
-class Wake:
-    """The outbox to ``peer_id`` changed: ask :meth:`ButterflyRound.next_send` again."""
-
-    peer_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Tell:
-    """Send ``frame`` to ``peer_id``, best effort (nothing waits for it)."""
-
-    peer_id: str
-    frame: Frame
-
-
-@dataclass(frozen=True, slots=True)
-class Done:
-    """The round is over for this member; ``error`` if its own values are bad (it left)."""
-
-    error: BadContribution | None = None
-
-
-Command = Wake | Tell | Done
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    """The next frame to a member: ``count`` parts from ``index`` on, contributions
-    (``kind == "part"``) or averages (``"avg"``). Hand it back to
-    :meth:`ButterflyRound.sent` once the transport took it or failed."""
-
-    peer_id: str
-    kind: str
-    index: int
-    count: int
-    frame: Frame
-
-
-class Idle(enum.Enum):
-    """Nothing to send to a member: not yet (``WAIT``: a :class:`Wake` will say when), or
-    never again (``CLOSED``)."""
-
-    WAIT = "wait"
-    CLOSED = "closed"
-
-
-_NOT_YET: dict[str, Any] = {}  # a wire cache entry whose average is not compressed yet
-
-#: with a robust aggregator, an average holding values over this many times the largest
-#: of this peer's own values there (at least 1) is forged: its reducer is treated as bad
-FORGED_AVERAGE_FACTOR = 1e6
-
-
 def _never(peer_id: str) -> float:
     return 0.0
 
 
-class _Outbox:
-    __slots__ = ("averages", "contributions")
-
-    def __init__(self) -> None:
-        self.averages: collections.deque[int] = collections.deque()
-        self.contributions: collections.deque[int] = collections.deque()
-
-
-class ButterflyRound:
+class ButterflyRound(RoundSending):
     """One member's side of one round (see the module docstring). After :class:`Done` and
     :meth:`finish`, ``flat`` holds the round's result."""
-
-    #: consecutive uncompressed parts sent as one frame, up to this many bytes (0: never)
-    max_batch_bytes = 2 << 20
 
     def __init__(
         self,
@@ -274,92 +159,38 @@ class ButterflyRound:
         self.flat = flat  # [total], layout.dtype; local values, turned into results
         self.in_place = in_place
         self.alpha = float(alpha)
-        # in place: reducer index → (slot, average) held until that reducer's contributions
-        # to this peer's span are all in (see the module docstring)
-        self._deferred: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._accepted: collections.Counter[str] = collections.Counter()  # parts per sender
         self.weight = float(weight)
         self.config = config
         self.is_sender = not self.members[self.index].auxiliary
-        senders = [m.peer_id for m in self.members if not m.auxiliary]
-        # the weights the senders declared in matchmaking, which their parts must carry, and
-        # those over the group's bound (every member computes the same: excluded at start)
-        declared: dict[Hashable, float] = {
-            m.peer_id: m.weight for m in self.members if not m.auxiliary and m.weight is not None
-        }
-        if len(declared) < len(senders):
-            declared = {}
-        bound = min(
-            config.max_weight, weight_bound(declared.values(), config.relative_weight_bound)
+        plan = plan_round(
+            me, self.members, layout, compression=compression, roles=roles, config=config
         )
-        self.weight_bound = bound
-        self.overweight = {
-            m.peer_id: m.weight
-            for m in self.members
-            if declared and m.weight is not None and m.weight > bound
-        }
-        if self.me in self.overweight:
-            raise ValueError(
-                f"this peer's weight {self.overweight[self.me]:g} is over the group's bound "
-                f"of {bound:g} (max_weight, relative_weight_bound)"
-            )
-        bandwidths = [0.0 if m.client_mode else m.bandwidth for m in self.members]
-        if any(
-            b != 0.0 and m.peer_id not in self.overweight
-            for b, m in zip(bandwidths, self.members, strict=True)
-        ):
-            # an overweight member reduces nothing: every member leaves it out of the
-            # partition alike, so its exclusion costs the others no span at local values
-            bandwidths = [
-                0.0 if m.peer_id in self.overweight else b
-                for b, m in zip(bandwidths, self.members, strict=True)
-            ]
-        spans = load_balance(layout.total, bandwidths, config.min_vector_size)
-        self.partition = Partition(layout, spans, config.part_size_bytes, compression, roles)
-        # per reducer: its parts' element counts, and whether each travels uncompressed
-        self._sizes = [self.partition.part_sizes(r) for r in range(len(self.members))]
-        self._plain = [
-            [isinstance(p.codec, NoCompression) for p in self.partition.parts_of(r)]
-            for r in range(len(self.members))
-        ]
-        my_sizes = self.partition.part_sizes(self.index)
-        self.reducer: WeightedMeanReducer | None = None
-        if my_sizes and senders:
-            numel = sum(my_sizes)
-            acc_dtype = (
-                torch.float32 if layout.dtype in (torch.float16, torch.bfloat16) else layout.dtype
-            )
-            out = scratch(numel, acc_dtype) if scratch is not None else None
-            destination = None
-            if in_place and alpha == 1.0 and acc_dtype == layout.dtype:
-                # averages go straight into their slots (already the result, in place)
-                start, stop = self.partition.spans[self.index]
-                destination = flat[start:stop]
-            self.reducer = WeightedMeanReducer(
-                my_sizes,
-                senders,
-                dtype=layout.dtype,
-                out=out,
-                destination=destination,
-                max_weight=bound,
-                declared=declared or None,
-                aggregator=config.aggregator,
-            )
+        senders = plan.senders
+        self.weight_bound = plan.weight_bound
+        self.overweight = plan.overweight
+        self.partition = plan.partition
+        self._sizes = plan.sizes
+        self._plain = plan.plain
+        self.reducer = make_reducer(
+            plan,
+            self.index,
+            layout,
+            flat,
+            config=config,
+            scratch=scratch,
+            in_place=in_place,
+            alpha=alpha,
+        )
         self.finished: dict[int, FinishedPart] = {}
-        # uncompressed frames are slices of these byte views (no tensor views per frame)
-        self._itemsize = flat.element_size()
-        self._dtype_name = dtype_name(flat.dtype)
-        self._flat_bytes = byte_view(flat)
-        self._results_bytes: memoryview | None = None  # where own averages end up
-        if self.reducer is not None:
-            reducer = self.reducer
-            results = reducer.destination if reducer.destination is not None else reducer.buffer
-            if results.dtype == flat.dtype:
-                self._results_bytes = byte_view(results)
+        self._init_wire()
         sending_to_me = set(senders) if self.reducer is not None else set()
         # reducers whose averages this peer writes at once: nothing (more) to check of them
-        self._trusted = {r for r, m in enumerate(self.members) if m.peer_id not in sending_to_me}
-        self._wire_cache: dict[int, tuple[dict[str, Any] | None, Any, int]] = {}
+        self.results = RoundResults(
+            in_place=in_place,
+            alpha=self.alpha,
+            trusted={r for r, m in enumerate(self.members) if m.peer_id not in sending_to_me},
+        )
         # other reducers' parts still waiting for their average
         self.unresolved: dict[int, set[int]] = {
             r: set(range(len(self.partition.parts_of(r))))
@@ -371,11 +202,11 @@ class ButterflyRound:
         self.excluded_senders: set[str] = set()
         self._logged: set[str] = set()
         self._outliers_named: set[str] = set()
-        self._outboxes: dict[str, _Outbox] = {}
+        self._outboxes: dict[str, Outbox] = {}
         for r, member in enumerate(self.members):
             if r == self.index:
                 continue
-            box = self._outboxes[member.peer_id] = _Outbox()
+            box = self._outboxes[member.peer_id] = Outbox()
             if self.is_sender:
                 box.contributions.extend(range(len(self.partition.parts_of(r))))
         self.last_from: dict[str, float] = dict.fromkeys(senders, 0.0)
@@ -414,7 +245,7 @@ class ButterflyRound:
                 return self._flush()
         if self.reducer is None:
             for part in my_parts:  # nobody contributes: everyone keeps local values
-                self._keep_local(part.view(self.flat))
+                self.results.keep_local(part.view(self.flat))
         elif self.is_sender and my_parts:
             # this peer's own contribution to its span: every part at once (nothing has
             # arrived yet: frames that came early are handled below)
@@ -432,30 +263,6 @@ class ButterflyRound:
         in-place arithmetic only: a link reader may call this inline)."""
         self._on_frame(now, sender, frame)
         return self._flush()
-
-    def next_send(self, peer_id: str) -> Send | Idle:
-        """The next frame for ``peer_id`` (taken off its outbox), or why there is none."""
-        if peer_id in self.failed or self.error is not None:
-            return Idle.CLOSED
-        box = self._outboxes[peer_id]
-        r = self.peer_index[peer_id]
-        # contributions first: the member can then reduce (and trust this peer's averages,
-        # see the module docstring) as early as possible
-        pending = self.unresolved.get(r, set())
-        while box.contributions and r not in self.failed_reducers:
-            index = box.contributions.popleft()
-            if index in pending:
-                count = self._batch("part", r, index, box)
-                self._contributing.add(r)
-                return Send(peer_id, "part", index, count, self._frame("part", r, index, count))
-        box.contributions.clear()
-        if box.averages:
-            index = box.averages.popleft()
-            count = self._batch("avg", r, index, box)
-            return Send(peer_id, "avg", index, count, self._frame("avg", r, index, count))
-        if self.reducer is None or self.reducer.is_finished:
-            return Idle.CLOSED
-        return Idle.WAIT
 
     def sent(self, now: float, send: Send, error: str | None = None) -> list[Command]:
         """The transport took ``send`` (or, with ``error``, could not: the member is gone)."""
@@ -510,10 +317,7 @@ class ButterflyRound:
         """The round is over (done, timed out or cancelled): write the averages still held
         (see the module docstring) and drop the encoded ones."""
         self._wire_cache.clear()
-        deferred, self._deferred = self._deferred, {}
-        for writes in deferred.values():
-            for view, average in writes:
-                self._write_average(view, average)
+        self.results.finish()
 
     # ----------------------------------------------------------------- reports
 
@@ -558,100 +362,6 @@ class ButterflyRound:
         self._wakes.clear()
         self._commands = []
         return commands
-
-    # ---------------------------------------------------------------- sending
-
-    def _batch(self, kind: str, r: int, index: int, box: _Outbox) -> int:
-        """How many parts from ``index`` on go in this frame: take from the outbox the
-        consecutive uncompressed parts that are ready, contiguous in memory, and fit in
-        :attr:`max_batch_bytes` together."""
-        if not self.max_batch_bytes:
-            return 1
-        owner = r if kind == "part" else self.index
-        plain, sizes = self._plain[owner], self._sizes[owner]
-        if not plain[index]:
-            return 1
-        if kind == "avg" and (self._results_bytes is None or self.finished[index].average is None):
-            return 1
-        queue = box.contributions if kind == "part" else box.averages
-        pending = self.unresolved.get(r, set())
-        limit = self.max_batch_bytes // self.flat.element_size()  # in elements
-        numel, count = sizes[index], 1
-        while queue and queue[0] == index + count:
-            nxt = index + count
-            if not plain[nxt] or numel + sizes[nxt] > limit:
-                break
-            if kind == "part" and nxt not in pending:
-                break
-            if kind == "avg" and self.finished[nxt].average is None:
-                break
-            queue.popleft()
-            numel += sizes[nxt]
-            count += 1
-        return count
-
-    def _frame(self, kind: str, r: int, index: int, count: int = 1) -> Frame:
-        base = {"p": self.prefix, "g": self.group.group_id, "l": self.group.leader, "i": index}
-        payload: Any
-        if count > 1:  # uncompressed, adjacent parts (see _batch)
-            base["k"] = count
-            if kind == "part":
-                parts = self.partition.parts_of(r)
-                header, payload = self._plain_wire(
-                    self._flat_bytes, parts[index].start, parts[index + count - 1].stop
-                )
-                return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
-            assert self.reducer is not None and self._results_bytes is not None
-            offsets = self.reducer.offsets
-            header, payload = self._plain_wire(
-                self._results_bytes, offsets[index], offsets[index + count]
-            )
-            return Frame(AVERAGE, {**base, "c": header}, payload)
-        if kind == "part":
-            header, payload = self._contribution_wire(r, index)
-            return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
-        cached, payload, remaining = self._wire_cache[index]
-        if cached is _NOT_YET:
-            average = self.finished[index].average
-            assert average is not None and self.reducer is not None
-            if self._plain[self.index][index] and self._results_bytes is not None:
-                offsets = self.reducer.offsets
-                cached, payload = self._plain_wire(
-                    self._results_bytes, offsets[index], offsets[index + 1]
-                )
-            else:
-                average = average.to(self.flat.dtype)
-                part = self.partition.part(self.index, index)
-                cached, payload = part.codec.compress(average).to_wire()
-            self._wire_cache[index] = (cached, payload, remaining)
-        if cached is None:
-            return Frame(AVERAGE, base)
-        return Frame(AVERAGE, {**base, "c": cached}, payload)
-
-    def _contribution_wire(self, r: int, index: int) -> tuple[dict[str, Any], Any]:
-        part = self.partition.part(r, index)
-        if self._plain[r][index]:
-            return self._plain_wire(self._flat_bytes, part.start, part.stop)
-        return part.codec.compress(part.view(self.flat)).to_wire()
-
-    def _plain_wire(self, data: memoryview, start: int, stop: int) -> tuple[dict[str, Any], Any]:
-        """An uncompressed payload: elements ``start..stop`` of ``data`` (a byte view of
-        the flat buffer or of the reducer's results), with its ``none`` codec header."""
-        size = self._itemsize
-        header = {
-            "codec": NoCompression.name,
-            "dtype": self._dtype_name,
-            "shape": [stop - start],
-            "meta": {},
-        }
-        return header, data[start * size : stop * size]
-
-    def _release_wire(self, index: int) -> None:
-        header, payload, remaining = self._wire_cache[index]
-        if remaining <= 1:
-            del self._wire_cache[index]
-        else:
-            self._wire_cache[index] = (header, payload, remaining - 1)
 
     # -------------------------------------------------------------- receiving
 
@@ -727,7 +437,7 @@ class ButterflyRound:
             finished += reducer.vouch(sender)
         self._reject_bad()  # NaN/Inf found in parts this frame completed, or by vouch()
         if complete and sender not in self.failed:
-            self._trust(self.peer_index[sender])
+            self.results.trust(self.peer_index[sender])
         self._on_finished(finished)
 
     def _reject_bad(self) -> None:
@@ -747,14 +457,6 @@ class ButterflyRound:
                     ratio,
                     self.config.aggregator,
                 )
-
-    def _trust(self, r: int) -> None:
-        """Reducer ``r`` sent all its contributions to this peer, all checked and valid:
-        write the averages held from it, and any later ones at once."""
-        if r not in self._trusted:
-            self._trusted.add(r)
-            for view, average in self._deferred.pop(r, []):
-                self._write_average(view, average)
 
     @staticmethod
     def _batch_sizes(part_sizes: Sequence[int], index: Any, count: Any) -> Sequence[int]:
@@ -792,7 +494,7 @@ class ButterflyRound:
                         f"{sum(sizes)} {self.flat.dtype}"
                     )
                 if self.config.aggregator != "mean":
-                    self._check_plausible(average, parts[index].start)
+                    check_plausible(average, self.flat, parts[index].start, self.config.aggregator)
         except (CompressionError, ValueError, RuntimeError) as exc:
             self._bad(sender, f"bad average: {exc}")
             return
@@ -810,34 +512,14 @@ class ButterflyRound:
                 lo, hi = parts[run_start].start, parts[i - 1].stop
                 view = self.flat[lo:hi]
                 if average is None:
-                    self._keep_local(view)  # no contributor with positive weight
+                    self.results.keep_local(view)  # no contributor with positive weight
                 else:
-                    values = average[lo - base : hi - base]
-                    if self.in_place and r not in self._trusted:
-                        self._deferred.setdefault(r, []).append((view, values))
-                    else:
-                        self._write_average(view, values)
+                    self.results.place(r, view, average[lo - base : hi - base])
                 run_start = None
         self.last_progress[r] = now
         if not pending:
             self._wake(sender)
         self._check_done()
-
-    def _check_plausible(self, average: torch.Tensor, start: int) -> None:
-        """A robust aggregate stays among the honest contributions, so a reducer's average
-        cannot hold values orders of magnitude beyond this peer's own: ``ValueError`` if it
-        does (one pass over the average; this peer's values are read only then)."""
-        largest = float(average.abs().max()) if average.numel() else 0.0
-        if largest <= FORGED_AVERAGE_FACTOR:
-            return
-        mine = self.flat[start : start + average.numel()]
-        own = max(float(mine.abs().max()), 1.0)
-        if largest > FORGED_AVERAGE_FACTOR * own:
-            raise ValueError(
-                f"values up to {largest:.3g}, over {FORGED_AVERAGE_FACTOR:g} times this "
-                f"peer's own there ({own:.3g}): no {self.config.aggregator} of the group "
-                "holds that"
-            )
 
     def _on_finished(self, finished: list[FinishedPart]) -> None:
         if not finished:
@@ -846,14 +528,14 @@ class ButterflyRound:
         readers = len(self._outboxes)
         for done in finished:
             if done.average is None:
-                self._keep_local(self.partition.part(self.index, done.index).view(self.flat))
+                self.results.keep_local(self.partition.part(self.index, done.index).view(self.flat))
                 self._wire_cache[done.index] = (None, b"", readers)
             elif self._plain[self.index][done.index]:
                 if not in_place_already:  # else the reducer divided it into place
                     view = self.partition.part(self.index, done.index).view(self.flat)
-                    self._write_average(view, done.average.to(view.dtype))
+                    self.results.write(view, done.average.to(view.dtype))
                 # compressed when first sent alone (a batch sends the averages as they are)
-                self._wire_cache[done.index] = (_NOT_YET, None, readers)
+                self._wire_cache[done.index] = (NOT_YET, None, readers)
             else:
                 # a lossy codec: this peer keeps what the others decode, not its exact
                 # average, so every member of the round ends with the same values
@@ -864,7 +546,7 @@ class ButterflyRound:
                 if in_place_already:
                     view.copy_(sent)
                 else:
-                    self._write_average(view, sent)
+                    self.results.write(view, sent)
                 header, payload = compressed.to_wire()
                 self._wire_cache[done.index] = (header, payload, readers)
             self.finished[done.index] = done
@@ -881,22 +563,6 @@ class ButterflyRound:
                 self._wake(peer_id)
         self._check_done()
 
-    # ----------------------------------------------------------------- results
-
-    def _write_average(self, view: torch.Tensor, average: torch.Tensor) -> None:
-        """The part's local values in ``view`` are no longer needed: write the result."""
-        if not self.in_place:
-            torch.sub(average, view, out=view)  # delta = average - local, one pass
-        elif self.alpha == 1.0:
-            if average.data_ptr() != view.data_ptr():  # else: the reducer wrote it there
-                view.copy_(average)
-        elif self.alpha:
-            view.lerp_(average, self.alpha)
-
-    def _keep_local(self, view: torch.Tensor) -> None:
-        if not self.in_place:
-            view.zero_()  # delta 0
-
     # ----------------------------------------------------------------- faults
 
     def _bad(self, sender: str, reason: str) -> None:
@@ -909,10 +575,7 @@ class ButterflyRound:
         if r != self.index and sender not in self.failed:
             # distrust everything it reduced, too: its whole span keeps the local values
             start, stop = self.partition.spans[r]
-            if self.in_place:
-                self._deferred.pop(r, None)
-            else:
-                self.flat[start:stop].zero_()
+            self.results.distrust(r, self.flat[start:stop])
             self.unresolved[r].clear()
         self._peer_failed(sender, reason, log=False)
 
@@ -940,7 +603,7 @@ class ButterflyRound:
                 len(pending),
             )
         for index in pending:
-            self._keep_local(self.partition.part(r, index).view(self.flat))
+            self.results.keep_local(self.partition.part(r, index).view(self.flat))
         pending.clear()
         self._wake(self.members[r].peer_id)
         self._check_done()
