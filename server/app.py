@@ -38,6 +38,7 @@ from server.services.report_buffer import ReportBuffer, database_unavailable
 from server.services.report_guard import ReportGuard
 from server.services.report_spill import ReportSpill
 from server.services.retention import ReportRetention
+from server.services.revocation_sweep import RevocationSweep
 
 logger = logging.getLogger("server")
 
@@ -91,7 +92,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 on_pruned=metrics.count_pruned,
             ),
         )
-        async with buffer:
+        sweep = RevocationSweep(
+            app.state.principal_cache, session_factory, settings.peer_auth_recheck_s
+        )
+        app.state.revocation_sweep = sweep
+        async with buffer, sweep:
             app.state.report_buffer = buffer
             try:
                 yield

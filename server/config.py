@@ -151,11 +151,17 @@ class Settings(BaseSettings):
         "report_retention_s.",
     )
     peer_auth_cache_ttl_s: float = Field(
-        default=30.0,
+        default=600.0,
         ge=0,
         description="How long a worker may reuse a verified peer token on the report path "
-        "without asking the database: revoking it, or finishing its run, takes effect on "
-        "reports within this time. 0 checks the database on every report.",
+        "(never past the token's expiry). 0 checks the database on every report.",
+    )
+    peer_auth_recheck_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How often each worker asks the database which peer tokens were revoked "
+        "and which runs finished, and stops reusing those: revoking a token, banning a "
+        "volunteer or finishing a run takes effect on reports within this time.",
     )
     max_config_bytes: int = Field(
         default=64 * 1024, ge=2, description="Largest run config accepted."

@@ -17,7 +17,7 @@ import hmac
 import itertools
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import msgpack
@@ -246,11 +246,13 @@ class JoinChallenges:
 
 
 class PrincipalCache:
-    """Recently verified tokens of one worker process, for at most ``ttl_s`` seconds.
+    """Recently verified tokens of one worker process, for at most ``ttl_s`` seconds (and
+    never past the token's own expiry, when :meth:`put` is told it).
 
     Only successful verifications are kept, keyed by token id with the secret's hash, so a
     hit still needs the right secret (compared in constant time). Bounded: when full, the
-    oldest entries go first.
+    oldest entries go first. What the database revokes meanwhile is taken out by
+    :meth:`evict` and :meth:`evict_run` (:mod:`server.services.revocation_sweep` calls them).
     """
 
     def __init__(
@@ -259,7 +261,8 @@ class PrincipalCache:
         self._ttl = ttl_s
         self._max = max_entries
         self._clock = clock
-        self._entries: dict[str, tuple[bytes, float, object]] = {}
+        # token id -> (secret's hash, valid until (clock), value, run id)
+        self._entries: dict[str, tuple[bytes, float, object, str | None]] = {}
 
     def get(self, token_id: str, secret: str) -> object | None:
         if self._ttl <= 0:
@@ -267,18 +270,41 @@ class PrincipalCache:
         entry = self._entries.get(token_id)
         if entry is None:
             return None
-        stored_hash, cached_at, value = entry
-        if self._clock() - cached_at > self._ttl:
+        stored_hash, until, value, _ = entry
+        if self._clock() > until:
             self._entries.pop(token_id, None)
             return None
         return value if secret_matches(secret, stored_hash) else None
 
-    def put(self, token_id: str, secret: str, value: object) -> None:
+    def put(
+        self,
+        token_id: str,
+        secret: str,
+        value: object,
+        *,
+        run_id: str | None = None,
+        expires_in_s: float | None = None,
+    ) -> None:
+        """Keep ``value`` for ``ttl_s`` (or ``expires_in_s``, the token's remaining life, if
+        shorter); ``run_id`` lets :meth:`evict_run` find it."""
         if self._ttl <= 0:
             return
         if len(self._entries) >= self._max:
             # dicts keep insertion order: drop the oldest tenth in one go.
             for key in list(itertools.islice(self._entries, self._max // 10 + 1)):
                 del self._entries[key]
+        life = self._ttl if expires_in_s is None else min(self._ttl, expires_in_s)
         self._entries.pop(token_id, None)
-        self._entries[token_id] = (hash_secret(secret), self._clock(), value)
+        self._entries[token_id] = (hash_secret(secret), self._clock() + life, value, run_id)
+
+    def evict(self, token_ids: Iterable[str]) -> int:
+        """Forget these tokens; how many were kept."""
+        return sum(self._entries.pop(t, None) is not None for t in token_ids)
+
+    def evict_run(self, run_id: str) -> int:
+        """Forget every token of this run; how many were kept."""
+        gone = [t for t, entry in self._entries.items() if entry[3] == run_id]
+        return self.evict(gone)
+
+    def __len__(self) -> int:
+        return len(self._entries)

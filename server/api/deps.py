@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from server.config import Settings
 from server.exceptions import Conflict, Forbidden, Unauthenticated
-from server.models import Run, RunStatus, TokenScope
+from server.models import Run, RunStatus, Token, TokenScope, utcnow
 from server.security import JoinChallenges, KeyBox, PrincipalCache, parse_token
 from server.services import runs as run_service
 from server.services import tokens as token_service
@@ -177,7 +177,9 @@ RunDep = Annotated[Run, Depends(get_run)]
 
 def _load_reporting_peer(
     request: Request, settings: Settings, token: str, run_id: str
-) -> tuple[Principal, PeerTrack]:
+) -> tuple[Principal, PeerTrack, float | None]:
+    """The principal, its peer's track, and the seconds its token has left (None: no
+    expiry)."""
     with request.app.state.session_factory() as session:
         admin = settings.admin_token.get_secret_value() if settings.admin_token else None
         principal = token_service.authenticate(session, token, admin)
@@ -186,7 +188,10 @@ def _load_reporting_peer(
         if run.archived_at is not None or run.status is RunStatus.finished:
             raise Conflict(f"run {run.id} is finished; stop training and leave the run")
         assert principal.peer_pk is not None  # peer tokens belong to a peer
-        return principal, load_track(session, principal.peer_pk)
+        row = session.get(Token, principal.token_id)  # read by authenticate: no query
+        expires = None if row is None else row.expires_at
+        left = None if expires is None else (expires - utcnow()).total_seconds()
+        return principal, load_track(session, principal.peer_pk), left
 
 
 async def get_reporting_peer(
@@ -197,8 +202,9 @@ async def get_reporting_peer(
 ) -> Principal:
     """The hot path of report ingestion. Authentication, the scope and run checks and the
     run's state (finished or archived: 409) are looked up in one trip to the thread pool,
-    and a success is reused for ``peer_auth_cache_ttl_s`` (see :class:`PrincipalCache`). The
-    same trip reads the peer's track for the plausibility bounds."""
+    and a success is reused for ``peer_auth_cache_ttl_s`` (see :class:`PrincipalCache`)
+    unless revoked meanwhile (:mod:`server.services.revocation_sweep`). The same trip reads
+    the peer's track for the plausibility bounds."""
     if credentials is None:
         raise Unauthenticated("missing bearer token: send 'Authorization: Bearer <token>'")
     cache: PrincipalCache = request.app.state.principal_cache
@@ -207,13 +213,13 @@ async def get_reporting_peer(
         cached = cache.get(parsed.id, parsed.secret)
         if isinstance(cached, Principal) and cached.run_id == run_id:
             return cached
-    principal, track = await run_in_threadpool(
+    principal, track, left = await run_in_threadpool(
         _load_reporting_peer, request, settings, credentials.credentials, run_id
     )
     assert principal.peer_pk is not None
     request.app.state.report_guard.remember(principal.peer_pk, track)
     if parsed is not None:
-        cache.put(parsed.id, parsed.secret, principal)
+        cache.put(parsed.id, parsed.secret, principal, run_id=run_id, expires_in_s=left)
     return principal
 
 
