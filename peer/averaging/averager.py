@@ -36,8 +36,7 @@ import concurrent.futures
 import contextlib
 import logging
 import math
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +76,7 @@ from peer.averaging.protocol import (
     STATE_DIGEST,
     Router,
 )
+from peer.averaging.round_tensors import AveragedTensors
 from peer.averaging.seam import Link, NodeCore, NodeHandle
 from peer.averaging.sharing import StateServerFactory, StateSharing
 from peer.averaging.state import StateServer
@@ -234,6 +234,8 @@ class DecentralizedAverager:
         self.node = node
         self._averaged_tensors = tensors
         self.layout = FlatLayout.from_tensors(tensors)
+        # their lock, and the buffers each round averages (snapshot, copy, accumulator)
+        self._tensors = AveragedTensors(tensors, self.layout)
         self.compression = compression
         self.state_compression = state_compression
         self.roles: list[TensorRole] | None = (
@@ -241,8 +243,6 @@ class DecentralizedAverager:
         )
         self.schema_hash = schema_hash(tensors, compression, self.roles)
         self._group_bits = validate_group_bits(initial_group_bits)
-        self._lock = threading.RLock()
-        self._round_holds_lock = False  # an in-place round holds _lock (loop thread)
         self._running = False
         self._shut = False
         self._step_futures: set[concurrent.futures.Future[Any]] = set()
@@ -254,8 +254,6 @@ class DecentralizedAverager:
         # AllreduceRunner is looked up here, not bound as a default: a test worker may
         # replace the module's name before the optimizers it drives build their averagers
         self._runner_factory = AllreduceRunner if runner_factory is None else runner_factory
-        self._flat: torch.Tensor | None = None  # flat snapshot, then deltas (reused)
-        self._acc: torch.Tensor | None = None  # reducer accumulator (reused)
         self.sharing = StateSharing(
             node,
             prefix,
@@ -356,20 +354,12 @@ class DecentralizedAverager:
     def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
         """The averaged tensors, locked against concurrent all-reduce writes. Modify them
         in place inside the ``with`` block only."""
-        with self._lock:
-            yield self._averaged_tensors
+        with self._tensors.hold() as tensors:
+            yield tensors
 
-    @contextlib.asynccontextmanager
-    async def _locked(self) -> AsyncIterator[None]:
-        # never block the event loop on a lock a training thread holds; and the lock is
-        # reentrant, so code on the loop (a state donor's snapshot) must also wait for an
-        # in-place round that holds it, rather than read half-averaged tensors
-        while self._round_holds_lock or not self._lock.acquire(blocking=False):  # noqa: ASYNC110
-            await asyncio.sleep(0.001)
-        try:
-            yield
-        finally:
-            self._lock.release()
+    def _locked(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """The tensors' lock, taken on the event loop (see :mod:`peer.averaging.round_tensors`)."""
+        return self._tensors.locked()
 
     # ------------------------------------------------------------------ group bits
 
@@ -595,25 +585,15 @@ class DecentralizedAverager:
             raise StepCancelled("step cancelled before all-reduce")
         began = asyncio.get_running_loop().time()
         if self.config.concurrent_updates:
-            async with self._locked():
-                # [total], a copy into a buffer reused across rounds
-                flat = self.layout.flatten(self._averaged_tensors, out=self._flat_buffer())
+            async with self._tensors.locked():
+                flat = self._tensors.snapshot()  # [total], in a buffer reused across rounds
             await self._run_allreduce(group, members, control.weight, flat)
         else:
-            async with self._locked():  # for the whole round
-                self._round_holds_lock = True
-                try:
-                    await self._run_allreduce(group, members, control.weight, None)
-                finally:
-                    self._round_holds_lock = False
+            async with self._tensors.held_for_round():
+                await self._run_allreduce(group, members, control.weight, None)
         self._advance_group_bits(group)
         self.last_allreduce_seconds = asyncio.get_running_loop().time() - began
         return gathered
-
-    def _flat_buffer(self) -> torch.Tensor:
-        if self._flat is None:
-            self._flat = torch.empty(self.layout.total, dtype=self.layout.dtype)
-        return self._flat
 
     async def _run_allreduce(
         self,
@@ -629,15 +609,7 @@ class DecentralizedAverager:
         if snapshot is not None:
             flat = snapshot
         else:
-            # an auxiliary peer reduces the others' parts on a copy and keeps its own tensors
-            # as they were (as hivemind's does): weight 0, nothing of the round is theirs
-            auxiliary = self.config.auxiliary
-            alias = None if auxiliary else self.layout.alias(self._averaged_tensors)
-            copy_back = alias is None and not auxiliary
-            if alias is None:
-                flat = self.layout.flatten(self._averaged_tensors, out=self._flat_buffer())
-            else:
-                flat = alias
+            flat, copy_back = self._tensors.in_place(auxiliary=self.config.auxiliary)
         try:
             runner = self._runner_factory(
                 self.core,
@@ -650,7 +622,7 @@ class DecentralizedAverager:
                 compression=self.compression,
                 roles=self.roles,
                 config=self.allreduce_config,
-                scratch=self._accumulator,
+                scratch=self._tensors.accumulator,
                 in_place=in_place,
                 alpha=self.config.averaging_alpha,
             )
@@ -675,22 +647,12 @@ class DecentralizedAverager:
                 ) from None
             finally:
                 if copy_back:  # parts that finished are kept, as with an alias
-                    with torch.no_grad():
-                        for tensor, view in zip(
-                            self._averaged_tensors, self.layout.views(flat), strict=True
-                        ):
-                            tensor.copy_(view)
+                    self._tensors.copy_back(flat)
         finally:
             self._inbox.close(group.group_id)
         if not in_place and not self.config.auxiliary:
-            async with self._locked():
-                with torch.no_grad():
-                    alpha = self.config.averaging_alpha
-                    for tensor, delta in zip(
-                        self._averaged_tensors, self.layout.views(flat), strict=True
-                    ):
-                        if alpha:
-                            tensor.add_(delta.to(tensor.dtype), alpha=alpha)
+            async with self._tensors.locked():
+                self._tensors.apply(flat, self.config.averaging_alpha)
         self.last_round_left = frozenset(runner.round.left)
         if runner.failed:
             logger.info(
@@ -699,13 +661,6 @@ class DecentralizedAverager:
                 group.size,
                 len(runner.failed),
             )
-
-    def _accumulator(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The reducer's accumulator, reused across rounds while large enough."""
-        buffer = self._acc
-        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
-            buffer = self._acc = torch.empty(numel, dtype=dtype)
-        return buffer[:numel]
 
     async def _leave_group(self, group: GroupInfo, reason: str) -> None:
         frame = Frame(ABORT, {"p": self.config.prefix, "g": group.group_id, "why": reason[:200]})
