@@ -8,7 +8,8 @@ is split into layers beside this module: ``matchmaking`` (pure state machine) an
 ``matchmaking_io`` (its I/O), ``members`` (what each member tells its group), ``butterfly``
 (one round, pure) and ``allreduce`` (its driver), ``sharing`` (a
 :class:`~peer.averaging.sharing.StateSharing` the averager owns: declaring, serving and
-downloading state) over ``state`` (its protocol), ``control`` (:class:`StepControl`).
+downloading state) over ``state`` (its protocol), ``control`` (:class:`StepControl`),
+``round_tensors`` (the tensors' lock and each round's flat buffer).
 
 Failure contract: :meth:`DecentralizedAverager.step` either returns a dict peer id →
 gathered data (every member of the group, this peer included) with the averaged tensors
@@ -19,14 +20,10 @@ fails after its all-reduce began (``allreduce_timeout``) keeps the parts it fini
 element then holds either its local value or its group's average. It never returns ``None``.
 
 Tensor access: by default (as in hivemind) a round holds the tensors' lock from the start
-of its all-reduce to the end and averages them in place, reading and writing their memory
-directly when they are laid out back to back (one tensor, or views of one flat buffer) and
-through one flat copy otherwise; :meth:`DecentralizedAverager.get_tensors` waits for the
-round. With ``concurrent_updates=True`` a round instead averages a snapshot and adds
-``average - snapshot`` back at the end, so the lock is held only for two copies and
-updates made to the tensors during the round are kept (the optimizers use this to train
-while averaging in the background); it costs two more passes over the tensors and a
-snapshot's memory.
+of its all-reduce to the end and averages them in place; with ``concurrent_updates=True``
+it averages a snapshot and adds the change back at the end, so that the tensors may be
+updated during the round. :class:`~peer.averaging.round_tensors.AveragedTensors` owns the
+lock and does that tensor handling (its module docstring has the details and costs).
 """
 
 from __future__ import annotations
