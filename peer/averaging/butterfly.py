@@ -36,9 +36,9 @@ member info, commands), :mod:`~peer.averaging.butterfly_plan` (roles, weight bou
 spans, computed alike by every member), :mod:`~peer.averaging.butterfly_send` (outboxes,
 frames, batching of consecutive uncompressed parts, mixed into :class:`ButterflyRound`) and
 :mod:`~peer.averaging.butterfly_results` (in-place or delta results, and the averages held
-until their reducer is trusted). This module keeps the machine itself: its events, what it
-accepts, and its faults. Received ``none`` payloads are decoded with one copy (the
-transport hands out read-only ``bytes``).
+until their reducer is trusted) and :mod:`~peer.averaging.butterfly_decode` (what a
+received frame holds). This module keeps the machine itself: its events, what it accepts,
+and its faults.
 
 Faults (each decision is local; survivors always finish):
 
@@ -75,6 +75,7 @@ from typing import Any
 
 import torch
 
+from peer.averaging.butterfly_decode import average_values, batch_sizes, contribution_values
 from peer.averaging.butterfly_plan import make_reducer, plan_round
 from peer.averaging.butterfly_results import (
     FORGED_AVERAGE_FACTOR,
@@ -98,13 +99,11 @@ from peer.averaging.partition import FlatLayout
 from peer.averaging.protocol import ABORT, AVERAGE, PART
 from peer.averaging.reducer import FinishedPart
 from peer.compression import (
-    CompressedTensor,
     Compression,
     CompressionError,
     TensorRole,
     all_finite,
     extract,
-    plain_values,
 )
 from peer.wire import Frame
 
@@ -415,14 +414,8 @@ class ButterflyRound(RoundSending):
             return
         index, count = frame.fields["i"], frame.fields.get("k", 1)
         try:
-            sizes = self._batch_sizes(reducer.part_sizes, index, count)
-            values = plain_values(frame.fields["c"], frame.payload, self.flat.dtype)
-            if values is None:
-                compressed = CompressedTensor.from_wire(frame.fields["c"], frame.payload)
-                # the reducer checks finiteness itself: skip extract's (second) pass
-                values = extract(compressed, check_finite=False).reshape(-1)
-            if count > 1 and values.numel() != sum(sizes):
-                raise ValueError(f"batch of {values.numel()} values, expected {sum(sizes)}")
+            sizes = batch_sizes(reducer.part_sizes, index, count)
+            values = contribution_values(frame, sizes, count, self.flat.dtype)
             finished = reducer.accumulate_range(sender, index, count, values, frame.fields["w"])
             self._on_received_parts(sender, index, count)
         except (BadContribution, CompressionError, ValueError, RuntimeError) as exc:
@@ -458,14 +451,6 @@ class ButterflyRound(RoundSending):
                     self.config.aggregator,
                 )
 
-    @staticmethod
-    def _batch_sizes(part_sizes: Sequence[int], index: Any, count: Any) -> Sequence[int]:
-        if type(count) is not int or count < 1 or type(index) is not int or index < 0:
-            raise ValueError(f"bad part range {index!r} + {count!r}")
-        if index + count > len(part_sizes):
-            raise ValueError(f"parts {index}..{index + count - 1} of {len(part_sizes)}")
-        return part_sizes[index : index + count]
-
     def _on_received_parts(self, sender: str, index: int, count: int) -> None:
         """Hook for fault-injection tests; does nothing here."""
 
@@ -477,24 +462,10 @@ class ButterflyRound(RoundSending):
         parts = self.partition.parts_of(r)
         index, count = frame.fields["i"], frame.fields.get("k", 1)
         try:
-            sizes = self._batch_sizes(self._sizes[r], index, count)
-            if count > 1 and "c" not in frame.fields:
-                raise ValueError("a batch of parts without averages")
-            average = None
-            if "c" in frame.fields:
-                average = plain_values(frame.fields["c"], frame.payload, self.flat.dtype)
-                if average is None:
-                    compressed = CompressedTensor.from_wire(frame.fields["c"], frame.payload)
-                    average = extract(compressed).reshape(-1)
-                elif not all_finite(average):
-                    raise CompressionError("none payload decodes to NaN or Inf")
-                if average.numel() != sum(sizes) or average.dtype != self.flat.dtype:
-                    raise ValueError(
-                        f"average of {average.numel()} {average.dtype}, expected "
-                        f"{sum(sizes)} {self.flat.dtype}"
-                    )
-                if self.config.aggregator != "mean":
-                    check_plausible(average, self.flat, parts[index].start, self.config.aggregator)
+            sizes = batch_sizes(self._sizes[r], index, count)
+            average = average_values(frame, sizes, count, self.flat.dtype)
+            if average is not None and self.config.aggregator != "mean":
+                check_plausible(average, self.flat, parts[index].start, self.config.aggregator)
         except (CompressionError, ValueError, RuntimeError) as exc:
             self._bad(sender, f"bad average: {exc}")
             return
