@@ -1,7 +1,8 @@
 """The asynchronous node: listener, authenticated links, the store and membership.
 
-Gossip exchanges (:mod:`peer.node.exchange`) and certificates and bans
-(:mod:`peer.node.trust`) are mixed in. Runs entirely on one asyncio event loop. :class:`peer.Node` wraps it with a synchronous
+It owns its gossip (:class:`peer.node.exchange.Gossip`) and its certificates and bans
+(:class:`peer.node.trust.Trust`), each handed what it needs of the node. Runs entirely on
+one asyncio event loop. :class:`peer.Node` wraps it with a synchronous
 API and a background thread; the many-peer simulator runs hundreds of these on one loop
 over the in-memory transport.
 """
@@ -15,7 +16,6 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from peer.exceptions import (
@@ -27,13 +27,13 @@ from peer.exceptions import (
 )
 from peer.identity import (
     Authenticator,
-    CertificateAuth,
     Identity,
     OpenAuth,
     peer_id_from_public_key,
 )
+from peer.node.config import NodeConfig
 from peer.node.cost import membership_ttl
-from peer.node.exchange import GOSSIP_PUSH, GossipExchange
+from peer.node.exchange import GOSSIP_PUSH, Gossip
 from peer.node.gossip import (
     MEMBERS_KEY,
     RESERVED_PREFIX,
@@ -49,80 +49,17 @@ from peer.node.gossip import (
 from peer.node.links import Handler, PeerLink, RemotePeer, handshake, register_link_messages
 from peer.node.membership import MAX_ADDRESS_CHARS, MAX_ADDRESSES, Member, decode_member
 from peer.node.reconnect import Reconnector
-from peer.node.trust import LINK_REVOCATIONS, Trust, clock_skew
+from peer.node.trust import LINK_REVOCATIONS, Trust, send_quietly
 from peer.revocation import RevocationBook
 from peer.transport.base import Connection, Listener, Transport, source_of
 from peer.transport.bulk import BULK_TICKET, BulkLanes, BulkSender
 from peer.wire import (
     Frame,
-    Limits,
     MessageRegistry,
     Schema,
 )
 
 logger = logging.getLogger("peer.node")
-
-
-@dataclass(frozen=True, slots=True)
-class NodeConfig:
-    """Tunables of one node. Defaults suit a real swarm; tests shorten the periods."""
-
-    host: str = "127.0.0.1"
-    port: int = 0
-    client_mode: bool = False
-    announce_addresses: tuple[str, ...] | None = None
-    gossip_period: float = 1.0  # seconds between anti-entropy rounds (±25 % jitter)
-    fanout: int = 3  # peers contacted per round
-    # a stored record is pushed at once to ``fanout`` peers, which relay what is new to them
-    # this many times more (each to ``fanout`` others): fresh values reach a swarm of
-    # dozens in milliseconds, not rounds; anti-entropy still brings them to everyone
-    push_relays: int = 2
-    member_ttl: float = 30.0  # a silent peer leaves membership after this long
-    request_timeout: float = 5.0
-    max_links: int = 64  # idle links beyond this are closed, least recently used first
-    link_idle_grace: float = 10.0  # a link used this recently is never closed as idle
-    max_exchange_bytes: int = 512 * 1024  # records sent per exchange; the rest wait a round
-    max_record_ttl: float = 7 * 24 * 3600.0
-    # the gossip store's total (peer.node.gossip.record_cost): past it, each owner keeps a
-    # fair share and the largest holders make room (identities cannot fill it together)
-    max_store_bytes: int = 32 << 20
-    retry_backoff: float = 5.0  # seconds before dialing a peer that just failed again
-    # an initial (bootstrap) address that failed this many times in a row is dropped; the
-    # first three retries come every gossip round, then after a doubling wait (up to a minute)
-    bootstrap_attempts: int = 8
-    # a peer whose membership expired without a goodbye is dialed again (one such peer per
-    # interval; None: every member_ttl) until it is back or this many seconds have passed,
-    # so a swarm split by a fault longer than member_ttl heals (peer.node.reconnect)
-    reconnect_interval: float | None = None
-    reconnect_give_up: float = 3600.0
-    # inbound connections still in their handshake; more are closed at once (each one may
-    # hold a small pre-authentication buffer until its handshake times out)
-    max_pending_handshakes: int = 64
-    # ... and of those, from one source (an IP address, an IPv6 /64): a stranger's idle
-    # connections cannot take every place and lock honest peers out
-    max_pending_handshakes_per_source: int = 16
-    bulk_lanes: bool = True  # TCP side lanes for tensor parts (peer.transport.bulk), if TCP
-    bulk_port: int = 0  # the lanes' listening port (0: any free one; set it behind a firewall)
-    # links and lanes sealed with keys from each handshake (peer.transport.secure); False
-    # only on a network where nobody can read or alter traffic: every peer must agree
-    encryption: bool = True
-    limits: Limits = field(default_factory=Limits)
-
-    def __post_init__(self) -> None:
-        if self.gossip_period <= 0 or self.fanout < 1 or self.member_ttl <= self.gossip_period:
-            raise ValueError("need gossip_period > 0, fanout >= 1 and member_ttl > gossip_period")
-        if self.push_relays < 0 or self.bootstrap_attempts < 1:
-            raise ValueError("need push_relays >= 0 and bootstrap_attempts >= 1")
-        if self.max_store_bytes < 1 << 16:
-            raise ValueError("max_store_bytes must be at least 64 KiB")
-        if self.max_pending_handshakes < 1 or self.max_pending_handshakes_per_source < 1:
-            raise ValueError(
-                "max_pending_handshakes and max_pending_handshakes_per_source must be >= 1"
-            )
-        if (self.reconnect_interval is not None and self.reconnect_interval <= 0) or (
-            self.reconnect_give_up <= 0
-        ):
-            raise ValueError("need reconnect_interval > 0 and reconnect_give_up > 0")
 
 
 def is_loopback(host: str) -> bool:
@@ -146,7 +83,10 @@ def check_open_mode(auth: Authenticator | None, config: NodeConfig) -> None:
         )
 
 
-class AsyncNode(Trust, GossipExchange):
+__all__ = ["AsyncNode", "Member", "NodeConfig", "check_open_mode", "is_loopback"]
+
+
+class AsyncNode:
     """One peer's network presence. ``await start()``, then ``store``/``get``; ``await
     shutdown()`` stops every task and closes every connection."""
 
@@ -164,28 +104,13 @@ class AsyncNode(Trust, GossipExchange):
         self.config = config or NodeConfig()
         check_open_mode(auth, self.config)  # whatever builds the node, Node or not
         self.identity = identity or Identity()
-        self.auth: Authenticator = auth if auth is not None else OpenAuth()
         self.transport = transport
         self.clock = clock
-        self.initial_peers = [str(a) for a in initial_peers]
         self.registry = MessageRegistry()
         register_link_messages(self.registry)
         self.store_ = GossipStore(
             max_ttl=self.config.max_record_ttl, max_bytes=self.config.max_store_bytes
         )
-        # certificate mode: which record owners hold a valid certificate of the run
-        self.certificates: CertificateBook | None = None
-        # certificate mode with the run's key at hand: the peers the run's authority banned
-        self.revocations: RevocationBook | None = None
-        if isinstance(self.auth, CertificateAuth):
-            self.certificates = CertificateBook(
-                self.auth.verify, max_clock_skew=clock_skew(self.auth)
-            )
-            run_key = getattr(self.auth.verify, "run_public_key", None)
-            run_id = getattr(self.auth.verify, "run_id", None)
-            if isinstance(run_key, bytes) and isinstance(run_id, str):
-                self.revocations = RevocationBook(run_key, run_id)
-        self._banned_self_warned = False
         self._seq = 0  # sequence number of this node's latest record (next_sequence)
         self.random = random.Random(seed)
         self.handlers: dict[str, Handler] = {}
@@ -197,20 +122,12 @@ class AsyncNode(Trust, GossipExchange):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._member_cache: dict[bytes, Member] = {}
         self._watchers: dict[str, list[Callable[[], None]]] = {}  # key → callbacks (watch)
-        self._bootstrapped: set[str] = set()  # initial peers reached at least once
-        self._dial_failures: dict[str, tuple[int, float]] = {}  # initial peer → (failures
-        # in a row, loop time of the last): see NodeConfig.bootstrap_attempts
-        # peers and addresses with a gossip exchange under way: a round skips them, so one
-        # that does not answer holds up only its own exchange, never the rounds
-        self._exchanging: set[str] = set()
-        self._added_peers: set[str] = set()  # initial peers from add_initial_peers
         self._reconnect = Reconnector(
             interval=self.config.reconnect_interval or self.config.member_ttl,
             give_up_after=self.config.reconnect_give_up,
             rng=random.Random(seed),
         )
         self._listener: Listener | None = None
-        self._quota_warned: set[str] = set()  # owners warned about for their store quota
         self._handshaking = 0  # inbound connections in their handshake
         self._handshaking_from: dict[str, int] = {}  # ... by source (source_of)
         self._sources_warned: set[str] = set()  # sources told off for their handshakes
@@ -222,13 +139,106 @@ class AsyncNode(Trust, GossipExchange):
         self._bulk_types: dict[str, Callable[[str, Frame], None] | None] = {}
         self._started = False
         self._stopping = False
-        self.rounds = 0
-        self.exchanges = 0  # gossip exchanges this node started and saw answered
-        self.full_exchanges = 0  # ... and those (started or answered) comparing whole stores
-        self.swarm_size = 1  # live members at the last round (peer.node.cost)
         self._next_refresh = 0.0  # clock time of the next membership refresh
-        self._register_trust()
-        self._register_gossip()
+        self.trust = Trust(
+            auth=auth if auth is not None else OpenAuth(),
+            identity=self.identity,
+            store=self.store_,
+            now=self.now,
+            spawn=self._spawn,
+            links=lambda: self._all_links,
+            running=lambda: self._started and not self._stopping,
+            register=self.register_handler,
+        )
+        self.gossip = Gossip(
+            config=self.config,
+            peer_id=self.peer_id,
+            store=self.store_,
+            trust=self.trust,
+            registry=self.registry,
+            register=self.register_handler,
+            rng=self.random,
+            reconnect=self._reconnect,
+            watchers=self._watchers,
+            links=self._links,
+            failed_at=self._failed_at,
+            now=self.now,
+            members=self.members,
+            link=self.link,
+            connect=self._connect,
+            peer_failed=self._peer_failed,
+            spawn=self._spawn,
+            initial_peers=initial_peers,
+        )
+
+    # the parts' state, as the node always showed it ----------------------------------------
+
+    @property
+    def auth(self) -> Authenticator:
+        return self.trust.auth
+
+    @property
+    def certificates(self) -> CertificateBook | None:
+        """Certificate mode: which record owners hold a valid certificate of the run."""
+        return self.trust.certificates
+
+    @property
+    def revocations(self) -> RevocationBook | None:
+        """Certificate mode with the run's key at hand: the peers the run's authority banned."""
+        return self.trust.revocations
+
+    def set_auth(self, auth: Authenticator) -> None:
+        """Present ``auth`` in every later handshake (see :meth:`Trust.set_auth`)."""
+        self.trust.set_auth(auth)
+
+    def revoke(self, data: bytes) -> bool:
+        """Apply the run's revocation list ``data`` (see :meth:`Trust.revoke`)."""
+        return self.trust.revoke(data)
+
+    def certified_role(self, peer_id: str) -> str | None:
+        """The role the run's authority gave ``peer_id`` (see :meth:`Trust.certified_role`)."""
+        return self.trust.certified_role(peer_id)
+
+    def certified_volunteer(self, peer_id: str) -> str | None:
+        """The volunteer ``peer_id``'s certificate names (:meth:`Trust.certified_volunteer`)."""
+        return self.trust.certified_volunteer(peer_id)
+
+    @property
+    def initial_peers(self) -> list[str]:
+        return self.gossip.initial_peers
+
+    @initial_peers.setter
+    def initial_peers(self, addresses: Sequence[str]) -> None:
+        self.gossip.initial_peers = [str(a) for a in addresses]
+
+    @property
+    def rounds(self) -> int:
+        """Gossip rounds this node started."""
+        return self.gossip.rounds
+
+    @property
+    def exchanges(self) -> int:
+        """Gossip exchanges this node started and saw answered."""
+        return self.gossip.exchanges
+
+    @property
+    def full_exchanges(self) -> int:
+        """Exchanges (started or answered) that compared whole stores."""
+        return self.gossip.full_exchanges
+
+    @property
+    def swarm_size(self) -> int:
+        """Live members at the last gossip round (:mod:`peer.node.cost`)."""
+        return self.gossip.swarm_size
+
+    @swarm_size.setter
+    def swarm_size(self, n: int) -> None:
+        self.gossip.swarm_size = n
+
+    async def bootstrap(self) -> None:
+        """Exchange with every initial peer once, right away, so membership is known before
+        the first regular round."""
+        await self.gossip.bootstrap()
 
     # lifecycle -----------------------------------------------------------------------------
 
@@ -246,7 +256,7 @@ class AsyncNode(Trust, GossipExchange):
         if self._started:
             return
         self._started = True
-        self._learn_own_certificate()
+        self.trust.learn_own_certificate()
         try:
             await self._listen()
         except BaseException:
@@ -260,7 +270,7 @@ class AsyncNode(Trust, GossipExchange):
         self._publish_membership()
         # the first refresh at a random point of the first interval
         self._next_refresh = self.now() + self._refresh_interval() * self.random.random()
-        self._spawn(self._gossip_loop(), "gossip")
+        self._spawn(self.gossip.loop(), "gossip")
         self._spawn(self._maintenance_loop(), "maintenance")
         if bootstrap and self.initial_peers:
             await self.bootstrap()
@@ -369,7 +379,7 @@ class AsyncNode(Trust, GossipExchange):
             )
         if stored:
             # Push right away to a few peers so a store is visible in about one round trip.
-            self._spawn(self._push_now([record], self.config.push_relays), "push")
+            self._spawn(self.gossip.push_now([record], self.config.push_relays), "push")
         return stored
 
     def watch(self, key: str, callback: Callable[[], None]) -> Callable[[], None]:
@@ -393,7 +403,7 @@ class AsyncNode(Trust, GossipExchange):
         from up to ``fanout`` peers so that a store made elsewhere a moment ago is seen."""
         self._check_running()
         if latest:
-            await self._gossip_round(full=True)
+            await self.gossip.round(full=True)
         return self.store_.get(key, self.now())
 
     def members(self) -> dict[str, Member]:
@@ -462,7 +472,7 @@ class AsyncNode(Trust, GossipExchange):
             )
         self._addresses = announced
         record = self._publish_membership()
-        self._spawn(self._push_now([record], self.config.push_relays), "push")
+        self._spawn(self.gossip.push_now([record], self.config.push_relays), "push")
 
     async def add_initial_peers(self, addresses: Sequence[str]) -> int:
         """Dial ``addresses`` now and keep them as initial peers: each is retried until
@@ -473,20 +483,7 @@ class AsyncNode(Trust, GossipExchange):
         self._check_running()
         if isinstance(addresses, str):
             raise TypeError('addresses is a list, e.g. ["ws://203.0.113.7:4000"]')
-        fresh = list(dict.fromkeys(str(a) for a in addresses))
-        kept = [a for a in self.initial_peers if a not in self._added_peers]
-        self._added_peers = set(fresh) - set(kept)
-        self.initial_peers = kept + [a for a in fresh if a not in kept]
-        self._bootstrapped.difference_update(fresh)
-        for address in fresh:  # handed out again: each gets its attempts again
-            self._dial_failures.pop(address, None)
-        results = await asyncio.gather(
-            *(self._exchange_with_address(a) for a in fresh), return_exceptions=True
-        )
-        reached = sum(not isinstance(r, BaseException) for r in results)
-        if fresh and not reached:
-            logger.info("none of %d new initial peer(s) answered yet; will keep trying", len(fresh))
-        return reached
+        return await self.gossip.add_initial_peers(addresses)
 
     @property
     def num_links(self) -> int:
@@ -511,7 +508,7 @@ class AsyncNode(Trust, GossipExchange):
         )
         self.store_.put(record, now)
         frame = Frame(
-            GOSSIP_PUSH, self._records_fields(sendable([record], self.certificates, now), now)
+            GOSSIP_PUSH, self.gossip.records_fields(sendable([record], self.certificates, now), now)
         )
         links = [link for link in self._links.values() if not link.closed]
         with contextlib.suppress(TimeoutError):
@@ -644,7 +641,7 @@ class AsyncNode(Trust, GossipExchange):
     def _refusal(self, public_key: bytes) -> str | None:
         """Why a handshake refuses ``public_key`` at its hello (before its frame limit
         could rise): a peer the run's authority banned."""
-        if self._banned(public_key):
+        if self.trust.banned(public_key):
             return f"peer {peer_id_from_public_key(public_key)} is banned by the run's authority"
         return None
 
@@ -729,11 +726,11 @@ class AsyncNode(Trust, GossipExchange):
         )
         self._all_links.add(link)
         self._links[remote.peer_id] = link
-        self._learn_certificate(remote)
+        self.trust.learn_certificate(remote)
         if self.revocations is not None and self.revocations.current is not None:
             # a peer that was away may not know the run's latest bans yet
             frame = Frame(LINK_REVOCATIONS, {"list": self.revocations.current.to_bytes()})
-            self._spawn(self._send_quietly(link, frame), "revocations")
+            self._spawn(send_quietly(link, frame), "revocations")
         self._failed_at.pop(remote.peer_id, None)
         self._reconnect.returned(remote.peer_id)
         if remote.peer_id in self._lost_warned:
@@ -789,8 +786,8 @@ class AsyncNode(Trust, GossipExchange):
             if now >= self._next_refresh:
                 self._publish_membership()
                 self._next_refresh = now + self._refresh_interval()
-            self._close_expired_links()
-            self._forget_expired_certificates(now)
+            self.trust.close_expired_links()
+            self.trust.forget_expired_certificates(now)
             for record in self.store_.expire(now):
                 if record.key == MEMBERS_KEY and record.owner_id != self.peer_id:
                     peer_id = record.owner_id

@@ -1,5 +1,5 @@
-"""Gossip exchanges for :class:`peer.node.core.AsyncNode`: push-pull rounds, pushes and
-their relays, and the checks every record passes before it is stored.
+"""A node's gossip (:class:`Gossip`, a part of :class:`peer.node.core.AsyncNode`): push-pull
+rounds, pushes and their relays, and the checks every record passes before it is stored.
 
 Every ``gossip_period`` (jittered) a node starts a round with up to ``fanout`` peers (and
 any initial peer not reached yet). Most exchanges are *rumour* exchanges: the node sends
@@ -26,7 +26,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from peer.exceptions import (
     AuthenticationError,
@@ -36,6 +36,7 @@ from peer.exceptions import (
     SwarmgradError,
     TransportError,
 )
+from peer.node.config import NodeConfig
 from peer.node.cost import full_sync_chance, news_rounds
 from peer.node.gossip import (
     MEMBERS_KEY,
@@ -52,6 +53,7 @@ from peer.node.gossip import (
 from peer.node.links import Handler, PeerLink
 from peer.node.membership import Member, decode_member
 from peer.node.reconnect import Reconnector
+from peer.node.trust import Trust
 from peer.wire import (
     BYTES,
     INT,
@@ -64,9 +66,6 @@ from peer.wire import (
     Schema,
 )
 
-if TYPE_CHECKING:
-    from peer.node.core import NodeConfig
-
 logger = logging.getLogger("peer.node")
 
 __all__ = [
@@ -75,7 +74,7 @@ __all__ = [
     "GOSSIP_NEWS",
     "GOSSIP_PUSH",
     "GOSSIP_REPLY",
-    "GossipExchange",
+    "Gossip",
 ]
 
 GOSSIP_DIGEST = "gossip.digest"  # whole-store comparison
@@ -104,57 +103,85 @@ def _record_ids(want: bytes) -> list[bytes]:
     return [want[i : i + RECORD_ID_BYTES] for i in range(0, len(want), RECORD_ID_BYTES)]
 
 
-class GossipExchange:
-    """Mixed into :class:`peer.node.core.AsyncNode`, whose attributes these are."""
+class Gossip:
+    """A node's gossip rounds and exchanges over its store. The node owns one and hands it
+    what it needs: its ``config``, ``peer_id``, ``store``, ``trust`` (certificates and
+    bans), message ``registry`` and ``register(message_type, schema, handler)``, random
+    source ``rng``, ``reconnect`` (departed peers to dial again), ``watchers`` (key →
+    callbacks for fresh records), its open ``links`` and ``failed_at`` (peer id → loop time
+    of its last failure), and its functions ``now()``, ``members()``, ``link(peer_id)``
+    (an open or new link), ``connect(address, expected_peer_id)`` (a new link),
+    ``peer_failed(peer_id, reason)`` and ``spawn(coroutine, name)`` (a task the node stops
+    at shutdown)."""
 
-    config: NodeConfig
-    registry: MessageRegistry
-    store_: GossipStore
-    certificates: CertificateBook | None
-    random: random.Random
-    initial_peers: list[str]
-    rounds: int
-    exchanges: int
-    full_exchanges: int
-    swarm_size: int
-    _links: dict[str, PeerLink]
-    _failed_at: dict[str, float]
-    _exchanging: set[str]
-    _bootstrapped: set[str]
-    _dial_failures: dict[str, tuple[int, float]]
-    _reconnect: Reconnector
-    _watchers: dict[str, list[Callable[[], None]]]
-    _quota_warned: set[str]
+    def __init__(
+        self,
+        *,
+        config: NodeConfig,
+        peer_id: str,
+        store: GossipStore,
+        trust: Trust,
+        registry: MessageRegistry,
+        register: Callable[[str, Schema, Handler], None],
+        rng: random.Random,
+        reconnect: Reconnector,
+        watchers: dict[str, list[Callable[[], None]]],
+        links: dict[str, PeerLink],
+        failed_at: dict[str, float],
+        now: Callable[[], float],
+        members: Callable[[], dict[str, Member]],
+        link: Callable[[str], Awaitable[PeerLink]],
+        connect: Callable[[str, str | None], Awaitable[PeerLink]],
+        peer_failed: Callable[[str, str], None],
+        spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
+        initial_peers: Sequence[str] = (),
+    ) -> None:
+        self.config = config
+        self.peer_id = peer_id
+        self.store_ = store
+        self.trust = trust
+        self.registry = registry
+        self.random = rng
+        self._reconnect = reconnect
+        self._watchers = watchers
+        self._links = links
+        self._failed_at = failed_at
+        self.now = now
+        self.members = members
+        self.link = link
+        self._connect = connect
+        self._peer_failed = peer_failed
+        self._spawn = spawn
+        self.initial_peers = [str(a) for a in initial_peers]
+        self._added_peers: set[str] = set()  # initial peers from add_initial_peers
+        self._bootstrapped: set[str] = set()  # initial peers reached at least once
+        self._dial_failures: dict[str, tuple[int, float]] = {}  # initial peer → (failures
+        # in a row, loop time of the last): see NodeConfig.bootstrap_attempts
+        # peers and addresses with a gossip exchange under way: a round skips them, so one
+        # that does not answer holds up only its own exchange, never the rounds
+        self._exchanging: set[str] = set()
+        self._quota_warned: set[str] = set()  # owners warned about for their store quota
+        self.rounds = 0
+        self.exchanges = 0  # exchanges this node started and saw answered
+        self.full_exchanges = 0  # ... and those (started or answered) comparing whole stores
+        self.swarm_size = 1  # live members at the last round (peer.node.cost)
+        self._register(register)
 
-    if TYPE_CHECKING:  # provided by AsyncNode
+    @property
+    def certificates(self) -> CertificateBook | None:
+        return self.trust.certificates
 
-        @property
-        def peer_id(self) -> str: ...
+    def _banned(self, public_key: bytes) -> bool:
+        return self.trust.banned(public_key)
 
-        def now(self) -> float: ...
-
-        def members(self) -> dict[str, Member]: ...
-
-        async def link(self, peer_id: str, addresses: Sequence[str] | None = None) -> PeerLink: ...
-
-        async def _connect(self, address: str, expected_peer_id: str | None) -> PeerLink: ...
-
-        def _peer_failed(self, peer_id: str, reason: str) -> None: ...
-
-        def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> Any: ...
-
-        def _banned(self, public_key: bytes) -> bool: ...
-
-        def register_handler(self, message_type: str, schema: Schema, handler: Handler) -> None: ...
-
-    def _register_gossip(self) -> None:
+    def _register(self, register: Callable[[str, Schema, Handler], None]) -> None:
         record_list = ListOf(AnyValue())
         # certificate mode: [owner public key, certificate] for the owners of the records
         certs = ListOf(ListOf(Scalar(bytes, max_length=4096), exact_length=2))
         # The digest travels as the raw payload (see GossipStore.digest); "want" is packed ids.
-        self.register_handler(GOSSIP_DIGEST, Schema(payload=True), self._on_digest)
-        self.register_handler(GOSSIP_NEWS, Schema(payload=True), self._on_news)
-        self.register_handler(GOSSIP_FETCH, Schema(required={"want": BYTES}), self._on_fetch)
+        register(GOSSIP_DIGEST, Schema(payload=True), self._on_digest)
+        register(GOSSIP_NEWS, Schema(payload=True), self._on_news)
+        register(GOSSIP_FETCH, Schema(required={"want": BYTES}), self._on_fetch)
         self.registry.register(
             GOSSIP_REPLY,
             Schema(
@@ -162,13 +189,13 @@ class GossipExchange:
                 optional={"certs": certs, "offer": BYTES},
             ),
         )
-        self.register_handler(
+        register(
             GOSSIP_PUSH,
             Schema(required={"records": record_list}, optional={"h": INT, "certs": certs}),
             self._on_push,
         )
 
-    def _records_fields(self, records: list[Record], now: float) -> dict[str, Any]:
+    def records_fields(self, records: list[Record], now: float) -> dict[str, Any]:
         """A frame's ``records`` and, in certificate mode, their owners' ``certs``."""
         fields: dict[str, Any] = {"records": [r.to_wire() for r in records]}
         certs = certificates_for(records, self.certificates, now)
@@ -180,7 +207,7 @@ class GossipExchange:
         """Exchange with every initial peer once, right away, so membership is known before
         the first regular round."""
         results = await asyncio.gather(
-            *(self._exchange_with_address(a) for a in self.initial_peers), return_exceptions=True
+            *(self.exchange_with_address(a) for a in self.initial_peers), return_exceptions=True
         )
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures and len(failures) == len(results):
@@ -188,10 +215,28 @@ class GossipExchange:
                 "could not reach any initial peer yet (%s); will keep trying", failures[0]
             )
 
-    async def _exchange_with_address(self, address: str) -> None:
+    async def add_initial_peers(self, addresses: Sequence[str]) -> int:
+        """Dial ``addresses`` now and keep them as initial peers (see
+        :meth:`peer.node.core.AsyncNode.add_initial_peers`). Returns how many answered."""
+        fresh = list(dict.fromkeys(str(a) for a in addresses))
+        kept = [a for a in self.initial_peers if a not in self._added_peers]
+        self._added_peers = set(fresh) - set(kept)
+        self.initial_peers = kept + [a for a in fresh if a not in kept]
+        self._bootstrapped.difference_update(fresh)
+        for address in fresh:  # handed out again: each gets its attempts again
+            self._dial_failures.pop(address, None)
+        results = await asyncio.gather(
+            *(self.exchange_with_address(a) for a in fresh), return_exceptions=True
+        )
+        reached = sum(not isinstance(r, BaseException) for r in results)
+        if fresh and not reached:
+            logger.info("none of %d new initial peer(s) answered yet; will keep trying", len(fresh))
+        return reached
+
+    async def exchange_with_address(self, address: str) -> None:
         try:
             link = await self._connect(address, None)
-            await self._exchange(link)
+            await self.exchange(link)
         except (SwarmgradError, TimeoutError):
             self._dial_failed(address)
             raise
@@ -246,7 +291,7 @@ class GossipExchange:
                 candidates.append(member.peer_id)
         return candidates
 
-    async def _gossip_round(self, *, full: bool = False) -> None:
+    async def round(self, *, full: bool = False) -> None:
         """One round: an exchange with up to ``fanout`` peers, each comparing whole stores
         if ``full`` or by chance (:func:`~peer.node.cost.full_sync_chance`), else news."""
         self.swarm_size = len(self.members())
@@ -274,7 +319,7 @@ class GossipExchange:
         retry = [a for a in retry if a not in self._exchanging]
         await asyncio.gather(
             *(self._exclusively(p, exchange) for p in targets),
-            *(self._exclusively(a, self._exchange_with_address) for a in retry),
+            *(self._exclusively(a, self.exchange_with_address) for a in retry),
             return_exceptions=True,
         )
 
@@ -292,7 +337,7 @@ class GossipExchange:
         link: PeerLink | None = None
         try:
             link = await self.link(peer_id)
-            await (self._exchange(link) if full else self._exchange_news(link))
+            await (self.exchange(link) if full else self.exchange_news(link))
         except ConnectionClosed as exc:
             if exc.clean:
                 # The other side closed an idle link just as we used it: not a lost peer.
@@ -311,7 +356,7 @@ class GossipExchange:
         ) as exc:
             self._peer_failed(peer_id, str(exc) or type(exc).__name__)
 
-    async def _exchange(self, link: PeerLink) -> None:
+    async def exchange(self, link: PeerLink) -> None:
         """Push-pull: send a digest, take what the other side sends, push what it wants."""
         now = self.now()
         reply = await link.request(
@@ -332,13 +377,13 @@ class GossipExchange:
             wanted, self.config.max_exchange_bytes, self.random, self.certificates, now
         )
         if batch:
-            await link.send(Frame(GOSSIP_PUSH, self._records_fields(batch, now)))
+            await link.send(Frame(GOSSIP_PUSH, self.records_fields(batch, now)))
 
     def _news_since(self, now: float) -> float:
         """When the records this node still offers as news arrived, at the latest."""
         return now - news_rounds(self.swarm_size) * self.config.gossip_period
 
-    async def _exchange_news(self, link: PeerLink) -> None:
+    async def exchange_news(self, link: PeerLink) -> None:
         """Rumour exchange: send the digest of this node's news; take the newer copies the
         other side sends, push what it wants, fetch what it offered that is news here."""
         now = self.now()
@@ -386,7 +431,7 @@ class GossipExchange:
             theirs_newer = self.random.sample(theirs_newer, budget)
         return Frame(
             GOSSIP_REPLY,
-            {**self._records_fields(batch, now), "want": b"".join(theirs_newer), "offer": offer},
+            {**self.records_fields(batch, now), "want": b"".join(theirs_newer), "offer": offer},
         )
 
     async def _on_fetch(self, link: PeerLink, frame: Frame) -> Frame:
@@ -395,7 +440,7 @@ class GossipExchange:
         batch = take_within_budget(
             records, self.config.max_exchange_bytes, self.random, self.certificates, now
         )
-        return Frame(GOSSIP_REPLY, {**self._records_fields(batch, now), "want": b""})
+        return Frame(GOSSIP_REPLY, {**self.records_fields(batch, now), "want": b""})
 
     async def _on_digest(self, link: PeerLink, frame: Frame) -> Frame:
         self.full_exchanges += 1
@@ -413,7 +458,7 @@ class GossipExchange:
         if len(theirs_newer) > budget:
             theirs_newer = self.random.sample(theirs_newer, budget)
         return Frame(
-            GOSSIP_REPLY, {**self._records_fields(batch, now), "want": b"".join(theirs_newer)}
+            GOSSIP_REPLY, {**self.records_fields(batch, now), "want": b"".join(theirs_newer)}
         )
 
     async def _on_push(self, link: PeerLink, frame: Frame) -> None:
@@ -422,7 +467,7 @@ class GossipExchange:
         relays = min(frame.fields.get("h", 0), self.config.push_relays)
         if fresh and relays > 0:
             # pass on what was news here (once: a record seen before is not news again)
-            self._spawn(self._push_now(fresh, relays - 1, exclude=link.peer_id), "relay")
+            self._spawn(self.push_now(fresh, relays - 1, exclude=link.peer_id), "relay")
         return None
 
     def _accept_records(
@@ -497,7 +542,7 @@ class GossipExchange:
             raise ProtocolError(f"{rejected} invalid record(s) relayed")
         return fresh
 
-    async def _push_now(
+    async def push_now(
         self, records: list[Record], relays: int = 0, exclude: str | None = None
     ) -> None:
         """Push ``records`` to up to ``fanout`` peers over open links, asking each to relay
@@ -510,7 +555,7 @@ class GossipExchange:
         if len(candidates) <= self.config.fanout:
             relays = 0  # this push reaches every peer there is: nothing to relay
         targets = self.random.sample(candidates, min(self.config.fanout, len(candidates)))
-        fields = self._records_fields(records, now)
+        fields = self.records_fields(records, now)
         if relays:
             fields["h"] = relays
         payload = Frame(GOSSIP_PUSH, fields)
@@ -521,7 +566,7 @@ class GossipExchange:
             with contextlib.suppress(SwarmgradError):
                 await link.send(payload)
 
-    async def _gossip_loop(self) -> None:
+    async def loop(self) -> None:
         period = self.config.gossip_period
         while True:
             await asyncio.sleep(period * self.random.uniform(0.75, 1.25))
@@ -529,10 +574,10 @@ class GossipExchange:
             # timeout for a peer that stopped answering, e.g. across a network partition),
             # and the others must still hear from this node every period. A peer whose
             # exchange is still under way is left out of the next rounds meanwhile.
-            self._spawn(self._gossip_round_logged(), "gossip-round")
+            self._spawn(self._round_logged(), "gossip-round")
 
-    async def _gossip_round_logged(self) -> None:
+    async def _round_logged(self) -> None:
         try:
-            await self._gossip_round()
+            await self.round()
         except SwarmgradError as exc:
             logger.debug("gossip round failed: %s", exc)

@@ -1,4 +1,4 @@
-"""Who may stay in the swarm: certificates and bans, for :class:`peer.node.core.AsyncNode`.
+"""Who may stay in the swarm: certificates and bans, a part of :class:`peer.node.core.AsyncNode`.
 
 In certificate mode a node keeps a book of the run's certificates (its own included), takes
 renewed ones over open links (``link.credential``), closes a link whose peer's certificate
@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
 
 from peer.exceptions import AuthenticationError, ProtocolError, SwarmgradError
 from peer.identity import Authenticator, CertificateAuth, Identity
@@ -25,7 +25,7 @@ from peer.wire import Frame, Scalar, Schema
 
 logger = logging.getLogger("peer.node")
 
-__all__ = ["LINK_CREDENTIAL", "LINK_REVOCATIONS", "Trust", "clock_skew"]
+__all__ = ["LINK_CREDENTIAL", "LINK_REVOCATIONS", "Trust", "clock_skew", "send_quietly"]
 
 LINK_CREDENTIAL = "link.credential"  # a renewed certificate, presented over an open link
 LINK_REVOCATIONS = "link.revocations"  # the run's revocation list, passed from peer to peer
@@ -37,35 +37,55 @@ def clock_skew(auth: CertificateAuth) -> float:
     return float(skew) if isinstance(skew, int | float) else 5.0
 
 
+async def send_quietly(link: PeerLink, frame: Frame) -> None:
+    """Send ``frame`` if the link still can; a link that closed meanwhile is no error."""
+    with contextlib.suppress(SwarmgradError):
+        await link.send(frame)
+
+
 class Trust:
-    """Mixed into :class:`peer.node.core.AsyncNode`, whose attributes these are."""
+    """A node's certificates and bans. The node owns one and hands it what it needs:
+    ``now`` (its clock), ``spawn(coroutine, name)`` (a task the node stops at shutdown),
+    ``links()`` (its open links), ``running()`` (started and not stopping) and
+    ``register(message_type, schema, handler)`` (accept a message type from peers)."""
 
-    auth: Authenticator
-    identity: Identity
-    certificates: CertificateBook | None
-    revocations: RevocationBook | None
-    store_: GossipStore
-    _all_links: set[PeerLink]
-    _started: bool
-    _stopping: bool
-    _banned_self_warned: bool
-
-    if TYPE_CHECKING:  # provided by AsyncNode
-
-        def now(self) -> float: ...
-
-        def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> Any: ...
-
-        def register_handler(self, message_type: str, schema: Schema, handler: Handler) -> None: ...
-
-    def _register_trust(self) -> None:
-        """Accept renewed certificates and revocation lists over links."""
-        self.register_handler(
+    def __init__(
+        self,
+        *,
+        auth: Authenticator,
+        identity: Identity,
+        store: GossipStore,
+        now: Callable[[], float],
+        spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
+        links: Callable[[], Iterable[PeerLink]],
+        running: Callable[[], bool],
+        register: Callable[[str, Schema, Handler], None],
+    ) -> None:
+        self.auth = auth
+        self.identity = identity
+        self.store_ = store
+        self.now = now
+        self._spawn = spawn
+        self._links = links
+        self._running = running
+        # certificate mode: which record owners hold a valid certificate of the run
+        self.certificates: CertificateBook | None = None
+        # certificate mode with the run's key at hand: the peers the run's authority banned
+        self.revocations: RevocationBook | None = None
+        if isinstance(auth, CertificateAuth):
+            self.certificates = CertificateBook(auth.verify, max_clock_skew=clock_skew(auth))
+            run_key = getattr(auth.verify, "run_public_key", None)
+            run_id = getattr(auth.verify, "run_id", None)
+            if isinstance(run_key, bytes) and isinstance(run_id, str):
+                self.revocations = RevocationBook(run_key, run_id)
+        self._banned_self_warned = False
+        # accept renewed certificates and revocation lists over links
+        register(
             LINK_CREDENTIAL,
             Schema(required={"credential": Scalar(bytes, max_length=4096)}),
             self._on_credential,
         )
-        self.register_handler(
+        register(
             LINK_REVOCATIONS,
             Schema(required={"list": Scalar(bytes, max_length=MAX_LIST_BYTES)}),
             self._on_revocations,
@@ -81,17 +101,13 @@ class Trust:
                 f"{auth.mode!r} (every peer of a swarm uses the same mode)"
             )
         self.auth = auth
-        self._learn_own_certificate()
-        if isinstance(auth, CertificateAuth) and self._started and not self._stopping:
+        self.learn_own_certificate()
+        if isinstance(auth, CertificateAuth) and self._running():
             # open links would close at the old certificate's expiry: show them the new one
             frame = Frame(LINK_CREDENTIAL, {"credential": auth.certificate})
-            for link in list(self._all_links):
+            for link in list(self._links()):
                 if not link.closed:
-                    self._spawn(self._send_quietly(link, frame), "credential")
-
-    async def _send_quietly(self, link: PeerLink, frame: Frame) -> None:
-        with contextlib.suppress(SwarmgradError):
-            await link.send(frame)
+                    self._spawn(send_quietly(link, frame), "credential")
 
     async def _on_credential(self, link: PeerLink, frame: Frame) -> None:
         """A peer renewed its certificate: check it like a handshake's, keep the link."""
@@ -108,18 +124,18 @@ class Trust:
         link.remote = dataclasses.replace(
             link.remote, credential=verified, certificate=frame.fields["credential"]
         )
-        self._learn_certificate(link.remote)
+        self.learn_certificate(link.remote)
         return None
 
-    def _learn_certificate(self, remote: RemotePeer) -> None:
-        if self._banned(remote.public_key):
+    def learn_certificate(self, remote: RemotePeer) -> None:
+        if self.banned(remote.public_key):
             return
         if self.certificates is not None and remote.certificate:
             self.certificates.learn(
                 remote.public_key, remote.certificate, remote.credential, self.now()
             )
 
-    def _learn_own_certificate(self) -> None:
+    def learn_own_certificate(self) -> None:
         """This node's records travel with its own certificate: keep it in the book."""
         if self.certificates is None or not isinstance(self.auth, CertificateAuth):
             return
@@ -133,14 +149,14 @@ class Trust:
             self.identity.public_key, self.auth.certificate, verified, self.now()
         )
 
-    def _close_expired_links(self) -> None:
+    def close_expired_links(self) -> None:
         """Links stay authenticated only while the peer's certificate is valid (with the
         verifier's clock-skew tolerance): one that expired without a renewal is closed."""
         if not isinstance(self.auth, CertificateAuth):
             return
         skew = clock_skew(self.auth)
         now = self.now()
-        for link in list(self._all_links):
+        for link in list(self._links()):
             expires = getattr(link.remote.credential, "expires_at", None)
             if isinstance(expires, int | float) and expires + skew < now and not link.closed:
                 logger.warning(
@@ -149,7 +165,7 @@ class Trust:
                 )
                 self._spawn(link.close("certificate expired"), "expired")
 
-    def _forget_expired_certificates(self, now: float) -> None:
+    def forget_expired_certificates(self, now: float) -> None:
         """Only holders of a valid certificate own records: an owner whose certificate
         expired without a renewal reaching this node loses its records here."""
         if self.certificates is None:
@@ -176,7 +192,7 @@ class Trust:
             return None
         return self.certificates.volunteer(peer_id)
 
-    def _banned(self, public_key: bytes) -> bool:
+    def banned(self, public_key: bytes) -> bool:
         book = self.revocations
         return (
             book is not None
@@ -231,7 +247,7 @@ class Trust:
             came_from or "the coordinator",
         )
         frame = Frame(LINK_REVOCATIONS, {"list": data})
-        for link in list(self._all_links):
+        for link in list(self._links()):
             if link.closed:
                 continue
             if link.remote.public_key in banned:
@@ -240,7 +256,7 @@ class Trust:
                 )
                 self._spawn(link.close("banned by the run's authority"), "banned")
             elif link.peer_id != came_from:
-                self._spawn(self._send_quietly(link, frame), "revocations")
+                self._spawn(send_quietly(link, frame), "revocations")
         if self.certificates is not None:
             self.certificates.forget(banned)
         gone = self.store_.drop_owners(list(banned))

@@ -237,7 +237,7 @@ def test_only_links_silent_for_a_while_are_evicted(vloop: VirtualTimeLoop) -> No
         busy_now = len(hub._all_links)  # all four just exchanged: none may be closed yet
         await asyncio.sleep(6.0)
         # Use one link afresh (a gossip exchange over it); then a new link triggers eviction.
-        await hub._exchange(await hub.link(spokes[0].peer_id))
+        await hub.gossip.exchange(await hub.link(spokes[0].peer_id))
         extra = AsyncNode(
             hub.visible_addresses,
             transport=net.transport("late"),

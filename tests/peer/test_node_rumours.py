@@ -48,7 +48,7 @@ def test_a_rumour_exchange_carries_news_both_ways_and_not_old_records(vloop) -> 
         net = MemoryNetwork(latency=0.01)
         a, b = await _pair(net)
         link = await a.link(b.peer_id, b.visible_addresses)
-        await a._exchange_news(link)  # membership records: news on both sides
+        await a.gossip.exchange_news(link)  # membership records: news on both sides
         assert set(a.members()) == set(b.members()) == {a.peer_id, b.peer_id}
         await asyncio.sleep(60.0)  # now old news everywhere
         now = a.now()
@@ -58,7 +58,7 @@ def test_a_rumour_exchange_carries_news_both_ways_and_not_old_records(vloop) -> 
         sent = net.stats.bytes
         a.store_._records.pop(b.store_.records("from_b", now)[0].rid)  # ... one was lost
         a.store_._learnt.pop(b.store_.records("from_b", now)[0].rid)
-        await a._exchange_news(link)
+        await a.gossip.exchange_news(link)
         got = (a.store_.get("from_b", a.now()), b.store_.get("from_a", b.now()))
         cost = net.stats.bytes - sent
         for node in (a, b):
@@ -91,14 +91,14 @@ def test_a_peer_cannot_make_a_node_fetch_more_than_one_want_reply(vloop) -> None
         mallory.handlers[GOSSIP_NEWS] = on_news
         mallory.handlers[GOSSIP_FETCH] = on_fetch
         link = await honest.link(mallory.peer_id, mallory.visible_addresses)
-        await honest._exchange_news(link)
+        await honest.gossip.exchange_news(link)
 
         async def torn(link, frame):
             return Frame(GOSSIP_REPLY, {"records": [], "want": b"", "offer": b"\0" * 21})
 
         mallory.handlers[GOSSIP_NEWS] = torn
         with pytest.raises(ProtocolError, match="multiple of 20"):
-            await honest._exchange_news(link)
+            await honest.gossip.exchange_news(link)
         for node in (honest, mallory):
             await node.shutdown()
         return fetched
