@@ -93,7 +93,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ),
         )
         sweep = RevocationSweep(
-            app.state.principal_cache, session_factory, settings.peer_auth_recheck_s
+            app.state.principal_cache,
+            session_factory,
+            settings.peer_auth_recheck_s,
+            rewarm_s=settings.peer_auth_cache_ttl_s / 2,
         )
         app.state.revocation_sweep = sweep
         async with buffer, sweep:

@@ -297,6 +297,26 @@ class PrincipalCache:
         self._entries.pop(token_id, None)
         self._entries[token_id] = (hash_secret(secret), self._clock() + life, value, run_id)
 
+    def put_verified(
+        self,
+        token_id: str,
+        secret_hash: bytes,
+        value: object,
+        *,
+        run_id: str | None = None,
+        expires_in_s: float | None = None,
+    ) -> None:
+        """As :meth:`put`, for a token read from the database (its stored hash, not its
+        secret): a request still has to present the secret that hashes to it."""
+        if self._ttl <= 0:
+            return
+        if len(self._entries) >= self._max:
+            for key in list(itertools.islice(self._entries, self._max // 10 + 1)):
+                del self._entries[key]
+        life = self._ttl if expires_in_s is None else min(self._ttl, expires_in_s)
+        self._entries.pop(token_id, None)
+        self._entries[token_id] = (secret_hash, self._clock() + life, value, run_id)
+
     def evict(self, token_ids: Iterable[str]) -> int:
         """Forget these tokens; how many were kept."""
         return sum(self._entries.pop(t, None) is not None for t in token_ids)

@@ -220,6 +220,11 @@ async def get_reporting_peer(
     request.app.state.report_guard.remember(principal.peer_pk, track)
     if parsed is not None:
         cache.put(parsed.id, parsed.secret, principal, run_id=run_id, expires_in_s=left)
+    sweep = getattr(request.app.state, "revocation_sweep", None)
+    if sweep is not None and settings.peer_auth_cache_ttl_s > 0:
+        # A run this worker meets (a peer of it authenticated): its other peers' tokens
+        # in one query, rather than one report at a time.
+        sweep.warm_soon(run_id, request.app.state.report_guard.remember)
     return principal
 
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
+from sqlalchemy import update
+
 from server.app import create_app
-from server.security import PrincipalCache
+from server.models import Token, utcnow
+from server.security import PrincipalCache, parse_token
 from tests.server.conftest import ORGANIZER, Api, client_for, make_settings, running
 
 
@@ -60,3 +63,28 @@ async def test_revoked_tokens_and_finished_runs_are_forgotten_at_the_next_sweep(
         assert finished.status_code == 200
         assert await asyncio.to_thread(sweep.sweep_once) == 1  # ada's token, of that run
         assert (await api.report(run["id"], other)).status_code == 409
+
+
+async def test_a_run_met_once_is_warmed_in_one_query_and_still_needs_each_secret(
+    database_url: str,
+) -> None:
+    settings = make_settings(database_url, peer_auth_cache_ttl_s=3600)
+    async with running(create_app(settings)) as app, client_for(app) as client:
+        api = Api(client)
+        run = await api.create_run()
+        invite = (await api.create_join_token(run["id"], max_uses=3))["token"]
+        first, second, revoked = [await api.join(run["id"], invite) for _ in range(3)]
+        gone, parsed = (parse_token(p.body["peer_token"]) for p in (revoked, second))
+        assert gone is not None and parsed is not None
+        with app.state.session_factory() as session, session.begin():
+            session.execute(update(Token).where(Token.id == gone.id).values(revoked_at=utcnow()))
+        cache = app.state.principal_cache
+        assert (await api.report(run["id"], first)).status_code == 202  # verified alone
+        await asyncio.gather(*app.state.revocation_sweep._warming.values())  # then the run
+        assert len(cache) == 2  # first's and second's tokens; the revoked one is not kept
+        assert cache.get(parsed.id, parsed.secret) is not None
+        assert cache.get(parsed.id, parsed.secret + "x") is None  # the secret still counts
+        peer_pk = cache.get(parsed.id, parsed.secret).peer_pk
+        assert peer_pk in app.state.report_guard._tracks  # the bounds' track, for the fast path
+        assert (await api.report(run["id"], second)).status_code == 202
+        assert (await api.report(run["id"], revoked)).status_code == 401
