@@ -108,7 +108,7 @@ class AsyncNode:
         self.clock = clock
         self.registry = MessageRegistry()
         register_link_messages(self.registry)
-        self.store_ = GossipStore(
+        self._store = GossipStore(
             max_ttl=self.config.max_record_ttl, max_bytes=self.config.max_store_bytes
         )
         self._seq = 0  # sequence number of this node's latest record (next_sequence)
@@ -172,6 +172,16 @@ class AsyncNode:
         )
 
     # the parts' state, as the node always showed it ----------------------------------------
+
+    @property
+    def store_(self) -> GossipStore:
+        """The gossip store this node and its parts read and write."""
+        return self._store
+
+    @store_.setter
+    def store_(self, store: GossipStore) -> None:
+        # replaced before start (a test's or a simulator's own store): every part sees it
+        self._store = self.gossip.store_ = self.trust.store_ = store
 
     @property
     def auth(self) -> Authenticator:
