@@ -57,6 +57,7 @@ one a second's work, well within it) — while the time since joining bounds the
 from __future__ import annotations
 
 import enum
+import heapq
 from dataclasses import dataclass, field
 
 from server.schemas import MAX_INT
@@ -159,10 +160,24 @@ class SwarmView:
     # lifted in this view, at most once each.
     lifted: dict[int, tuple[int, int]] = field(default_factory=dict)
     lifted_here: set[int] = field(default_factory=set)
+    # The two highest (epoch, volunteer) of ``online``: what :func:`swarm_epoch` needs,
+    # kept as ``online`` rises (it never falls), so a report costs O(1), not O(volunteers).
+    top: list[tuple[int, int]] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.top = heapq.nlargest(2, ((e, v) for v, e in self.online.items()))
+
+    def _raise(self, volunteer_id: int, epoch: int) -> None:
+        """``online[volunteer_id] = epoch``, above what it held."""
+        self.online[volunteer_id] = epoch
+        top = [t for t in self.top if t[1] != volunteer_id]
+        top.append((epoch, volunteer_id))
+        top.sort(reverse=True)
+        self.top = top[:2]
 
     def saw(self, volunteer_id: int, epoch: int, at_ms: int) -> None:
         if epoch > self.online.get(volunteer_id, -1):
-            self.online[volunteer_id] = epoch
+            self._raise(volunteer_id, epoch)
         if epoch >= self.admitted.get(volunteer_id, (-1, 0))[0]:
             self.admitted[volunteer_id] = (epoch, at_ms)
 
@@ -176,7 +191,7 @@ class SwarmView:
             return False
         self.lifted_here.add(volunteer_id)
         if epoch > self.online.get(volunteer_id, -1):
-            self.online[volunteer_id] = epoch
+            self._raise(volunteer_id, epoch)
         if epoch >= self.lifted.get(volunteer_id, (-1, 0))[0]:
             self.lifted[volunteer_id] = (epoch, at_ms)
         return True
@@ -187,7 +202,7 @@ class SwarmView:
         for volunteer_id, (epoch, at_ms) in older.lifted.items():
             # Once the database has the volunteer online that far, it has the run there too.
             if at_ms >= since_ms and epoch > self.online.get(volunteer_id, -1):
-                self.online[volunteer_id] = epoch
+                self._raise(volunteer_id, epoch)
                 self.highest = max(self.highest, epoch)
                 self.lifted[volunteer_id] = (epoch, at_ms)
         for volunteer_id, (epoch, at_ms) in older.admitted.items():
@@ -206,10 +221,13 @@ def swarm_epoch(view: SwarmView, volunteer_id: int) -> int:
     read counts as well (the reporter's own included, and the epochs it was lifted to in
     earlier views): a lone volunteer can then move the epoch by at most the lead per view.
     """
-    others = [epoch for v, epoch in view.online.items() if v != volunteer_id]
-    if len(others) >= 2:
-        return max(others)
-    return max([view.highest, *others])
+    others = len(view.online) - (volunteer_id in view.online)
+    # ``top`` holds the two highest volunteers: at most one of them is the reporter, and
+    # with fewer than two others it holds all of ``online``.
+    highest_other = [epoch for epoch, v in view.top if v != volunteer_id]
+    if others >= 2:
+        return highest_other[0]
+    return max([view.highest, *highest_other])
 
 
 def lift_on_refusal(

@@ -388,3 +388,23 @@ async def _alternate(api: Api) -> None:
         assert (await api.report(run["id"], liar, epoch=100)).status_code == 422
         assert (await api.report(run["id"], liar, group_size=50)).status_code == 422
     assert (await api.report(run["id"], liar, epoch=6)).status_code == 422  # still 0 + 5
+
+
+def test_the_swarm_epoch_kept_as_reports_arrive_is_the_one_counted_from_scratch() -> None:
+    """The view keeps its two highest volunteers as epochs rise, so that a report costs the
+    same at 10,000 volunteers as at 10: the answer must be what a scan of them all gives."""
+    import random
+
+    def scanned(view: SwarmView, volunteer_id: int) -> int:
+        others = [e for v, e in view.online.items() if v != volunteer_id]
+        return max(others) if len(others) >= 2 else max([view.highest, *others])
+
+    rng = random.Random(7)
+    for _ in range(200):
+        online = {v: rng.randrange(20) for v in range(rng.randrange(5))}
+        view = SwarmView(read_ms=0, online=online, highest=rng.randrange(25))
+        for step in range(30):
+            v, epoch = rng.randrange(6), rng.randrange(30)
+            (view.saw if rng.random() < 0.7 else view.lift)(v, epoch, step)
+            for reporter in range(7):
+                assert swarm_epoch(view, reporter) == scanned(view, reporter)
