@@ -39,6 +39,7 @@ from peer.exceptions import (
 from peer.node.config import NodeConfig
 from peer.node.cost import full_sync_chance, news_rounds
 from peer.node.gossip import (
+    DIGEST_ENTRY_BYTES,
     MEMBERS_KEY,
     RECORD_ID_BYTES,
     CertificateBook,
@@ -422,7 +423,9 @@ class Gossip:
             raise ProtocolError(str(exc)) from None
         theirs_newer, mine_newer = self.store_.wanted(listed, now)
         # the news here that the other side did not list: it fetches what it lacks
-        offer = self.store_.recent_digest(self._news_since(now), now, exclude=listed)
+        # (newest first, as many as the field may carry: the rest wait for a later round)
+        fits = self.config.limits.max_string_length // DIGEST_ENTRY_BYTES
+        offer = self.store_.recent_digest(self._news_since(now), now, exclude=listed, limit=fits)
         batch = take_within_budget(
             mine_newer, self.config.max_exchange_bytes, self.random, self.certificates, now
         )

@@ -55,6 +55,7 @@ from peer.identity import (
 RECORD_CONTEXT = b"swarmgrad/record/v2\x00"
 RECORD_ID_BYTES = 12
 _DIGEST_ENTRY = struct.Struct(f">{RECORD_ID_BYTES}sQ")  # record id, sequence number
+DIGEST_ENTRY_BYTES = _DIGEST_ENTRY.size
 MAX_SEQUENCE = (1 << 63) - 1
 MAX_DIGEST_ENTRIES = 1 << 18  # entries of a peer's digest that a comparison reads
 RESERVED_PREFIX = "_"
@@ -446,16 +447,20 @@ class GossipStore:
         return b"".join(pack(rid, r.seq) for rid, r in self._records.items() if r.expiration > now)
 
     def recent_digest(
-        self, since: float, now: float, exclude: dict[bytes, int] | None = None
+        self,
+        since: float,
+        now: float,
+        exclude: dict[bytes, int] | None = None,
+        limit: int = MAX_DIGEST_ENTRIES,
     ) -> bytes:
         """Like :meth:`digest`, for the live records this store took at ``since`` or later
         only (the news a rumour exchange offers; see :mod:`peer.node.cost`), less the ids in
-        ``exclude``. Costs what it lists, not the whole store (the times given to
-        :meth:`put` are taken to grow)."""
+        ``exclude``, newest first, at most ``limit`` of them. Costs what it lists, not the
+        whole store (the times given to :meth:`put` are taken to grow)."""
         pack = _DIGEST_ENTRY.pack
-        out = []
+        out: list[bytes] = []
         for rid in reversed(self._learnt):
-            if self._learnt[rid] < since:
+            if self._learnt[rid] < since or len(out) >= limit:
                 break
             record = self._records[rid]
             if record.expiration > now and (exclude is None or rid not in exclude):

@@ -8,9 +8,10 @@ import asyncio
 import pytest
 
 from peer.exceptions import ProtocolError
+from peer.identity import Identity
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.exchange import GOSSIP_FETCH, GOSSIP_NEWS, GOSSIP_REPLY, want_budget
-from peer.node.gossip import RECORD_ID_BYTES
+from peer.node.gossip import RECORD_ID_BYTES, Record
 from peer.transport.memory import MemoryNetwork
 from peer.wire import Frame
 from swarmlab.sim import EPOCH, VirtualTimeLoop
@@ -105,3 +106,29 @@ def test_a_peer_cannot_make_a_node_fetch_more_than_one_want_reply(vloop) -> None
 
     fetched = vloop.run_until_complete(main())
     assert fetched == [want_budget(QUIET.limits, QUIET.max_exchange_bytes)] == [100]
+
+
+def test_more_news_than_one_reply_may_offer_is_offered_over_several_rounds(vloop) -> None:
+    async def main():
+        net = MemoryNetwork(latency=0.01)
+        a, b = await _pair(net)
+        now = b.now()
+        for owner in (Identity() for _ in range(5)):
+            for i in range(1000):  # 5,000 records of news at b: more than one offer carries
+                b.store_.put(Record.create(owner, "k", i, i, now + 300, seq=i + 1), now)
+        link = await a.link(b.peer_id, b.visible_addresses)
+        counts = []
+        for _ in range(3):
+            await a.gossip.exchange_news(link)
+            counts.append(len(a.store_))
+        closed = link.closed
+        for node in (a, b):
+            await node.shutdown()
+        return counts, closed
+
+    counts, closed = vloop.run_until_complete(main())
+    assert not closed
+    # each round fetches what one reply carries (12,800 bytes here: about 97 records) of
+    # what b offered; an offer of all 5,000 would be over the field's limit: a refused reply
+    gained = [after - before for before, after in zip([2, *counts], counts, strict=False)]
+    assert all(90 <= g <= 100 for g in gained), gained
