@@ -24,6 +24,8 @@ that every acknowledged report was stored (docs/deploy.md has figures):
 
     python bench/coordinator_load.py --backend postgresql --volunteers 10000 --interval 10 \
         --duration 60 --workers 2 --concurrency 64 --client-processes 2
+
+``--swarm-file swarm.json`` keeps the joined swarm for the next runs (they skip the joins).
 """
 
 from __future__ import annotations
@@ -116,13 +118,18 @@ def _free_port() -> int:
 
 
 def start_server(
-    database_url: str, workers: int, flush_interval: float, auth_cache_ttl: float
+    database_url: str,
+    workers: int,
+    flush_interval: float,
+    auth_cache_ttl: float,
+    secret_key: str | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARMGRAD_")}
     env.update(
         SWARMGRAD_ENVIRONMENT="production",
-        SWARMGRAD_SECRET_KEY=secrets.token_urlsafe(48),
+        # A swarm kept for later runs keeps its key: it seals the runs' signing keys.
+        SWARMGRAD_SECRET_KEY=secret_key or secrets.token_urlsafe(48),
         SWARMGRAD_ADMIN_TOKEN=ADMIN,
         SWARMGRAD_REPORT_FLUSH_INTERVAL_S=str(flush_interval),
         SWARMGRAD_DB_POOL_SIZE="20",
@@ -174,14 +181,29 @@ async def setup_run(base: str, peers: int) -> tuple[str, list[str]]:
         run = (
             await http.post("/runs", json={"name": "bench", "task": "none"}, headers=admin)
         ).json()
-        # Every simulated peer joins with this one invite: it needs that many uses. (The
-        # rate limits spare loopback clients, so the joins and reports are not throttled.)
+        # Every simulated peer joins with this one invite: it needs that many uses, and a few
+        # more for joins retried. (The rate limits spare loopback clients, so the joins and
+        # reports are not throttled.)
         invite = (
-            await http.post(f"/runs/{run['id']}/tokens", json={"max_uses": peers}, headers=admin)
+            await http.post(
+                f"/runs/{run['id']}/tokens", json={"max_uses": peers + 100}, headers=admin
+            )
         ).json()
         semaphore = asyncio.Semaphore(16)
 
         async def join(i: int) -> str:
+            # On a loaded machine a keep-alive connection may be closed under a request:
+            # join again, with a new key (the lost join may have happened).
+            for attempt in range(5):
+                try:
+                    return await join_once(i)
+                except httpx.TransportError:
+                    if attempt == 4:
+                        raise
+                    await asyncio.sleep(1)
+            raise AssertionError("unreachable")
+
+        async def join_once(i: int) -> str:
             identity = Identity()
             invitee = {"Authorization": f"Bearer {invite['token']}"}
             async with semaphore:
@@ -360,9 +382,20 @@ def stored_reports(database_url: str) -> int:
         engine.dispose()
 
 
-def _database(backend: str, args: argparse.Namespace) -> tuple[str, Callable[[], None]]:
+def _schema_url(postgres_url: str, schema: str) -> str:
+    return (
+        make_url(postgres_url)
+        .update_query_dict({"options": f"-csearch_path={schema}"})
+        .render_as_string(hide_password=False)
+    )
+
+
+def _database(
+    backend: str, args: argparse.Namespace, *, keep: bool = False
+) -> tuple[str, Callable[[], None]]:
     """A fresh database for one backend: a SQLite file in a temporary directory, or a new
-    schema of the PostgreSQL database at ``--postgres-url``; and what removes it."""
+    schema of the PostgreSQL database at ``--postgres-url``; and what removes it (``keep``:
+    what leaves the schema in place)."""
     tmp = tempfile.TemporaryDirectory(prefix="swarmgrad-bench-")
     if backend == "sqlite":
         return f"sqlite:///{tmp.name}/coordinator.db", tmp.cleanup
@@ -370,19 +403,15 @@ def _database(backend: str, args: argparse.Namespace) -> tuple[str, Callable[[],
     admin = create_engine(args.postgres_url)
     with admin.begin() as connection:
         connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = (
-        make_url(args.postgres_url)
-        .update_query_dict({"options": f"-csearch_path={schema}"})
-        .render_as_string(hide_password=False)
-    )
 
     def cleanup() -> None:
-        with admin.begin() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        if not keep:
+            with admin.begin() as connection:
+                connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
         tmp.cleanup()
 
-    return url, cleanup
+    return _schema_url(args.postgres_url, schema), cleanup
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -595,20 +624,30 @@ async def _live_delays(base: str, run_id: str, token: str, duration: float) -> l
         httpx.AsyncClient(base_url=base, timeout=30) as http,
         connect(ws_url, max_size=None) as feed,
     ):
-        await asyncio.wait_for(feed.recv(), 60)  # the current document
+        # The current document. The probe's row changes only with the probe's reports: a
+        # frame with another value than the last shows the report just sent (on a reused
+        # swarm, the coordinator banks the counter it restarts from: a change all the same).
+        shown = probe_samples(json.loads(await asyncio.wait_for(feed.recv(), 60)))
         end = time.perf_counter() + duration
         i = 0
         while time.perf_counter() < end - 1:
             i += 1
             report = {"epoch": 0, "samples": PROBE_SAMPLES + i, "samples_per_second": 10.0}
             start = time.perf_counter()
-            answer = await http.post(f"/api/v1/runs/{run_id}/reports", json=report, headers=headers)
+            try:
+                answer = await http.post(
+                    f"/api/v1/runs/{run_id}/reports", json=report, headers=headers
+                )
+            except httpx.TransportError:  # a keep-alive connection closed under it: again
+                continue
             if answer.status_code != 202:
                 raise SystemExit(f"the live-feed probe's report was refused: {answer.text}")
-            while probe_samples(json.loads(await asyncio.wait_for(feed.recv(), 60))) != (
-                PROBE_SAMPLES + i
-            ):
-                pass
+            while True:
+                frame = json.loads(await asyncio.wait_for(feed.recv(), 60))
+                value = probe_samples(frame) if frame.get("type") == "dashboard" else shown
+                if value is not None and value != shown:
+                    shown = value
+                    break
             delays.append(time.perf_counter() - start)
             await asyncio.sleep(max(0.0, start + 1.0 - time.perf_counter()))
     return delays
@@ -685,13 +724,41 @@ def _line(result: Result) -> str:
 def bench_paced(backend: str, args: argparse.Namespace) -> bool:
     """Whether the goals held (p99 of reports and of the dashboard's data, every report
     acknowledged and stored, the schedule kept)."""
-    url, cleanup = _database(backend, args)
+    swarm_file = Path(args.swarm_file) if args.swarm_file else None
+    saved = json.loads(swarm_file.read_text()) if swarm_file and swarm_file.exists() else None
+    if saved is not None:
+        if backend != "postgresql" or len(saved["tokens"]) != args.volunteers:
+            raise SystemExit(f"{swarm_file} holds {len(saved['tokens'])} volunteers on PostgreSQL")
+        url, cleanup = _schema_url(args.postgres_url, saved["schema"]), lambda: None
+    else:
+        url, cleanup = _database(backend, args, keep=swarm_file is not None)
+    secret_key = saved["secret_key"] if saved is not None else secrets.token_urlsafe(48)
     try:
-        process, base = start_server(url, args.workers, args.flush_interval, args.auth_cache_ttl)
+        process, base = start_server(
+            url, args.workers, args.flush_interval, args.auth_cache_ttl, secret_key
+        )
         try:
             began = time.perf_counter()
-            run_id, tokens, probe_token = asyncio.run(_paced_setup(base, args.volunteers))
+            if saved is None:
+                run_id, tokens, probe_token = asyncio.run(_paced_setup(base, args.volunteers))
+                if swarm_file is not None:
+                    schema = make_url(url).query["options"].split("=", 1)[1]
+                    swarm_file.write_text(
+                        json.dumps(
+                            {
+                                "schema": schema,
+                                "run_id": run_id,
+                                "tokens": tokens,
+                                "probe_token": probe_token,
+                                "secret_key": secret_key,
+                            }
+                        )
+                    )
+            else:
+                run_id, tokens = saved["run_id"], saved["tokens"]
+                probe_token = saved["probe_token"]
             joined_s = time.perf_counter() - began
+            stored_before = stored_reports(url)
             size_before = database_bytes(url)
             cpu_before = process_tree_cpu_seconds(process.pid)
             processes = max(1, min(args.client_processes, len(tokens)))
@@ -731,7 +798,7 @@ def bench_paced(backend: str, args: argparse.Namespace) -> bool:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=60)
         size_after = database_bytes(url)
-        stored = stored_reports(url)
+        stored = stored_reports(url) - stored_before
     finally:
         cleanup()
     reports = Result(
@@ -767,8 +834,12 @@ def bench_paced(backend: str, args: argparse.Namespace) -> bool:
         f"{backend:<10} volunteers={args.volunteers} every {args.interval:g} s "
         f"(due {goal_rate:.0f} reports/s) workers={args.workers} "
         f"connections={per * processes} client processes={processes}; "
-        f"joined (with proof of possession) in {joined_s:.0f} s\n"
-        f"{_line(reports)}  accepted {reports.ok}  stored {stored - len(live)}"
+        + (
+            f"joined (with proof of possession) in {joined_s:.0f} s\n"
+            if saved is None
+            else f"the swarm of {swarm_file} (joined before)\n"
+        )
+        + f"{_line(reports)}  accepted {reports.ok}  stored {stored - len(live)}"
         f"{'' if stored == expected_stored else '  <-- MISMATCH'}\n"
         f"  worst lag behind the schedule: {lag * 1000:.0f} ms\n"
         f"{cpu_line}"
@@ -810,7 +881,7 @@ def main() -> None:
     parser.add_argument(
         "--auth-cache-ttl",
         type=float,
-        default=30.0,
+        default=600.0,
         help="SWARMGRAD_PEER_AUTH_CACHE_TTL_S (0: every report is checked in the database)",
     )
     parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES)
@@ -830,6 +901,13 @@ def main() -> None:
         type=float,
         default=1.0,
         help="Bootstrap calls, certificate renewals and dashboard reads per second (each).",
+    )
+    parser.add_argument(
+        "--swarm-file",
+        default=None,
+        help="With --volunteers on PostgreSQL: keep the joined swarm (its schema, run and "
+        "tokens) and name it in this JSON file; a later run given the same file reuses it "
+        "instead of joining again (10,000 joins take minutes). Drop the schema by hand after.",
     )
     args = parser.parse_args()
     if args.volunteers < 0 or args.interval <= 0 or args.side_rate <= 0:
