@@ -40,6 +40,7 @@ import torch
 
 from peer.averaging.allreduce import AllreduceRunner, RunnerFactory
 from peer.averaging.butterfly import ButterflyRound
+from peer.averaging.butterfly_send import RoundSending
 from peer.averaging.protocol import PART
 from peer.averaging.seam import Link
 from peer.averaging.state import StateServer
@@ -64,19 +65,15 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class FaultyRound(ButterflyRound):
-    """A round whose frames misbehave as ``fault`` says (``nan``, ``wrong_length``,
-    ``oversized``, ``bad_range``, ``kill_while_reducing``; others leave its frames alone)."""
+class FaultySending(RoundSending):
+    """A round's sending side whose frames misbehave as ``fault`` says (``nan``,
+    ``wrong_length``, ``oversized``, ``bad_range``; others leave its frames alone)."""
 
     max_batch_bytes = 0  # one part per frame: faults land between parts
 
-    def __init__(self, *args: Any, fault: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *, fault: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.fault = fault
-
-    def _on_received_parts(self, sender: str, index: int, count: int) -> None:
-        if self.fault == "kill_while_reducing":
-            _kill_self()
 
     def _contribution_wire(self, r: int, index: int) -> tuple[dict[str, Any], Any]:
         header, payload = super()._contribution_wire(r, index)
@@ -97,6 +94,20 @@ class FaultyRound(ButterflyRound):
             fields = {**frame.fields, "k": len(self.partition.parts_of(r)) + 1}
             return Frame(frame.type, fields, frame.payload)
         return frame
+
+
+class FaultyRound(ButterflyRound):
+    """A round that misbehaves as ``fault`` says: its frames (see :class:`FaultySending`),
+    or ``kill_while_reducing``."""
+
+    def __init__(self, *args: Any, fault: str, **kwargs: Any) -> None:
+        sending = functools.partial(FaultySending, fault=fault)
+        super().__init__(*args, sending_factory=sending, **kwargs)
+        self.fault = fault
+
+    def _on_received_parts(self, sender: str, index: int, count: int) -> None:
+        if self.fault == "kill_while_reducing":
+            _kill_self()
 
 
 class SendFault:

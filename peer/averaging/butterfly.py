@@ -34,7 +34,8 @@ it interleavings of events (``tests/peer/averaging/test_butterfly.py``).
 The module's parts, each without I/O: :mod:`~peer.averaging.butterfly_types` (options,
 member info, commands), :mod:`~peer.averaging.butterfly_plan` (roles, weight bound and
 spans, computed alike by every member), :mod:`~peer.averaging.butterfly_send` (outboxes,
-frames, batching of consecutive uncompressed parts, mixed into :class:`ButterflyRound`) and
+frames, batching of consecutive uncompressed parts: a collaborator each
+:class:`ButterflyRound` owns as ``sending``) and
 :mod:`~peer.averaging.butterfly_results` (in-place or delta results, and the averages held
 until their reducer is trusted) and :mod:`~peer.averaging.butterfly_decode` (what a
 received frame holds). This module keeps the machine itself: its events, what it accepts,
@@ -82,7 +83,7 @@ from peer.averaging.butterfly_results import (
     RoundResults,
     check_plausible,
 )
-from peer.averaging.butterfly_send import NOT_YET, Outbox, RoundSending
+from peer.averaging.butterfly_send import NOT_YET, RoundSending
 from peer.averaging.butterfly_types import (
     AllreduceConfig,
     Command,
@@ -127,9 +128,16 @@ def _never(peer_id: str) -> float:
     return 0.0
 
 
-class ButterflyRound(RoundSending):
+SendingFactory = Callable[..., RoundSending]
+
+
+class ButterflyRound:
     """One member's side of one round (see the module docstring). After :class:`Done` and
-    :meth:`finish`, ``flat`` holds the round's result."""
+    :meth:`finish`, ``flat`` holds the round's result.
+
+    ``sending_factory`` is for tests: it builds the round's sending side
+    (:class:`~peer.averaging.butterfly_send.RoundSending`, given keyword arguments) in place
+    of the real one (a subclass whose frames misbehave)."""
 
     def __init__(
         self,
@@ -147,6 +155,7 @@ class ButterflyRound(RoundSending):
         scratch: Callable[[int, torch.dtype], torch.Tensor] | None = None,
         in_place: bool = False,
         alpha: float = 1.0,
+        sending_factory: SendingFactory = RoundSending,
     ) -> None:
         self.prefix = prefix
         self.group = group
@@ -182,7 +191,6 @@ class ButterflyRound(RoundSending):
             alpha=alpha,
         )
         self.finished: dict[int, FinishedPart] = {}
-        self._init_wire()
         sending_to_me = set(senders) if self.reducer is not None else set()
         # reducers whose averages this peer writes at once: nothing (more) to check of them
         self.results = RoundResults(
@@ -201,20 +209,24 @@ class ButterflyRound(RoundSending):
         self.excluded_senders: set[str] = set()
         self._logged: set[str] = set()
         self._outliers_named: set[str] = set()
-        self._outboxes: dict[str, Outbox] = {}
-        for r, member in enumerate(self.members):
-            if r == self.index:
-                continue
-            box = self._outboxes[member.peer_id] = Outbox()
-            if self.is_sender:
-                box.contributions.extend(range(len(self.partition.parts_of(r))))
+        self.sending = sending_factory(
+            prefix=prefix,
+            group=group,
+            index=self.index,
+            peer_index=self.peer_index,
+            flat=flat,
+            weight=self.weight,
+            partition=self.partition,
+            sizes=self._sizes,
+            plain=self._plain,
+            reducer=self.reducer,
+            finished=self.finished,
+            unresolved=self.unresolved,
+            failed_reducers=self.failed_reducers,
+            is_sender=self.is_sender,
+        )
         self.last_from: dict[str, float] = dict.fromkeys(senders, 0.0)
         self.last_progress: dict[int, float] = dict.fromkeys(self.unresolved, 0.0)
-        # reducers a contribution frame is being sent to right now: only while one is under
-        # way do bytes the transport takes count as that reducer's progress (it cannot
-        # average before it has them). Bytes of averages, or of a frame into an empty socket
-        # buffer once nothing is owed, say nothing about whether the reducer is there.
-        self._contributing: set[int] = set()
         self.done = False
         self.error: BadContribution | None = None  # own values found not finite
         self._wakes: dict[str, None] = {}  # commands not yet returned, in order
@@ -263,14 +275,20 @@ class ButterflyRound(RoundSending):
         self._on_frame(now, sender, frame)
         return self._flush()
 
+    def next_send(self, peer_id: str) -> Send | Idle:
+        """The next frame for ``peer_id`` (taken off its outbox), or why there is none."""
+        if peer_id in self.failed or self.error is not None:
+            return Idle.CLOSED
+        return self.sending.next_send(peer_id)
+
     def sent(self, now: float, send: Send, error: str | None = None) -> list[Command]:
         """The transport took ``send`` (or, with ``error``, could not: the member is gone)."""
         r = self.peer_index[send.peer_id]
         if send.kind == "avg":
             for i in range(send.index, send.index + send.count):
-                self._release_wire(i)
+                self.sending.release_wire(i)
         else:
-            self._contributing.discard(r)
+            self.sending.contributing.discard(r)
             if error is None:
                 self.last_progress[r] = now
         if error is not None:
@@ -306,7 +324,11 @@ class ButterflyRound(RoundSending):
                 continue
             peer_id = self.members[r].peer_id
             last = max(self.last_progress[r], heard(peer_id))
-            if r in self._contributing:
+            # only while a contribution frame is under way to it do bytes the transport
+            # takes count as a reducer's progress (it cannot average before it has them).
+            # Bytes of averages, or of a frame into an empty socket buffer once nothing is
+            # owed, say nothing about whether the reducer is there.
+            if r in self.sending.contributing:
                 last = max(last, taken(peer_id))
             if now - last > cfg.reducer_timeout:
                 self._fail_reducer(r, f"silent for {cfg.reducer_timeout:g} s")
@@ -315,7 +337,7 @@ class ButterflyRound(RoundSending):
     def finish(self) -> None:
         """The round is over (done, timed out or cancelled): write the averages still held
         (see the module docstring) and drop the encoded ones."""
-        self._wire_cache.clear()
+        self.sending.wire_cache.clear()
         self.results.finish()
 
     # ----------------------------------------------------------------- reports
@@ -327,7 +349,7 @@ class ButterflyRound(RoundSending):
     @property
     def others_present(self) -> list[str]:
         """The other members not excluded."""
-        return [p for p in self._outboxes if p not in self.failed]
+        return [p for p in self.sending.outboxes if p not in self.failed]
 
     @property
     def contributors(self) -> set[str]:
@@ -400,7 +422,7 @@ class ButterflyRound(RoundSending):
         sent (an average finished from here on would leave out the member that found the
         fault, whose values are good)."""
         self.error = error
-        for peer_id in self._outboxes:
+        for peer_id in self.sending.outboxes:
             self._wake(peer_id)  # its senders learn that the outbox closed (next_send)
         self.done = True
         self._commands.append(Done(error))
@@ -496,17 +518,17 @@ class ButterflyRound(RoundSending):
         if not finished:
             return
         in_place_already = self.reducer is not None and self.reducer.destination is not None
-        readers = len(self._outboxes)
+        sending = self.sending
         for done in finished:
             if done.average is None:
                 self.results.keep_local(self.partition.part(self.index, done.index).view(self.flat))
-                self._wire_cache[done.index] = (None, b"", readers)
+                sending.hold_average(done.index, None, b"")
             elif self._plain[self.index][done.index]:
                 if not in_place_already:  # else the reducer divided it into place
                     view = self.partition.part(self.index, done.index).view(self.flat)
                     self.results.write(view, done.average.to(view.dtype))
                 # compressed when first sent alone (a batch sends the averages as they are)
-                self._wire_cache[done.index] = (NOT_YET, None, readers)
+                sending.hold_average(done.index, NOT_YET, None)
             else:
                 # a lossy codec: this peer keeps what the others decode, not its exact
                 # average, so every member of the round ends with the same values
@@ -519,18 +541,18 @@ class ButterflyRound(RoundSending):
                 else:
                     self.results.write(view, sent)
                 header, payload = compressed.to_wire()
-                self._wire_cache[done.index] = (header, payload, readers)
+                sending.hold_average(done.index, header, payload)
             self.finished[done.index] = done
         indices = [done.index for done in finished]
-        for peer_id, box in self._outboxes.items():
+        for peer_id, box in self.sending.outboxes.items():
             if peer_id in self.failed:
                 for index in indices:
-                    self._release_wire(index)
+                    self.sending.release_wire(index)
                 continue
             box.averages.extend(indices)
             self._wake(peer_id)
         if self.reducer is not None and self.reducer.is_finished:
-            for peer_id in self._outboxes:
+            for peer_id in self.sending.outboxes:
                 self._wake(peer_id)
         self._check_done()
 
@@ -585,10 +607,10 @@ class ButterflyRound(RoundSending):
         if log:
             logger.info("peer %s left the round: %s", peer_id, reason)
         self.failed.add(peer_id)
-        box = self._outboxes.get(peer_id)
+        box = self.sending.outboxes.get(peer_id)
         if box is not None:
             while box.averages:
-                self._release_wire(box.averages.popleft())
+                self.sending.release_wire(box.averages.popleft())
             box.contributions.clear()
             self._wake(peer_id)
         self._exclude_sender(peer_id, reason)
@@ -603,5 +625,5 @@ class ButterflyRound(RoundSending):
             return
         self.done = True
         self._commands.append(Done())
-        for peer_id in self._outboxes:
+        for peer_id in self.sending.outboxes:
             self._wake(peer_id)

@@ -4,8 +4,11 @@ Each other member has an outbox (:class:`Outbox`): the indices of the contributi
 member still owes it (parts of that member's span) and of the averages of this member's
 own span not yet sent to it. What to send next to a member is pulled, not pushed:
 :meth:`RoundSending.next_send` takes the head of its outbox (contributions first, then
-averages as they are ready) and turns it into a frame. The state it reads is held by
-:class:`~peer.averaging.butterfly.ButterflyRound`, which mixes this class in.
+averages as they are ready) and turns it into a frame. :class:`RoundSending` is a
+collaborator that :class:`~peer.averaging.butterfly.ButterflyRound` owns (``round.sending``):
+it is given what it reads (the round's plan, flat buffer, reducer and the containers of
+finished parts and unresolved or failed reducers, which the round fills) and owns the
+outboxes, the wire cache and the set of reducers a contribution is under way to.
 
 Payloads are views of the flat buffer or of the reducer's results (``NoCompression`` is
 zero-copy): uncompressed frames are slices of byte views taken once per round. An average
@@ -24,12 +27,12 @@ No I/O: frames are built here and handed out by the machine; the driver sends th
 from __future__ import annotations
 
 import collections
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from peer.averaging.butterfly_types import Idle, Send
-from peer.averaging.exceptions import BadContribution
 from peer.averaging.matchmaking import GroupInfo
 from peer.averaging.partition import Partition
 from peer.averaging.protocol import AVERAGE, PART
@@ -53,59 +56,81 @@ class Outbox:
 
 
 class RoundSending:
-    """Frames out of a round's state (see the module docstring). A mixin of
-    :class:`~peer.averaging.butterfly.ButterflyRound`, which sets the attributes below;
-    subclasses in tests override :meth:`_frame` and :meth:`_contribution_wire` to
-    misbehave."""
+    """Frames out of a round's state (see the module docstring), owned by a
+    :class:`~peer.averaging.butterfly.ButterflyRound`. Fault-injection tests subclass it,
+    overriding :meth:`_frame` and :meth:`_contribution_wire` to misbehave, and hand the
+    subclass to the round as ``sending_factory``."""
 
     #: consecutive uncompressed parts sent as one frame, up to this many bytes (0: never)
     max_batch_bytes = 2 << 20
 
-    # set by ButterflyRound.__init__
-    prefix: str
-    group: GroupInfo
-    index: int
-    flat: torch.Tensor
-    weight: float
-    partition: Partition
-    reducer: WeightedMeanReducer | None
-    finished: dict[int, FinishedPart]
-    unresolved: dict[int, set[int]]
-    _sizes: list[list[int]]
-    _plain: list[list[bool]]
-    _itemsize: int
-    _dtype_name: str
-    _flat_bytes: memoryview
-    _results_bytes: memoryview | None
-    _wire_cache: dict[int, tuple[dict[str, Any] | None, Any, int]]
-    peer_index: dict[str, int]
-    failed: set[str]
-    failed_reducers: set[int]
-    error: BadContribution | None
-    _outboxes: dict[str, Outbox]
-    _contributing: set[int]
-
-    def _init_wire(self) -> None:
-        """The byte views and the wire cache of a round (once ``flat`` and ``reducer`` are
-        set): uncompressed frames are slices of these byte views (no tensor views per
-        frame)."""
-        flat = self.flat
+    def __init__(
+        self,
+        *,
+        prefix: str,
+        group: GroupInfo,
+        index: int,
+        peer_index: Mapping[str, int],
+        flat: torch.Tensor,
+        weight: float,
+        partition: Partition,
+        sizes: list[list[int]],
+        plain: list[list[bool]],
+        reducer: WeightedMeanReducer | None,
+        finished: Mapping[int, FinishedPart],
+        unresolved: Mapping[int, set[int]],
+        failed_reducers: set[int],
+        is_sender: bool,
+    ) -> None:
+        """``finished`` (this member's averages), ``unresolved`` (other reducers' parts
+        still waiting for their average) and ``failed_reducers`` are the round's, read
+        here as the round updates them."""
+        self.prefix = prefix
+        self.group = group
+        self.index = index
+        self.peer_index = peer_index
+        self.flat = flat
+        self.weight = weight
+        self.partition = partition
+        self._sizes = sizes
+        self._plain = plain
+        self.reducer = reducer
+        self.finished = finished
+        self.unresolved = unresolved
+        self.failed_reducers = failed_reducers
+        #: what this member still owes each other member, by peer id (members' order)
+        self.outboxes: dict[str, Outbox] = {}
+        for peer_id, r in peer_index.items():
+            if r == index:
+                continue
+            box = self.outboxes[peer_id] = Outbox()
+            if is_sender:
+                box.contributions.extend(range(len(partition.parts_of(r))))
+        #: reducers a contribution frame is being sent to right now (see the round's tick)
+        self.contributing: set[int] = set()
+        # averages of this member's span by part index: (header or NOT_YET or None for
+        # "no average", payload, members still to take it)
+        self.wire_cache: dict[int, tuple[dict[str, Any] | None, Any, int]] = {}
+        # byte views: uncompressed frames are slices of these (no tensor views per frame)
         self._itemsize = flat.element_size()
         self._dtype_name = dtype_name(flat.dtype)
         self._flat_bytes = byte_view(flat)
-        self._results_bytes = None  # where own averages end up
-        if self.reducer is not None:
-            reducer = self.reducer
+        self._results_bytes: memoryview | None = None  # where own averages end up
+        if reducer is not None:
             results = reducer.destination if reducer.destination is not None else reducer.buffer
             if results.dtype == flat.dtype:
                 self._results_bytes = byte_view(results)
-        self._wire_cache = {}
+
+    def hold_average(self, index: int, header: dict[str, Any] | None, payload: Any) -> None:
+        """Keep the wire form of this member's average of part ``index`` until every other
+        member took it (``header``: :data:`NOT_YET` to compress it when first sent alone,
+        None when the part has no average)."""
+        self.wire_cache[index] = (header, payload, len(self.outboxes))
 
     def next_send(self, peer_id: str) -> Send | Idle:
-        """The next frame for ``peer_id`` (taken off its outbox), or why there is none."""
-        if peer_id in self.failed or self.error is not None:
-            return Idle.CLOSED
-        box = self._outboxes[peer_id]
+        """The next frame for ``peer_id`` (taken off its outbox), or why there is none
+        (the round answers for members that left, and once it is leaving itself)."""
+        box = self.outboxes[peer_id]
         r = self.peer_index[peer_id]
         # contributions first: the member can then reduce (and trust this peer's averages,
         # see peer.averaging.butterfly_results) as early as possible
@@ -114,7 +139,7 @@ class RoundSending:
             index = box.contributions.popleft()
             if index in pending:
                 count = self._batch("part", r, index, box)
-                self._contributing.add(r)
+                self.contributing.add(r)
                 return Send(peer_id, "part", index, count, self._frame("part", r, index, count))
         box.contributions.clear()
         if box.averages:
@@ -174,7 +199,7 @@ class RoundSending:
         if kind == "part":
             header, payload = self._contribution_wire(r, index)
             return Frame(PART, {**base, "w": self.weight, "c": header}, payload)
-        cached, payload, remaining = self._wire_cache[index]
+        cached, payload, remaining = self.wire_cache[index]
         if cached is NOT_YET:
             average = self.finished[index].average
             assert average is not None and self.reducer is not None
@@ -187,7 +212,7 @@ class RoundSending:
                 average = average.to(self.flat.dtype)
                 part = self.partition.part(self.index, index)
                 cached, payload = part.codec.compress(average).to_wire()
-            self._wire_cache[index] = (cached, payload, remaining)
+            self.wire_cache[index] = (cached, payload, remaining)
         if cached is None:
             return Frame(AVERAGE, base)
         return Frame(AVERAGE, {**base, "c": cached}, payload)
@@ -210,9 +235,10 @@ class RoundSending:
         }
         return header, data[start * size : stop * size]
 
-    def _release_wire(self, index: int) -> None:
-        header, payload, remaining = self._wire_cache[index]
+    def release_wire(self, index: int) -> None:
+        """One member took this member's average of part ``index`` (or left)."""
+        header, payload, remaining = self.wire_cache[index]
         if remaining <= 1:
-            del self._wire_cache[index]
+            del self.wire_cache[index]
         else:
-            self._wire_cache[index] = (header, payload, remaining - 1)
+            self.wire_cache[index] = (header, payload, remaining - 1)

@@ -34,6 +34,7 @@ from peer.averaging.butterfly import (
     Tell,
     Wake,
 )
+from peer.averaging.butterfly_send import RoundSending
 from peer.averaging.exceptions import BadContribution
 from peer.averaging.matchmaking import GroupInfo
 from peer.averaging.partition import FlatLayout
@@ -432,7 +433,7 @@ def _swarms(draw: st.DrawFn) -> dict[str, Any]:
     no_span = frozenset(draw(st.sets(st.sampled_from(ids), max_size=n - 1)))
     return dict(
         # one part per frame, two, or every part ready at once
-        max_batch_bytes=draw(st.sampled_from([0, 2 * PART_BYTES, ButterflyRound.max_batch_bytes])),
+        max_batch_bytes=draw(st.sampled_from([0, 2 * PART_BYTES, RoundSending.max_batch_bytes])),
         local=local,
         weights=weights,
         nan=nan,
@@ -458,7 +459,7 @@ def test_any_interleaving_ends_each_staying_member_on_its_own_values_or_an_exact
         local, weights=weights, no_span=swarm["no_span"], in_place=swarm["in_place"]
     )
     for m in machines.values():
-        m.max_batch_bytes = swarm["max_batch_bytes"]
+        m.sending.max_batch_bytes = swarm["max_batch_bytes"]
     net = Net(machines, swarm["hostile"])
     faults = collections.Counter[str]()
     for _ in range(data.draw(st.integers(0, 150), label="steps")):
@@ -573,7 +574,7 @@ def test_averages_from_a_reducer_whose_own_parts_turn_out_bad_are_never_written(
     machines = _machines(local)
     net = Net(machines, hostile=None)
     for p, m in machines.items():
-        m.max_batch_bytes = 0  # one part per frame
+        m.sending.max_batch_bytes = 0  # one part per frame
         net.do(("start", p))
     a_parts = len(machines["a"].partition.parts_of(0))
 

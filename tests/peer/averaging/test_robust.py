@@ -164,7 +164,7 @@ class _LyingRound(ButterflyRound):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.weight = 1000.0
+        self.weight = self.sending.weight = 1000.0
 
 
 def test_a_sender_cannot_take_over_the_mean_by_weight_or_overflow(caplog) -> None:

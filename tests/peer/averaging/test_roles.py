@@ -20,6 +20,7 @@ import torch
 from peer import DecentralizedAverager, Node
 from peer.averaging.allreduce import AllreduceRunner
 from peer.averaging.butterfly import ButterflyRound
+from peer.averaging.butterfly_send import RoundSending
 from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
 from peer.wire import Frame
 from tests.peer.averaging.conftest import step_all, wait_for
@@ -28,7 +29,7 @@ RUN = "roles"
 FAST = {"gossip_period": 0.2}
 
 
-class _TamperingRound(ButterflyRound):
+class _TamperingSending(RoundSending):
     """Sends 1e6 in place of every average it reduced."""
 
     def _frame(self, kind: str, r: int, index: int, count: int = 1) -> Frame:
@@ -39,7 +40,10 @@ class _TamperingRound(ButterflyRound):
         return Frame(frame.type, frame.fields, np.full(size, 1e6, dtype=np.float32).tobytes())
 
 
-_Tampering = functools.partial(AllreduceRunner, round_factory=_TamperingRound)
+_Tampering = functools.partial(
+    AllreduceRunner,
+    round_factory=functools.partial(ButterflyRound, sending_factory=_TamperingSending),
+)
 
 
 def _credentials(authority: Identity, role: str) -> tuple[Identity, CertificateAuth]:

@@ -26,6 +26,7 @@ import peer.averaging.averager as averager_module
 from peer import Node
 from peer.averaging.allreduce import AllreduceRunner
 from peer.averaging.butterfly import ButterflyRound
+from peer.averaging.butterfly_send import RoundSending
 from peer.testing import wait_until
 from peer.wire import Frame
 
@@ -35,7 +36,7 @@ DONE_KEY = "levels-test.done"
 WIRE: list[tuple[str, str, int, int, int]] = []
 
 
-class RecordingRound(ButterflyRound):
+class RecordingSending(RoundSending):
     """Records what every tensor frame this process sends carries; with ``die_in_round``
     set, SIGKILLs this process as it sends the first part of that round (1-based)."""
 
@@ -57,7 +58,10 @@ class RecordingRound(ButterflyRound):
         return frame
 
 
-RecordingRunner = functools.partial(AllreduceRunner, round_factory=RecordingRound)
+RecordingRunner = functools.partial(
+    AllreduceRunner,
+    round_factory=functools.partial(ButterflyRound, sending_factory=RecordingSending),
+)
 
 
 def main() -> None:
@@ -84,7 +88,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)6.0f %(name)s %(message)s")
     averager_module.AllreduceRunner = RecordingRunner  # type: ignore[misc]
     if args.index == args.die_index:
-        RecordingRound.die_in_round = args.die_in_round
+        RecordingSending.die_in_round = args.die_in_round
     if args.local_size > 1:
         dist.init_process_group(
             "gloo",
