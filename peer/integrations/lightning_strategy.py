@@ -41,7 +41,7 @@ else:
 
 log = logging.getLogger("peer.integrations.lightning")
 
-REPORT_INTERVAL_S = 1.0  # progress reports to a coordinator, at most this often
+REPORT_INTERVAL_S = 10.0  # progress reports to a coordinator, at most this often
 
 __all__ = ["LightningPackage", "SwarmScheduler", "SwarmgradStrategyBase"]
 
@@ -257,7 +257,7 @@ class SwarmgradStrategyBase(_Strategy):
         return result
 
     def _report(self, loss: Any, force: bool = False) -> None:
-        """A progress report to the coordinator, at most once a second (never blocks)."""
+        """A progress report to the coordinator, at most every REPORT_INTERVAL_S (never blocks)."""
         now = time.monotonic()
         if not force and now - self._reported_at < REPORT_INTERVAL_S:
             return
