@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.clock import now_ms
 from server.models import EpochSummary, Peer, Run, RunStatus
+from server.services import presence
 from server.services.reports import float_sum, saturated
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -80,9 +81,9 @@ class DatabaseCollector(Collector):
                 select(
                     Peer.run_id,
                     func.count(),
-                    func.sum(case((Peer.last_seen_ms >= since, 1), else_=0)),
+                    func.sum(case((presence.online(since), 1), else_=0)),
                     float_sum(Peer.samples_base + Peer.samples),
-                    func.sum(case((Peer.last_seen_ms >= since, Peer.samples_per_second), else_=0)),
+                    func.sum(case((presence.online(since), Peer.samples_per_second), else_=0)),
                 )
                 .where(Peer.run_id.in_(active))
                 .group_by(Peer.run_id)

@@ -191,6 +191,9 @@ class Peer(Base):
     reports_refused: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     last_refusal: Mapped[str | None] = mapped_column(String(32), nullable=True)
     last_refusal_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # When the peer said it leaves (coordinator's clock); offline until heard from after it
+    # (server.services.presence).
+    left_ms: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
     volunteer: Mapped[Volunteer] = relationship(lazy="joined")
 

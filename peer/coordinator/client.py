@@ -317,6 +317,11 @@ class CoordinatorClient:
             timeout=timeout,
         )
 
+    def leave(self, peer_token: str, run_id: str, *, timeout: float | None = None) -> None:
+        """Tell the coordinator this peer stops: it shows offline at once (until its next
+        report or join) instead of after the presence window. Idempotent."""
+        self._request("POST", _run_path(run_id, "leave"), token=peer_token, timeout=timeout)
+
     def run(self, run_id: str) -> RunPublic:
         """The run: its name, task, config, status, public key, ... (public, no token)."""
         return self._parse(RunPublic, self._json("GET", _run_path(run_id)))

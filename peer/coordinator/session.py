@@ -42,6 +42,8 @@ logger = logging.getLogger("peer.coordinator")
 # not itself) right now: retry the same thing later.
 _AWAY = (CoordinatorUnreachable, NotACoordinator, CoordinatorFailed)
 _REPORT_BATCH = 32
+# At most this long (and never past ``request_timeout``) saying goodbye at close().
+LEAVE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,15 +218,18 @@ class CoordinatorSession:
         self._wake.set()
 
     def close(self, flush_timeout: float = 2.0) -> None:
-        """Send what is queued (for at most ``flush_timeout`` seconds), then stop the
-        thread. Reports still unsent are counted in a log line. Idempotent."""
+        """Send what is queued (for at most ``flush_timeout`` seconds), tell the coordinator
+        this peer leaves (for at most :data:`LEAVE_TIMEOUT_S`; a failure is only logged), then
+        stop the thread. Reports still unsent are counted in a log line. Idempotent."""
         if not self._closing.is_set():
             with self._lock:
                 self._flush_deadline = time.monotonic() + max(0.0, flush_timeout)
                 self._closing.set()
         self._wake.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(max(0.0, flush_timeout) + self.timings.request_timeout + 1.0)
+            self._thread.join(
+                max(0.0, flush_timeout) + self.timings.request_timeout + self._leave_timeout() + 1.0
+            )
             if self._thread.is_alive():
                 logger.warning("the coordinator session's thread did not stop in time")
 
@@ -254,6 +259,7 @@ class CoordinatorSession:
             self._wake.wait(max(0.0, min(due) - time.monotonic()))
             self._wake.clear()
         self._guarded(self._final_flush, time.monotonic())
+        self._guarded(self._leave, time.monotonic())
 
     def _guarded(self, step: Callable[[float], None], now: float, due: str | None = None) -> None:
         # The thread must outlive any bug in a callback or a surprise from below, without
@@ -349,6 +355,25 @@ class CoordinatorSession:
             logger.warning(
                 "%d progress report(s) not sent: the coordinator did not take them in time", left
             )
+
+    def _leave_timeout(self) -> float:
+        return min(LEAVE_TIMEOUT_S, self.timings.request_timeout)
+
+    def _leave(self, now: float) -> None:
+        """Say goodbye once, so that the dashboards show this peer offline at once rather
+        than after the presence window. Not with a token the coordinator refused."""
+        if self.credentials_lost is not None:
+            return
+        try:
+            self._client.leave(self._token, self._run_id, timeout=self._leave_timeout())
+        except CoordinatorError as exc:
+            logger.info(
+                "could not tell the coordinator this peer leaves (%s); it shows offline "
+                "once its silence outlasts the presence window",
+                exc,
+            )
+        else:
+            logger.debug("told the coordinator this peer leaves")
 
     # certificate -----------------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ _ROUTES: list[tuple[str, re.Pattern[str], Endpoint, str]] = [
      f"{API_PREFIX}/runs/{{run_id}}/bootstrap"),
     ("POST", re.compile(_RUN + "certificate$"), Endpoint.CERTIFICATE,
      f"{API_PREFIX}/runs/{{run_id}}/certificate"),
+    ("POST", re.compile(_RUN + "leave$"), Endpoint.LEAVE, f"{API_PREFIX}/runs/{{run_id}}/leave"),
 ]  # fmt: skip
 _WHAT = {
     Endpoint.JOIN_CHALLENGE: "join challenges",
@@ -52,24 +53,31 @@ _WHAT = {
     Endpoint.REPORTS: "progress reports",
     Endpoint.BOOTSTRAP: "bootstrap requests",
     Endpoint.CERTIFICATE: "certificate renewals",
+    Endpoint.LEAVE: "leaves",
 }
 
 
 def limiter_from_settings(settings: Settings) -> RateLimiter:
     """The limits ``settings`` configure: joins per address; reports, bootstrap and
-    certificate renewal per peer token and per address."""
+    certificate renewal and leaving per peer token and per address."""
     join = RateLimit(settings.rate_limit_join_per_s, settings.rate_limit_join_burst)
     reports = RateLimit(settings.rate_limit_reports_per_s, settings.rate_limit_reports_burst)
     peer = RateLimit(settings.rate_limit_peer_per_s, settings.rate_limit_peer_burst)
     address = RateLimit(settings.rate_limit_address_per_s, settings.rate_limit_address_burst)
     return RateLimiter(
-        per_peer={Endpoint.REPORTS: reports, Endpoint.BOOTSTRAP: peer, Endpoint.CERTIFICATE: peer},
+        per_peer={
+            Endpoint.REPORTS: reports,
+            Endpoint.BOOTSTRAP: peer,
+            Endpoint.CERTIFICATE: peer,
+            Endpoint.LEAVE: peer,
+        },
         per_address={
             Endpoint.JOIN_CHALLENGE: join,
             Endpoint.JOIN: join,
             Endpoint.REPORTS: address,
             Endpoint.BOOTSTRAP: address,
             Endpoint.CERTIFICATE: address,
+            Endpoint.LEAVE: address,
         },
         max_keys=settings.rate_limit_max_keys,
     )

@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from server.clock import now_ms
 from server.exceptions import Conflict, InvalidContent
 from server.models import Checkpoint, CheckpointProposal, Peer, Volunteer
+from server.services import presence
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def uploader(
         .where(
             Peer.run_id == run_id,
             Peer.id != peer_pk,
-            Peer.last_seen_ms >= since,
+            presence.online(since),
             Peer.last_report_ms.is_not(None),
             Peer.epoch >= epoch - 1,
             Peer.peer_id < peer_id,

@@ -42,7 +42,7 @@ from server.schemas_dashboard import (
     VolunteerSummary,
 )
 from server.services import checkpoints as checkpoint_service
-from server.services import rollups, volunteer_table
+from server.services import presence, rollups, volunteer_table
 from server.services import runs as run_service
 from server.services.progress import history
 from server.services.reports import RATE_WINDOW_MS, float_sum, run_totals, saturated
@@ -230,9 +230,7 @@ def run_dashboard(
     loss_nan_peers, last_report_ms = session.execute(
         select(
             func.coalesce(
-                func.sum(
-                    case((Peer.loss_nan.is_(True) & (Peer.last_seen_ms >= since), 1), else_=0)
-                ),
+                func.sum(case((Peer.loss_nan.is_(True) & presence.online(since), 1), else_=0)),
                 0,
             ),
             func.max(Peer.last_report_ms),
@@ -473,7 +471,7 @@ def volunteer_detail(
                 compute_utilisation=p.compute_utilisation,
                 group_size=p.group_size,
                 last_seen=ms_to_datetime(p.last_seen_ms),
-                online=p.last_seen_ms >= since,
+                online=presence.is_online(p, since),
             )
             for p in peers
         ],

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import func, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -34,6 +34,7 @@ from server.exceptions import Conflict, Forbidden
 from server.models import Peer, Run, RunStatus, Volunteer, utcnow
 from server.schemas import JoinRequest, decode_public_key, decode_signature
 from server.security import ChallengeRefused, JoinChallenge, JoinChallenges, KeyBox
+from server.services import presence
 from server.services import runs as run_service
 from server.services import tokens as token_service
 from server.services import volunteers as volunteer_service
@@ -261,6 +262,19 @@ def touch(session: Session, peer_pk: int) -> None:
     )
 
 
+def leave(session: Session, peer_pk: int) -> None:
+    """Record that a peer said it leaves: it counts as offline until heard from again
+    (server.services.presence). ``last_seen_ms`` stays its last contact; idempotent."""
+    now = now_ms()
+    session.execute(
+        update(Peer)
+        .where(Peer.id == peer_pk)
+        # Never before its last contact: a leave always hides what came before it.
+        .values(left_ms=case((Peer.last_seen_ms > now, Peer.last_seen_ms), else_=now))
+        .execution_options(synchronize_session=False)
+    )
+
+
 def sample_live_peers(
     session: Session, run_id: str, *, exclude: int, online_ttl_s: float, limit: int
 ) -> list[Peer]:
@@ -271,7 +285,7 @@ def sample_live_peers(
         .where(
             Peer.run_id == run_id,
             Peer.id != exclude,
-            Peer.last_seen_ms >= since,
+            presence.online(since),
             Peer.client_mode.is_(False),
         )
         .order_by(func.random())

@@ -38,6 +38,7 @@ class Endpoint(StrEnum):
     REPORTS = "reports"
     BOOTSTRAP = "bootstrap"
     CERTIFICATE = "certificate"
+    LEAVE = "leave"
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from server.clock import now_ms
 from server.exceptions import ImplausibleReport
 from server.models import Peer, Volunteer
 from server.schemas import ReportCreate
+from server.services import presence
 from server.services.report_bounds import (
     Bound,
     PeerTrack,
@@ -81,7 +82,7 @@ def count_peers(session: Session, run_id: str) -> int:
 def load_view(session: Session, run_id: str, now: int, online_ttl_s: float) -> SwarmView:
     """The run's epochs as the database has them: one query over the run's peers."""
     peers = cast(Table, Peer.__table__)
-    online = peers.c.last_seen_ms >= now - int(online_ttl_s * 1000)
+    online = presence.online(now - int(online_ttl_s * 1000))
     rows = session.execute(
         select(
             peers.c.volunteer_id,

@@ -46,6 +46,7 @@ from sqlalchemy.orm import InstrumentedAttribute, Session
 from server.clock import now_ms
 from server.models import EpochSummary, Peer, ProgressReport, ProgressSnapshot, Run
 from server.schemas import MAX_INT, ReportCreate
+from server.services import presence
 
 logger = logging.getLogger(__name__)
 
@@ -511,7 +512,7 @@ def run_totals(
     Index-bounded queries over the run's peers, its epoch summaries, one peer row and one
     or two snapshots; none reads raw reports."""
     since = now - int(online_ttl_s * 1000)
-    online = Peer.last_seen_ms >= since
+    online = presence.online(since)
     evaluated = Peer.eval_metric.is_not(None) & (Peer.eval_metric_ms >= since)
     row = connection.execute(
         select(

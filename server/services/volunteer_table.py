@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from server.models import Peer, Volunteer
 from server.schemas_dashboard import VolunteerPageInfo, VolunteerSort
+from server.services import presence
 from server.services.reports import float_sum, saturated
 
 DEFAULT_PER_PAGE = 50
@@ -97,6 +98,7 @@ def aggregate(run_id: str, q: str = "") -> Select[tuple[object, ...]]:
             ),
             func.count(Peer.id).label("peers"),
             func.min(Peer.first_seen_ms).label("first_seen_ms"),
+            func.max(presence.present_seen_ms()).label("present_ms"),
         )
         .join(Peer, Peer.volunteer_id == Volunteer.id, isouter=True)
         .where(Volunteer.run_id == run_id)
@@ -118,7 +120,7 @@ def to_row(values: Sequence[Any], since: int) -> Row:
         reachable_peers=int(values[6]),
         peers=int(values[7]),
         first_seen_ms=None if values[8] is None else int(values[8]),
-        online=last_seen is not None and int(last_seen) >= since,
+        online=values[9] is not None and int(values[9]) >= since,
     )
 
 
@@ -152,7 +154,7 @@ def page(
     online = int(
         session.scalar(
             select(func.count(func.distinct(Peer.volunteer_id))).where(
-                Peer.run_id == run_id, Peer.last_seen_ms >= since
+                Peer.run_id == run_id, presence.online(since)
             )
         )
         or 0

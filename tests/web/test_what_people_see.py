@@ -388,6 +388,34 @@ def test_a_volunteer_gone_silent_shows_offline_within_25_s(
     assert last == 0
 
 
+@pytest.mark.parametrize(("width", "height"), SIZES)
+def test_a_volunteer_that_leaves_shows_offline_within_10_s(
+    site: Site, open_page: Any, width: int, height: int
+) -> None:
+    """A clean stop (Ctrl-C of ``swarmgrad join``, the end of a run): the volunteer says it
+    leaves, and the page shows it offline at its next live update, not after 25 s."""
+    name = f"goodbye-{width}"
+    with httpx.Client(base_url=site.url) as client:
+        peer = join(client, site.run_id, site.invite, name)
+        headers = bearer(peer["peer_token"])
+        report = {"epoch": 5, "samples": 10, "samples_per_second": 5.0, "group_size": 2}
+        answer = client.post(f"/api/v1/runs/{site.run_id}/reports", json=report, headers=headers)
+        assert answer.status_code == 202
+        page = open_page(f"{site.url}/runs/{site.run_id}", width=width, height=height)
+        row = page.locator("#volunteers tr[data-volunteer-id]", has_text=name)
+        row.locator(".badge-running").wait_for(timeout=5000)
+        online = int(page.locator("[data-metric=peers_online]").inner_text())
+        assert online >= 1
+        answer = client.post(f"/api/v1/runs/{site.run_id}/leave", headers=headers)
+        assert answer.status_code == 204, answer.text
+        left = time.monotonic()
+    row.locator(".badge-running").wait_for(state="detached", timeout=15000)
+    gone_after = time.monotonic() - left
+    assert gone_after <= 10, gone_after
+    assert int(page.locator("[data-metric=peers_online]").inner_text()) <= online - 1
+    assert row.count() == 1  # still listed, as offline
+
+
 def test_the_new_pages_are_accessible(site: Site, open_page: Any) -> None:
     invite = new_invite(site)
     page = open_page(f"{site.url}/join/{invite}")

@@ -41,6 +41,7 @@ from server.schemas import (
 )
 from server.services import checkpoints as checkpoint_service
 from server.services import peers as peer_service
+from server.services import presence
 from server.services import reachability as reachability_service
 from server.services import tokens as token_service
 from server.services import volunteers as volunteer_service
@@ -74,7 +75,7 @@ def list_peers(
                 display_name=p.volunteer.display_name,
                 addresses=list(p.addresses),
                 client_mode=p.client_mode,
-                online=p.last_seen_ms >= online_since,
+                online=presence.is_online(p, online_since),
                 first_seen_at=ms_to_datetime(p.first_seen_ms),
                 last_seen_at=ms_to_datetime(p.last_seen_ms),
                 last_report_at=None
@@ -217,6 +218,17 @@ def bootstrap(
         limit=settings.bootstrap_peers,
     )
     return BootstrapPublic(peers=[bootstrap_peer(p) for p in peers])
+
+
+@router.post("/leave", status_code=status.HTTP_204_NO_CONTENT, responses=_RATE_LIMITED)
+def leave(peer: CurrentPeer, session: SessionDep) -> Response:
+    """The calling peer stops: it shows offline at once, and online again with its next
+    report or join. Only a peer's own token makes it leave; calling it again changes
+    nothing."""
+    assert peer.peer_pk is not None
+    peer_service.leave(session, peer.peer_pk)
+    session.commit()
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/certificate", response_model=CertificatePublic, responses=_RATE_LIMITED)

@@ -171,6 +171,23 @@ def test_reachability_bootstrap_renewal_and_reports() -> None:
     assert all(r.headers["Authorization"] == "Bearer sgp_x" for r in requests)
 
 
+def test_leave_posts_with_the_peer_token_and_a_refusal_is_an_error() -> None:
+    requests: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        requests.append(request)
+        if request.headers["Authorization"] != "Bearer sgp_x":
+            return answer(401, {"detail": "invalid token"})
+        return httpx.Response(204, headers=HEADER)
+
+    with client_with(handler) as client:
+        client.leave("sgp_x", "r1", timeout=1.0)
+        with pytest.raises(Unauthorized, match="invalid token"):
+            client.leave("sgp_y", "r1")
+    assert [(r.method, r.url.path) for r in requests] == [("POST", "/api/v1/runs/r1/leave")] * 2
+    assert requests[0].content == b""
+
+
 def test_checkpoints_up_and_down() -> None:
     data = b"PK\x03\x04" + b"x" * 100
     digest = hashlib.sha256(data).hexdigest()

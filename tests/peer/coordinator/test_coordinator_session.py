@@ -30,7 +30,8 @@ FAST = SessionTimings(poll_interval=0.05, retry_base=0.02, max_backoff=0.1, requ
 
 class FakeCoordinator:
     """Answers the session's calls; ``up = False`` refuses every connection, ``failing``
-    refuses the named routes only ("reports", "certificate", "status", "bootstrap")."""
+    refuses the named routes only ("reports", "certificate", "status", "bootstrap",
+    "leave")."""
 
     def __init__(self) -> None:
         self.up = True
@@ -84,6 +85,8 @@ class FakeCoordinator:
                     "certificate_expires_at": expires.isoformat(),
                 },
             )
+        if route == "leave":
+            return httpx.Response(204, headers=HEADER)
         assert route == "bootstrap"
         return self.answer(200, {"peers": [{"peer_id": "x", "addresses": self.addresses}]})
 
@@ -261,7 +264,7 @@ def test_a_failing_renewal_warns_once_keeps_trying_and_says_when_it_recovers(
     assert any(m.startswith("renewed the run certificate; valid until") for m in messages)
 
 
-def test_a_refused_peer_token_stops_renewals_and_says_to_join_again(
+def test_a_refused_peer_token_stops_renewals_and_leaving_and_says_to_join_again(
     fake: FakeCoordinator, client: CoordinatorClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake.token_refused = "this peer token expired at 2026-01-01T00:00:00+00:00"
@@ -283,6 +286,7 @@ def test_a_refused_peer_token_stops_renewals_and_says_to_join_again(
             session.close()
     (line,) = lost
     assert line == session.credentials_lost
+    assert fake.count("leave") == 0  # no goodbye with a token the coordinator refused
     assert fake.token_refused in line and "invite" in line
     assert "swarmgrad join http://coord.example --token INVITE" in line and "\n" not in line
     assert "sgp_token" not in line
@@ -428,6 +432,31 @@ def test_close_flushes_what_is_queued_and_leaves_no_thread(
     session.close()  # idempotent
     session.submit_report(report(6))  # after close: dropped, not raised
     assert len(fake.reports) == 5
+
+
+def test_close_says_the_peer_leaves_once_after_the_last_report(
+    fake: FakeCoordinator, client: CoordinatorClient
+) -> None:
+    session = session_for(client)
+    session.submit_report(report(1))
+    session.close()
+    session.close()  # idempotent: one goodbye
+    assert fake.count("leave") == 1
+    assert fake.calls["leave"][0] >= fake.calls["reports"][-1]
+    assert [r["epoch"] for r in fake.reports] == [1]
+
+
+def test_a_leave_the_coordinator_does_not_take_is_only_logged(
+    fake: FakeCoordinator, client: CoordinatorClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.failing = {"leave"}
+    session = session_for(client)
+    with caplog.at_level(logging.INFO, logger="peer.coordinator"):
+        session.close()
+    assert fake.count("leave") == 1
+    assert session_threads() == []
+    assert "could not tell the coordinator this peer leaves" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_close_keeps_its_deadline_when_the_coordinator_is_away(
