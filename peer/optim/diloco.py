@@ -39,8 +39,8 @@ Elasticity and faults:
 * the *outer state* (outer parameters, outer optimizer state, sync number) is served to
   newcomers through a :class:`~peer.optim.state.StateSharingAverager`, priority = the sync
   number; a peer joining mid-run or found behind downloads the newest
-  (:class:`~peer.optim.joining.JoiningSwarm`, the same machinery as the collaborative
-  ``Optimizer``), its model takes the outer parameters and it starts at the next sync;
+  (:class:`~peer.optim.catchup.CatchUp`, the same policy as the collaborative
+  ``Optimizer``'s), its model takes the outer parameters and it starts at the next sync;
 * progress reports (:mod:`peer.optim.progress`, epoch = the sync a peer works towards,
   progress = its inner steps) tell a peer that finished its inner steps whom to wait for:
   peers at that sync not done yet, or one sync behind, whose reports are fresh
@@ -65,21 +65,20 @@ snapshot served to newcomers. A fragment's averaging buffer is only touched by i
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from peer.averaging.averager import DecentralizedAverager
-from peer.averaging.control import StepControl
 from peer.averaging.partition import zeros_back_to_back
 from peer.averaging.robust import check_aggregator
 from peer.compression import Compression, NoCompression, compression_from_name
+from peer.optim.catchup import CatchUp, CatchUpHost, CatchUpPolicy
 from peer.optim.diloco_rounds import SyncRounds, SyncRun
 from peer.optim.diloco_schedule import (
     RoundTimer,
@@ -88,11 +87,11 @@ from peer.optim.diloco_schedule import (
     steps_before_sync,
 )
 from peer.optim.error_feedback import ErrorFeedback
-from peer.optim.joining import JoiningSwarm
 from peer.optim.live_state import LiveState, OptimizerFactory
+from peer.optim.pending import Pending
 from peer.optim.progress import PerformanceEMA, ProgressReport, ProgressTracker, SwarmProgress
 from peer.optim.seam import SwarmNode
-from peer.optim.state import StateSharingAverager
+from peer.optim.state import SharedLiveState
 
 logger = logging.getLogger("peer.optim.diloco")
 
@@ -104,7 +103,7 @@ def default_outer_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
-class DiLoCo(SyncRounds, JoiningSwarm):
+class DiLoCo(SyncRounds):
     """DiLoCo across the swarm (see the module docstring).
 
     Typical loop::
@@ -206,7 +205,6 @@ class DiLoCo(SyncRounds, JoiningSwarm):
             )
         self.outer_optimizer = self.live.opt
         self.outer_params: list[torch.Tensor] = self.live.opt_params
-        self.scheduler = None  # (JoiningSwarm steps a scheduler per epoch; DiLoCo has none)
 
         self.node = node
         self.run_id = run_id
@@ -228,7 +226,7 @@ class DiLoCo(SyncRounds, JoiningSwarm):
 
         self.local_epoch = 0  # the sync this peer works towards (= syncs done)
         self._steps = 0  # inner steps towards it
-        self._samples = 0  # samples since the last sync (JoiningSwarm resets it)
+        self._samples = 0  # samples since the last sync
         self._samples_total = 0
         self._steps_total = 0
         self._fragment_samples = [0] * len(self.fragments)
@@ -236,8 +234,7 @@ class DiLoCo(SyncRounds, JoiningSwarm):
         self._phase_seconds: float | None = None  # how long the last ones took
         self._step_seconds = PerformanceEMA()  # inner steps per second
         self.performance = PerformanceEMA()  # samples per second
-        self._pending: SyncRun | None = None
-        self._round: StepControl | None = None
+        self._pending: Pending[SyncRun] = Pending()  # the overlapped round, the round in flight
         self._retry = False  # the last round failed while others were about
         self._behind = False  # the others moved on without this peer: load their state
         self.rounds_done = 0
@@ -246,8 +243,6 @@ class DiLoCo(SyncRounds, JoiningSwarm):
         self.last_failure: str | None = None
         self._closed = False
         self._closing = threading.Event()
-        self._acc: list[torch.Tensor] = []  # (JoiningSwarm's buffers; DiLoCo keeps none)
-        self._averaged_grads: list[torch.Tensor] = []
 
         opts = dict(averager_opts or {})
         opts.setdefault("aggregator", check_aggregator(aggregator))
@@ -276,16 +271,16 @@ class DiLoCo(SyncRounds, JoiningSwarm):
             state_opts = {
                 k: v for k, v in opts.items() if k in ("declare_state_period", "request_timeout")
             }
-            self.state_averager = StateSharingAverager(
-                [t.detach().clone() for t in self.live.tensors()],
+            # the outer state, served to newcomers (the averager's lock guards it)
+            self.shared = SharedLiveState(
+                self.live,
                 node,
-                self._shared_state,
                 start=True,
                 prefix=f"{run_id}_diloco_state",
                 client_mode=client_mode,
-                concurrent_updates=True,
                 **state_opts,
             )
+            self.state_averager = self.shared.averager
         except BaseException:
             for averager in self.averagers:
                 averager.shutdown()
@@ -298,25 +293,51 @@ class DiLoCo(SyncRounds, JoiningSwarm):
             else None
         )
         self.tracker = ProgressTracker(node, run_id, steps_before_sync(0, inner_steps, fragments))
+        self.catch_up = CatchUp(
+            CatchUpHost(
+                local_epoch=lambda: self.local_epoch,
+                settle=lambda: self._settle_pending(cancel=True),
+                report=self._local_report,
+                adopt=self._adopt_state,
+                move_to=self._move_to_epoch,
+            ),
+            node=node,
+            tracker=self.tracker,
+            averager=self.state_averager,
+            policy=CatchUpPolicy(
+                timeout=self.load_state_timeout,
+                retry=True,
+                on_timeout="discount",
+                discount_s=self.load_state_timeout,
+            ),
+            closing=self._closing,
+        )
         self._report()
         self.load_state_from_peers()
 
     # ------------------------------------------------------------------------ state
 
-    def _live_state(self) -> contextlib.AbstractContextManager[Any]:
-        """The lock on the outer state (the state averager's, which its snapshots take)."""
-        return self.state_averager.get_tensors()
+    def load_state_from_peers(self) -> bool:
+        """Download the newest outer state and catch up with the swarm (the policy is
+        :mod:`peer.optim.catchup`'s, retried within ``load_state_timeout``); True if a state
+        was loaded."""
+        return self.catch_up.run()
 
-    def _shared_state(self) -> tuple[Any, list[torch.Tensor]]:
-        """What a newcomer downloads (called with the live state's lock held)."""
-        with torch.no_grad():
-            tensors = [t.detach().clone() for t in self.live.tensors()]
-        return {"epoch": self.live.epoch}, tensors
+    def _adopt_state(self, epoch: int, metadata: Any, tensors: Sequence[torch.Tensor]) -> None:
+        with self.shared.lock():
+            self.live.load(tensors)
+            self.shared.set_epoch(epoch)
+        self._start_epoch_at(epoch)
+
+    def _move_to_epoch(self, epoch: int) -> None:
+        with self.shared.lock():
+            self.shared.set_epoch(epoch)
+        self._start_epoch_at(epoch)
 
     def _start_epoch_at(self, epoch: int) -> None:
         """After a download (or a catch-up): the model takes the outer parameters and the
         inner steps start over towards sync ``epoch``."""
-        with self._live_state(), torch.no_grad():
+        with self.shared.lock(), torch.no_grad():
             for p, o in zip(self.params, self.outer_params, strict=True):
                 p.copy_(o.to(p.device, p.dtype))
         self._steps = 0
@@ -324,7 +345,9 @@ class DiLoCo(SyncRounds, JoiningSwarm):
         for feedback in self._feedback or ():
             feedback.reset()
         self._phase_started = time.monotonic()
-        super()._start_epoch_at(epoch)
+        self._samples = 0
+        self.local_epoch = epoch
+        self._report()
 
     # -------------------------------------------------------------------------- API
 
@@ -345,7 +368,7 @@ class DiLoCo(SyncRounds, JoiningSwarm):
     @property
     def pending_update(self) -> bool:
         """True while a background round (``overlap=True``) has not been applied yet."""
-        return self._pending is not None
+        return self._pending.run is not None
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -371,10 +394,9 @@ class DiLoCo(SyncRounds, JoiningSwarm):
             batch_size = self.batch_size_per_step or 1
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 0:
             raise ValueError("batch_size must be a non-negative integer")
-        pending = self._pending
-        if pending is not None and pending.future is not None and pending.future.done():
+        if self._pending.landed:
             self._settle_pending()
-        if self._pending is None and (
+        if self._pending.run is None and (
             self._behind or self.global_progress.epoch > self.local_epoch
         ):
             logger.info("sync %d is behind the swarm: loading its state", self.local_epoch)
@@ -405,7 +427,7 @@ class DiLoCo(SyncRounds, JoiningSwarm):
         """Inner and outer optimizers, outer parameters, sync number and inner steps
         towards it (after waiting for a background round)."""
         self.wait_for_pending()
-        with self._live_state():
+        with self.shared.lock():
             return {
                 "inner_optimizer": self.inner_optimizer.state_dict(),
                 "outer_optimizer": self.outer_optimizer.state_dict(),
@@ -424,7 +446,7 @@ class DiLoCo(SyncRounds, JoiningSwarm):
         where = {id(p): i for i, p in enumerate(self.params)}
         state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         found = 0
-        with self._live_state(), torch.no_grad():
+        with self.shared.lock(), torch.no_grad():
             for name, p in model.named_parameters(remove_duplicate=False):
                 i = where.get(id(p))
                 if i is not None and name in state:
@@ -446,12 +468,12 @@ class DiLoCo(SyncRounds, JoiningSwarm):
             raise ValueError("the state's sync and steps must be non-negative")
         self._settle_pending(cancel=True)
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
-        with self._live_state(), torch.no_grad():
+        with self.shared.lock(), torch.no_grad():
             self.outer_optimizer.load_state_dict(state["outer_optimizer"])
             for p, value in zip(self.outer_params, outer, strict=True):
                 p.copy_(value)
             self.live.version += 1
-            self._set_state_epoch(sync)
+            self.shared.set_epoch(sync)
         self.local_epoch = sync
         self._steps = steps
         self._report()
@@ -464,18 +486,14 @@ class DiLoCo(SyncRounds, JoiningSwarm):
             return
         self._closed = True
         self._closing.set()
-        if self._pending is not None:
-            self._pending.cancelled = True
-        control = self._round
-        if control is not None:
-            control.cancel()
+        self._pending.call_off()
         self.tracker.shutdown()
         for averager in self.averagers:
             averager.shutdown()
         self.state_averager.shutdown()
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
-        self._pending = None
+        self._pending.run = None
 
     def __enter__(self) -> DiLoCo:
         return self
@@ -507,7 +525,7 @@ class DiLoCo(SyncRounds, JoiningSwarm):
         if self.overlap:
             assert self._executor is not None
             run.snapshot = [self.params[i].detach().clone() for i in indices]
-            self._pending = run
+            self._pending.run = run
             self._advance(sync)
             run.future = self._executor.submit(self._run_round, run)
             self._report()
@@ -534,7 +552,7 @@ class DiLoCo(SyncRounds, JoiningSwarm):
         indices = self.fragments[run.fragment]
         with self.averagers[run.fragment].get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]
-        with self._live_state(), torch.no_grad():
+        with self.shared.lock(), torch.no_grad():
             for i, delta in zip(indices, averaged, strict=True):
                 self.outer_params[i].grad = delta
             try:
@@ -543,7 +561,7 @@ class DiLoCo(SyncRounds, JoiningSwarm):
                 for p in self.outer_params:
                     p.grad = None
             self.live.version += 1
-            self._set_state_epoch(run.sync + 1)
+            self.shared.set_epoch(run.sync + 1)
             for k, i in enumerate(indices):
                 p = self.params[i]
                 result = self.outer_params[i].to(p.device, p.dtype)
@@ -559,29 +577,12 @@ class DiLoCo(SyncRounds, JoiningSwarm):
     def _settle_pending(self, *, cancel: bool = False, timeout: float | None = None) -> bool:
         """Wait for the background round and apply it (``cancel``: call it off and drop it).
         False if it still runs after ``timeout``."""
-        run = self._pending
-        if run is None:
-            return True
-        if cancel:
-            run.cancelled = True
-            control = self._round
-            if control is not None:
-                control.cancel()
-        assert run.future is not None
-        try:
-            run.future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            return False
-        finally:
-            if run.future.done():
-                self._pending = None
-        self._apply(run)
-        return True
+        return self._pending.settle(self._apply, cancel=cancel, timeout=timeout)
 
     # --------------------------------------------------------------------- progress
 
     def _local_report(self) -> ProgressReport:
-        pending = self._pending
+        pending = self._pending.run
         if pending is not None:
             # its round still runs: keep inviting slower peers into it
             epoch = pending.sync

@@ -26,6 +26,7 @@ from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.control import StepControl
 from peer.averaging.exceptions import AllreduceTimeout, MatchmakingFailed, StepFailed
 from peer.optim.diloco_schedule import RoundTimer, steps_before_sync, stragglers
+from peer.optim.pending import Pending
 from peer.optim.progress import PerformanceEMA, ProgressTracker
 from peer.optim.seam import SwarmNode
 
@@ -71,7 +72,7 @@ class SyncRounds:
     _sync_in_group_bits: bool
     _phase_seconds: float | None
     _step_seconds: PerformanceEMA
-    _round: StepControl | None
+    _pending: Pending[SyncRun]
     _behind: bool
     _closed: bool
     _closing: threading.Event
@@ -100,7 +101,7 @@ class SyncRounds:
                 wait=False,
             )
             assert isinstance(control, StepControl)  # wait=False always returns one
-            self._round = control
+            self._pending.round = control
             group = cast(dict[str, Any], self._await_round(control, run.sync))
         except StepFailed as exc:
             if self._closed:
@@ -123,7 +124,7 @@ class SyncRounds:
                 return
             raise
         finally:
-            self._round = None
+            self._pending.round = None
         self.timer.succeeded(time.monotonic() - started)
         left = averager.last_round_left
         if left:
