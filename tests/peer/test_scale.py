@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.scale import (
     Settings,
+    SwarmResult,
     all_cells,
     fit_slope,
     grid_shape,
@@ -123,18 +124,35 @@ def test_the_real_protocol_reaches_the_mean_in_log_g_rounds_without_churn() -> N
     assert result.store_records >= 25  # every member, plus declarations
 
 
+@pytest.fixture(scope="module")
+def swarm_of_100() -> SwarmResult:
+    # about 30 s of CPU, run once for the two tests below: 100 nodes and averagers, a
+    # 10 x 10 grid, groups of up to 16, two rounds; peer ids come from the seed
+    return simulate_swarm(100, Settings(churn=0.0, client_share=0.0, rounds=2))
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="known bug: in many runs 2 of 200 steps at 100 peers fail to find their group "
-    "and the mean is not reached in 2 rounds; cause not yet found",
-    strict=False,
-)
-def test_the_real_protocol_at_100_reaches_the_mean_in_log_16_rounds() -> None:
-    # about 30 s of CPU: 100 nodes and averagers, a 10 x 10 grid, groups of up to 16
-    result = simulate_swarm(100, Settings(churn=0.0, client_share=0.0, rounds=2))
+def test_the_real_protocol_at_100_finds_every_group(swarm_of_100: SwarmResult) -> None:
+    # matchmaking used to lose 2 or 3 of the 200 steps here: redirect chains, a request
+    # each, brought a key's last peer to its leader after the group had assembled
+    # (tests/peer/averaging/test_matchmaking.py has the three-peer cases)
+    result = swarm_of_100
     assert (result.d, result.m) == (2, 10) and math.ceil(math.log(100, 16)) == 2
     assert result.failed_steps == 0 and result.matched == result.match_attempts == 200
-    assert result.rounds_to_mean == 2, result.deviations
+    assert result.group_sizes == [10] * 200  # every key's ten peers in one group
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    reason="known bug, not in matchmaking: about 2 runs in 20 on a loaded machine find all "
+    "200 groups, yet the peers end 2 rounds 0.04 from the mean (an all-reduce left a span "
+    "at local values?); not reproduced with a fixed PYTHONHASHSEED",
+    strict=False,
+)
+def test_the_real_protocol_at_100_reaches_the_mean_in_log_16_rounds(
+    swarm_of_100: SwarmResult,
+) -> None:
+    assert swarm_of_100.rounds_to_mean == 2, swarm_of_100.deviations
 
 
 @pytest.mark.slow
