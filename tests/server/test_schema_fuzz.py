@@ -84,7 +84,7 @@ def fuzzed_app(database_url: str, tmp_path: Path) -> Iterator[object]:
 def _scope(method: str, path: str) -> TokenScope | None:
     if path.endswith(("/join", "/join/challenge")):
         return TokenScope.join
-    if path.endswith(("/bootstrap", "/certificate", "/reports", "/reachability")):
+    if path.endswith(("/bootstrap", "/certificate", "/reports", "/reachability", "/leave")):
         return TokenScope.peer
     if path.endswith("/checkpoint"):
         return TokenScope.peer
