@@ -62,10 +62,10 @@ __all__ = [
 ]
 
 IDENTITY_FILE = "identity.key"
-# Progress reports to the coordinator, at most this often (10,000 volunteers: 1,000 a
-# second); the dashboard shows a silent machine offline after PRESENCE_S (server/services/
-# dashboard.py), a few intervals. The volunteer's own status refreshes every STATUS_INTERVAL_S.
-REPORT_INTERVAL_S = 10.0
+# Progress reports go to the coordinator at the interval it gives at join (10 s by default:
+# 10,000 volunteers make 1,000 reports a second); the dashboard shows a silent machine
+# offline after PRESENCE_S (server/services/dashboard.py), a few intervals. The volunteer's
+# own status refreshes every STATUS_INTERVAL_S.
 STATUS_INTERVAL_S = 1.0
 # Held-out evaluation runs on a new epoch at most every MIN_EVAL_INTERVAL_S seconds, and
 # no sooner than EVAL_SPACING times its own duration after the previous one.
@@ -426,14 +426,15 @@ class _Trainer:
 
     def _report(self, samples_per_second: float, *, force: bool = False) -> None:
         """Refresh the volunteer's status, and queue a progress report (never blocks) if
-        REPORT_INTERVAL_S passed since the last one (or ``force``)."""
+        the coordinator's report interval (told at join) passed since the last one (or
+        ``force``)."""
         optimizer = self.optimizer
         if self.losses:
             self.loss = sum(self.losses) / len(self.losses)
         loss = self.loss
         utilisation = self.meter.take()
         now = time.monotonic()
-        if force or now - self.submitted_at >= REPORT_INTERVAL_S:
+        if force or now - self.submitted_at >= self.answer.report_interval_s:
             self.session.submit_report(
                 self.reports.fields(
                     optimizer,

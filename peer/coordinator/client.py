@@ -51,6 +51,7 @@ from peer.coordinator.exceptions import (
 )
 from peer.formats.identity import Identity, join_proof_payload
 from peer.formats.payloads import (
+    DEFAULT_REPORT_INTERVAL_S,
     BootstrapPeer,
     BootstrapPublic,
     CertificatePublic,
@@ -116,7 +117,8 @@ class JoinAnswer:
     ``Certificate.from_base64``) until ``certificate_expires_at`` (Unix seconds) with
     ``run_public_key`` (raw 32 bytes, for ``CertificateVerifier``) is what the swarm's
     handshakes check. ``bootstrap`` lists addresses of live peers to start the node with;
-    ``checkpoint`` describes the run's newest checkpoint, or is None."""
+    ``checkpoint`` describes the run's newest checkpoint, or is None; progress reports go
+    every ``report_interval_s``, as the coordinator asks."""
 
     run_id: str
     peer_id: str
@@ -130,6 +132,7 @@ class JoinAnswer:
     config: Mapping[str, Any]  # the organizer's hyper-parameters: free-form JSON
     bootstrap: tuple[str, ...]
     checkpoint: CheckpointPublic | None
+    report_interval_s: float = DEFAULT_REPORT_INTERVAL_S  # how often to report progress
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +253,7 @@ class CoordinatorClient:
             config=dict(body.config),
             bootstrap=_addresses(body.bootstrap),
             checkpoint=body.checkpoint,
+            report_interval_s=body.report_interval_s,
         )
 
     def check_reachability(

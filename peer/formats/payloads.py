@@ -226,6 +226,11 @@ class BootstrapPeer(BaseModel):
     addresses: list[str]
 
 
+# How often a volunteer reports its progress unless its coordinator says otherwise at join:
+# 10,000 volunteers then make 1,000 reports a second.
+DEFAULT_REPORT_INTERVAL_S = 10.0
+
+
 class JoinResponse(BaseModel):
     run_id: str
     peer_id: str
@@ -240,6 +245,13 @@ class JoinResponse(BaseModel):
     bootstrap: list[BootstrapPeer]
     checkpoint: CheckpointPublic | None = Field(
         description="The run's newest checkpoint, to start from (GET /runs/{id}/checkpoint)."
+    )
+    report_interval_s: float = Field(
+        default=DEFAULT_REPORT_INTERVAL_S,
+        ge=1.0,
+        le=60.0,
+        description="How often the peer reports its progress (a coordinator that does not say "
+        "expects every 10 s).",
     )
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from peer.exceptions import NodeShutdown
+from peer.formats.payloads import DEFAULT_REPORT_INTERVAL_S
 from peer.integrations.hivemind_options import map_dht_options
 
 if TYPE_CHECKING:
@@ -41,7 +42,9 @@ else:
 
 log = logging.getLogger("peer.integrations.lightning")
 
-REPORT_INTERVAL_S = 10.0  # progress reports to a coordinator, at most this often
+REPORT_INTERVAL_S = (
+    DEFAULT_REPORT_INTERVAL_S  # progress reports to a coordinator, at most this often
+)
 
 __all__ = ["LightningPackage", "SwarmScheduler", "SwarmgradStrategyBase"]
 

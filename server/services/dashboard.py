@@ -58,7 +58,7 @@ STALL_AFTER_S = 120.0  # a running run with no report for this long is stalled
 MAX_ID = 2**31 - 1  # volunteers' ids are 32-bit integers on every backend
 # The pages call a peer online if it was seen this recently (or within the online TTL, if
 # shorter). A volunteer reports every 10 s while it trains or waits out a pause
-# (REPORT_INTERVAL_S in peer/volunteer.py), so one that left or whose process died is shown
+# (report_interval_s, told to volunteers at join), so one that left or whose process died is shown
 # offline within this time, not the TTL; one late or lost report does not blink it offline.
 PRESENCE_S = 25.0
 

@@ -439,7 +439,7 @@ class RunTotals:
 RATE_WINDOW_MS = 10_000
 # Nor over less than this: before the run has snapshots that old, its rate is 0.
 MIN_RATE_SPAN_MS = 1_000
-# Two report intervals of a volunteer (REPORT_INTERVAL_S in peer/volunteer.py).
+# Two report intervals of a volunteer (the default report_interval_s told at join).
 QUIET_MS = 20_000
 
 

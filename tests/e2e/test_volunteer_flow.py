@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from peer.formats.payloads import DEFAULT_REPORT_INTERVAL_S as REPORT_INTERVAL_S
 from peer.testing import wait_until
-from peer.volunteer import REPORT_INTERVAL_S
 from swarmgrad.local import LocalCoordinator, start_volunteer
 from tests.conftest import scaled
 

@@ -11,10 +11,12 @@ from fastapi import FastAPI
 from sqlalchemy import update
 
 from peer.identity import Certificate, CertificateVerifier, Identity, peer_id_from_public_key
+from server.app import create_app
 from server.clock import now_ms
+from server.config import Settings
 from server.models import Peer
 from server.services import volunteers as volunteer_service
-from tests.server.conftest import ORGANIZER, Api, b64, bearer, reached
+from tests.server.conftest import ORGANIZER, Api, b64, bearer, client_for, reached, running
 
 
 async def test_join_returns_credentials_config_and_bootstrap(
@@ -32,6 +34,7 @@ async def test_join_returns_credentials_config_and_bootstrap(
     assert body["peer_token"].startswith("sgp_")
     certificate = Certificate.from_base64(body["certificate"])
     assert certificate.role == "peer" and certificate.run_id == run["id"]
+    assert body["report_interval_s"] == 10.0  # the default a public run wants
 
     # What a join claims is never handed out; what the probe reached is.
     assert (await api.join(run["id"], join_token)).body["bootstrap"] == []
@@ -40,6 +43,15 @@ async def test_join_returns_credentials_config_and_bootstrap(
     assert second.body["bootstrap"] == [
         {"peer_id": body["peer_id"], "addresses": ["ws://10.0.0.2:7000"]}
     ]
+
+
+async def test_the_join_tells_the_coordinators_report_interval(settings: Settings) -> None:
+    async with running(create_app(settings.model_copy(update={"report_interval_s": 2.0}))) as app:
+        async with client_for(app) as client:
+            api = Api(client)
+            run = await api.create_run("interval")
+            token = (await api.create_join_token(run["id"]))["token"]
+            assert (await api.join(run["id"], token)).body["report_interval_s"] == 2.0
 
 
 async def test_client_mode_peers_get_client_certificates_and_are_not_bootstrap(

@@ -162,6 +162,7 @@ def join_run(
         config=run.config,
         bootstrap=[bootstrap_peer(p) for p in joined.bootstrap],
         checkpoint=None if checkpoint is None else checkpoint_service.public(checkpoint),
+        report_interval_s=settings.report_interval_s,
     )
 
 
