@@ -174,10 +174,10 @@ class Demo:
             contextlib.ExitStack() as stack,
         ):
             directory = Path(temp)
-            # A few volunteers on one machine: reports every 2 s keep the epoch lines and the
-            # dashboard fresh (a public run's coordinator keeps the 10 s default).
+            # A few volunteers on one machine: reports every second keep the epoch lines and
+            # the dashboard fresh (a public run's coordinator keeps the 10 s default).
             coordinator = LocalCoordinator(
-                directory / "coordinator", self.port, env={"SWARMGRAD_REPORT_INTERVAL_S": "2"}
+                directory / "coordinator", self.port, env={"SWARMGRAD_REPORT_INTERVAL_S": "1"}
             )
             stack.callback(coordinator.stop)
             self.say(f"starting a coordinator on {coordinator.url} ...")
