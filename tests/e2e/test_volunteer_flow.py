@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 import pytest
 
-from peer.formats.payloads import DEFAULT_REPORT_INTERVAL_S as REPORT_INTERVAL_S
 from peer.testing import wait_until
 from swarmgrad.local import LocalCoordinator, start_volunteer
 from tests.conftest import scaled
@@ -28,12 +27,18 @@ pytestmark = pytest.mark.slow
 # Short rounds, no natural end: the tests decide when a run finishes.
 FAST = ["--config", "matchmaking_time=0.5", "--config", "epochs=100000"]
 EPOCH_LINE = re.compile(r"\bepoch (\d+)\b.*\bsamples (\d+)\b")
+# The tests' coordinator asks its volunteers for a report every second (as the demo's does),
+# so that what the tests watch moves at their pace.
+REPORT_INTERVAL_S = 1.0
 
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[LocalCoordinator]:
     # a progress snapshot every second: a chart's history at the tests' pace
-    env = {"SWARMGRAD_SNAPSHOT_INTERVAL_S": "1"}
+    env = {
+        "SWARMGRAD_SNAPSHOT_INTERVAL_S": "1",
+        "SWARMGRAD_REPORT_INTERVAL_S": str(REPORT_INTERVAL_S),
+    }
     with LocalCoordinator(tmp_path / "coordinator", env=env) as running:
         yield running
 
