@@ -94,7 +94,8 @@ class Swarm:
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
     directory = tmp_path_factory.mktemp("swarm")
     coordinator = LocalCoordinator(
-        directory / "coordinator", env={"SWARMGRAD_SNAPSHOT_INTERVAL_S": "1"}
+        directory / "coordinator",
+        env={"SWARMGRAD_SNAPSHOT_INTERVAL_S": "1", "SWARMGRAD_REPORT_INTERVAL_S": "1"},
     )
     coordinator.start()
     try:
