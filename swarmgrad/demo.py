@@ -2,7 +2,9 @@
 
 A coordinator process (production mode, fresh secrets, SQLite in a temporary directory), a run
 with one single-use invite per peer made through the REST API, and N ``swarmgrad join ...
---quiet`` processes exactly as volunteers start them. The demo prints one line per swarm epoch
+--quiet`` processes exactly as volunteers start them. The run stays paused until every
+volunteer is online (at most :data:`JOIN_GRACE_S`), so that they start training together
+rather than the first one racing through epochs alone. The demo prints one line per swarm epoch
 from the run's progress; at the last epoch (once its checkpoint is saved, or after a grace
 period) it finishes the run, waits for the peers to leave, evaluates the checkpoint, and stops
 the coordinator. Ctrl-C, SIGTERM or any failure stops every process it started (see
@@ -37,6 +39,8 @@ from swarmgrad.organizer import write_atomically
 
 # How often the demo reads the run's progress (a display refresh, not a synchronisation).
 POLL_INTERVAL_S = 1.0
+# How long the paused run waits for every volunteer to come online before it starts anyway.
+JOIN_GRACE_S = 120.0
 # After the last epoch: how long to wait for its checkpoint before finishing the run anyway.
 FINAL_CHECKPOINT_GRACE_S = 60.0
 # After the run is finished: how long the peers get to notice and leave.
@@ -189,6 +193,8 @@ class Demo:
             if self.algorithm == "diloco":
                 config.update(algorithm="diloco", inner_steps=DEMO_INNER_STEPS)
             run = client.create_run(token, f"demo-{self.task}", self.task, config)
+            # paused until every volunteer is online: they start training together
+            client.update_run(token, run.id, status="paused")
             invites = [
                 client.create_invite(token, run.id, max_uses=1, label=f"demo peer {i}")
                 for i in range(self.peers)
@@ -223,11 +229,36 @@ class Demo:
             self.say(f"dashboard: {coordinator.url}/runs/{run.id}")
             self.say(f"organizer sign-in: {coordinator.url}/signin (token {token})")
             self.metric_name = _metric_name(self.task)
+            self._start_once_online(client, token, run.id, coordinator, peers)
             progress = self._watch(client, run.id, coordinator, peers)
             client.update_run(token, run.id, status="finished")
             self._wait_for_peers(peers)
             self._report(client, token, run, progress)
             self.say("stopping the coordinator")
+
+    def _start_once_online(
+        self,
+        client: CoordinatorClient,
+        token: str,
+        run_id: str,
+        coordinator: LocalCoordinator,
+        peers: list[_Peer],
+    ) -> None:
+        """Resume the paused run once every volunteer is online (or after the grace)."""
+        self.say(f"waiting for the {self.peers} volunteer(s) to come online ...")
+        deadline = time.monotonic() + JOIN_GRACE_S
+        while True:
+            _check_peers(peers)
+            if not coordinator.running:
+                raise CommandError(f"the coordinator stopped (log: {coordinator.log_path})")
+            online = client.progress(run_id).peers_online
+            if online >= self.peers:
+                break
+            if time.monotonic() >= deadline:
+                self.say(f"{online} of {self.peers} volunteer(s) online; starting anyway")
+                break
+            time.sleep(POLL_INTERVAL_S / 4)
+        client.update_run(token, run_id, status="running")
 
     def _watch(
         self,

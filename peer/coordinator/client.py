@@ -197,7 +197,8 @@ class CoordinatorClient:
     def join_challenge(self, join_token: str) -> JoinChallenge:
         """The run ``join_token`` invites to, and a challenge for :meth:`join`. Raises
         :class:`Unauthorized` for an unknown, expired or revoked token and
-        :class:`RunNotAccepting` while the run is paused, finished or archived."""
+        :class:`RunNotAccepting` once the run is finished or archived (a paused run admits
+        peers: they wait until it resumes)."""
         body = self._parse(
             JoinChallengePublic,
             self._json("POST", f"{API_PREFIX}/join/challenge", token=join_token),
@@ -290,7 +291,7 @@ class CoordinatorClient:
 
     def renew_certificate(self, peer_token: str, run_id: str) -> tuple[str, float]:
         """A fresh run certificate: ``(certificate_base64, expires_at_unix_seconds)``.
-        :class:`RunNotAccepting` while the run is paused, finished or archived."""
+        :class:`RunNotAccepting` once the run is finished or archived."""
         body = self._parse(
             CertificatePublic,
             self._json("POST", _run_path(run_id, "certificate"), token=peer_token),

@@ -12,7 +12,7 @@ Hierarchy::
         ├── Unauthorized           401: token missing, unknown, expired, revoked or used up
         ├── Forbidden              403: token of the wrong scope or run, or a join proof refused
         ├── NotFound               404: no such run (or no checkpoint yet)
-        ├── RunNotAccepting        409: the run is paused, finished or archived (or, for a
+        ├── RunNotAccepting        409: the run is finished or archived (or, for a
         │                          checkpoint upload, has one of that epoch or newer)
         ├── RateLimited            429: too soon; ``retry_after`` seconds to wait
         ├── RequestRejected        400/413/422 and other 4xx: the coordinator refused the
@@ -61,9 +61,9 @@ class NotFound(CoordinatorError):
 
 
 class RunNotAccepting(CoordinatorError):
-    """409: the request conflicts with the run's state: it is paused (try again when it
-    resumes), finished or archived. A checkpoint upload gets it when the run already holds a
-    checkpoint of that epoch or a newer one (another peer was first)."""
+    """409: the request conflicts with the run's state: it is finished or archived. A
+    checkpoint upload gets it when the run already holds a checkpoint of that epoch or a
+    newer one (another peer was first)."""
 
 
 class RateLimited(CoordinatorError):

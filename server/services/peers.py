@@ -57,12 +57,13 @@ class Joined:
 
 
 def ensure_accepting(run: Run, action: str) -> None:
+    """Refuse (409) once the run is finished or archived. A paused run still takes joins and
+    renewals: its peers wait (they learn the status from the join answer and their polls)
+    and start together when the organizer resumes it."""
     if run.archived_at is not None:
         raise Conflict(f"run {run.id} is archived; cannot {action}")
     if run.status is RunStatus.finished:
         raise Conflict(f"run {run.id} is finished; cannot {action}")
-    if run.status is RunStatus.paused:
-        raise Conflict(f"run {run.id} is paused; try again when the organizer resumes it")
 
 
 def issue_certificate(

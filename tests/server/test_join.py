@@ -86,7 +86,10 @@ async def test_challenge_needs_a_valid_join_token_of_an_open_run(
     assert refused.status_code == 401 and "revoked" in refused.json()["detail"]
     await client.patch(f"/api/v1/runs/{run['id']}", json={"status": "paused"}, headers=ORGANIZER)
     paused = await client.post(CHALLENGE, headers=bearer(join_token))
-    assert paused.status_code == 409 and "paused" in paused.json()["detail"]
+    assert paused.status_code == 200 and paused.json()["status"] == "paused"
+    await client.patch(f"/api/v1/runs/{run['id']}", json={"status": "finished"}, headers=ORGANIZER)
+    finished = await client.post(CHALLENGE, headers=bearer(join_token))
+    assert finished.status_code == 409 and "finished" in finished.json()["detail"]
 
 
 async def test_a_key_without_its_private_half_is_refused_and_the_victim_untouched(
@@ -235,17 +238,17 @@ async def test_rejoining_needs_an_unrevoked_invite(
     assert response.status_code == 401 and "revoked" in response.json()["detail"]
 
 
-async def test_join_refused_when_the_run_pauses_after_the_challenge(
+async def test_join_refused_when_the_run_finishes_after_the_challenge(
     client: httpx.AsyncClient, run: dict[str, Any], join_token: str
 ) -> None:
     challenge = await challenge_for(client, join_token)
-    await client.patch(f"/api/v1/runs/{run['id']}", json={"status": "paused"}, headers=ORGANIZER)
+    await client.patch(f"/api/v1/runs/{run['id']}", json={"status": "finished"}, headers=ORGANIZER)
     response = await client.post(
         join_url(run["id"]),
         json={**join_proof(run["id"], challenge, Identity()), "addresses": []},
         headers=bearer(join_token),
     )
-    assert response.status_code == 409 and "paused" in response.json()["detail"]
+    assert response.status_code == 409 and "finished" in response.json()["detail"]
 
 
 async def test_join_answer_names_the_run_and_its_checkpoint(

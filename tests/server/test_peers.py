@@ -91,13 +91,17 @@ async def test_bootstrap_is_a_sample_of_live_peers_never_the_caller(
     assert seen == ids - {caller.body["peer_id"], stale}
 
 
-async def test_join_refused_while_paused_or_finished(
+async def test_a_paused_run_admits_peers_and_a_finished_one_refuses_them(
     api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
 ) -> None:
     url = f"/api/v1/runs/{run['id']}"
     await client.patch(url, json={"status": "paused"}, headers=ORGANIZER)
-    paused = await api.join(run["id"], join_token, expect=409)
-    assert "paused" in paused.body["detail"]
+    paused = await api.join(run["id"], join_token)
+    assert paused.body["status"] == "paused"  # the peer waits until the run resumes
+    renewed = await client.post(
+        f"/api/v1/runs/{run['id']}/certificate", headers=bearer(paused.body["peer_token"])
+    )
+    assert renewed.status_code == 200, renewed.text  # a long pause costs no credentials
     await client.patch(url, json={"status": "running"}, headers=ORGANIZER)
     await api.join(run["id"], join_token)
     await client.patch(url, json={"status": "finished"}, headers=ORGANIZER)
@@ -108,11 +112,11 @@ async def test_join_refused_while_paused_or_finished(
 async def test_refused_join_does_not_use_up_the_token(
     api: Api, client: httpx.AsyncClient, run: dict[str, Any]
 ) -> None:
+    await api.join(run["id"], (await api.create_join_token(run["id"]))["token"], display_name="Ann")
     token = await api.create_join_token(run["id"], max_uses=1)
-    await client.patch(f"/api/v1/runs/{run['id']}", json={"status": "paused"}, headers=ORGANIZER)
-    await api.join(run["id"], token["token"], expect=409)
-    await client.patch(f"/api/v1/runs/{run['id']}", json={"status": "running"}, headers=ORGANIZER)
-    await api.join(run["id"], token["token"])
+    taken = await api.join(run["id"], token["token"], display_name="ann", expect=409)
+    assert "ann" in taken.body["detail"].lower()
+    await api.join(run["id"], token["token"], display_name="Bea")
 
 
 @pytest.mark.parametrize(

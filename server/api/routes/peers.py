@@ -102,8 +102,8 @@ def join_challenge(
 ) -> JoinChallengePublic:
     """A challenge for joining the join token's run, valid for ``join_challenge_ttl_s``.
     Next: sign ``peer.identity.join_proof_payload(run_id, challenge, public_key)`` with the
-    peer's identity and ``POST /runs/{run_id}/join``. Refused (409) while the run is paused,
-    finished or archived."""
+    peer's identity and ``POST /runs/{run_id}/join``. Refused (409) once the run is finished
+    or archived; a paused run admits peers, which wait until it resumes."""
     assert invitee.run_id is not None  # join tokens belong to a run
     run, challenge = peer_service.join_challenge(
         session, challenges, invitee.run_id, invitee.token_id

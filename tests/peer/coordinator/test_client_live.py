@@ -133,7 +133,9 @@ def test_refusals_carry_the_coordinators_words(client: CoordinatorClient, run: R
     assert str(caught.value) and "sgj_" not in str(caught.value)
     token = invite(client, run)
     client.update_run(ADMIN, run.id, status="paused")
-    with pytest.raises(RunNotAccepting, match="paused"):
+    assert client.join_challenge(token).status == "paused"  # its peers join and wait
+    client.update_run(ADMIN, run.id, status="finished")
+    with pytest.raises(RunNotAccepting, match="finished"):
         client.join_challenge(token)
     with pytest.raises(NotFound):
         client.run("no-such-run")
