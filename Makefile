@@ -30,12 +30,14 @@ browser:
 		echo "the browser tests need Debian's chromium at $(CHROMIUM): run 'sudo apt-get install chromium'" >&2; exit 1; \
 	fi
 
-# Two passes: the quick tests spread over two workers, then the multi-process scenarios one at
-# a time (they time real peers, which must not compete with other tests for the two cores).
+# Two passes. First every test on two workers: the multi-process scenarios (marked slow) one
+# at a time on one of them, in one xdist group, while the quick tests share both (the
+# scenarios mostly wait on their peers' rounds, so the cores they leave idle go to the quick
+# tests). Then the few that time something against a reference (marked alone), by themselves.
 test: $(STAMP) browser
-	@fast=0; $(BIN)/python -m pytest -m "not slow" -n 2 || fast=$$?; \
-	slow=0; $(BIN)/python -m pytest -m slow || slow=$$?; \
-	[ $$fast -eq 0 ] && [ $$slow -eq 0 ]
+	@most=0; $(BIN)/python -m pytest -m "not alone" -n 2 --dist loadgroup || most=$$?; \
+	alone=0; $(BIN)/python -m pytest -m alone || alone=$$?; \
+	[ $$most -eq 0 ] && [ $$alone -eq 0 ]
 
 test-fast: $(STAMP) browser
 	$(BIN)/python -m pytest -m "not slow" -n 2

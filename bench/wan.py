@@ -197,6 +197,18 @@ def _train(
     drained = time.perf_counter() - started
     sent = node.bytes_sent - sent0
     rounds = opt.local_epoch if collaborative else opt.outer_step
+    # where a DiLoCo step() call's waiting went (see waits_line)
+    waits = (
+        {}
+        if collaborative
+        else dict(
+            round_wait=opt.round_wait_seconds,
+            catch_up=opt.catch_up_seconds,
+            round_seconds=opt.round_seconds,
+            straggler_wait=opt.straggler_wait_seconds,
+            syncs=opt.rounds_done + opt.rounds_failed,
+        )
+    )
     snapshot(drained, done * batch * peers)
     opt.shutdown()
     barrier(f"{run}.left")
@@ -217,6 +229,8 @@ def _train(
         bytes_sent=sent,
         rounds=rounds,
         curve=curve,
+        steps=done,
+        **waits,
     )
 
 
@@ -286,6 +300,33 @@ def summary(peers: list[dict[str, Any]]) -> dict[str, Any]:
         seconds=seconds,
         drained=max(p["drained"] for p in peers),
         curve=curve,
+        waits={
+            key: statistics.mean(p[key] for p in peers)
+            for key in ("round_wait", "catch_up", "round_seconds", "straggler_wait", "syncs")
+            if key in peers[0]
+        },
+        steps=statistics.mean(p["steps"] for p in peers),
+    )
+
+
+def waits_line(r: dict[str, Any], inner_steps: int, fragments: int) -> str | None:
+    """Where a DiLoCo method's waiting went, per peer on average: blocked on the previous
+    background round, loading the swarm's state, and the rest (each call's own overhead:
+    progress reports, copies); beside how long its rounds took against the compute between
+    two syncs, which a background round must fit in."""
+    w = r["waits"]
+    if not w:
+        return None
+    other = max(0.0, r["waiting"] - w["round_wait"] - w["catch_up"])
+    syncs = max(1.0, w["syncs"])
+    per_step = r["compute"] / max(1.0, r["steps"])  # forward/backward seconds per step
+    between = per_step * inner_steps / max(1, fragments if r["method"] == "streaming" else 1)
+    return (
+        f"  {r['method']}: of {r['waiting']:.1f} s waiting, {w['round_wait']:.1f} s blocked on "
+        f"the round in flight, {w['catch_up']:.1f} s loading state, {other:.1f} s in the calls "
+        f"themselves (inline rounds, reports, copies); a round took {w['round_seconds'] / syncs:.2f} s "
+        f"({w['straggler_wait'] / syncs:.2f} s of it waiting for slower peers) against "
+        f"{between:.2f} s of forward/backward between two syncs"
     )
 
 
@@ -418,6 +459,12 @@ def main() -> None:
             f"{r['samples_per_second']:>11.1f}{r['rounds']:>8}{r['at_samples']:>15.3f}"
             f"{r['at_time']:>12.3f}"
         )
+    lines = [waits_line(r, args.inner_steps, args.fragments) for r in results]
+    if any(lines):
+        print("\nwhere DiLoCo waited (mean over the peers):")
+        for line in lines:
+            if line:
+                print(line)
     by = {r["method"]: r for r in results}
     missed = []
     if "optimizer" in by:

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 TIME_SCALE = float(os.environ.get("SWARMGRAD_TEST_TIME_SCALE", "1"))
 
 
@@ -84,3 +86,13 @@ def served(app: Any) -> Iterator[str]:
         server.should_exit = True
         thread.join(scaled(30))
         sock.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The multi-process scenarios (``slow``) run one at a time, in one xdist group: with
+    ``make test``'s ``--dist loadgroup`` they keep one worker while the quick tests take
+    both. Those that time something (``alone``) run by themselves in a pass of their own."""
+    group = pytest.mark.xdist_group("processes")
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("alone"):
+            item.add_marker(group)

@@ -239,6 +239,12 @@ class DiLoCo(SyncRounds):
         self._behind = False  # the others moved on without this peer: load their state
         self.rounds_done = 0
         self.rounds_failed = 0
+        # Where a step() call's time beyond the inner step goes (for utilisation figures):
+        # blocked on the previous background round, and loading the swarm's state.
+        self.round_wait_seconds = 0.0
+        self.catch_up_seconds = 0.0
+        self.round_seconds = 0.0  # the rounds' own time (matchmaking and all-reduce), summed
+        self.straggler_wait_seconds = 0.0  # of which waiting for peers still on their way
         self.last_group_size: int | None = None
         self.last_failure: str | None = None
         self._closed = False
@@ -401,7 +407,9 @@ class DiLoCo(SyncRounds):
         ):
             logger.info("sync %d is behind the swarm: loading its state", self.local_epoch)
             self._behind = self._retry = False
+            started = time.monotonic()
             self.load_state_from_peers()
+            self.catch_up_seconds += time.monotonic() - started
             return loss
         self.inner_optimizer.step()
         self._steps += 1
@@ -506,7 +514,9 @@ class DiLoCo(SyncRounds):
     def _sync(self) -> None:
         """Sync ``local_epoch``: its fragment's pseudo-gradient into the averager, then the
         round (here, or in the background with ``overlap``). Training thread."""
+        started = time.monotonic()
         self._settle_pending()  # one round in flight at a time
+        self.round_wait_seconds += time.monotonic() - started
         if self._behind:
             return  # (the landed round found the others gone on: the next step loads state)
         sync = self.local_epoch

@@ -67,6 +67,8 @@ class SyncRounds:
     verbose: bool
     rounds_done: int
     rounds_failed: int
+    round_seconds: float
+    straggler_wait_seconds: float
     last_group_size: int | None
     last_failure: str | None
     _sync_in_group_bits: bool
@@ -83,10 +85,19 @@ class SyncRounds:
 
     def _run_round(self, run: SyncRun) -> None:
         """Average the fragment's pseudo-gradient with the peers at this sync. Any thread."""
+        begun = time.monotonic()
+        try:
+            waited = self._wait_for_stragglers(run.sync)
+            self.straggler_wait_seconds += time.monotonic() - begun
+            if not waited:
+                run.cancelled = True
+                return
+            self._average(run)
+        finally:
+            self.round_seconds += time.monotonic() - begun
+
+    def _average(self, run: SyncRun) -> None:
         averager = self.averagers[run.fragment]
-        if not self._wait_for_stragglers(run.sync):
-            run.cancelled = True
-            return
         if not self.tracker.others_reporting():
             run.averaged = True  # alone in the run: this peer's pseudo-gradient is the mean
             return

@@ -14,6 +14,7 @@ SMALL, LARGE = 40, 160
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_bytes_per_peer_grow_with_log_n_and_a_record_still_reaches_everyone() -> None:
     small = steady_gossip(SMALL, window=6.0, seed=1)
     large = steady_gossip(LARGE, window=6.0, seed=1)

@@ -23,7 +23,8 @@ from tests.conftest import scaled
 from tests.server.conftest import bearer, join_proof
 from tests.web.conftest import expect_network_errors
 
-pytestmark = pytest.mark.slow
+# alone: they hold presence and live updates to wall-clock bounds (offline within 25 s)
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 # Epochs of 8192 samples: a volunteer that trains alone before the other one is found
 # (it does not wait for a group) covers a few epochs, not hundreds, before they average.

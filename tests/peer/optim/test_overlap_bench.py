@@ -19,6 +19,7 @@ BENCH = Path(__file__).resolve().parents[3] / "bench" / "overlap.py"
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_delays_give_at_least_one_and_a_half_times_the_samples_per_second() -> None:
     reason = unavailable()
     if reason is not None:
