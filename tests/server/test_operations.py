@@ -134,7 +134,7 @@ def test_principal_cache_needs_the_secret_and_expires() -> None:
 
 
 async def test_report_path_reuses_verified_peers_for_the_ttl(database_url: str) -> None:
-    settings = make_settings(database_url, peer_auth_cache_ttl_s=3600)
+    settings = make_settings(database_url, peer_auth_cache_ttl_s=3600, peer_auth_recheck_s=3600)
     async with running(create_app(settings)) as app, client_for(app) as client:
         api = Api(client)
         run = await api.create_run()

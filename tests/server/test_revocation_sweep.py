@@ -32,7 +32,7 @@ def test_the_cache_never_keeps_a_token_past_its_expiry_and_forgets_on_demand() -
 async def test_revoked_tokens_and_finished_runs_are_forgotten_at_the_next_sweep(
     database_url: str,
 ) -> None:
-    settings = make_settings(database_url, peer_auth_cache_ttl_s=3600)
+    settings = make_settings(database_url, peer_auth_cache_ttl_s=3600, peer_auth_recheck_s=3600)
     async with running(create_app(settings)) as app, client_for(app) as client:
         api = Api(client)
         run = await api.create_run()
@@ -68,7 +68,7 @@ async def test_revoked_tokens_and_finished_runs_are_forgotten_at_the_next_sweep(
 async def test_a_run_met_once_is_warmed_in_one_query_and_still_needs_each_secret(
     database_url: str,
 ) -> None:
-    settings = make_settings(database_url, peer_auth_cache_ttl_s=3600)
+    settings = make_settings(database_url, peer_auth_cache_ttl_s=3600, peer_auth_recheck_s=3600)
     async with running(create_app(settings)) as app, client_for(app) as client:
         api = Api(client)
         run = await api.create_run()
