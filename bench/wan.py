@@ -19,9 +19,11 @@ initialisation on ``--samples`` samples in all, once per method:
   pseudo-gradients.
 
 Per method it prints compute utilisation (the fraction of the training loop's time spent
-in forward, backward and the optimizer's own step: a ``step()`` call's time beyond an AdamW
-step on the model, measured in the same process, is waiting on the network,
-:mod:`peer.optim.utilisation`), bytes each peer's node sent per
+in forward, backward and the optimizer's own step: a ``step()`` call's time beyond its
+inner step, which DiLoCo times in the call, or beyond an AdamW step on the model measured
+in the same process before training for the collaborative Optimizer, is waiting on the
+network, :mod:`peer.optim.utilisation`), and for DiLoCo where that waiting went; bytes each
+peer's node sent per
 sample it trained, the swarm's samples/s, and peer 0's held-out loss at the end (equal
 samples) and at the wall time the fastest method took (equal wall time, interpolated between
 evaluated snapshots). Then the goals, each a ratio from this run: streaming DiLoCo's compute
@@ -179,10 +181,12 @@ def _train(
         t0 = time.perf_counter()
         task.loss(model, next(batches)).backward()
         t1 = time.perf_counter()
+        timed = None if collaborative else opt.inner_step_seconds
         opt.step()
         opt.zero_grad()
         t2 = time.perf_counter()
-        meter.add(t1 - t0, t2 - t1)
+        # DiLoCo times its own inner step, under the same load as the rest of the call
+        meter.add(t1 - t0, t2 - t1, None if timed is None else opt.inner_step_seconds - timed)
         done += 1
         if done % snapshot_every == 0:
             snapshot(t2 - started, done * batch * peers)
@@ -230,6 +234,11 @@ def _train(
         rounds=rounds,
         curve=curve,
         steps=done,
+        median_call=statistics.median(meter.calls),
+        median_local=statistics.median(
+            [t for t in meter.local if t is not None] or [meter.local_step]
+        ),
+        reference=meter.reference,
         **waits,
     )
 
@@ -306,6 +315,9 @@ def summary(peers: list[dict[str, Any]]) -> dict[str, Any]:
             if key in peers[0]
         },
         steps=statistics.mean(p["steps"] for p in peers),
+        median_call=statistics.mean(p["median_call"] for p in peers),
+        median_local=statistics.mean(p["median_local"] for p in peers),
+        reference=statistics.mean(p["reference"] for p in peers),
     )
 
 
@@ -326,7 +338,9 @@ def waits_line(r: dict[str, Any], inner_steps: int, fragments: int) -> str | Non
         f"the round in flight, {w['catch_up']:.1f} s loading state, {other:.1f} s in the calls "
         f"themselves (inline rounds, reports, copies); a round took {w['round_seconds'] / syncs:.2f} s "
         f"({w['straggler_wait'] / syncs:.2f} s of it waiting for slower peers) against "
-        f"{between:.2f} s of forward/backward between two syncs"
+        f"{between:.2f} s of forward/backward between two syncs; the median step() call "
+        f"took {1e3 * r['median_call']:.1f} ms, its inner step {1e3 * r['median_local']:.1f} "
+        f"ms (alone before training: {1e3 * r['reference']:.1f} ms)"
     )
 
 

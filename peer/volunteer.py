@@ -397,9 +397,11 @@ class _Trainer:
         loss.backward()
         computed = time.perf_counter()
         n = self.task.batch_size(batch)
+        timed = getattr(self.optimizer, "inner_step_seconds", None)  # DiLoCo times its own
         self.optimizer.step(batch_size=n)
         self.optimizer.zero_grad()
-        self.meter.add(computed - started, time.perf_counter() - computed)
+        local = None if timed is None else self.optimizer.inner_step_seconds - timed
+        self.meter.add(computed - started, time.perf_counter() - computed, local)
         self.samples += n
         value = float(loss.detach())
         if math.isfinite(value):

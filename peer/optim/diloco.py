@@ -98,6 +98,11 @@ logger = logging.getLogger("peer.optim.diloco")
 __all__ = ["DiLoCo"]
 
 
+# How often step() compares this peer's sync with the swarm's (a peer left behind, e.g. after
+# a pause, loads the outer state within this long).
+SWARM_CHECK_S = 0.5
+
+
 def default_outer_optimizer(params: Any) -> torch.optim.Optimizer:
     """DiLoCo's outer optimizer: SGD, lr 0.7, Nesterov momentum 0.9."""
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
@@ -237,10 +242,12 @@ class DiLoCo(SyncRounds):
         self._pending: Pending[SyncRun] = Pending()  # the overlapped round, the round in flight
         self._retry = False  # the last round failed while others were about
         self._behind = False  # the others moved on without this peer: load their state
+        self._swarm_checked_at = -math.inf  # when step() last compared with the swarm
         self.rounds_done = 0
         self.rounds_failed = 0
         # Where a step() call's time beyond the inner step goes (for utilisation figures):
         # blocked on the previous background round, and loading the swarm's state.
+        self.inner_step_seconds = 0.0  # in the inner optimizer's step() (local work)
         self.round_wait_seconds = 0.0
         self.catch_up_seconds = 0.0
         self.round_seconds = 0.0  # the rounds' own time (matchmaking and all-reduce), summed
@@ -402,16 +409,19 @@ class DiLoCo(SyncRounds):
             raise ValueError("batch_size must be a non-negative integer")
         if self._pending.landed:
             self._settle_pending()
-        if self._pending.run is None and (
-            self._behind or self.global_progress.epoch > self.local_epoch
-        ):
+        due = self._retry or self._steps + 1 >= steps_before_sync(
+            self.local_epoch, self.inner_steps, len(self.fragments)
+        )
+        if self._pending.run is None and (self._behind or self._swarm_ahead(now=due)):
             logger.info("sync %d is behind the swarm: loading its state", self.local_epoch)
             self._behind = self._retry = False
             started = time.monotonic()
             self.load_state_from_peers()
             self.catch_up_seconds += time.monotonic() - started
             return loss
+        started = time.perf_counter()
         self.inner_optimizer.step()
+        self.inner_step_seconds += time.perf_counter() - started
         self._steps += 1
         self._steps_total += 1
         self._samples += batch_size
@@ -425,6 +435,17 @@ class DiLoCo(SyncRounds):
         ):
             self._sync()
         return loss
+
+    def _swarm_ahead(self, *, now: bool = False) -> bool:
+        """Whether the swarm reports a later sync than this peer's. Looked at before each
+        sync (``now``) and otherwise at most every :data:`SWARM_CHECK_S`: reading the
+        swarm's reports waits on the node's event loop, which a round in flight keeps busy,
+        and an inner step should not wait on it."""
+        at = time.monotonic()
+        if not now and at - self._swarm_checked_at < SWARM_CHECK_S:
+            return False
+        self._swarm_checked_at = at
+        return self.global_progress.epoch > self.local_epoch
 
     def wait_for_pending(self, timeout: float | None = None) -> bool:
         """Wait for a background round and apply it (e.g. before evaluating or saving);

@@ -7,9 +7,11 @@ time beyond the local work as waiting, so::
 
     utilisation = (forward/backward + calls - waiting) / (forward/backward + calls)
 
-The local work of a call is ``reference`` seconds when the caller measured it (the cost of
-the wrapped optimizer's step on this model, as ``bench/wan.py`` does), else the tenth
-percentile of the calls: most calls of DiLoCo are inner steps and most calls of the
+The local work of a call is what the optimizer timed of it when it times its own inner step
+(``local`` in :meth:`ComputeMeter.add`: DiLoCo's ``inner_step_seconds``, taken under the
+same load as the rest of the call), else ``reference`` seconds when the caller measured it
+(the cost of the wrapped optimizer's step on this model, as ``bench/wan.py`` does), else the
+tenth percentile of the calls: most calls of DiLoCo are inner steps and most calls of the
 collaborative Optimizer accumulate gradients (with a batch or less per peer per epoch, every
 call averages and only a measured ``reference`` tells the waiting apart).
 
@@ -34,16 +36,24 @@ class ComputeMeter:
         self.reference = reference
         self.compute = 0.0
         self.calls: list[float] = []
+        self.local: list[float | None] = []  # each call's local work, where it was timed
 
-    def add(self, compute_seconds: float, step_seconds: float) -> None:
+    def add(
+        self, compute_seconds: float, step_seconds: float, local_seconds: float | None = None
+    ) -> None:
         """One iteration: ``compute_seconds`` in forward/backward, ``step_seconds`` in
-        ``opt.step()`` (and ``zero_grad``)."""
-        if not (math.isfinite(compute_seconds) and math.isfinite(step_seconds)):
+        ``opt.step()`` (and ``zero_grad``), of which ``local_seconds`` (if the optimizer
+        timed it) its own local work."""
+        durations = [compute_seconds, step_seconds]
+        if local_seconds is not None:
+            durations.append(local_seconds)
+        if not all(math.isfinite(d) for d in durations):
             raise ValueError("durations must be finite")
-        if compute_seconds < 0 or step_seconds < 0:
+        if any(d < 0 for d in durations):
             raise ValueError("durations must not be negative")
         self.compute += compute_seconds
         self.calls.append(step_seconds)
+        self.local.append(local_seconds)
 
     @property
     def local_step(self) -> float:
@@ -60,7 +70,10 @@ class ComputeMeter:
     def waiting(self) -> float:
         """Seconds of step() calls beyond their local work."""
         local = self.local_step
-        return sum(max(0.0, c - local) for c in self.calls)
+        return sum(
+            max(0.0, c - (local if timed is None else timed))
+            for c, timed in zip(self.calls, self.local, strict=True)
+        )
 
     def utilisation(self) -> float | None:
         """The fraction of the loop's time spent computing, in [0, 1]; None before the
@@ -73,5 +86,5 @@ class ComputeMeter:
     def take(self) -> float | None:
         """:meth:`utilisation`, then start over."""
         value = self.utilisation()
-        self.compute, self.calls = 0.0, []
+        self.compute, self.calls, self.local = 0.0, [], []
         return value

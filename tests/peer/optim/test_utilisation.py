@@ -43,3 +43,16 @@ def test_a_measured_reference_tells_waiting_apart_when_every_call_waits() -> Non
     assert unmeasured.utilisation() == pytest.approx(1.0), "no call stands out"
     with pytest.raises(ValueError, match="reference"):
         ComputeMeter(reference=-1.0)
+
+
+def test_a_call_s_own_timed_local_work_wins_over_the_reference() -> None:
+    # a reference measured on a quiet core, calls slowed three-fold by the load of training:
+    # what the optimizer timed of each call is its local work, only the rest is waiting
+    meter = ComputeMeter(reference=0.01)
+    meter.add(0.1, 0.03, 0.03)  # all of it the inner step, slowed: no waiting
+    meter.add(0.1, 0.53, 0.03)  # and half a second blocked on a round
+    meter.add(0.1, 0.02)  # not timed: the reference holds
+    assert meter.waiting == pytest.approx(0.5 + 0.01)
+    with pytest.raises(ValueError, match="negative"):
+        meter.add(0.1, 0.1, -0.01)
+    assert len(meter.calls) == len(meter.local) == 3
