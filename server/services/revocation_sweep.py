@@ -72,6 +72,10 @@ class RevocationSweep:
         task = asyncio.create_task(self.warm(run_id, remember), name=f"token-warmup-{run_id}")
         self._warming[run_id] = task
 
+    async def warmed(self) -> None:
+        """Wait for the warm-ups in flight (on the event loop)."""
+        await asyncio.gather(*list(self._warming.values()), return_exceptions=True)
+
     async def warm(self, run_id: str, remember: Callable[[int, PeerTrack], None]) -> int:
         """Cache every active peer token of a running run, and give each peer's track to
         ``remember``; how many (0 if the run is finished, archived or unknown)."""
