@@ -248,9 +248,7 @@ class Demo:
         self.say(f"waiting for the {self.peers} volunteer(s) to come online ...")
         deadline = time.monotonic() + JOIN_GRACE_S
         while True:
-            _check_peers(peers)
-            if not coordinator.running:
-                raise CommandError(f"the coordinator stopped (log: {coordinator.log_path})")
+            _check_alive(coordinator, peers)
             online = client.progress(run_id).peers_online
             if online >= self.peers:
                 break
@@ -271,9 +269,7 @@ class Demo:
         shown = -1
         reached_at: float | None = None
         while True:
-            _check_peers(peers)
-            if not coordinator.running:
-                raise CommandError(f"the coordinator stopped (log: {coordinator.log_path})")
+            _check_alive(coordinator, peers)
             progress = client.progress(run_id)
             epoch = progress.epoch
             if epoch > shown and progress.samples:
@@ -350,6 +346,13 @@ class Demo:
 def _failure(peer: _Peer, code: int | None) -> str:
     last = peer.last_line()
     return f"volunteer {peer.index} exited with status {code}" + (f": {last}" if last else "")
+
+
+def _check_alive(coordinator: LocalCoordinator, peers: list[_Peer]) -> None:
+    """A one-line error if a volunteer or the coordinator stopped."""
+    _check_peers(peers)
+    if not coordinator.running:
+        raise CommandError(f"the coordinator stopped (log: {coordinator.log_path})")
 
 
 def _check_peers(peers: list[_Peer]) -> None:
