@@ -16,6 +16,12 @@ Printed figures (ratios and times of this run; compare them across changes on on
   seconds from ``Volunteer.run()`` to its first finished averaging round;
 * demo → first swarm epoch: ``swarmgrad demo --peers 2``, seconds from its start until it
   prints its first line for an epoch above 0.
+
+``python bench/join.py --demo-against-mean 3`` instead runs ``swarmgrad demo`` (4 peers,
+``--demo-epochs`` epochs) in pairs, once with a run's averaging defaults and once with
+``aggregator=mean, relative_weight_bound=null``, in alternating order, and prints each run's
+training rate (samples counted between its first and last epoch lines over the time between
+them) and each pair's ratio defaults / mean, then their median and range.
 """
 
 from __future__ import annotations
@@ -162,6 +168,58 @@ def demo_to_first_epoch() -> float:
         stop_process(process)
 
 
+PLAIN_MEAN = ["--config", "aggregator=mean", "--config", "relative_weight_bound=null"]
+
+
+def demo_training_rate(epochs: int, extra: list[str]) -> float:
+    """samples/s of a whole ``swarmgrad demo`` between its first and last epoch lines."""
+    command = [sys.executable, "-m", "swarmgrad", "demo", "--epochs", str(epochs), *extra]
+    process = subprocess.Popen(
+        command,
+        env=child_environment(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen: list[tuple[float, int]] = []
+    output: list[str] = []
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            output.append(line)
+            match = re.search(r"\bepoch (\d+) \| samples ([\d,]+)", line)
+            if match and int(match.group(1)) >= 1:
+                seen.append((time.monotonic(), int(match.group(2).replace(",", ""))))
+        code = process.wait()
+    finally:
+        stop_process(process)
+    if code != 0 or len(seen) < 2:
+        raise SystemExit(f"swarmgrad demo failed (status {code}):\n{''.join(output[-10:])}")
+    (t0, s0), (t1, s1) = seen[0], seen[-1]
+    return (s1 - s0) / (t1 - t0)
+
+
+def demo_against_mean(pairs: int, epochs: int) -> None:
+    print(f"swarmgrad demo (4 peers, {epochs} epochs): samples/s with the defaults / the mean")
+    ratios = []
+    for pair in range(pairs):
+        rates = {}
+        order = ("defaults", "mean") if pair % 2 == 0 else ("mean", "defaults")
+        for name in order:
+            rates[name] = demo_training_rate(epochs, PLAIN_MEAN if name == "mean" else [])
+        ratios.append(rates["defaults"] / rates["mean"])
+        print(
+            f"  pair {pair + 1}: defaults {rates['defaults']:.0f}, mean {rates['mean']:.0f} "
+            f"samples/s, ratio {ratios[-1]:.3f}",
+            flush=True,
+        )
+    print(
+        f"  ratio defaults / mean: median {statistics.median(ratios):.3f}, "
+        f"range {min(ratios):.3f}-{max(ratios):.3f}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -169,7 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="reporting/silent pairs")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--window", type=float, default=5.0)
+    parser.add_argument(
+        "--demo-against-mean",
+        type=int,
+        metavar="PAIRS",
+        help="only pairs of swarmgrad demo runs, the defaults against the plain mean",
+    )
+    parser.add_argument("--demo-epochs", type=int, default=40)
     args = parser.parse_args(argv)
+    if args.demo_against_mean:
+        demo_against_mean(args.demo_against_mean, args.demo_epochs)
+        return 0
     with (
         tempfile.TemporaryDirectory(prefix="swarmgrad-bench-") as temp,
         LocalCoordinator(Path(temp) / "coordinator") as coordinator,

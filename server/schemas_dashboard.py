@@ -73,7 +73,11 @@ class Headline(BaseModel):
     bytes_per_sample: float | None = Field(
         None, description="Bytes the peers claim their nodes sent per sample they trained."
     )
-    eta_s: float | None = Field(description="Estimated seconds to the run's target epoch.")
+    eta_s: float | None = Field(
+        description="Estimated seconds to the run's target epoch at the pace of its recent "
+        "epochs (paused time left out); null without a target, before two epochs, or while "
+        "a running run has no volunteer online."
+    )
     checkpoint: CheckpointSummary | None
 
 

@@ -35,7 +35,7 @@ from peer.formats.payloads import ProgressPublic, RunPublic
 from swarmgrad.errors import CommandError
 from swarmgrad.extras import require_coordinator
 from swarmgrad.local import LocalCoordinator, start_volunteer, stop_processes
-from swarmgrad.organizer import write_atomically
+from swarmgrad.organizer import parse_config, write_atomically
 
 # How often the demo reads the run's progress (a display refresh, not a synchronisation).
 POLL_INTERVAL_S = 1.0
@@ -93,8 +93,21 @@ def demo(
             "outer rounds)."
         ),
     ] = DemoAlgorithm.collaborative,
+    config: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--config",
+            help="A run setting as key=value, as for `swarmgrad runs create` (e.g. "
+            "aggregator=mean); repeat for more.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Start a coordinator and a few volunteers on this machine and train a run to the end."""
+    settings = parse_config(config or [])
+    for reserved, option in (("epochs", "--epochs"), ("algorithm", "--algorithm")):
+        if reserved in settings:
+            raise typer.BadParameter(f"set {reserved} with {option}", param_hint="'--config'")
     require_coordinator("demo")
     with _signals_interrupt():
         try:
@@ -105,6 +118,7 @@ def demo(
                 port=port,
                 save=save,
                 algorithm=algorithm.value,
+                settings=settings,
             ).run()
         except KeyboardInterrupt:
             # Everything is cleaned up: another Ctrl-C (or an impatient second signal from a
@@ -158,8 +172,10 @@ class Demo:
         save: Path | None = None,
         out: TextIO | None = None,
         algorithm: str = "collaborative",
+        settings: Mapping[str, Any] | None = None,
     ) -> None:
         self.peers = peers
+        self.settings = dict(settings or {})
         self.algorithm = algorithm
         self.save = save
         self.task = task
@@ -192,6 +208,7 @@ class Demo:
             config: dict[str, Any] = {"epochs": self.epochs}
             if self.algorithm == "diloco":
                 config.update(algorithm="diloco", inner_steps=DEMO_INNER_STEPS)
+            config.update(self.settings)
             run = client.create_run(token, f"demo-{self.task}", self.task, config)
             # paused until every volunteer is online: they start training together
             client.update_run(token, run.id, status="paused")

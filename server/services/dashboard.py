@@ -71,10 +71,15 @@ def presence_s(online_ttl_s: float) -> float:
 
 
 def eta_seconds(
-    epoch: int, target_epochs: int | None, epoch_starts_ms: Sequence[int]
+    epoch: int,
+    target_epochs: int | None,
+    epoch_starts_ms: Sequence[int],
+    *,
+    stalled: bool = False,
 ) -> float | None:
     """Seconds until ``target_epochs`` at the pace of the recent epochs (their start times,
-    in any order); 0 once reached; None without a target or two epochs to measure.
+    in any order); 0 once reached; None without a target or two epochs to measure, or while
+    the run is ``stalled`` (running with no volunteer online: no pace to promise).
 
     The pace is the median time between two epochs' starts: an epoch that spanned a pause
     (or an outage) is one long gap among many and leaves the estimate as it was."""
@@ -82,6 +87,8 @@ def eta_seconds(
         return None
     if epoch >= target_epochs:
         return 0.0
+    if stalled:
+        return None
     starts = sorted(epoch_starts_ms)
     if len(starts) < 2 or starts[-1] <= starts[0]:
         return None
@@ -281,7 +288,12 @@ def run_dashboard(
         rounds_done=totals.rounds_done,
         rounds_failed=totals.rounds_failed,
         bytes_per_sample=totals.bytes_per_sample,
-        eta_s=eta_seconds(totals.epoch, target, [e.first_report_ms for e in epochs]),
+        eta_s=eta_seconds(
+            totals.epoch,
+            target,
+            [e.first_report_ms for e in epochs],
+            stalled=run.status.value == "running" and totals.peers_online == 0,
+        ),
         checkpoint=None
         if checkpoint is None
         else CheckpointSummary(

@@ -75,6 +75,13 @@ def test_coordinator_errors_are_one_line(tmp_path: object) -> None:
     assert "SWARMGRAD_SECRET_KEY" in result.assert_one_error_line(code=2)
 
 
+def test_demo_config_errors_are_one_line() -> None:
+    result = run_swarmgrad("demo", "--config", "epochs=3")
+    assert "--epochs" in result.assert_one_error_line(code=2)
+    result = run_swarmgrad("demo", "--config", "aggregator")
+    assert "key=value" in result.assert_one_error_line(code=2)
+
+
 @contextlib.contextmanager
 def waiting_command() -> Iterator[subprocess.Popen[str]]:
     """``swarmgrad runs list`` against a coordinator that accepts and never answers: the

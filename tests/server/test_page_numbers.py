@@ -20,6 +20,9 @@ def test_the_time_to_target_leaves_a_pause_out() -> None:
     # While paused the estimate stands still: it depends on epochs, not on the clock.
     assert eta_seconds(5, 15, paused) == eta_seconds(5, 15, paused)
     assert eta_seconds(5, 15, [0, 0, 0]) is None
+    # Running with nobody online: no progress, so no time is promised (a reached target stays 0).
+    assert eta_seconds(5, 15, steady, stalled=True) is None
+    assert eta_seconds(15, 15, steady, stalled=True) == 0.0
 
 
 def test_relative_times_and_durations_grow() -> None:

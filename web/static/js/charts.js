@@ -73,7 +73,13 @@ export class Chart {
           width: 2,
           value: (u, v) => (v == null ? "–" : s.format(v)),
           fill: kind === "histogram" ? `${COLORS[i % COLORS.length]}55` : undefined,
-          paths: kind === "histogram" ? uPlot.paths.bars({ size: [0.7, Infinity], align: 0 }) : undefined,
+          // A count over time holds until it changes: steps, not a slope between two reports.
+          paths:
+            kind === "histogram"
+              ? uPlot.paths.bars({ size: [0.7, Infinity], align: 0 })
+              : time && s.integer
+                ? uPlot.paths.stepped({ align: 1 })
+                : undefined,
           points: { show: kind === "histogram" ? false : undefined },
           spanGaps: true,
         })),
