@@ -50,6 +50,8 @@ def settings_for(directory: Path) -> Settings:
         secret_key=secrets.token_urlsafe(48),
         admin_token=ADMIN,
         checkpoint_dir=directory / "checkpoints",
+        # What a build costs: every request builds (the REST cache would answer most).
+        dashboard_cache_s=0,
     )
 
 

@@ -27,6 +27,7 @@ from server.api.rate_limits import RateLimitMiddleware, limiter_from_settings
 from server.api.routes import checkpoints, dashboard, health, peers, progress, runs, tokens
 from server.config import Settings
 from server.db import make_engine, make_session_factory, upgrade_database
+from server.document_cache import DocumentCache
 from server.exceptions import CoordinatorError
 from server.live import LiveHub
 from server.metrics import Metrics, MetricsMiddleware
@@ -132,6 +133,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.principal_cache = PrincipalCache(settings.peer_auth_cache_ttl_s)
     app.state.live_hub = LiveHub(settings.live_interval_s)
+    app.state.dashboard_cache = DocumentCache(settings.dashboard_cache_s)
     app.state.report_guard = ReportGuard(
         session_factory,
         ReportLimits(settings.report_max_samples_per_second, settings.report_max_epoch_lead),

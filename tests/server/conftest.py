@@ -108,6 +108,8 @@ def make_settings(database_url: str, **overrides: Any) -> Settings:
         "db_pool_size": 4,
         # Exact answers in tests; the cache has its own tests (test_operations.py).
         "peer_auth_cache_ttl_s": 0,
+        # Dashboard data as of the request (the cache's own tests: test_document_cache.py).
+        "dashboard_cache_s": 0,
         # Tests that cache call app.state.revocation_sweep.sweep_once() when they mean to.
         "peer_auth_recheck_s": 3600,
         # Created only by an upload; tests that upload pass a directory of their own.

@@ -5,14 +5,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable, Hashable
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Path, Query, Response, WebSocket, WebSocketDisconnect
+from fastapi import (
+    APIRouter,
+    Depends,
+    Path,
+    Query,
+    Request,
+    Response,
+    WebSocket,
+    WebSocketDisconnect,
+)
+from pydantic import BaseModel
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.api import API_PREFIX
 from server.api.deps import CurrentOrganizer, RunDep, SessionDep, SettingsDep
 from server.config import Settings
+from server.document_cache import DocumentCache
 from server.exceptions import NotFound
 from server.live import LiveHub
 from server.schemas_dashboard import (
@@ -36,10 +48,30 @@ PING_INTERVAL_S = 15.0
 CLOSE_UNKNOWN_RUN = 4404
 
 
+def _cached(request: Request, key: Hashable, build: Callable[[Session], BaseModel]) -> Response:
+    """The document ``build`` makes from a session of its own, from the worker's cache (at
+    most ``dashboard_cache_s`` old, rebuilt in the background while it is read), serialised
+    once as built: the response model is for the schema; validating a document of a thousand
+    volunteers again would cost as much as building it."""
+    factory: sessionmaker[Session] = request.app.state.session_factory
+
+    def document() -> str:
+        with factory() as session:
+            return build(session).model_dump_json()
+
+    cache: DocumentCache = request.app.state.dashboard_cache
+    return Response(cache.get(key, document), media_type="application/json")
+
+
 @router.get("/dashboard", response_model=RunsOverview)
-def read_runs_overview(session: SessionDep, settings: SettingsDep) -> RunsOverview:
+def read_runs_overview(request: Request, settings: SettingsDep) -> Response:
     """Every run that is not archived, with its current numbers and a throughput trend."""
-    return dashboard_service.runs_overview(session, online_ttl_s=settings.peer_online_ttl_s)
+    ttl = settings.peer_online_ttl_s
+    return _cached(
+        request,
+        ("runs",),
+        lambda session: dashboard_service.runs_overview(session, online_ttl_s=ttl),
+    )
 
 
 def volunteer_view(
@@ -60,20 +92,23 @@ ViewDep = Annotated[View, Depends(volunteer_view)]
 
 @router.get("/runs/{run_id}/dashboard", response_model=RunDashboard)
 def read_run_dashboard(
-    session: SessionDep, settings: SettingsDep, run: RunDep, view: ViewDep
+    request: Request, settings: SettingsDep, run: RunDep, view: ViewDep
 ) -> Response:
     """Headline numbers, alerts, chart series, group sizes, and one page of the volunteers'
-    table with their counts (the first page by samples unless the query asks for another)."""
-    document = dashboard_service.run_dashboard(
-        session,
-        run,
-        online_ttl_s=settings.peer_online_ttl_s,
-        history_points=settings.history_points,
-        view=view,
-    )
-    # Serialised once, as built: the response model is for the schema; validating a document
-    # of a thousand volunteers again would cost as much as building it.
-    return Response(document.model_dump_json(), media_type="application/json")
+    table with their counts (the first page by samples unless the query asks for another).
+    Each worker builds it at most every ``dashboard_cache_s`` (1 s by default)."""
+    run_id = run.id
+
+    def build(session: Session) -> RunDashboard:
+        return dashboard_service.run_dashboard(
+            session,
+            run_service.get_run(session, run_id),
+            online_ttl_s=settings.peer_online_ttl_s,
+            history_points=settings.history_points,
+            view=view,
+        )
+
+    return _cached(request, ("run", run_id, view), build)
 
 
 @router.get("/runs/{run_id}/volunteers", response_model=VolunteerPage)

@@ -1,0 +1,113 @@
+"""Documents many readers ask for, built at most once per ``max_age_s`` in each worker.
+
+A run's dashboard data takes tens of milliseconds of SQL at thousands of volunteers; API
+clients polling it (a status page, a bot, a few hundred browsers without WebSockets) would
+each pay that. :class:`DocumentCache` keeps each document's serialised form per key:
+
+* younger than ``max_age_s``: served as it is;
+* older, but younger than ``max_stale_s``: served as it is while one background thread
+  builds the next (stale-while-revalidate), so under steady reading nobody waits for a build
+  and a document is at most about ``max_age_s`` plus one build old;
+* older still, or never built: the reader builds it (concurrent readers of the same key wait
+  for that one build rather than each starting their own).
+
+Builds open their own database session (a background build outlives the request that started
+it). ``max_age_s = 0`` turns the cache off: every reader builds. The number of keys is bounded
+(least recently read dropped first), so varied query strings cannot grow it without end.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+Build = Callable[[], str]
+
+
+@dataclass
+class _Entry:
+    value: str | None = None
+    built_at: float = 0.0
+    building: bool = False
+    ready: threading.Condition = field(default_factory=threading.Condition)
+
+
+class DocumentCache:
+    def __init__(
+        self,
+        max_age_s: float,
+        *,
+        max_stale_s: float | None = None,
+        max_entries: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_age_s < 0 or max_entries < 1:
+            raise ValueError("max_age_s >= 0 and max_entries >= 1")
+        self.max_age_s = max_age_s
+        self.max_stale_s = max(max_age_s, 2 * max_age_s if max_stale_s is None else max_stale_s)
+        self.max_entries = max_entries
+        self.clock = clock
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+        self.builds = 0  # for tests and benchmarks
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: Hashable, build: Build) -> str:
+        """The document for ``key``, built by ``build`` when none is fresh enough."""
+        if self.max_age_s <= 0:
+            self.builds += 1
+            return build()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = _Entry()
+                while len(self._entries) > self.max_entries:
+                    self._entries.popitem(last=False)
+            else:
+                self._entries.move_to_end(key)
+        with entry.ready:
+            age = self.clock() - entry.built_at
+            if entry.value is not None and age <= self.max_age_s:
+                return entry.value
+            if entry.value is not None and age <= self.max_stale_s:
+                if not entry.building:
+                    entry.building = True
+                    threading.Thread(
+                        target=self._build, args=(entry, build), name="document-cache", daemon=True
+                    ).start()
+                return entry.value
+            while entry.building:  # another reader builds it: wait for that one
+                entry.ready.wait()
+                if entry.value is not None and self.clock() - entry.built_at <= self.max_stale_s:
+                    return entry.value
+            entry.building = True
+        return self._build(entry, build, raise_errors=True)
+
+    def _build(self, entry: _Entry, build: Build, raise_errors: bool = False) -> str:
+        try:
+            value = build()
+        except Exception:
+            with entry.ready:
+                entry.building = False
+                entry.ready.notify_all()
+            if raise_errors:
+                raise
+            logger.warning(
+                "rebuilding a cached document failed; serving the last one", exc_info=True
+            )
+            return entry.value or ""
+        with entry.ready:
+            self.builds += 1
+            entry.value = value
+            entry.built_at = self.clock()
+            entry.building = False
+            entry.ready.notify_all()
+        return value
