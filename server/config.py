@@ -115,8 +115,8 @@ class Settings(BaseSettings):
         ge=0,
         le=60,
         description="How old the dashboard data served by the REST API may be: each worker "
-        "builds a run's dashboard (and the runs list) at most this often and serves the last "
-        "one between builds (rebuilding in the background); 0 builds it for every request.",
+        "rebuilds a run's dashboard (and the runs list) this often in the background while "
+        "it is read, and serves the last one between builds; 0 builds it for every request.",
     )
     snapshot_interval_s: float = Field(
         default=5.0, gt=0, description="Minimum time between two progress snapshots of one run."

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
+from peer.testing import wait_until
 from server.app import create_app
 from server.document_cache import DocumentCache
+from tests.conftest import scaled
 from tests.server.conftest import Api, client_for, make_settings, running
 
 
@@ -41,37 +43,44 @@ class Builds:
         return f"doc{self.count}"
 
 
-def wait_built(cache: DocumentCache, builds: int) -> None:
-    for _ in range(1000):
-        if cache.builds >= builds:
-            return
-        threading.Event().wait(0.01)
-    raise AssertionError(f"{cache.builds} builds, expected {builds}")
-
-
-def test_fresh_documents_are_served_and_stale_ones_rebuilt_behind_the_reader() -> None:
-    clock, build = Clock(), Builds()
-    cache = DocumentCache(1.0, clock=clock)
+def test_a_read_key_is_kept_fresh_in_the_background_until_nobody_reads_it() -> None:
+    build = Builds()
+    cache = DocumentCache(0.05, keep_warm_s=0.5)
     assert cache.get("run", build) == "doc1"  # never built: the reader builds
+    assert cache.warm("run")
+    # Read on: the documents move on without a reader building (the builds are in the
+    # background thread, at most one every 0.05 s).
+    seen = set()
+
+    def moved_on() -> bool:
+        seen.add(cache.get("run", build))
+        return len(seen) >= 3
+
+    assert wait_until(moved_on, scaled(10))
+    assert cache.builds == build.count
+    # Nobody reads: the thread stops within keep_warm_s, and so do the builds.
+    assert wait_until(lambda: not cache.warm("run"), scaled(10))
+    stopped = build.count
+    threading.Event().wait(0.2)
+    assert build.count == stopped
+
+
+def test_stale_documents_are_served_while_one_is_built_and_old_ones_by_the_reader() -> None:
+    clock, build = Clock(), Builds()
+    cache = DocumentCache(1.0, keep_warm_s=0, clock=clock)  # no background thread of its own
+    assert cache.get("run", build) == "doc1"
     clock.now += 0.9
     assert cache.get("run", build) == "doc1" and build.count == 1
-    clock.now += 0.5  # stale: served as it is, the next one built in the background
-    build.gate = threading.Event()
-    assert cache.get("run", build) == "doc1"
-    assert build.started.wait(10)
-    assert cache.get("run", build) == "doc1"  # still building: no second build starts
-    build.gate.set()
-    wait_built(cache, 2)
-    assert cache.get("run", build) == "doc2" and build.count == 2
-    clock.now += 5  # too old to serve: the reader waits for a new one
-    build.gate = None
-    assert cache.get("run", build) == "doc3"
+    clock.now += 0.5  # stale but under twice the age: served as it is
+    assert cache.get("run", build) == "doc1" and build.count == 1
+    clock.now += 5  # too old to serve: the reader builds
+    assert cache.get("run", build) == "doc2"
 
 
 def test_readers_of_a_document_never_built_wait_for_one_build() -> None:
     build = Builds()
     build.gate = threading.Event()
-    cache = DocumentCache(1.0)
+    cache = DocumentCache(10.0)
     answers: list[str] = []
     readers = [
         threading.Thread(target=lambda: answers.append(cache.get("run", build))) for _ in range(4)
@@ -85,32 +94,25 @@ def test_readers_of_a_document_never_built_wait_for_one_build() -> None:
     assert answers == ["doc1"] * 4 and build.count == 1
 
 
-def test_a_failed_build_is_the_readers_error_or_leaves_the_last_document() -> None:
+def test_a_failed_build_is_the_readers_error_and_the_next_reader_tries_again() -> None:
     clock, build = Clock(), Builds()
-    cache = DocumentCache(1.0, clock=clock)
+    cache = DocumentCache(1.0, keep_warm_s=0, clock=clock)
     build.fail = True
     with pytest.raises(RuntimeError):
         cache.get("run", build)  # nothing to serve instead
     build.fail = False
-    assert cache.get("run", build) == "doc1"  # the next reader tries again
-    clock.now += 1.5
+    assert cache.get("run", build) == "doc1"
+    clock.now += 5
     build.fail = True
-    assert cache.get("run", build) == "doc1"  # the background build fails...
-    assert build.started.wait(10)
-    for _ in range(1000):
-        with cache._entries["run"].ready:
-            if not cache._entries["run"].building:
-                break
-        threading.Event().wait(0.01)
+    with pytest.raises(RuntimeError):
+        cache.get("run", build)  # too old to serve instead of the error
     build.fail = False
-    assert cache.get("run", build) == "doc1"  # ...the last one stands, and a new try starts
-    wait_built(cache, 2)
     assert cache.get("run", build) == "doc2"
 
 
 def test_keys_are_bounded_and_zero_age_builds_every_time() -> None:
     build = Builds()
-    cache = DocumentCache(1.0, max_entries=3)
+    cache = DocumentCache(10.0, keep_warm_s=0, max_entries=3)
     for key in range(10):
         cache.get(key, build)
     assert len(cache) == 3
