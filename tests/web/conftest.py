@@ -80,7 +80,8 @@ def expect_network_errors(page: Any) -> None:
 
 @pytest.fixture
 def open_page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
-    """``open_page(url, width=1366, height=768)``: a new page showing ``url``."""
+    """``open_page(url, width=1366, height=768)``: a new page showing ``url`` (the answer to
+    its navigation in ``page.swarmgrad_response``)."""
     opened: list[tuple[Any, Any, PageLog]] = []
 
     def open_(url: str, *, width: int = 1366, height: int = 768) -> Any:
@@ -92,7 +93,7 @@ def open_page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Callable
         page.on("console", lambda m: m.type == "error" and log.errors.append(m.text))
         page.on("pageerror", lambda e: log.errors.append(f"page error: {e}"))
         page.on("dialog", lambda d: (log.errors.append(f"dialog: {d.message}"), d.dismiss()))
-        page.goto(url)
+        page.swarmgrad_response = page.goto(url)  # the navigation's answer (status, headers)
         opened.append((context, page, log))
         return page
 

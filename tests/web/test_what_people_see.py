@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from peer.testing import wait_until
 from server.web import formatting
 from tests.server.conftest import ADMIN_TOKEN, ORGANIZER, bearer
 from tests.web.conftest import ARTIFACTS, Site, axe_violations, expect_network_errors, join
@@ -67,8 +68,14 @@ def test_every_page_fits_the_screen_signed_out_and_in(
     ]
     for path in signed_out:
         page = open_page(site.url + path, width=width, height=height)
-        if "such" in path or "madeup" in path:
+        answer = page.swarmgrad_response
+        # Unknown runs, paths and invites: an HTML page that says so, with the right status.
+        missing = "such" in path or "madeup" in path
+        assert answer.status == (404 if missing else 200), path
+        assert answer.headers["content-type"].startswith("text/html"), path
+        if missing:
             expect_network_errors(page)  # the browser logs the error page's 404
+            assert page.get_by_role("heading", level=1).is_visible(), path
         fits(page, width)
 
     page = open_page(f"{site.url}/join/{invite}", width=width, height=height)
@@ -408,14 +415,28 @@ def test_a_volunteer_that_leaves_shows_offline_within_10_s(
         row.locator(".badge-running").wait_for(timeout=5000)
         online = int(page.locator("[data-metric=peers_online]").inner_text())
         assert online >= 1
+        # The volunteer's own page says the same, and follows it too (it rereads itself).
+        own = open_page(
+            f"{site.url}/runs/{site.run_id}/volunteers/{name}", width=width, height=height
+        )
+        machine = own.locator("#machines tbody tr").first
+        assert machine.locator(".badge-running").is_visible()
         answer = client.post(f"/api/v1/runs/{site.run_id}/leave", headers=headers)
         assert answer.status_code == 204, answer.text
         left = time.monotonic()
     row.locator(".badge-running").wait_for(state="detached", timeout=15000)
     gone_after = time.monotonic() - left
     assert gone_after <= 10, gone_after
-    assert int(page.locator("[data-metric=peers_online]").inner_text()) <= online - 1
+    # The headline's count comes with the live document, the table's page may come first.
+    assert wait_until(
+        lambda: int(page.locator("[data-metric=peers_online]").inner_text()) <= online - 1,
+        max(0.5, 10 - gone_after),
+    ), page.locator("[data-metric=peers_online]").inner_text()
     assert row.count() == 1  # still listed, as offline
+    own.locator("#machines tbody tr .badge-running").wait_for(state="detached", timeout=15000)
+    assert time.monotonic() - left <= 12  # its next reading, every 10 s
+    assert own.locator("#machines tbody tr td[data-label='Samples/s']").inner_text() == "0"
+    fits(own, width)
 
 
 def test_the_new_pages_are_accessible(site: Site, open_page: Any) -> None:
