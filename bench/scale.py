@@ -71,6 +71,7 @@ from peer.averaging.group_bits import (
 from peer.averaging.state import StateServer
 from peer.formats.identity import Identity
 from peer.node.core import AsyncNode, NodeConfig
+from peer.node.cost import membership_ttl
 from peer.node.gossip import MEMBERS_KEY, Record
 from peer.wire import Frame
 from swarmlab.sim import EPOCH, DrawnLinkNetwork, LoopHandle, VirtualTimeLoop
@@ -506,9 +507,11 @@ async def _gossip(n: int, s: Settings) -> GossipResult:
         await node.start(bootstrap=False)
         nodes.append(node)
     # the other members, quiet: their membership records (client mode: nobody dials them)
-    # are refreshed as often as a node refreshes its own, each time entering the swarm at
-    # one random live node, and anti-entropy carries them to everyone
-    refresh = max(config.gossip_period, config.member_ttl / 3)
+    # live and are refreshed as a node of an N-peer swarm does its own (a third of the
+    # membership TTL for N peers, :func:`peer.node.cost.membership_ttl`), each time entering
+    # the swarm at one random live node, and anti-entropy carries them to everyone
+    ttl = membership_ttl(config.member_ttl, n, config.max_record_ttl)
+    refresh = max(config.gossip_period, ttl / 3)
     quiet = [Identity() for _ in range(n - live)]
     seq = dict.fromkeys(range(len(quiet)), 0)
 
@@ -516,9 +519,7 @@ async def _gossip(n: int, s: Settings) -> GossipResult:
         seq[k] += 1
         value = {"addresses": [], "client_mode": True}
         identity = quiet[k]
-        return Record.create(
-            identity, MEMBERS_KEY, identity.peer_id, value, now + config.member_ttl, seq=seq[k]
-        )
+        return Record.create(identity, MEMBERS_KEY, identity.peer_id, value, now + ttl, seq=seq[k])
 
     # converged: every store holds every membership record (what gossip reaches anyway,
     # measured by bench/gossip.py --sim; here only the steady state counts)
@@ -528,9 +529,7 @@ async def _gossip(n: int, s: Settings) -> GossipResult:
     for node in nodes:
         for record in records:
             node.store_.put(record, now)
-    due = sorted(
-        (r.expiration - config.member_ttl + refresh, k) for k, r in enumerate(records[live:])
-    )
+    due = sorted((r.expiration - ttl + refresh, k) for k, r in enumerate(records[live:]))
 
     async def republish() -> None:
         while True:
