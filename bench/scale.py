@@ -525,10 +525,12 @@ async def _gossip(n: int, s: Settings) -> GossipResult:
     # measured by bench/gossip.py --sim; here only the steady state counts)
     now = clock()
     records = [r for node in nodes for r in node.store_.records(MEMBERS_KEY, now)]
-    records += [quiet_record(k, now - rng.uniform(0, refresh)) for k in range(len(quiet))]
+    published = [now - rng.uniform(0, refresh) for _ in quiet]
+    records += [quiet_record(k, at) for k, at in enumerate(published)]
+    taken = [now] * (len(records) - len(quiet)) + published  # quiet ones: old news
     for node in nodes:
-        for record in records:
-            node.store_.put(record, now)
+        for record, at in zip(records, taken, strict=True):
+            node.store_.put(record, at)
     due = sorted((r.expiration - ttl + refresh, k) for k, r in enumerate(records[live:]))
 
     async def republish() -> None:
