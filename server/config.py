@@ -114,9 +114,9 @@ class Settings(BaseSettings):
         default=1.0,
         ge=0,
         le=60,
-        description="How old the dashboard data served by the REST API may be: each worker "
-        "rebuilds a run's dashboard (and the runs list) this often in the background while "
-        "it is read, and serves the last one between builds; 0 builds it for every request.",
+        description="How old the dashboard data served by the REST API (a run's, the runs "
+        "list) may be before a read starts a new build in the background; the last one is "
+        "served meanwhile, up to five times this old; 0 builds it for every request.",
     )
     snapshot_interval_s: float = Field(
         default=5.0, gt=0, description="Minimum time between two progress snapshots of one run."

@@ -5,16 +5,16 @@ clients polling it (a status page, a bot, a few hundred browsers without WebSock
 each pay that. :class:`DocumentCache` keeps each document's serialised form per key:
 
 * younger than ``max_age_s``: served as it is;
-* while a key is being read, one background thread per key rebuilds it every ``max_age_s``
-  and goes on until nobody has read it for ``keep_warm_s``: steady readers, at any pace up to
-  that, never wait for a build, and get a document at most ``max_age_s`` plus one build old;
-* older than ``max_age_s`` but not older than twice it, with no thread keeping it warm: served
-  as it is while such a thread starts;
-* older still, or never built: the reader builds it (concurrent readers of the same key wait
-  for that one build rather than each starting their own), and the key is kept warm after.
+* older, but younger than ``max_stale_s``: served as it is, and one background thread builds
+  the next (stale-while-revalidate): a reader who polls at least every ``max_stale_s`` never
+  waits for a build, and gets a document at most one polling interval plus one build old;
+* older still, or never built: the reader builds it, and concurrent readers of the same key
+  wait for that one build rather than each starting their own.
 
-Builds open their own database session (a background build outlives the request that started
-it). ``max_age_s = 0`` turns the cache off: every reader builds. The number of keys is bounded
+Nothing is built that no reader asked for: a build starts only on a read, at most one per
+key at a time, so a reader costs at most one build, however many keys it asks for. Builds
+open their own database session (a background build outlives the request that started it).
+``max_age_s = 0`` turns the cache off: every reader builds. The number of keys is bounded
 (least recently read dropped first), so varied query strings cannot grow it without end.
 """
 
@@ -31,19 +31,15 @@ logger = logging.getLogger(__name__)
 
 Build = Callable[[], str]
 
-# How long a key is rebuilt in the background after its last read.
-KEEP_WARM_S = 10.0
+#: how much older than ``max_age_s`` a document may be served while the next one is built
+STALE_FACTOR = 5.0
 
 
 @dataclass
 class _Entry:
-    build: Build
     value: str | None = None
     built_at: float = 0.0
-    read_at: float = 0.0
-    building: bool = False  # a reader builds it now
-    warm: bool = False  # a thread keeps it fresh
-    dropped: bool = False
+    building: bool = False
     ready: threading.Condition = field(default_factory=threading.Condition)
 
 
@@ -52,14 +48,15 @@ class DocumentCache:
         self,
         max_age_s: float,
         *,
-        keep_warm_s: float = KEEP_WARM_S,
+        max_stale_s: float | None = None,
         max_entries: int = 256,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if max_age_s < 0 or keep_warm_s < 0 or max_entries < 1:
-            raise ValueError("max_age_s >= 0, keep_warm_s >= 0 and max_entries >= 1")
+        if max_age_s < 0 or max_entries < 1:
+            raise ValueError("max_age_s >= 0 and max_entries >= 1")
         self.max_age_s = max_age_s
-        self.keep_warm_s = keep_warm_s
+        stale = STALE_FACTOR * max_age_s if max_stale_s is None else max_stale_s
+        self.max_stale_s = max(max_age_s, stale)
         self.max_entries = max_entries
         self.clock = clock
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
@@ -69,10 +66,10 @@ class DocumentCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def warm(self, key: Hashable) -> bool:
-        """Whether a background thread keeps ``key`` fresh now."""
+    def building(self, key: Hashable) -> bool:
+        """Whether a document for ``key`` is being built now."""
         entry = self._entries.get(key)
-        return entry is not None and entry.warm
+        return entry is not None and entry.building
 
     def get(self, key: Hashable, build: Build) -> str:
         """The document for ``key``, built by ``build`` when none is fresh enough."""
@@ -82,74 +79,52 @@ class DocumentCache:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[key] = _Entry(build)
+                entry = self._entries[key] = _Entry()
                 while len(self._entries) > self.max_entries:
-                    self._entries.popitem(last=False)[1].dropped = True
+                    self._entries.popitem(last=False)
             else:
                 self._entries.move_to_end(key)
         with entry.ready:
-            now = self.clock()
-            entry.read_at = now
-            entry.build = build  # the newest reader's (its settings are the same)
-            age = now - entry.built_at
-            if entry.value is not None and (age <= self.max_age_s or entry.warm):
+            age = self.clock() - entry.built_at
+            if entry.value is not None and age <= self.max_age_s:
                 return entry.value
-            if entry.value is not None and age <= 2 * self.max_age_s:
-                self._keep_warm(entry, build_first=True)
+            if entry.value is not None and age <= self.max_stale_s:
+                if not entry.building:
+                    entry.building = True
+                    threading.Thread(
+                        target=self._build_behind,
+                        args=(entry, build),
+                        name="document-cache",
+                        daemon=True,
+                    ).start()
                 return entry.value
             while entry.building:  # another reader builds it: wait for that one
                 entry.ready.wait()
-                if entry.value is not None and self.clock() - entry.built_at <= self.max_age_s:
+                if entry.value is not None and self.clock() - entry.built_at <= self.max_stale_s:
                     return entry.value
             entry.building = True
         try:
             value = build()
         except BaseException:
-            with entry.ready:
-                entry.building = False
-                entry.ready.notify_all()
+            self._done(entry, None)
             raise
-        with entry.ready:
-            self._store(entry, value)
-            entry.building = False
-            entry.ready.notify_all()
-            self._keep_warm(entry, build_first=False)
+        self._done(entry, value)
         return value
 
-    def _store(self, entry: _Entry, value: str) -> None:
-        self.builds += 1
-        entry.value = value
-        entry.built_at = self.clock()
-
-    def _keep_warm(self, entry: _Entry, *, build_first: bool) -> None:
-        """Start the thread that rebuilds ``entry`` while it is read (``entry.ready`` held)."""
-        if entry.warm or self.keep_warm_s <= 0:
-            return
-        entry.warm = True
-        threading.Thread(
-            target=self._warm_loop, args=(entry, build_first), name="document-cache", daemon=True
-        ).start()
-
-    def _warm_loop(self, entry: _Entry, build_first: bool) -> None:
+    def _build_behind(self, entry: _Entry, build: Build) -> None:
         try:
-            while True:
-                if not build_first:
-                    with entry.ready:
-                        pause = entry.built_at + self.max_age_s - self.clock()
-                    if pause > 0:
-                        time.sleep(pause)
-                build_first = False
-                with entry.ready:
-                    if entry.dropped or self.clock() - entry.read_at > self.keep_warm_s:
-                        return
-                    build = entry.build
-                try:
-                    value = build()
-                except Exception:
-                    logger.warning("rebuilding a cached document failed", exc_info=True)
-                    return  # the next reader tries again (and builds itself if it is too old)
-                with entry.ready:
-                    self._store(entry, value)
-        finally:
-            with entry.ready:
-                entry.warm = False
+            value = build()
+        except Exception:
+            logger.warning("rebuilding a cached document failed", exc_info=True)
+            self._done(entry, None)  # the next reader tries again (or builds, if too old)
+            return
+        self._done(entry, value)
+
+    def _done(self, entry: _Entry, value: str | None) -> None:
+        with entry.ready:
+            if value is not None:
+                self.builds += 1
+                entry.value = value
+                entry.built_at = self.clock()
+            entry.building = False
+            entry.ready.notify_all()

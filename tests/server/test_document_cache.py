@@ -43,45 +43,40 @@ class Builds:
         return f"doc{self.count}"
 
 
-def test_a_read_key_is_kept_fresh_in_the_background_until_nobody_reads_it() -> None:
-    build = Builds()
-    cache = DocumentCache(0.05, keep_warm_s=0.5)
+def test_stale_documents_are_served_while_one_is_built_behind_and_old_ones_by_the_reader() -> None:
+    clock, build = Clock(), Builds()
+    cache = DocumentCache(1.0, max_stale_s=5.0, clock=clock)
     assert cache.get("run", build) == "doc1"  # never built: the reader builds
-    assert cache.warm("run")
-    # Read on: the documents move on without a reader building (the builds are in the
-    # background thread, at most one every 0.05 s).
-    seen = set()
-
-    def moved_on() -> bool:
-        seen.add(cache.get("run", build))
-        return len(seen) >= 3
-
-    assert wait_until(moved_on, scaled(10))
-    # A slow build in the background keeps no reader waiting: they get the last document.
+    clock.now += 0.9
+    assert cache.get("run", build) == "doc1" and build.count == 1  # fresh
+    clock.now += 2.0  # stale: served as it is, the next one built behind the reader
     build.started.clear()
     build.gate = threading.Event()
-    assert build.started.wait(10)
-    last = cache.get("run", build)
-    assert last.startswith("doc") and cache.get("run", build) == last  # no reader waited
-    build.gate.set()
-    build.gate = None
-    # Nobody reads: the thread stops within keep_warm_s, and so do the builds.
-    assert wait_until(lambda: not cache.warm("run"), scaled(10))
-    stopped = build.count
-    threading.Event().wait(0.2)
-    assert build.count == stopped
-
-
-def test_stale_documents_are_served_while_one_is_built_and_old_ones_by_the_reader() -> None:
-    clock, build = Clock(), Builds()
-    cache = DocumentCache(1.0, keep_warm_s=0, clock=clock)  # no background thread of its own
     assert cache.get("run", build) == "doc1"
-    clock.now += 0.9
-    assert cache.get("run", build) == "doc1" and build.count == 1
-    clock.now += 0.5  # stale but under twice the age: served as it is
-    assert cache.get("run", build) == "doc1" and build.count == 1
-    clock.now += 5  # too old to serve: the reader builds
-    assert cache.get("run", build) == "doc2"
+    assert build.started.wait(10) and cache.building("run")
+    assert cache.get("run", build) == "doc1"  # still building: no reader waits, none builds
+    build.gate.set()
+    assert wait_until(lambda: not cache.building("run"), scaled(10))
+    assert cache.get("run", build) == "doc2" and build.count == 2
+    clock.now += 6.0  # too old to serve: the reader builds
+    build.gate = None
+    assert cache.get("run", build) == "doc3"
+
+
+def test_nothing_is_built_that_no_reader_asked_for() -> None:
+    """A reader costs at most one build: no key is rebuilt while nobody reads it, so asking
+    for many views once each builds each once (a cache that kept them fresh by itself would
+    let one client's requests set off many builds)."""
+    build = Builds()
+    cache = DocumentCache(0.05, max_stale_s=10.0)
+    for key in range(20):
+        cache.get(key, build)
+    assert build.count == 20
+    threading.Event().wait(0.5)  # ten times their age: time passing builds nothing
+    assert build.count == 20
+    cache.get(3, build)  # stale: served, and one build behind it
+    assert wait_until(lambda: not cache.building(3), scaled(10))
+    assert build.count == 21
 
 
 def test_readers_of_a_document_never_built_wait_for_one_build() -> None:
@@ -103,23 +98,26 @@ def test_readers_of_a_document_never_built_wait_for_one_build() -> None:
 
 def test_a_failed_build_is_the_readers_error_and_the_next_reader_tries_again() -> None:
     clock, build = Clock(), Builds()
-    cache = DocumentCache(1.0, keep_warm_s=0, clock=clock)
+    cache = DocumentCache(1.0, max_stale_s=5.0, clock=clock)
     build.fail = True
     with pytest.raises(RuntimeError):
         cache.get("run", build)  # nothing to serve instead
     build.fail = False
     assert cache.get("run", build) == "doc1"
-    clock.now += 5
+    clock.now += 2
     build.fail = True
+    assert cache.get("run", build) == "doc1"  # stale: served; the build behind it fails...
+    assert wait_until(lambda: not cache.building("run"), scaled(10))
+    clock.now += 4  # ...and once too old, the reader builds and sees the error
     with pytest.raises(RuntimeError):
-        cache.get("run", build)  # too old to serve instead of the error
+        cache.get("run", build)
     build.fail = False
     assert cache.get("run", build) == "doc2"
 
 
 def test_keys_are_bounded_and_zero_age_builds_every_time() -> None:
     build = Builds()
-    cache = DocumentCache(10.0, keep_warm_s=0, max_entries=3)
+    cache = DocumentCache(10.0, max_entries=3)
     for key in range(10):
         cache.get(key, build)
     assert len(cache) == 3

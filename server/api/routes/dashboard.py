@@ -49,8 +49,9 @@ CLOSE_UNKNOWN_RUN = 4404
 
 
 def _cached(request: Request, key: Hashable, build: Callable[[Session], BaseModel]) -> Response:
-    """The document ``build`` makes from a session of its own, from the worker's cache (at
-    most ``dashboard_cache_s`` old, rebuilt in the background while it is read), serialised
+    """The document ``build`` makes from a session of its own, from the worker's cache
+    (:class:`~server.document_cache.DocumentCache`: rebuilt behind a read that finds it older
+    than ``dashboard_cache_s``), serialised
     once as built: the response model is for the schema; validating a document of a thousand
     volunteers again would cost as much as building it."""
     factory: sessionmaker[Session] = request.app.state.session_factory
