@@ -38,7 +38,6 @@ async function refresh() {
   const config = fresh.getElementById("volunteer-config");
   if (config) show(config);
   refreshRelative();
-  document.documentElement.dataset.refreshed = String(Date.now()); // for the browser tests
 }
 
 show(document.getElementById("volunteer-config"));
