@@ -30,6 +30,12 @@ peer lands in the order, never whether peers agree on it). The rules:
    returns its :class:`Reply`); no answer waits for another peer's action.
 4. A leader never waits on its followers: it assembles on its own (full group, or its start
    time reached with at least ``min_group_size``) and tells them; nothing is acknowledged.
+   One bounded exception is a timer, not a wait on a peer: a requester that hands its
+   followers over names them in its request (``JoinRequest.bringing``), and a leader past
+   its start time holds the group open for those still under way, until they arrive, the
+   group is full, or ``assembly_grace`` after its start time (never past its deadline).
+   Without it a redirect that reaches the followers just before the start time leaves them
+   out: they arrive after the group assembled and find no other.
 
 So every edge of the waits-for graph goes from a declaration to a strictly earlier one:
 the graph is acyclic and no deadlock can form. Timeouts remain only for peers that die or
@@ -168,11 +174,17 @@ class Declaration:
 
 @dataclass(frozen=True)
 class JoinRequest:
-    """Follower → leader: "let me join"; ``metadata`` is gathered into :class:`GroupInfo`."""
+    """Follower → leader: "let me join"; ``metadata`` is gathered into :class:`GroupInfo`.
+
+    ``bringing`` names the peers the requester sent ahead of it in this attempt (its former
+    followers, redirected): the leader expects them (rule 4). A claim, so the leader bounds
+    it: at most a group's worth, and it only ever delays assembly by ``assembly_grace``.
+    """
 
     requester: Declaration
     leader_id: PeerID
     metadata: bytes = b""
+    bringing: tuple[PeerID, ...] = ()
 
 
 class ResponseStatus(enum.Enum):
@@ -346,6 +358,14 @@ class _Attempt:
     # declaration (by order key) → the revision of it this peer gave up on
     tried: dict[tuple[float, PeerID], int] = field(default_factory=dict)
     followers: dict[PeerID, _Follower] = field(default_factory=dict)
+    # peers a follower said it sent here, not yet arrived (the leader holds for them)
+    expected: set[PeerID] = field(default_factory=set)
+    # peers this one sent ahead to the leader it asks (named in its requests)
+    sent_ahead: set[PeerID] = field(default_factory=set)
+
+
+#: how many announced peers a leader holds for when the group size is unbounded
+_MAX_EXPECTED = 64
 
 
 # --------------------------------------------------------------------- machine
@@ -395,6 +415,8 @@ class Matchmaker:
         times = [a.deadline]
         if self.state is MatchState.LOOKING and a.declaration.start_time > self._now:
             times.append(a.declaration.start_time)  # may assemble then
+        elif self.state is MatchState.LOOKING and self._holding(self._now):
+            times.append(self._hold_end())  # assembles then without the peers still missing
         elif self.state is MatchState.REQUESTING:
             times.append(a.since + self.config.request_timeout)
         elif self.state is MatchState.FOLLOWING:
@@ -501,6 +523,13 @@ class Matchmaker:
         if to not in a.followers and self._is_full():
             return refuse(RefuseReason.FULL)
         a.followers[to] = _Follower(requester, request.metadata)
+        a.expected.discard(to)
+        limit = self.config.target_group_size or _MAX_EXPECTED
+        for peer_id in request.bringing[:limit]:
+            if len(a.expected) >= limit:
+                break
+            if peer_id != self.peer_id and peer_id not in a.followers:
+                a.expected.add(peer_id)
         out: list[Command] = [Reply(to, JoinResponse(self.peer_id, ResponseStatus.ACCEPTED))]
         return out + self._progress(now)
 
@@ -544,6 +573,7 @@ class Matchmaker:
         if a is None or self.state not in _ACTIVE:
             return []
         a.followers.pop(peer_id, None)
+        a.expected.discard(peer_id)
         if self.waiting_on() != peer_id:
             return []
         assert a.leader is not None
@@ -560,6 +590,9 @@ class Matchmaker:
         if isinstance(message, LeaveGroup):
             if message.follower_id == sender:
                 a.followers.pop(sender, None)
+                a.expected.discard(sender)
+                if self.state is MatchState.LOOKING:
+                    return self._progress(now)  # it may have been the last one held for
             return []
         # from the leader we follow -- or the one we asked: its notice may overtake its reply
         waiting = self.state in (MatchState.REQUESTING, MatchState.FOLLOWING)
@@ -593,7 +626,7 @@ class Matchmaker:
         a = self._attempt
         if a is None or self.state not in _ACTIVE:
             return []
-        if now >= a.deadline:
+        if now >= a.deadline and self.state is not MatchState.LOOKING:
             return self._stop(FailureReason.DEADLINE, "no group before the deadline")
         if self.state is MatchState.REQUESTING and now >= a.since + self.config.request_timeout:
             assert a.leader is not None
@@ -640,6 +673,18 @@ class Matchmaker:
     def _is_full(self) -> bool:
         target = self.config.target_group_size
         return target is not None and 1 + len(self._attempt.followers) >= target  # type: ignore[union-attr]
+
+    def _hold_end(self) -> float:
+        a = self._attempt
+        assert a is not None
+        return min(a.declaration.start_time + self.config.grace, a.deadline)
+
+    def _holding(self, now: float) -> bool:
+        """Past its start time, does this leader still hold the group open for announced
+        peers (rule 4)?"""
+        a = self._attempt
+        assert a is not None
+        return bool(a.expected) and now < self._hold_end()
 
     def _give_up_on(self, leader: Declaration) -> None:
         assert self._attempt is not None
@@ -693,22 +738,32 @@ class Matchmaker:
     def _request(self, now: float, leader: Declaration) -> list[Command]:
         a = self._attempt
         assert a is not None
-        # rule 2: a peer that waits holds no followers; they go to that leader at once
+        # rule 2: a peer that waits holds no followers; they go to that leader at once, and
+        # so do the peers announced to this one (it redirects them when they arrive)
         out: list[Command] = [
             Notify(f, GroupDisbanded(self.peer_id, redirect_to=leader)) for f in a.followers
         ]
+        a.sent_ahead.update(a.followers, a.expected)
         a.followers.clear()
+        a.expected.clear()
         a.leader = leader
         a.since = now
         self.state = MatchState.REQUESTING
-        request = JoinRequest(a.declaration, leader.peer_id, a.metadata)
+        request = JoinRequest(
+            a.declaration, leader.peer_id, a.metadata, tuple(sorted(a.sent_ahead))
+        )
         return [*out, SendRequest(leader.peer_id, request)]
 
     def _progress(self, now: float) -> list[Command]:
-        """In LOOKING: fail at the deadline, assemble if ready, else ask the earliest leader."""
+        """In LOOKING: assemble if ready, fail at the deadline, else ask the earliest leader."""
         a = self._attempt
         assert a is not None and self.state is MatchState.LOOKING
-        if now >= a.deadline:
+        size = 1 + len(a.followers)
+        ready = now >= a.declaration.start_time and size >= self.config.min_group_size
+        assemble = not a.declaration.client_mode and (
+            self._is_full() or (ready and not self._holding(now))
+        )
+        if not assemble and now >= a.deadline:
             return self._stop(FailureReason.DEADLINE, "no group before the deadline")
         out: list[Command] = []
         if a.leader is not None:
@@ -718,11 +773,7 @@ class Matchmaker:
             if not a.declaration.client_mode:
                 a.declaration = replace(a.declaration, revision=a.declaration.revision + 1)
                 out.append(Publish(a.declaration, None if math.isinf(a.deadline) else a.deadline))
-        size = 1 + len(a.followers)
-        if not a.declaration.client_mode and (
-            self._is_full()
-            or (now >= a.declaration.start_time and size >= self.config.min_group_size)
-        ):
+        if assemble:
             return out + self._assemble(now)
         best = self._earliest_viable(now)
         if best is not None:

@@ -277,6 +277,7 @@ class MatchmakingDriver:
                 "d": encode_declaration(request.requester),
                 "l": request.leader_id,
                 "m": request.metadata,
+                **({"b": list(request.bringing)} if request.bringing else {}),
             },
         )
         try:
@@ -318,7 +319,10 @@ class MatchmakingDriver:
         if fields["l"] != self.core.peer_id:
             raise ValueError("this join request is meant for another leader")
         commands = self.machine.on_join_request(
-            self.core.now(), JoinRequest(requester, self.core.peer_id, bytes(fields["m"]))
+            self.core.now(),
+            JoinRequest(
+                requester, self.core.peer_id, bytes(fields["m"]), tuple(fields.get("b", ()))
+            ),
         )
         replies = [c for c in commands if isinstance(c, Reply)]
         await self._execute([c for c in commands if not isinstance(c, Reply)])

@@ -39,7 +39,7 @@ from peer.averaging.matchmaking import (
     ResponseStatus,
 )
 from peer.averaging.seam import Link, NodeCore
-from peer.wire import BYTES, FLOAT, INT, STR, AnyValue, Frame, Scalar, Schema
+from peer.wire import BYTES, FLOAT, INT, STR, AnyValue, Frame, ListOf, Scalar, Schema
 
 JOIN = "avg.join"
 JOIN_REPLY = "avg.join_reply"
@@ -56,9 +56,14 @@ STATE_HASH = "avg.state_hash"
 
 PREFIX = Scalar(str, max_length=512)
 GROUP_ID = Scalar(bytes, max_length=64)
+PEER_ID = Scalar(str, max_length=128)
+MAX_BRINGING = 256  # peers a join request may announce (the leader keeps a group's worth)
 
 HANDLED: dict[str, Schema] = {
-    JOIN: Schema(required={"p": PREFIX, "d": AnyValue(), "l": STR, "m": BYTES}),
+    JOIN: Schema(
+        required={"p": PREFIX, "d": AnyValue(), "l": STR, "m": BYTES},
+        optional={"b": ListOf(PEER_ID, max_length=MAX_BRINGING)},  # JoinRequest.bringing
+    ),
     NOTICE: Schema(
         required={"p": PREFIX, "k": STR},
         optional={"g": AnyValue(), "d": AnyValue(), "f": STR, "l": STR},

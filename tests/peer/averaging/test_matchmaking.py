@@ -169,6 +169,68 @@ def test_a_leader_asking_an_earlier_one_hands_it_its_followers_first() -> None:
     assert of(BeginAllreduce, a.tick(5.0))[0].group.peer_ids == ("a", "b", "c")
 
 
+def _handover_just_before_the_start_time() -> tuple[Matchmaker, Matchmaker, Matchmaker, Notify]:
+    """b leads c; b sees the earlier leader a just before a's start time (5.0) and hands c
+    over; a accepts b before the start time, c's request is still under way."""
+    a, out_a = started("a", scheduled_time=5.0)
+    b, _ = started("b", scheduled_time=5.0)
+    c, _ = started("c", scheduled_time=5.0)
+    (req_c,) = of(SendRequest, c.on_declaration(0.1, b.declaration))  # type: ignore[arg-type]
+    (reply,) = b.on_join_request(0.2, req_c.request)
+    c.on_join_response(0.3, "b", reply.response)
+    out = b.on_declaration(4.8, of(Publish, out_a)[0].declaration)
+    (handover,) = of(Notify, out)
+    (req_b,) = of(SendRequest, out)
+    assert req_b.request.bringing == ("c",)  # b names the follower it sent ahead
+    (answer,) = a.on_join_request(4.9, req_b.request)
+    assert answer.response.status is ResponseStatus.ACCEPTED
+    return a, b, c, handover
+
+
+def test_a_leader_holds_its_group_for_the_followers_handed_over_to_it() -> None:
+    # seen at 100 peers: a redirect that reached the followers just before the leader's
+    # start time left one out (its request came after the group assembled), in 1 run in 26
+    a, _, c, handover = _handover_just_before_the_start_time()
+    assert a.tick(5.0) == [] and a.state is MatchState.LOOKING  # c is under way
+    assert a.next_wakeup() == 6.0  # start time + assembly_grace at most
+    (req_c,) = of(SendRequest, c.on_notice(5.2, "b", handover.message))
+    assert req_c.to == "a"
+    out = a.on_join_request(5.3, req_c.request)
+    assert of(BeginAllreduce, out)[0].group.peer_ids == ("a", "b", "c")
+
+
+def test_the_hold_ends_after_the_grace_or_when_the_announced_peer_leaves() -> None:
+    a, _, _, _ = _handover_just_before_the_start_time()
+    assert a.tick(5.5) == []
+    assert of(BeginAllreduce, a.tick(6.0))[0].group.peer_ids == ("a", "b")  # c never came
+    a, _, _, _ = _handover_just_before_the_start_time()
+    assert a.tick(5.0) == []
+    out = a.on_notice(5.1, "c", LeaveGroup("c", "a"))  # c found a group elsewhere
+    assert of(BeginAllreduce, out)[0].group.peer_ids == ("a", "b")
+
+
+def test_a_hold_never_outlasts_the_deadline_and_claims_are_bounded() -> None:
+    config = cfg(target_group_size=4, request_timeout=10.0)
+    a, _ = started("a", config=config, scheduled_time=5.0, deadline=8.0)
+    crowd = tuple(f"x{i}" for i in range(1000))  # a hostile requester's claim
+    b = Declaration(KEY, "b", 5.0, SCHEMA, deadline=8.0)
+    (reply,) = a.on_join_request(1.0, JoinRequest(b, "a", bringing=crowd))
+    assert reply.response.status is ResponseStatus.ACCEPTED
+    assert len(a._attempt.expected) <= 4  # type: ignore[union-attr]
+    assert a.tick(5.0) == [] and a.next_wakeup() == 8.0  # not 15.0: the deadline comes first
+    assert of(BeginAllreduce, a.tick(8.0))[0].group.peer_ids == ("a", "b")
+
+
+def test_a_peer_that_waits_passes_on_the_peers_announced_to_it() -> None:
+    # d sent c to b; b, asking a, names c too: c is redirected by b when it arrives
+    _, out_a = started("a", scheduled_time=5.0)
+    b, _ = started("b", scheduled_time=5.0)
+    d = Declaration(KEY, "d", 5.0, SCHEMA, deadline=60.0)
+    b.on_join_request(1.0, JoinRequest(d, "b", bringing=("c",)))
+    (req,) = of(SendRequest, b.on_declaration(2.0, of(Publish, out_a)[0].declaration))
+    assert req.request.bringing == ("c", "d")
+
+
 def test_follower_of_a_dead_leader_moves_on_and_leads() -> None:
     a_decl = Declaration(KEY, "a", 5.0, SCHEMA)
     b, _ = started("b", scheduled_time=6.0)
