@@ -169,10 +169,6 @@ def alerts(inputs: AlertInputs) -> list[Alert]:
 # ----------------------------------------------------------------------------- queries
 
 
-def _volunteer_rows(session: Session, run_id: str, now: int, online_ttl_s: float) -> list[Row]:
-    return volunteer_table.all_rows(session, run_id, now - int(online_ttl_s * 1000))
-
-
 def _table_rows(rows: list[Row], total_samples: int) -> list[VolunteerRow]:
     return [
         VolunteerRow(
@@ -425,14 +421,13 @@ def volunteer_detail(
     same before and after the retention job folds them."""
     volunteer = find_volunteer(session, run, ref)
     now = now_ms()
-    ranking = _volunteer_rows(session, run.id, now, presence_s(online_ttl_s))
-    total = sum(r.samples for r in ranking)
-    rank = next(i for i, r in enumerate(ranking, start=1) if r.id == volunteer.id)
-    me = ranking[rank - 1]
+    since = now - int(presence_s(online_ttl_s) * 1000)
+    place = volunteer_table.standing(session, run.id, volunteer.id, since)
+    assert place is not None  # find_volunteer found it in this run
+    me = place.row
     peers = list(
         session.scalars(select(Peer).where(Peer.volunteer_id == volunteer.id).order_by(Peer.id))
     )
-    since = now - int(presence_s(online_ttl_s) * 1000)
     by_pk = {p.id: p for p in peers}
     buckets = rollups.volunteer_buckets(
         session,
@@ -452,9 +447,9 @@ def volunteer_detail(
             id=volunteer.id,
             display_name=volunteer.display_name,
             samples=me.samples,
-            share=_share(me.samples, total),
-            rank=rank,
-            of=len(ranking),
+            share=_share(me.samples, place.total_samples),
+            rank=place.rank,
+            of=place.of,
             online_s=me.online_ms / 1000,
             first_seen=None if me.first_seen_ms is None else ms_to_datetime(me.first_seen_ms),
             last_seen=None if me.last_seen_ms is None else ms_to_datetime(me.last_seen_ms),
