@@ -85,6 +85,7 @@ TOLERANCE = 1e-6
 class Settings:
     group_size: int = 16  # g: the largest group (the grid's side is at most this)
     churn: float = 0.10  # share of the peers that leave (and arrive) per round
+    churn_rounds: int | None = None  # the rounds with churn (None: all); calm after them
     client_share: float = 0.10
     numel: int = 16  # averaged values per peer (the protocol, not the arithmetic)
     rounds: int = 6  # averaging rounds simulated
@@ -347,7 +348,7 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
         start = loop.time()
         at = start + s.min_matchmaking_time + 1.0
         present = list(peers.values())
-        leaving = rng.sample(present, round(s.churn * n))
+        leaving = rng.sample(present, round(_churn(s, r) * n))
         mid = leaving[: len(leaving) // 2]
         for peer in leaving[len(leaving) // 2 :]:
             await leave(peer)
@@ -377,6 +378,11 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
             task.cancel()
     await asyncio.gather(*(p.node.shutdown() for p in present), return_exceptions=True)
     return result
+
+
+def _churn(s: Settings, r: int) -> float:
+    """The share leaving before round ``r``."""
+    return s.churn if s.churn_rounds is None or r < s.churn_rounds else 0.0
 
 
 def _spawn(loop: asyncio.AbstractEventLoop, coro: Any) -> None:
@@ -433,7 +439,7 @@ def simulate_moshpit(n: int, settings: Settings = Settings()) -> MoshpitResult:
     groups_seen = 0
     rounds_to_mean = None
     for r in range(s.rounds):
-        leaving = rng.sample(sorted(peers), round(s.churn * n))
+        leaving = rng.sample(sorted(peers), round(_churn(s, r) * n))
         mid = set(leaving[: len(leaving) // 2])
         for i in leaving[len(leaving) // 2 :]:
             del peers[i]
@@ -577,6 +583,7 @@ class Row:
     rounds_still: int | None  # Moshpit rounds to the mean without churn
     rounds_churn: int | None  # ... with churn
     dev_at_bound: float  # with churn, after ⌈log_g N⌉ + 1 rounds
+    rounds_calm: int | None  # ... once churn stops after ⌈log_g N⌉ + 1 rounds of it
     swarm: SwarmResult
     swarm_sampled: bool
     gossip: GossipResult
@@ -601,6 +608,7 @@ def measure(sizes: list[int], s: Settings, full_max: int, log: Any = print) -> l
         wall = time.monotonic()
         still = simulate_moshpit(n, replace(s, churn=0.0, rounds=4 * d + 4))
         churned = simulate_moshpit(n, replace(s, rounds=4 * d + 4))
+        calm = simulate_moshpit(n, replace(s, rounds=4 * d + 4, churn_rounds=d + 1))
         sample = min(n, full_max)
         if sample not in swarms:
             swarms[sample] = simulate_swarm(sample, replace(s, rounds=d + 2))
@@ -614,6 +622,7 @@ def measure(sizes: list[int], s: Settings, full_max: int, log: Any = print) -> l
                 still.rounds_to_mean,
                 churned.rounds_to_mean,
                 dev,
+                None if calm.rounds_to_mean is None else calm.rounds_to_mean - (d + 1),
                 swarms[sample],
                 sample != n,
                 gossip,
@@ -636,6 +645,7 @@ def print_table(rows: list[Row], s: Settings, full_max: int) -> None:
     )
     header = (
         f"{'N':>5} {'grid':>5} {'⌈log_g N⌉':>9} {'rounds':>6} {'churn':>6} {'dev@+1':>8} "
+        f"{'calm':>5} "
         f"{'mm ok':>7} {'mm p50 s':>8} {'failed':>7} {'new→avg s':>9} {'donor max':>9} "
         f"{'msg/p/s':>7} {'KiB/p/s':>7} {'store':>6} {'st KiB':>6}"
     )
@@ -651,6 +661,7 @@ def print_table(rows: list[Row], s: Settings, full_max: int) -> None:
         print(
             f"{row.n:>5} {row.grid:>5} {row.bound:>9} {_rounds(row.rounds_still, limit):>6} "
             f"{_rounds(row.rounds_churn, limit):>6} {row.dev_at_bound:>8.1e} "
+            f"{_rounds(row.rounds_calm, limit - row.bound - 1):>5} "
             f"{ok:>6.1%}{tag} {mm:>7.2f}{tag} {failed:>6.1%}{tag} {new:>8.1f}{tag} "
             f"{sw.max_donor_load:>3}/{sw.downloads:<4}{tag} "
             f"{row.gossip.messages_per_peer_s:>7.1f} {row.gossip.bytes_per_peer_s / 1024:>7.1f} "
@@ -659,7 +670,8 @@ def print_table(rows: list[Row], s: Settings, full_max: int) -> None:
     print(
         "rounds: Moshpit rounds until every peer present throughout holds the global mean "
         f"within {TOLERANCE:g} (no churn | with churn); dev@+1: its largest distance after "
-        "⌈log_g N⌉ + 1 rounds with churn; mm ok: matchmaking attempts that found a group; "
+        "⌈log_g N⌉ + 1 rounds with churn; calm: rounds to the mean once churn stops after "
+        "those; mm ok: matchmaking attempts that found a group; "
         "failed: steps that failed; donor max: downloads served by the most-asked donor / "
         "all downloads; store: records and KiB of a peer's gossip store"
     )

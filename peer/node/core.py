@@ -61,6 +61,9 @@ from peer.wire import (
 
 logger = logging.getLogger("peer.node")
 
+#: the reason a node gives when it closes a link it has not used for a while
+IDLE_CLOSE = "idle"
+
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":
@@ -533,10 +536,24 @@ class AsyncNode:
         self.handlers[message_type] = handler
 
     async def request(self, peer_id: str, frame: Frame, timeout: float | None = None) -> Frame:
+        """Send ``frame`` to ``peer_id`` as a request and return its reply, within
+        ``timeout`` (default: the node's ``request_timeout``).
+
+        A link the other side closes as idle (:data:`IDLE_CLOSE`) just as the request
+        crosses its close was never read there (a peer closes as idle only links with no
+        request in hand): the request goes once more, over a new link."""
+        loop = asyncio.get_running_loop()
+        timeout = self.config.request_timeout if timeout is None else timeout
+        deadline = None if timeout is None else loop.time() + timeout
         link = await self.link(peer_id)
-        return await link.request(
-            frame, self.config.request_timeout if timeout is None else timeout
-        )
+        try:
+            return await link.request(frame, timeout)
+        except ConnectionClosed:
+            if link.conn.close_reason != IDLE_CLOSE:
+                raise
+        left = None if deadline is None else max(0.0, deadline - loop.time())
+        link = await self.link(peer_id)
+        return await link.request(frame, left)
 
     async def send(self, peer_id: str, frame: Frame) -> None:
         link = await self.link(peer_id)
@@ -779,7 +796,7 @@ class AsyncNode:
             self._all_links.discard(link)
             if self._links.get(link.peer_id) is link:
                 del self._links[link.peer_id]
-            self._spawn(link.close("idle"), "evict")
+            self._spawn(link.close(IDLE_CLOSE), "evict")
 
     def _refresh_interval(self) -> float:
         """Seconds until this node republishes its membership record: a third of its time

@@ -7,9 +7,10 @@ import asyncio
 import pytest
 
 from peer.exceptions import ConnectionClosed, TransportError
-from peer.node.core import AsyncNode, NodeConfig
+from peer.node.core import IDLE_CLOSE, AsyncNode, NodeConfig
 from peer.testing import wait_until_async
 from peer.transport.memory import MemoryNetwork
+from peer.wire import STR, Frame, Schema
 from swarmlab.sim import EPOCH, VirtualTimeLoop, simulate
 
 
@@ -261,3 +262,43 @@ def test_only_links_silent_for_a_while_are_evicted(vloop: VirtualTimeLoop) -> No
     busy_now, remaining, recent, late = vloop.run_until_complete(main())
     assert busy_now == 4, "recently used links stay open beyond max_links"
     assert remaining == {recent, late}, "the silent ones went, least recently used first"
+
+
+@pytest.mark.parametrize("reason", [IDLE_CLOSE, "shutting down"])
+def test_a_request_crossing_an_idle_close_goes_again_over_a_new_link(
+    vloop: VirtualTimeLoop, reason: str
+) -> None:
+    # seen at 100 peers: a join request went out over a link its leader was just closing
+    # as idle (it had more than max_links open); it failed, and the peer found no group
+    async def main() -> tuple[list[str], str]:
+        net = MemoryNetwork(latency=0.05)
+        server, client = await _chain(net, 2, NodeConfig())
+        served: list[str] = []
+
+        async def echo(link, frame: Frame) -> Frame:
+            served.append(frame.fields["x"])
+            return Frame("test.echo_ok", {"x": frame.fields["x"]})
+
+        server.register_handler("test.echo", Schema(required={"x": STR}), echo)
+        client.registry.register("test.echo_ok", Schema(required={"x": STR}))
+        old = await server.link(client.peer_id)
+        request = asyncio.ensure_future(
+            client.request(server.peer_id, Frame("test.echo", {"x": "hi"}), timeout=5.0)
+        )
+        await asyncio.sleep(0.01)  # the request is on its way when the server closes
+        await old.close(reason)
+        try:
+            reply = await request
+        except ConnectionClosed as exc:
+            outcome = f"closed: {exc}"
+        else:
+            outcome = reply.fields["x"]
+        for node in (client, server):
+            await node.shutdown()
+        return served, outcome
+
+    served, outcome = vloop.run_until_complete(main())
+    if reason == IDLE_CLOSE:
+        assert (served, outcome) == (["hi"], "hi")  # once, over the new link
+    else:  # any other close may have come after the request was read: not sent again
+        assert served == [] and outcome.startswith("closed:")
