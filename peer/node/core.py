@@ -23,6 +23,7 @@ from peer.exceptions import (
     ConnectionClosed,
     NodeShutdown,
     ProtocolError,
+    SwarmgradError,
     TransportError,
 )
 from peer.identity import (
@@ -63,6 +64,9 @@ logger = logging.getLogger("peer.node")
 
 #: the reason a node gives when it closes a link it has not used for a while
 IDLE_CLOSE = "idle"
+#: one-way, over a link: "I send nothing more on this link; close it once your requests on
+#: it are answered" (what a node says of the idle links it closes beyond ``max_links``)
+LINK_RETIRE = "link.retire"
 
 
 def is_loopback(host: str) -> bool:
@@ -117,6 +121,7 @@ class AsyncNode:
         self._seq = 0  # sequence number of this node's latest record (next_sequence)
         self.random = random.Random(seed)
         self.handlers: dict[str, Handler] = {}
+        self.register_handler(LINK_RETIRE, Schema(), self._on_retire)
         self._links: dict[str, PeerLink] = {}
         self._all_links: set[PeerLink] = set()
         self._dialing: dict[str, asyncio.Future[PeerLink]] = {}
@@ -796,7 +801,35 @@ class AsyncNode:
             self._all_links.discard(link)
             if self._links.get(link.peer_id) is link:
                 del self._links[link.peer_id]
-            self._spawn(link.close(IDLE_CLOSE), "evict")
+            self._spawn(self._retire(link), "retire")
+
+    async def _retire(self, link: PeerLink) -> None:
+        """Close a link this node no longer needs without losing what is crossing it: the
+        other side is told, stops sending on it and closes it once its requests on it are
+        answered; until then this side still reads and serves it (a one-way message sent
+        just before the notice arrived there is still handled). Closed after
+        ``request_timeout`` if the other side does not."""
+        try:
+            with contextlib.suppress(SwarmgradError):
+                await link.send(Frame(LINK_RETIRE))
+            await link.wait_closed(self.config.request_timeout)
+        finally:
+            await link.close(IDLE_CLOSE)
+
+    async def _on_retire(self, link: PeerLink, frame: Frame) -> None:
+        if self._links.get(link.peer_id) is link:
+            del self._links[link.peer_id]  # what this node sends next goes over a new link
+        self._all_links.discard(link)
+        self._spawn(self._close_retired(link), "retired")
+
+    async def _close_retired(self, link: PeerLink) -> None:
+        try:
+            async with asyncio.timeout(self.config.request_timeout):
+                await link.drained()
+        except TimeoutError:
+            pass
+        finally:
+            await link.close(IDLE_CLOSE)
 
     def _refresh_interval(self) -> float:
         """Seconds until this node republishes its membership record: a third of its time

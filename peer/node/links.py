@@ -483,6 +483,17 @@ class PeerLink:
             task.cancel()
         self._on_close(self, reason, error and not was_closing)
 
+    async def drained(self) -> None:
+        """Return once no request of this side waits for its reply on this link and none of
+        the other side's is being served here."""
+        while self._pending or self._tasks:
+            await asyncio.wait([*self._pending.values(), *self._tasks])
+
+    async def wait_closed(self, timeout: float) -> None:
+        """Wait until the other side closes this link, or ``timeout`` seconds; what arrives
+        meanwhile is read and served as always."""
+        await asyncio.wait([self._reader], timeout=timeout)
+
     async def close(self, reason: str = "") -> None:
         self._closing = True
         with contextlib.suppress(SwarmgradError):

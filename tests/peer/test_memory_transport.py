@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -302,3 +303,31 @@ def test_a_request_crossing_an_idle_close_goes_again_over_a_new_link(
         assert (served, outcome) == (["hi"], "hi")  # once, over the new link
     else:  # any other close may have come after the request was read: not sent again
         assert served == [] and outcome.startswith("closed:")
+
+
+def test_a_link_closed_as_idle_still_delivers_what_was_crossing_it(vloop: VirtualTimeLoop) -> None:
+    # a node with more than max_links closes its least recently used idle link; a one-way
+    # message (a tensor part) the other side sent just before must still be handled
+    async def main() -> list[str]:
+        net = MemoryNetwork(latency=0.05)
+        config = NodeConfig(max_links=2, link_idle_grace=0.0, gossip_period=5.0)
+        server, sender, _ = nodes = await _chain(net, 3, config)
+        await wait_until_async(lambda: len(server._all_links) == 2, timeout=5.0)
+        heard: list[str] = []
+
+        async def note(link, frame: Frame) -> None:
+            heard.append(frame.fields["x"])
+
+        server.register_handler("test.note", Schema(required={"x": STR}), note)
+        old = sender._links[server.peer_id]
+        await sender.send(server.peer_id, Frame("test.note", {"x": "one"}))  # in flight
+        server.config = replace(config, max_links=1)
+        server._evict_idle_links()  # the sender's link, the least recently used
+        await wait_until_async(lambda: old.closed, timeout=5.0)
+        await sender.send(server.peer_id, Frame("test.note", {"x": "two"}))  # a new link
+        await wait_until_async(lambda: len(heard) == 2, timeout=5.0)
+        for node in nodes:
+            await node.shutdown()
+        return heard
+
+    assert vloop.run_until_complete(main()) == ["one", "two"]

@@ -65,6 +65,20 @@ def test_moshpit_at_100_reaches_the_mean_in_log_g_rounds_and_contracts_under_chu
     assert churned.deviations[-1] < 1e-3
 
 
+@pytest.mark.parametrize("n", [100, 1000])
+def test_moshpit_holds_the_mean_within_log_g_rounds_once_churn_stops(n: int) -> None:
+    # under 10 % churn every round loses values and no bound in rounds holds (see
+    # docs/architecture.md, At scale); once it stops, a full grid is exact again within
+    # ⌈log_g N⌉ rounds, the newcomers having taken the departed peers' cells
+    d, _ = grid_shape(n, 16)
+    calm = simulate_moshpit(
+        n, Settings(group_size=16, churn=0.10, churn_rounds=d + 1, rounds=2 * d + 2)
+    )
+    assert calm.deviations[d] > 1e-3  # after d + 1 rounds of churn: far from the mean
+    assert calm.rounds_to_mean == (d + 1) + d, calm.deviations
+    assert calm.deviations[-1] <= 1e-12
+
+
 def test_a_missing_grid_cell_slows_moshpit_down() -> None:
     # 250 peers on a 16 x 16 grid leave six cells empty: the rounds no longer cover it exactly
     result = simulate_moshpit(250, Settings(group_size=16, churn=0.0, rounds=3))
