@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import re
 import secrets
@@ -73,12 +74,16 @@ def fill(directory: Path) -> None:
             assert error.errno == errno.ENOSPC, error
 
 
-def remount_read_only(app: FastAPI, directory: Path) -> None:
+def remount_read_only(app: FastAPI, directory: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Remount ``directory``'s filesystem read-only: possible only once no file on it is
     open for writing, so the pool's connections are closed first (and again if the flusher
-    opened one meanwhile)."""
+    opened one meanwhile). The log records captured so far go first: their arguments are
+    the database's errors, whose tracebacks hold the connections that raised them (a
+    process that logs does not keep its records)."""
 
     def attempt() -> bool:
+        caplog.clear()
+        gc.collect()
         app.state.engine.dispose()
         return _mount("-o", "remount,ro", str(directory)).returncode == 0
 
@@ -182,7 +187,7 @@ async def test_sqlite_on_a_full_then_read_only_filesystem(
             await swarm.reads_answered()
             assert "database or disk is full" in caplog.text
 
-            remount_read_only(app, disk)
+            remount_read_only(app, disk, caplog)
             await swarm.report(5)
             await swarm.writes_refused()
             await swarm.reads_answered()
