@@ -498,14 +498,15 @@ class PeerLink:
         """Return once this link is not :attr:`busy`: no request of this side waits for its
         reply, none of the other side's is being served, and no send is under way."""
         while self.busy:
-            sent = asyncio.ensure_future(self._sent.wait())
+            waiters: list[asyncio.Future[Any]] = [*self._pending.values(), *self._tasks]
+            sent = asyncio.ensure_future(self._sent.wait()) if self._sending else None
+            if sent is not None:  # (set while no send is under way: it would not wait)
+                waiters.append(sent)
             try:
-                await asyncio.wait(
-                    [*self._pending.values(), *self._tasks, sent],
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                sent.cancel()
+                if sent is not None:
+                    sent.cancel()
 
     async def wait_closed(self, timeout: float) -> None:
         """Wait until the other side closes this link, or ``timeout`` seconds; what arrives
