@@ -498,15 +498,14 @@ class PeerLink:
         """Return once this link is not :attr:`busy`: no request of this side waits for its
         reply, none of the other side's is being served, and no send is under way."""
         while self.busy:
-            waiters: list[asyncio.Future[Any]] = [*self._pending.values(), *self._tasks]
-            sent = asyncio.ensure_future(self._sent.wait()) if self._sending else None
-            if sent is not None:  # (set while no send is under way: it would not wait)
-                waiters.append(sent)
+            sent = asyncio.ensure_future(self._sent.wait())
             try:
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    [*self._pending.values(), *self._tasks, sent],
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
             finally:
-                if sent is not None:
-                    sent.cancel()
+                sent.cancel()
 
     async def wait_closed(self, timeout: float) -> None:
         """Wait until the other side closes this link, or ``timeout`` seconds; what arrives
