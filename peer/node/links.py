@@ -359,9 +359,6 @@ class PeerLink:
         self._pending: dict[int, asyncio.Future[Frame]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
-        self._sending = 0  # sends under way (a large frame on a slow link takes a while)
-        self._sent = asyncio.Event()  # set while none is
-        self._sent.set()
         self.last_used = asyncio.get_running_loop().time()
         self._reader = asyncio.get_running_loop().create_task(
             self._read_loop(), name=f"link-{remote.peer_id[:8]}"
@@ -373,8 +370,7 @@ class PeerLink:
 
     @property
     def busy(self) -> bool:
-        """A request of either side, or a send of this one, is under way."""
-        return bool(self._pending) or bool(self._tasks) or self._sending > 0
+        return bool(self._pending) or bool(self._tasks)
 
     @property
     def closed(self) -> bool:
@@ -395,14 +391,7 @@ class PeerLink:
                 f"{frame.type}: header over the limit of {self._limits.max_header_bytes} bytes"
             )
         self.last_used = asyncio.get_running_loop().time()
-        self._sending += 1
-        self._sent.clear()
-        try:
-            await self.conn.send([header, payload] if payload.nbytes else header)
-        finally:
-            self._sending -= 1
-            if not self._sending:
-                self._sent.set()
+        await self.conn.send([header, payload] if payload.nbytes else header)
         if self._on_sent is not None:
             self._on_sent(len(header) + payload.nbytes)
 
@@ -495,17 +484,10 @@ class PeerLink:
         self._on_close(self, reason, error and not was_closing)
 
     async def drained(self) -> None:
-        """Return once this link is not :attr:`busy`: no request of this side waits for its
-        reply, none of the other side's is being served, and no send is under way."""
-        while self.busy:
-            sent = asyncio.ensure_future(self._sent.wait())
-            try:
-                await asyncio.wait(
-                    [*self._pending.values(), *self._tasks, sent],
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-            finally:
-                sent.cancel()
+        """Return once no request of this side waits for its reply on this link and none of
+        the other side's is being served here."""
+        while self._pending or self._tasks:
+            await asyncio.wait([*self._pending.values(), *self._tasks])
 
     async def wait_closed(self, timeout: float) -> None:
         """Wait until the other side closes this link, or ``timeout`` seconds; what arrives
