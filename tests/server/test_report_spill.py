@@ -98,6 +98,9 @@ async def test_reports_acknowledged_while_the_database_is_down_are_written_after
             assert spilled_lines(spill) == 10 and app.state.report_buffer.pending == 0
         # The flusher writes them once its back-off is over.
         assert await asyncio.to_thread(wait_until, lambda: stored(app) == 11, scaled(20))
+        # The rows are visible once the replay commits; the segment and its record go just
+        # after, in the same flush: taking the flush lock waits for it to end.
+        await app.state.report_buffer.flush()
         assert spilled_lines(spill) == 0
         with app.state.session_factory() as session:
             assert session.scalar(select(func.count()).select_from(SpilledSegment)) == 0
