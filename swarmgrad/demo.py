@@ -35,7 +35,7 @@ from peer.formats.payloads import ProgressPublic, RunPublic
 from swarmgrad.errors import CommandError
 from swarmgrad.extras import require_coordinator
 from swarmgrad.local import LocalCoordinator, start_volunteer, stop_processes
-from swarmgrad.organizer import parse_config, write_atomically
+from swarmgrad.organizer import check_run_config, parse_config, write_atomically
 
 # How often the demo reads the run's progress (a display refresh, not a synchronisation).
 POLL_INTERVAL_S = 1.0
@@ -108,18 +108,20 @@ def demo(
     for reserved, option in (("epochs", "--epochs"), ("algorithm", "--algorithm")):
         if reserved in settings:
             raise typer.BadParameter(f"set {reserved} with {option}", param_hint="'--config'")
+    run = Demo(
+        peers=peers,
+        task=task.value,
+        epochs=epochs,
+        port=port,
+        save=save,
+        algorithm=algorithm.value,
+        settings=settings,
+    )
+    check_run_config(run.task, run.run_config())
     require_coordinator("demo")
     with _signals_interrupt():
         try:
-            Demo(
-                peers=peers,
-                task=task.value,
-                epochs=epochs,
-                port=port,
-                save=save,
-                algorithm=algorithm.value,
-                settings=settings,
-            ).run()
+            run.run()
         except KeyboardInterrupt:
             # Everything is cleaned up: another Ctrl-C (or an impatient second signal from a
             # supervisor) while the interpreter exits must not turn the exit status 130 into
@@ -188,6 +190,14 @@ class Demo:
         self.console.print(line, soft_wrap=True)
         self.console.file.flush()
 
+    def run_config(self) -> dict[str, Any]:
+        """The config of the run the demo creates."""
+        config: dict[str, Any] = {"epochs": self.epochs}
+        if self.algorithm == "diloco":
+            config.update(algorithm="diloco", inner_steps=DEMO_INNER_STEPS)
+        config.update(self.settings)
+        return config
+
     def run(self) -> None:
         with (
             tempfile.TemporaryDirectory(prefix="swarmgrad-demo-") as temp,
@@ -205,11 +215,7 @@ class Demo:
             self.say(f"coordinator: {coordinator.url} (API docs at {coordinator.url}/docs)")
             client = stack.enter_context(CoordinatorClient(coordinator.url))
             token = coordinator.admin_token
-            config: dict[str, Any] = {"epochs": self.epochs}
-            if self.algorithm == "diloco":
-                config.update(algorithm="diloco", inner_steps=DEMO_INNER_STEPS)
-            config.update(self.settings)
-            run = client.create_run(token, f"demo-{self.task}", self.task, config)
+            run = client.create_run(token, f"demo-{self.task}", self.task, self.run_config())
             # paused until every volunteer is online: they start training together
             client.update_run(token, run.id, status="paused")
             invites = [

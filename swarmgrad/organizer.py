@@ -83,6 +83,27 @@ def parse_config(items: list[str]) -> dict[str, Any]:
     return config
 
 
+def check_run_config(task_name: str, settings: Mapping[str, Any]) -> None:
+    """Load the task ``task_name`` here and check ``settings`` against it as every volunteer
+    will (:meth:`peer.tasks.base.TrainingConfig.from_run_config`): a run that no volunteer
+    could train is a usage error before it exists, not one error per volunteer after."""
+    from peer.tasks.base import TaskError, TrainingConfig
+    from peer.tasks.registry import load_task
+
+    try:
+        task = load_task(task_name)
+    except TaskError as exc:
+        raise typer.BadParameter(
+            f"{exc} (volunteers load it the same way; if it is installed on their machines "
+            "only, --no-check creates the run without loading it here)",
+            param_hint="'--task'",
+        ) from None
+    try:
+        TrainingConfig.from_run_config(task, settings)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--config'") from None
+
+
 def duration_option(text: str | None, option: str) -> float | None:
     """The seconds of an optional duration option (:func:`parse_duration`); a bad value is
     a usage error naming ``option``."""
@@ -178,6 +199,14 @@ def create(
             show_default=False,
         ),
     ] = None,
+    no_check: Annotated[
+        bool,
+        typer.Option(
+            "--no-check",
+            help="Create the run without loading its task here to check the config (for a "
+            "task installed on the volunteers' machines only).",
+        ),
+    ] = False,
     url: UrlOption = DEFAULT_URL,
     token: TokenOption = None,
     as_json: JsonOption = False,
@@ -185,6 +214,8 @@ def create(
     """Create a run. Next: `swarmgrad invite RUN` for the volunteers."""
     settings = parse_config(config or [])
     token = _require_token(token)
+    if not no_check:
+        check_run_config(task, settings)
     with _client(url) as client:
         run = client.create_run(token, name, task, settings)
 

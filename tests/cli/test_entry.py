@@ -80,6 +80,13 @@ def test_demo_config_errors_are_one_line() -> None:
     assert "--epochs" in result.assert_one_error_line(code=2)
     result = run_swarmgrad("demo", "--config", "aggregator")
     assert "key=value" in result.assert_one_error_line(code=2)
+    # Checked against the task before anything starts, as every volunteer would check it.
+    result = run_swarmgrad("demo", "--config", "lr=fast")
+    line = result.assert_one_error_line(code=2)
+    assert "'--config'" in line and "lr" in line and "coordinator" not in result.out
+    # The demo's DiLoCo runs 10 inner steps per round: more fragments than that cannot sync.
+    result = run_swarmgrad("demo", "--algorithm", "diloco", "--config", "fragments=20")
+    assert "fragments: at most inner_steps (10)" in result.assert_one_error_line(code=2)
 
 
 @contextlib.contextmanager

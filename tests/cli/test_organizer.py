@@ -287,6 +287,43 @@ def test_missing_token_and_bad_values_are_usage_errors(
     cli("runs", "list", "--nosuchoption").assert_one_error_line(code=2)
 
 
+def test_a_config_no_volunteer_could_train_creates_no_run(
+    organizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The task is loaded here and the config checked as every volunteer will check it: a
+    mistake is one usage line for the organizer, not one error per volunteer later."""
+    for args, expected in [
+        (["--config", "lr=fast"], "lr: "),
+        (["--config", "optimiser=adam"], "optimiser: not a setting of the task 'digits'"),
+        (["--config", "batch_size=0"], "batch_size"),
+    ]:
+        line = organizer("runs", "create", "r", "--task", "digits", *args)
+        line = line.assert_one_error_line(code=2)
+        assert "'--config'" in line and expected in line, line
+    line = organizer("runs", "create", "r", "--task", "no such task").assert_one_error_line(code=2)
+    assert "'--task'" in line and "unknown task" in line
+    line = organizer("runs", "create", "r", "--task", "absent_module:task")
+    assert "--no-check" in line.assert_one_error_line(code=2)
+    assert as_json(organizer("runs", "list", "--json")) == []
+
+    # A task only the volunteers have: created unchecked when asked to.
+    run = as_json(
+        organizer("runs", "create", "r", "--task", "absent_module:task", "--no-check", "--json")
+    )
+    assert run["task"] == "absent_module:task"
+    # A task of the organizer's own, checked with its own parameters.
+    (tmp_path / "organizer_task.py").write_text(
+        "from peer.tasks.digits import DigitsTask\n\ndef task():\n    return DigitsTask()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mine = ["runs", "create", "r", "--task", "organizer_task:task"]
+    line = organizer(*mine, "--config", "hidden=wide").assert_one_error_line(code=2)
+    assert "hidden" in line
+    run = as_json(organizer(*mine, "--config", "hidden=16", "--json"))
+    assert run["config"] == {"hidden": 16}
+    assert len(as_json(organizer("runs", "list", "--json"))) == 2
+
+
 def test_rejected_values_are_one_line(organizer: Any) -> None:
     result = organizer("runs", "create", "x" * 300, "--task", "digits")  # name too long: 422
     result.assert_one_error_line(code=1)
