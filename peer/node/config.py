@@ -34,8 +34,10 @@ class NodeConfig:
     # fair share and the largest holders make room (identities cannot fill it together)
     max_store_bytes: int = 32 << 20
     retry_backoff: float = 5.0  # seconds before dialing a peer that just failed again
-    # an initial (bootstrap) address that failed this many times in a row is dropped; the
-    # first three retries come every gossip round, then after a doubling wait (up to a minute)
+    # an initial (bootstrap) address that did not answer this many times in a row is dropped;
+    # the first three retries come every gossip round, then after a doubling wait (up to a
+    # minute). A peer that answers there and fails half-way (a lossy link) is retried every
+    # round and kept
     bootstrap_attempts: int = 8
     # a peer whose membership expired without a goodbye is dialed again (one such peer per
     # interval; None: every member_ttl) until it is back or this many seconds have passed,

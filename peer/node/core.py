@@ -495,7 +495,7 @@ class AsyncNode:
     async def add_initial_peers(self, addresses: Sequence[str]) -> int:
         """Dial ``addresses`` now and keep them as initial peers: each is retried until
         reached once, and all of them whenever this node is alone (for a node that lost
-        every peer, with fresh addresses from the coordinator), each until it failed
+        every peer, with fresh addresses from the coordinator), each until it did not answer
         ``bootstrap_attempts`` times in a row. They replace those added by an earlier call;
         the constructor's stay. Returns how many answered."""
         self._check_running()

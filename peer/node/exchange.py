@@ -97,6 +97,13 @@ def want_budget(limits: Limits, max_exchange_bytes: int) -> int:
 MIN_RECORD_BYTES = 128  # what take_within_budget counts for a record beyond its value and key
 
 
+def _answered(error: BaseException) -> bool:
+    """Whether a failed dial met a peer: the connection opened and its handshake or first
+    exchange failed (what a lossy link does), rather than nothing answering at all (the
+    transport's own refusal or timeout to connect)."""
+    return isinstance(error, ConnectionClosed) or not isinstance(error, TransportError)
+
+
 def _record_ids(want: bytes) -> list[bytes]:
     """The record ids packed in a ``want`` field; ProtocolError if it is not whole ids."""
     if len(want) % RECORD_ID_BYTES:
@@ -158,6 +165,8 @@ class Gossip:
         self._bootstrapped: set[str] = set()  # initial peers reached at least once
         self._dial_failures: dict[str, tuple[int, float]] = {}  # initial peer → (failures
         # in a row, loop time of the last): see NodeConfig.bootstrap_attempts
+        # initial peer not reached yet → the peer id its last handshake found there
+        self._answered_at: dict[str, str] = {}
         # peers and addresses with a gossip exchange under way: a round skips them, so one
         # that does not answer holds up only its own exchange, never the rounds
         self._exchanging: set[str] = set()
@@ -223,6 +232,7 @@ class Gossip:
         kept = [a for a in self.initial_peers if a not in self._added_peers]
         self._added_peers = set(fresh) - set(kept)
         self.initial_peers = kept + [a for a in fresh if a not in kept]
+        self._answered_at = {a: p for a, p in self._answered_at.items() if a in self.initial_peers}
         self._bootstrapped.difference_update(fresh)
         for address in fresh:  # handed out again: each gets its attempts again
             self._dial_failures.pop(address, None)
@@ -235,21 +245,38 @@ class Gossip:
         return reached
 
     async def exchange_with_address(self, address: str) -> None:
+        """Exchange with whoever answers at ``address``: over the link a handshake there
+        opened before, if it is still open (an initial peer whose first exchange failed on
+        a lossy link is not dialed all over again), else over a new one."""
+        link = self._links.get(self._answered_at.pop(address, ""))
+        reused = link is not None and not link.closed
+        if not reused:
+            link = None
         try:
-            link = await self._connect(address, None)
+            if link is None:
+                link = await self._connect(address, None)
             await self.exchange(link)
-        except (SwarmgradError, TimeoutError):
-            self._dial_failed(address)
+        except (SwarmgradError, TimeoutError) as exc:
+            if link is not None and not reused and address in self.initial_peers:
+                self._answered_at[address] = link.peer_id  # reused once, then dialed anew
+            self._dial_failed(address, answered=_answered(exc))
             raise
         self._dial_failures.pop(address, None)
         self._bootstrapped.add(address)
 
-    def _dial_failed(self, address: str) -> None:
+    def _dial_failed(self, address: str, *, answered: bool) -> None:
         """Count a failed dial of an initial peer; drop the address after
-        ``bootstrap_attempts`` in a row (a bootstrap list may name addresses that never
-        answer, or were never peers at all: they are not dialed forever)."""
+        ``bootstrap_attempts`` in a row without an answer (a bootstrap list may name
+        addresses that never answer, or were never peers at all: they are not dialed
+        forever). A peer that answered (its handshake or first exchange failed half-way: a
+        lossy link) is dialed again at the next round and kept: giving up on the only peer
+        that links this node to the swarm would split it off for good."""
         if address not in self.initial_peers:
             return  # a departed peer's address: the reconnector bounds those
+        if answered:
+            self._dial_failures.pop(address, None)
+            return
+        self._answered_at.pop(address, None)
         failures = self._dial_failures.get(address, (0, 0.0))[0] + 1
         self._dial_failures[address] = (failures, asyncio.get_running_loop().time())
         if failures >= self.config.bootstrap_attempts:
@@ -262,9 +289,9 @@ class Gossip:
             )
 
     def _dial_due(self, address: str) -> bool:
-        """Whether an initial peer that failed before may be dialed again: the first few
-        retries come every gossip round (on a lossy link a handshake can fail without the
-        address being bad), then the wait doubles with each failure in a row, up to a
+        """Whether an initial peer that did not answer before may be dialed again: the first
+        few retries come every gossip round (a dial can time out on a congested link without
+        the address being bad), then the wait doubles with each failure in a row, up to a
         minute."""
         failed = self._dial_failures.get(address)
         if failed is None:
