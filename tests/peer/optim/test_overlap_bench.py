@@ -1,6 +1,6 @@
 """The delays hide averaging behind compute: bench/overlap.py on links shaped with tc, in a
 small configuration (an epoch takes about a second and a half), with its own ``--check`` of
-the ratio measured in the same run. Needs root and iproute2, as the benchmark does."""
+the median ratio measured in the same run. Needs root and iproute2, as the benchmark does."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ def test_delays_give_at_least_one_and_a_half_times_the_samples_per_second() -> N
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"the overlap benchmark is needed in CI: {reason}", pytrace=False)
         pytest.skip(reason)
-    small = ["--width", "512", "--matchmaking-time", "0.2", "--epochs", "2", "--repeat", "1"]
+    # One measured epoch per mode and repetition: the median of three, as one alone ranged
+    # 1.49-1.63x over four runs on a two-core machine.
+    small = ["--width", "512", "--matchmaking-time", "0.2", "--epochs", "2", "--repeat", "3"]
     done = subprocess.run(
         [sys.executable, str(BENCH), *small, "--check", "--min-ratio", "1.5"],
         capture_output=True,
