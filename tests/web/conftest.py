@@ -7,6 +7,8 @@ browser), against real coordinator and volunteer processes.
   fails the test (a test that expects network errors, e.g. while the coordinator is down, says
   so with ``expect_network_errors``); a screenshot of each page is kept under
   ``$SWARMGRAD_TEST_ARTIFACTS/screenshots`` (default ``test-artifacts/``).
+- ``settled(page)``: the page loaded, its live feed (where it has one) connected, its fonts
+  in and its layout done: the moment to measure or audit it.
 - ``axe_violations(page)``: axe-core's serious and critical findings on the page.
 - ``site``: an in-process coordinator with one run, three volunteers (one with a hostile
   name) and five reports each, shared by a module's tests.
@@ -110,6 +112,21 @@ def open_page(browser: Any, request: pytest.FixtureRequest) -> Iterator[Callable
         problems += log.unexpected()
         context.close()
     assert not problems, problems
+
+
+def settled(page: Any) -> None:
+    """Wait until ``page`` is what a person would look at: loaded (its scripts have run), its
+    live feed saying "Live" where it has one, its web fonts in, and two frames drawn after that.
+
+    Not playwright's "networkidle": a live page keeps talking to the coordinator, so a quiet
+    network is a matter of luck, not a state of the page."""
+    page.wait_for_load_state("load")
+    if page.locator("#live-status").count():
+        page.locator("#live-status[data-state=live]").wait_for()
+    page.evaluate(
+        """() => document.fonts.ready.then(() => new Promise(
+               done => requestAnimationFrame(() => requestAnimationFrame(done))))"""
+    )
 
 
 def axe_violations(page: Any) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import ADMIN_TOKEN
-from tests.web.conftest import XSS, Site, axe_violations
+from tests.web.conftest import XSS, Site, axe_violations, settled
 
 
 def pages(site: Site) -> dict[str, str]:
@@ -38,7 +38,7 @@ def test_pages_carry_the_security_headers(site: Site) -> None:
 def test_a_hostile_name_is_text_everywhere_and_no_script_runs(site: Site, open_page: Any) -> None:
     for name, url in pages(site).items():
         page = open_page(url)
-        page.wait_for_load_state("networkidle")
+        settled(page)
         if name == "invite":
             page.get_by_label("Display name").fill(f"{XSS} too")  # XSS itself is taken
             page.get_by_role("button", name="Get my credential").click()
@@ -59,13 +59,13 @@ def test_dashboard_charts_are_drawn(site: Site, open_page: Any) -> None:
                       let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; }"""
         )
         assert painted > 500, (chart, painted)
-    assert page.locator("#live-status").get_attribute("data-state") == "live"
+    page.locator("#live-status[data-state=live]").wait_for()  # the feed connects too
 
 
 @pytest.mark.parametrize("page_name", ["runs", "dashboard", "invite", "volunteer"])
 def test_axe_finds_nothing_serious(site: Site, open_page: Any, page_name: str) -> None:
     page = open_page(pages(site)[page_name])
-    page.wait_for_load_state("networkidle")
+    settled(page)
     assert axe_violations(page) == []
 
 
@@ -75,7 +75,7 @@ def test_signed_in_dashboard_is_accessible_too(site: Site, open_page: Any) -> No
     page.get_by_role("button", name="Sign in").click()
     page.wait_for_url(f"**/runs/{site.run_id}")
     page.get_by_role("button", name="Pause").wait_for()
-    page.wait_for_load_state("networkidle")
+    settled(page)
     assert axe_violations(page) == []
 
 
@@ -84,7 +84,7 @@ def test_dashboard_is_readable_on_a_phone_and_a_laptop(
     site: Site, open_page: Any, width: int, height: int
 ) -> None:
     page = open_page(pages(site)["dashboard"], width=width, height=height)
-    page.wait_for_load_state("networkidle")
+    settled(page)
     assert page.evaluate("document.documentElement.scrollWidth") <= width
     for metric in ("epoch", "samples", "samples_per_second", "peers_online"):
         assert page.locator(f"[data-metric={metric}]").is_visible(), metric

@@ -17,7 +17,14 @@ import pytest
 from peer.testing import wait_until
 from server.web import formatting
 from tests.server.conftest import ADMIN_TOKEN, ORGANIZER, bearer
-from tests.web.conftest import ARTIFACTS, Site, axe_violations, expect_network_errors, join
+from tests.web.conftest import (
+    ARTIFACTS,
+    Site,
+    axe_violations,
+    expect_network_errors,
+    join,
+    settled,
+)
 
 SIZES = [pytest.param(1280, 900, id="laptop"), pytest.param(390, 844, id="phone")]
 
@@ -30,7 +37,7 @@ def sign_in(page: Any, url: str, next_path: str = "/") -> None:
 
 
 def fits(page: Any, width: int) -> None:
-    page.wait_for_load_state("networkidle")
+    settled(page)
     scroll = page.evaluate("document.documentElement.scrollWidth")
     assert scroll <= width, (page.url, scroll, width)
 
@@ -105,7 +112,7 @@ def test_every_page_fits_the_screen_signed_out_and_in(
 @pytest.mark.parametrize(("width", "height"), SIZES)
 def test_tables_reflow_on_a_phone(site: Site, open_page: Any, width: int, height: int) -> None:
     page = open_page(f"{site.url}/runs/{site.run_id}", width=width, height=height)
-    page.wait_for_load_state("networkidle")
+    settled(page)
     # Measured in one go inside the page: a live update may rebuild the table between two
     # separate look-ups, leaving a locator on a row that is gone.
     measured = page.evaluate(
@@ -244,7 +251,7 @@ def test_charts_read_right(site: Site, open_page: Any, width: int, height: int) 
     page = open_page(f"{site.url}/runs/{site.run_id}", width=width, height=height)
     for chart in ("loss", "throughput", "peers", "groups", "group-dist", "rounds"):
         page.locator(f"#chart-{chart} canvas").wait_for()
-    page.wait_for_load_state("networkidle")
+    settled(page)
 
     for chart in ("peers", "rounds"):  # counts: whole numbers from 0
         y = axis(page, chart, 1)
