@@ -142,7 +142,9 @@ class MatchmakingDriver:
                     await asyncio.gather(*waiters, return_exceptions=True)
             return await result
         except asyncio.CancelledError:
-            # shutdown: release followers and leader before leaving
+            # shutdown: release followers and leader before leaving; nobody will read the
+            # result now, so it is cancelled rather than given the machine's failure
+            result.cancel()
             with contextlib.suppress(Exception):
                 await self._execute(self.machine.cancel(self.core.now(), "shutting down"))
             raise

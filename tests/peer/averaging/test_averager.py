@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import threading
 from typing import Any
@@ -196,6 +197,19 @@ def test_cancel_before_allreduce(make_swarm) -> None:
     results = step_all([a, b])
     assert all(isinstance(r, dict) for r in results), results
     assert torch.allclose(tensors[1][0], torch.full((3,), 0.5))
+
+
+def test_shutdown_while_looking_for_a_group_leaves_no_error_unread(make_swarm, caplog) -> None:
+    """Shutting down mid-matchmaking cancels the attempt: asyncio reports no result that was
+    set and never read (the attempt's failure has nobody left to read it)."""
+    swarm = make_swarm(2)
+    a, _ = swarm.add_averagers([[torch.zeros(3)], [torch.ones(3)]], min_matchmaking_time=30.0)
+    control = a.step(wait=False, timeout=scaled(60))
+    assert wait_for(lambda: control.stage is AveragingStage.LOOKING_FOR_GROUP, 5)
+    a.shutdown()
+    assert control.stage is AveragingStage.CANCELLED
+    gc.collect()  # an unread result is reported when it is collected
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
 def test_constructor_rejects_bad_settings(make_swarm) -> None:
