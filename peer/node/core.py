@@ -1,6 +1,7 @@
 """The asynchronous node: listener, authenticated links, the store and membership.
 
-It owns its gossip (:class:`peer.node.exchange.Gossip`) and its certificates and bans
+It owns its links (:class:`peer.node.pool.LinkPool`), its gossip
+(:class:`peer.node.exchange.Gossip`) and its certificates and bans
 (:class:`peer.node.trust.Trust`), each handed what it needs of the node. Runs entirely on
 one asyncio event loop. :class:`peer.Node` wraps it with a synchronous
 API and a background thread; the many-peer simulator runs hundreds of these on one loop
@@ -19,18 +20,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from peer.exceptions import (
-    AuthenticationError,
     ConnectionClosed,
     NodeShutdown,
-    ProtocolError,
-    SwarmgradError,
-    TransportError,
 )
 from peer.identity import (
     Authenticator,
     Identity,
     OpenAuth,
-    peer_id_from_public_key,
 )
 from peer.node.config import NodeConfig
 from peer.node.cost import membership_ttl
@@ -47,12 +43,13 @@ from peer.node.gossip import (
     next_sequence,
     sendable,
 )
-from peer.node.links import Handler, PeerLink, RemotePeer, handshake, register_link_messages
+from peer.node.links import Handler, PeerLink, register_link_messages
 from peer.node.membership import MAX_ADDRESS_CHARS, MAX_ADDRESSES, Member, decode_member
+from peer.node.pool import IDLE_CLOSE, LINK_RETIRE, LinkPool
 from peer.node.reconnect import Reconnector
-from peer.node.trust import LINK_REVOCATIONS, Trust, send_quietly
+from peer.node.trust import Trust
 from peer.revocation import RevocationBook
-from peer.transport.base import Connection, Listener, Transport, source_of
+from peer.transport.base import Listener, Transport
 from peer.transport.bulk import BULK_TICKET, BulkLanes, BulkSender
 from peer.wire import (
     Frame,
@@ -61,12 +58,6 @@ from peer.wire import (
 )
 
 logger = logging.getLogger("peer.node")
-
-#: the reason a node gives when it closes a link it has not used for a while
-IDLE_CLOSE = "idle"
-#: one-way, over a link: "I send nothing more on this link; close it once your requests on
-#: it are answered" (what a node says of the idle links it closes beyond ``max_links``)
-LINK_RETIRE = "link.retire"
 
 
 def is_loopback(host: str) -> bool:
@@ -121,12 +112,6 @@ class AsyncNode:
         self._seq = 0  # sequence number of this node's latest record (next_sequence)
         self.random = random.Random(seed)
         self.handlers: dict[str, Handler] = {}
-        self.register_handler(LINK_RETIRE, Schema(), self._on_retire)
-        self._links: dict[str, PeerLink] = {}
-        self._all_links: set[PeerLink] = set()
-        self._dialing: dict[str, asyncio.Future[PeerLink]] = {}
-        self._failed_at: dict[str, float] = {}
-        self._lost_warned: set[str] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._member_cache: dict[bytes, Member] = {}
         self._watchers: dict[str, list[Callable[[], None]]] = {}  # key → callbacks (watch)
@@ -136,10 +121,6 @@ class AsyncNode:
             rng=random.Random(seed),
         )
         self._listener: Listener | None = None
-        self._handshaking = 0  # inbound connections in their handshake
-        self._handshaking_from: dict[str, int] = {}  # ... by source (source_of)
-        self._sources_warned: set[str] = set()  # sources told off for their handshakes
-        self._handshakes_full = False  # warned that they reached max_pending_handshakes
         self._addresses: list[str] = []
         self.bulk: BulkLanes | None = None
         self.bytes_sent = 0  # frame headers and payloads this node sent, links and lanes
@@ -154,10 +135,25 @@ class AsyncNode:
             store=self.store_,
             now=self.now,
             spawn=self._spawn,
-            links=lambda: self._all_links,
+            links=lambda: self.pool.all,
             running=lambda: self._started and not self._stopping,
             register=self.register_handler,
         )
+        self.pool = LinkPool(
+            config=self.config,
+            identity=self.identity,
+            transport=self.transport,
+            registry=self.registry,
+            handlers=self.handlers,
+            trust=self.trust,
+            reconnect=self._reconnect,
+            addresses=lambda: self._addresses,
+            members=self.members,
+            stopping=lambda: self._stopping,
+            spawn=self._spawn,
+            on_sent=self.count_sent,
+        )
+        self.register_handler(LINK_RETIRE, Schema(), self.pool.on_retire)
         self.gossip = Gossip(
             config=self.config,
             peer_id=self.peer_id,
@@ -168,13 +164,13 @@ class AsyncNode:
             rng=self.random,
             reconnect=self._reconnect,
             watchers=self._watchers,
-            links=self._links,
-            failed_at=self._failed_at,
+            links=self.pool.by_peer,
+            failed_at=self.pool.failed_at,
             now=self.now,
             members=self.members,
             link=self.link,
-            connect=self._connect,
-            peer_failed=self._peer_failed,
+            connect=self.pool.connect,
+            peer_failed=self.pool.peer_failed,
             spawn=self._spawn,
             initial_peers=initial_peers,
         )
@@ -296,7 +292,7 @@ class AsyncNode:
     async def _listen(self) -> None:
         cfg = self.config
         if not cfg.client_mode:
-            self._listener = await self.transport.listen(cfg.host, cfg.port, self._on_inbound)
+            self._listener = await self.transport.listen(cfg.host, cfg.port, self.pool.on_inbound)
             self._addresses = list(cfg.announce_addresses or self._listener.addresses)
         if cfg.bulk_lanes and self.transport.supports_bulk_lanes:
             self.bulk = BulkLanes(
@@ -328,14 +324,7 @@ class AsyncNode:
             await self._listener.close()
         if self.bulk is not None:
             await self.bulk.close()
-        for future in self._dialing.values():
-            future.cancel()
-        links = list(self._all_links)
-        await asyncio.gather(
-            *(link.close("node shutting down") for link in links), return_exceptions=True
-        )
-        self._links.clear()
-        self._all_links.clear()
+        await self.pool.close()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=f"{self.peer_id[:8]}-{name}")
@@ -506,7 +495,7 @@ class AsyncNode:
     @property
     def num_links(self) -> int:
         """Peers this node has an open link to right now."""
-        return sum(not link.closed for link in self._links.values())
+        return self.pool.num_open
 
     async def _announce_leaving(self) -> None:
         """Replace our membership record with a newer one marked ``leaving`` and push it over
@@ -528,7 +517,7 @@ class AsyncNode:
         frame = Frame(
             GOSSIP_PUSH, self.gossip.records_fields(sendable([record], self.certificates, now), now)
         )
-        links = [link for link in self._links.values() if not link.closed]
+        links = self.pool.open_links()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(min(1.0, self.config.request_timeout)):
                 await asyncio.gather(*(link.send(frame) for link in links), return_exceptions=True)
@@ -605,231 +594,10 @@ class AsyncNode:
     async def link(self, peer_id: str, addresses: Sequence[str] | None = None) -> PeerLink:
         """An authenticated link to ``peer_id``, reusing an open one or dialing its known
         addresses. Raises TransportError when it cannot be reached."""
-        self._check_running()
-        link = self._links.get(peer_id)
-        if link is not None and not link.closed:
-            return link
-        pending = self._dialing.get(peer_id)
-        if pending is None:
-            if addresses is None:
-                member = self.members().get(peer_id)
-                addresses = member.addresses if member else ()
-            if not addresses:
-                raise TransportError(
-                    f"peer {peer_id} is not reachable: no open link and no address"
-                )
-            pending = asyncio.get_running_loop().create_future()
-            self._dialing[peer_id] = pending
-            self._spawn(self._dial(peer_id, list(addresses), pending), "dial")
-        return await asyncio.shield(pending)
-
-    async def _dial(
-        self, peer_id: str | None, addresses: list[str], result: asyncio.Future[PeerLink]
-    ) -> None:
-        errors = []
-        try:
-            for address in addresses:
-                try:
-                    link = await self._connect(address, peer_id)
-                except (TransportError, ProtocolError, AuthenticationError) as exc:
-                    errors.append(f"{address}: {exc}")
-                    continue
-                if not result.done():
-                    result.set_result(link)
-                return
-            if not result.done():
-                result.set_exception(
-                    TransportError(f"cannot reach {peer_id or addresses}: {'; '.join(errors)}")
-                )
-                result.exception()  # mark retrieved: callers may have given up
-        except asyncio.CancelledError:
-            if not result.done():
-                result.set_exception(NodeShutdown("node is shutting down"))
-                result.exception()
-            raise
-        finally:
-            if peer_id is not None and self._dialing.get(peer_id) is result:
-                del self._dialing[peer_id]
-
-    async def _handshake(
-        self, conn: Connection, expected_peer_id: str | None
-    ) -> tuple[RemotePeer, Connection]:
-        cfg = self.config
-        remote, conn = await handshake(
-            conn,
-            identity=self.identity,
-            auth=self.auth,
-            addresses=self._addresses,
-            client_mode=cfg.client_mode,
-            registry=self.registry,
-            limits=cfg.limits,
-            timeout=cfg.request_timeout,
-            expected_peer_id=expected_peer_id,
-            encrypt=cfg.encryption,
-            refuse_key=self._refusal,
-        )
-        return remote, conn
-
-    def _refusal(self, public_key: bytes) -> str | None:
-        """Why a handshake refuses ``public_key`` at its hello (before its frame limit
-        could rise): a peer the run's authority banned."""
-        if self.trust.banned(public_key):
-            return f"peer {peer_id_from_public_key(public_key)} is banned by the run's authority"
-        return None
-
-    async def _connect(self, address: str, expected_peer_id: str | None) -> PeerLink:
-        conn = await self.transport.connect(address, timeout=self.config.request_timeout)
-        try:
-            remote, conn = await self._handshake(conn, expected_peer_id)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await conn.close("handshake failed")
-            raise
-        return self._adopt(conn, remote, inbound=False)
-
-    async def _on_inbound(self, conn: Connection) -> None:
-        if self._stopping:
-            return
-        if self._handshaking >= self.config.max_pending_handshakes:
-            if not self._handshakes_full:
-                self._handshakes_full = True
-                logger.warning(
-                    "%d connections are in their handshake: refusing more (from %s first)",
-                    self._handshaking,
-                    conn.remote_address,
-                )
-            with contextlib.suppress(Exception):
-                await conn.close("busy: too many connections in their handshake")
-            return
-        source = source_of(conn.remote_address)
-        pending = self._handshaking_from.get(source, 0)
-        if pending >= self.config.max_pending_handshakes_per_source:
-            if source not in self._sources_warned:
-                if len(self._sources_warned) >= 1024:
-                    self._sources_warned.clear()  # bounded, whatever the sources
-                self._sources_warned.add(source)
-                logger.warning(
-                    "%s has %d connections in their handshake: refusing more from it",
-                    source,
-                    pending,
-                )
-            with contextlib.suppress(Exception):
-                await conn.close("busy: too many connections from your address in their handshake")
-            return
-        self._handshaking += 1
-        self._handshaking_from[source] = pending + 1
-        try:
-            remote, conn = await self._handshake(conn, None)
-        except (AuthenticationError, ProtocolError) as exc:
-            logger.warning("refused connection from %s: %s", conn.remote_address, exc)
-            with contextlib.suppress(Exception):
-                await conn.close(str(exc), protocol_error=True)
-            return
-        except (ConnectionClosed, TransportError) as exc:
-            logger.info("connection from %s ended in its handshake: %s", conn.remote_address, exc)
-            return
-        finally:
-            self._handshaking -= 1
-            left = self._handshaking_from[source] - 1
-            if left:
-                self._handshaking_from[source] = left
-            else:
-                del self._handshaking_from[source]
-            if self._handshaking < self.config.max_pending_handshakes // 2:
-                self._handshakes_full = False
-        link = self._adopt(conn, remote, inbound=True)
-        # The transport closes the connection when this handler returns: serve until closed.
-        with contextlib.suppress(asyncio.CancelledError):
-            await link._reader
+        return await self.pool.link(peer_id, addresses)
 
     def count_sent(self, nbytes: int) -> None:
         self.bytes_sent += nbytes
-
-    def _adopt(self, conn: Connection, remote: RemotePeer, *, inbound: bool) -> PeerLink:
-        link = PeerLink(
-            conn,
-            remote,
-            registry=self.registry,
-            limits=self.config.limits,
-            handlers=self.handlers,
-            on_close=self._on_link_closed,
-            inbound=inbound,
-            on_sent=self.count_sent,
-        )
-        self._all_links.add(link)
-        self._links[remote.peer_id] = link
-        self.trust.learn_certificate(remote)
-        if self.revocations is not None and self.revocations.current is not None:
-            # a peer that was away may not know the run's latest bans yet
-            frame = Frame(LINK_REVOCATIONS, {"list": self.revocations.current.to_bytes()})
-            self._spawn(send_quietly(link, frame), "revocations")
-        self._failed_at.pop(remote.peer_id, None)
-        self._reconnect.returned(remote.peer_id)
-        if remote.peer_id in self._lost_warned:
-            self._lost_warned.discard(remote.peer_id)
-            logger.info("reconnected to peer %s", remote.peer_id)
-        self._evict_idle_links()
-        return link
-
-    def _on_link_closed(self, link: PeerLink, reason: str, unexpected: bool) -> None:
-        self._all_links.discard(link)
-        if self._links.get(link.peer_id) is link:
-            del self._links[link.peer_id]
-        if unexpected and not self._stopping:
-            self._peer_failed(link.peer_id, reason)
-
-    def _peer_failed(self, peer_id: str, reason: str) -> None:
-        self._failed_at[peer_id] = asyncio.get_running_loop().time()
-        if peer_id not in self._lost_warned:
-            self._lost_warned.add(peer_id)
-            logger.warning("lost contact with peer %s: %s", peer_id, reason)
-        else:
-            logger.debug("peer %s still unreachable: %s", peer_id, reason)
-
-    def _evict_idle_links(self) -> None:
-        excess = len(self._all_links) - self.config.max_links
-        if excess <= 0:
-            return
-        # Only links silent for a while: one carrying a stream of one-way messages (tensor
-        # parts) has no pending request, yet closing it would break the stream.
-        cutoff = asyncio.get_running_loop().time() - self.config.link_idle_grace
-        idle = sorted(
-            (lk for lk in self._all_links if not lk.busy and lk.last_used < cutoff),
-            key=lambda lk: lk.last_used,
-        )
-        for link in idle[:excess]:
-            self._all_links.discard(link)
-            if self._links.get(link.peer_id) is link:
-                del self._links[link.peer_id]
-            self._spawn(self._retire(link), "retire")
-
-    async def _retire(self, link: PeerLink) -> None:
-        """Close a link this node no longer needs without losing what is crossing it: the
-        other side is told, stops sending on it and closes it once its requests on it are
-        answered; until then this side still reads and serves it (a one-way message sent
-        just before the notice arrived there is still handled). Closed after
-        ``request_timeout`` if the other side does not."""
-        try:
-            with contextlib.suppress(SwarmgradError):
-                await link.send(Frame(LINK_RETIRE))
-            await link.wait_closed(self.config.request_timeout)
-        finally:
-            await link.close(IDLE_CLOSE)
-
-    async def _on_retire(self, link: PeerLink, frame: Frame) -> None:
-        if self._links.get(link.peer_id) is link:
-            del self._links[link.peer_id]  # what this node sends next goes over a new link
-        self._all_links.discard(link)
-        self._spawn(self._close_retired(link), "retired")
-
-    async def _close_retired(self, link: PeerLink) -> None:
-        try:
-            async with asyncio.timeout(self.config.request_timeout):
-                await link.drained()
-        except TimeoutError:
-            pass
-        finally:
-            await link.close(IDLE_CLOSE)
 
     def _refresh_interval(self) -> float:
         """Seconds until this node republishes its membership record: a third of its time
@@ -851,8 +619,7 @@ class AsyncNode:
             for record in self.store_.expire(now):
                 if record.key == MEMBERS_KEY and record.owner_id != self.peer_id:
                     peer_id = record.owner_id
-                    self._failed_at.pop(peer_id, None)
-                    self._lost_warned.discard(peer_id)
+                    self.pool.forget(peer_id)
                     logger.info("peer %s left the swarm (membership expired)", peer_id)
                     with contextlib.suppress(RecordError):
                         self._reconnect.departed(peer_id, decode_member(record)[0], now)

@@ -338,7 +338,7 @@ def test_a_relayed_record_is_vouched_for_by_the_certificate_that_travels_with_it
         got = await wait_until_async(
             lambda: carol.store_.get("from.alice", carol.now()) is not None, 30.0, 0.1
         )
-        linked = alice.peer_id in carol._links or carol.peer_id in alice._links
+        linked = alice.peer_id in carol.pool.by_peer or carol.peer_id in alice.pool.by_peer
         vouched = alice.identity.public_key in (carol.certificates or ())
         for node in (alice, bob, carol):
             await node.shutdown()

@@ -112,7 +112,7 @@ def test_a_ban_reaches_every_peer_within_a_gossip_period_and_shuts_the_peer_out(
             return all(
                 n.revocations is not None
                 and n.revocations.serial == 1
-                and mallory.peer_id not in n._links
+                and mallory.peer_id not in n.pool.by_peer
                 and mallory.peer_id not in n.members()
                 and n.store_.get("m.progress", n.now()) is None
                 for n in honest
@@ -129,7 +129,7 @@ def test_a_ban_reaches_every_peer_within_a_gossip_period_and_shuts_the_peer_out(
                 continue
             if await wait_until_async(lambda link=link: link.closed, 5.0, 0.1):
                 refused.append(target.peer_id)
-        linked = [n.peer_id for n in honest if mallory.peer_id in n._links]
+        linked = [n.peer_id for n in honest if mallory.peer_id in n.pool.by_peer]
         await mallory.store("m.later", 2, mallory.now() + 600)
         await asyncio.sleep(3.0)  # gossip rounds that would carry it
         leaked = [n.peer_id for n in honest if n.store_.get("m.later", n.now()) is not None]

@@ -83,7 +83,7 @@ async def swarm() -> AsyncIterator[tuple[AsyncNode, AsyncNode, Relay, MemoryNetw
 
 async def _linked(node: AsyncNode, peer_id: str, linked: bool = True) -> None:
     async with asyncio.timeout(scaled(5)):
-        while any(link.peer_id == peer_id for link in node._all_links) != linked:  # noqa: ASYNC110
+        while any(link.peer_id == peer_id for link in node.pool.all) != linked:  # noqa: ASYNC110
             await asyncio.sleep(0.005)
 
 
@@ -95,7 +95,7 @@ async def test_frames_injected_after_a_relayed_handshake_are_refused_and_the_rel
     # gossip exchange after it too, but what Alice sends cannot be read there.
     await alice.store("diary", "meet at the old mill", alice.now() + 60)
     await alice.bootstrap()
-    assert alice._links[bob.peer_id].conn.remote_address == relay.address
+    assert alice.pool.by_peer[bob.peer_id].conn.remote_address == relay.address
     assert relay.to_target is not None
     async with asyncio.timeout(scaled(5)):
         while (await bob.get("diary")) is None:  # noqa: ASYNC110 - pushed over the relay
@@ -219,7 +219,7 @@ async def test_a_trusted_network_swarm_links_in_clear() -> None:
     try:
         await alice.store("plain", "visible", alice.now() + 60)
         await alice.bootstrap()
-        assert alice._links[bob.peer_id].keys is None
+        assert alice.pool.by_peer[bob.peer_id].keys is None
         async with asyncio.timeout(scaled(5)):
             while (await bob.get("plain")) is None:  # noqa: ASYNC110 - pushed after the exchange
                 await asyncio.sleep(0.005)

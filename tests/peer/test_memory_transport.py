@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from peer.exceptions import ConnectionClosed, TransportError
-from peer.node.core import IDLE_CLOSE, AsyncNode, NodeConfig
+from peer.node.core import AsyncNode, NodeConfig
+from peer.node.pool import IDLE_CLOSE
 from peer.testing import wait_until_async
 from peer.transport.memory import MemoryNetwork
 from peer.wire import STR, Frame, Schema
@@ -272,7 +273,7 @@ def test_only_links_silent_for_a_while_are_evicted(vloop: VirtualTimeLoop) -> No
             )
             await spoke.start()
             spokes.append(spoke)
-        busy_now = len(hub._all_links)  # all four just exchanged: none may be closed yet
+        busy_now = len(hub.pool.all)  # all four just exchanged: none may be closed yet
         await asyncio.sleep(6.0)
         # Use one link afresh (a gossip exchange over it); then a new link triggers eviction.
         await hub.gossip.exchange(await hub.link(spokes[0].peer_id))
@@ -285,7 +286,7 @@ def test_only_links_silent_for_a_while_are_evicted(vloop: VirtualTimeLoop) -> No
         )
         await extra.start()
         await asyncio.sleep(0.1)
-        remaining = {lk.peer_id for lk in hub._all_links}
+        remaining = {lk.peer_id for lk in hub.pool.all}
         for node in (*spokes, extra, hub):
             await node.shutdown()
         return busy_now, remaining, spokes[0].peer_id, extra.peer_id
@@ -342,17 +343,17 @@ def test_a_link_closed_as_idle_still_delivers_what_was_crossing_it(vloop: Virtua
         net = MemoryNetwork(latency=0.05)
         config = NodeConfig(max_links=2, link_idle_grace=0.0, gossip_period=5.0)
         server, sender, _ = nodes = await _chain(net, 3, config)
-        await wait_until_async(lambda: len(server._all_links) == 2, timeout=5.0)
+        await wait_until_async(lambda: len(server.pool.all) == 2, timeout=5.0)
         heard: list[str] = []
 
         async def note(link, frame: Frame) -> None:
             heard.append(frame.fields["x"])
 
         server.register_handler("test.note", Schema(required={"x": STR}), note)
-        old = sender._links[server.peer_id]
+        old = sender.pool.by_peer[server.peer_id]
         await sender.send(server.peer_id, Frame("test.note", {"x": "one"}))  # in flight
         server.config = replace(config, max_links=1)
-        server._evict_idle_links()  # the sender's link, the least recently used
+        server.pool.evict_idle()  # the sender's link, the least recently used
         await wait_until_async(lambda: old.closed, timeout=5.0)
         await sender.send(server.peer_id, Frame("test.note", {"x": "two"}))  # a new link
         await wait_until_async(lambda: len(heard) == 2, timeout=5.0)

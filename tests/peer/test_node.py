@@ -500,7 +500,7 @@ def test_a_link_closes_when_the_peers_certificate_expires_unless_renewed_over_it
         Node(a.visible_addresses, identity=ident_b, auth=auth_for(ident_b, 3), **FAST) as b,
         Node(a.visible_addresses, identity=ident_c, auth=auth_for(ident_c, 3), **FAST) as c,
     ):
-        linked = lambda n: n.peer_id in a.core._links  # noqa: E731
+        linked = lambda n: n.peer_id in a.core.pool.by_peer  # noqa: E731
         assert wait_until(lambda: linked(b) and linked(c), scaled(10))
         c.set_auth(auth_for(ident_c, 600))
         expired = f"closing the link to {b.peer_id}: its certificate expired"

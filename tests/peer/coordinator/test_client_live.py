@@ -254,7 +254,7 @@ def test_a_ban_shuts_the_peer_out_of_the_swarm(
         assert wait_until(lambda: all(len(n.members()) == 3 for n in nodes.values()), scaled(30))
         mallory = nodes["mallory"].peer_id
         honest = [nodes["ada"], nodes["bob"]]
-        assert wait_until(lambda: all(mallory in n.core._links for n in honest), scaled(30))
+        assert wait_until(lambda: all(mallory in n.core.pool.by_peer for n in honest), scaled(30))
 
         organizer = {"Authorization": f"Bearer {ADMIN}"}
         rows = httpx.get(f"{coordinator_url}/api/v1/runs/{run.id}/dashboard").json()
@@ -266,7 +266,9 @@ def test_a_ban_shuts_the_peer_out_of_the_swarm(
         assert banned.status_code == 200, banned.text
 
         def shut_out() -> bool:
-            return all(mallory not in n.core._links and mallory not in n.members() for n in honest)
+            return all(
+                mallory not in n.core.pool.by_peer and mallory not in n.members() for n in honest
+            )
 
         assert wait_until(shut_out, scaled(20))
         assert not any(n.core.revocations is None for n in honest)
@@ -280,7 +282,7 @@ def test_a_ban_shuts_the_peer_out_of_the_swarm(
         else:
             refused = wait_until(lambda: link.closed, scaled(10))
         assert refused
-        assert mallory not in nodes["ada"].core._links
+        assert mallory not in nodes["ada"].core.pool.by_peer
     finally:
         for membership in members.values():
             membership.session.close()
