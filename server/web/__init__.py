@@ -9,12 +9,14 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.web.pages import WEB_DIR, PageError, not_found_handler, page_error_handler, router
+from server.web import organizer, pages
+from server.web.rendering import WEB_DIR, PageError, not_found_handler, page_error_handler
 from server.web.security import PageHeaders, install_log_redaction
 
 
 def install(app: FastAPI) -> None:
-    app.include_router(router)
+    app.include_router(pages.router)
+    app.include_router(organizer.router)
     app.mount("/static", StaticFiles(directory=WEB_DIR / "static"), name="static")
     app.add_exception_handler(PageError, page_error_handler)
     app.add_exception_handler(StarletteHTTPException, not_found_handler)
