@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import quote
 
-from fastapi import APIRouter, Form, Request
+from fastapi import APIRouter, Depends, Form, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
 from server.api.deps import SessionDep, SettingsDep
@@ -33,6 +33,15 @@ from server.web.rendering import (
 )
 
 router = APIRouter(include_in_schema=False)
+
+
+def organizer_form(request: Request, organizer: Organizer, csrf: CsrfField = None) -> str:
+    """A form sent from this site (its CSRF token checked first) by a signed-in organizer."""
+    check_csrf(request, csrf)
+    return require_organizer(organizer)
+
+
+OrganizerForm = Annotated[str, Depends(organizer_form)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,16 +74,12 @@ def finish_page(
 
 @router.post("/runs/{run_id}/actions/{action}")
 def run_action(
-    request: Request,
     run_id: str,
     action: str,
     session: SessionDep,
-    organizer: Organizer,
-    csrf: CsrfField = None,
+    organizer: OrganizerForm,
     confirm: Annotated[str, Form()] = "",
 ) -> Response:
-    check_csrf(request, csrf)
-    require_organizer(organizer)
     if action not in ACTIONS:
         raise PageError(404, "There is no such action.")
     run = find_run(session, run_id)
@@ -92,18 +97,14 @@ def run_action(
 
 @router.post("/runs/{run_id}/invites")
 def create_invite(
-    request: Request,
     run_id: str,
     session: SessionDep,
     settings: SettingsDep,
-    organizer: Organizer,
-    csrf: CsrfField = None,
+    organizer: OrganizerForm,
     uses: Annotated[str, Form()] = "",
     expires_hours: Annotated[str, Form()] = "",
     label: Annotated[str, Form()] = "",
 ) -> Response:
-    check_csrf(request, csrf)
-    require_organizer(organizer)
     run = find_run(session, run_id)
     try:
         body = TokenCreate(
@@ -132,15 +133,11 @@ def create_invite(
 
 @router.post("/runs/{run_id}/invites/{token_id}/revoke")
 def revoke_invite(
-    request: Request,
     run_id: str,
     token_id: str,
     session: SessionDep,
-    organizer: Organizer,
-    csrf: CsrfField = None,
+    organizer: OrganizerForm,
 ) -> Response:
-    check_csrf(request, csrf)
-    require_organizer(organizer)
     run = find_run(session, run_id)
     token = token_service.get_join_token(session, run, token_id[:32])
     if token is None:
@@ -152,15 +149,11 @@ def revoke_invite(
 
 @router.post("/runs/{run_id}/volunteers/{volunteer_id}/ban")
 def ban_volunteer(
-    request: Request,
     run_id: str,
     volunteer_id: int,
     session: SessionDep,
-    organizer: Organizer,
-    csrf: CsrfField = None,
+    organizer: OrganizerForm,
 ) -> Response:
-    check_csrf(request, csrf)
-    require_organizer(organizer)
     run = find_run(session, run_id)
     if not 1 <= volunteer_id <= dashboard_service.MAX_ID:
         raise PageError(404, "This run has no such volunteer.")
@@ -203,12 +196,9 @@ def checkpoint_action(
     epoch: int,
     action: str,
     session: SessionDep,
-    organizer: Organizer,
-    csrf: CsrfField = None,
+    organizer: OrganizerForm,
 ) -> Response:
     """Pin, unpin or delete one of the run's checkpoints."""
-    check_csrf(request, csrf)
-    require_organizer(organizer)
     run = find_run(session, run_id)
     try:
         if action == "pin":
