@@ -27,7 +27,7 @@ from fastapi import FastAPI
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
-from peer.testing import wait_until
+from peer.testing import wait_until, wait_until_async
 from server.app import create_app
 from server.models import Peer, ProgressReport
 from tests.conftest import scaled
@@ -74,7 +74,9 @@ def fill(directory: Path) -> None:
             assert error.errno == errno.ENOSPC, error
 
 
-def remount_read_only(app: FastAPI, directory: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def remount_read_only(
+    app: FastAPI, directory: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Remount ``directory``'s filesystem read-only: possible only once no file on it is
     open for writing, so the pool's connections are closed first (and again if the flusher
     opened one meanwhile). The log records captured so far go first: their arguments are
@@ -87,7 +89,9 @@ def remount_read_only(app: FastAPI, directory: Path, caplog: pytest.LogCaptureFi
         app.state.engine.dispose()
         return _mount("-o", "remount,ro", str(directory)).returncode == 0
 
-    assert wait_until(attempt, scaled(10)), "the filesystem stayed busy"
+    # polled while the loop runs, so that a flush in flight completes between attempts (a
+    # blocked loop keeps its result, and what that holds, alive)
+    assert await wait_until_async(attempt, scaled(10)), "the filesystem stayed busy"
 
 
 def restore(directory: Path) -> None:
@@ -187,7 +191,7 @@ async def test_sqlite_on_a_full_then_read_only_filesystem(
             await swarm.reads_answered()
             assert "database or disk is full" in caplog.text
 
-            remount_read_only(app, disk, caplog)
+            await remount_read_only(app, disk, caplog)
             await swarm.report(5)
             await swarm.writes_refused()
             await swarm.reads_answered()
