@@ -9,7 +9,7 @@ import httpx
 from fastapi import FastAPI
 from sqlalchemy import select
 
-from peer.testing import wait_until
+from peer.testing import wait_until_async
 from server.clock import now_ms
 from server.models import Peer
 from tests.conftest import scaled
@@ -73,7 +73,7 @@ async def test_a_peer_that_leaves_is_offline_at_once_and_back_with_its_next_repo
     # A report after the leave (on the coordinator's clock) brings it back.
     left = left_ms(app, bob)
     assert left is not None
-    assert wait_until(lambda: now_ms() > left, scaled(5))
+    assert await wait_until_async(lambda: now_ms() > left, scaled(5))
     assert (await api.report(run["id"], bob, epoch=2, samples=20)).status_code == 202
     await app.state.report_buffer.flush()
     back = await online_everywhere(client, run["id"])
