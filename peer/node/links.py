@@ -411,6 +411,10 @@ class PeerLink:
                 return await future
         finally:
             self._pending.pop(request_id, None)
+            if future.done() and not future.cancelled():
+                # a link lost during the send fails the reply too; the send's error is the
+                # one raised, so the reply's is read here
+                future.exception()
 
     async def _read_loop(self) -> None:
         reason, error = "closed by remote", False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from dataclasses import replace
 
 import pytest
@@ -362,3 +363,41 @@ def test_a_link_closed_as_idle_still_delivers_what_was_crossing_it(vloop: Virtua
         return heard
 
     assert vloop.run_until_complete(main()) == ["one", "two"]
+
+
+def test_a_request_whose_link_is_lost_while_it_is_sent_leaves_no_error_unread(
+    vloop: VirtualTimeLoop,
+) -> None:
+    # the link's loss fails the request's reply future and, a moment later, its send: the
+    # caller gets the send's error, and asyncio reports no failed future left unread
+    async def main() -> list[str]:
+        net = MemoryNetwork()
+        a, b = await _chain(net, 2, NodeConfig(gossip_period=5.0))
+
+        async def answer(link, frame: Frame) -> Frame:
+            return Frame("test.ask", {"x": "ok"})
+
+        a.register_handler("test.ask", Schema(required={"x": STR}), answer)
+        unread: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(
+            lambda _loop, context: unread.append(context["message"])
+        )
+        net.set_link("n1", "n0", bandwidth=1000.0)  # the request takes 10 s to send
+        ask = asyncio.ensure_future(
+            b.request(a.peer_id, Frame("test.ask", {"x": "x" * 10_000}), timeout=60.0)
+        )
+
+        def sending() -> bool:
+            link = b.pool.by_peer.get(a.peer_id)
+            return link is not None and link.busy
+
+        assert await wait_until_async(sending, timeout=5.0)
+        net.crash("n0")
+        with pytest.raises(ConnectionClosed):
+            await ask
+        del ask
+        gc.collect()  # a future is reported unread when it is collected
+        await b.shutdown()
+        return unread
+
+    assert vloop.run_until_complete(main()) == []
