@@ -227,8 +227,8 @@ class Volunteer:
     def run(self) -> str:
         """Join, train until the run finishes or :meth:`stop` is called; the final message."""
         from peer.coordinator import CoordinatorClient
-        from peer.coordinator.client import when_allowed
         from peer.coordinator.membership import NodeOptions, join_run
+        from peer.coordinator.responses import when_allowed
         from peer.tasks.registry import load_task
 
         options = self.options

@@ -16,7 +16,6 @@ from peer.coordinator.client import (
     JoinAnswer,
     JoinChallenge,
     Reachability,
-    when_allowed,
 )
 from peer.coordinator.exceptions import (
     CoordinatorError,
@@ -31,6 +30,7 @@ from peer.coordinator.exceptions import (
     Unauthorized,
 )
 from peer.coordinator.reports import ReportQueue, clean_report, merge_reports
+from peer.coordinator.responses import when_allowed
 from peer.coordinator.session import CoordinatorSession, SessionTimings
 
 __all__ = [

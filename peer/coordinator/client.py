@@ -25,10 +25,8 @@ import base64
 import binascii
 import hashlib
 import json
-import logging
 import re
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NoReturn, TypeVar
@@ -38,17 +36,12 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from peer.coordinator.exceptions import (
-    CoordinatorError,
     CoordinatorFailed,
     CoordinatorUnreachable,
-    Forbidden,
     NotACoordinator,
     NotFound,
-    RateLimited,
-    RequestRejected,
-    RunNotAccepting,
-    Unauthorized,
 )
+from peer.coordinator.responses import error_from, reason
 from peer.formats.identity import Identity, join_proof_payload
 from peer.formats.payloads import (
     DEFAULT_REPORT_INTERVAL_S,
@@ -75,20 +68,9 @@ from peer.formats.payloads import (
 
 API_PREFIX = "/api/v1"
 COORDINATOR_HEADER = "X-Swarmgrad-Coordinator"
-MAX_MESSAGE_CHARS = 300
-# How long a one-off call (joining, a certificate) keeps waiting out rate limits.
-RATE_LIMIT_PATIENCE_S = 300.0
 
-logger = logging.getLogger("peer.coordinator")
-_T = TypeVar("_T")
 _M = TypeVar("_M", bound=BaseModel)
 
-_STATUS_ERRORS: dict[int, type[CoordinatorError]] = {
-    401: Unauthorized,
-    403: Forbidden,
-    404: NotFound,
-    409: RunNotAccepting,
-}
 _GATEWAY_DOWN = frozenset({502, 503, 504})
 _TOKEN_CHARS = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII, no spaces
 
@@ -566,16 +548,16 @@ class CoordinatorClient:
             ) from exc
         except httpx.ConnectError as exc:
             raise CoordinatorUnreachable(
-                f"cannot reach the coordinator at {self.host}: {_reason(exc)}"
+                f"cannot reach the coordinator at {self.host}: {reason(exc)}"
             ) from exc
         except httpx.TransportError as exc:
             raise CoordinatorUnreachable(
-                f"lost the connection to the coordinator at {self.host}: {_reason(exc)}"
+                f"lost the connection to the coordinator at {self.host}: {reason(exc)}"
             ) from exc
         if response.headers.get(COORDINATOR_HEADER) != "1":
             self._not_a_coordinator(response)
         if response.status_code >= 400:
-            raise _error(response)
+            raise error_from(response)
         if response.status_code >= 300:
             raise CoordinatorFailed(
                 f"the coordinator at {self.host} answered HTTP {response.status_code} "
@@ -597,29 +579,6 @@ class CoordinatorClient:
             f"{self.host} answered but is not a Swarmgrad coordinator (HTTP {code}); check the URL",
             status_code=code,
         )
-
-
-def when_allowed(
-    call: Callable[[], _T],
-    *,
-    patience: float = RATE_LIMIT_PATIENCE_S,
-    sleep: Callable[[float], None] = time.sleep,
-    clock: Callable[[], float] = time.monotonic,
-) -> _T:
-    """``call()``; each time the coordinator answers 429 (:class:`RateLimited`), wait its
-    ``Retry-After`` and call again, for up to ``patience`` seconds in all — then the
-    :class:`RateLimited` propagates. For one-off calls a peer cannot do without (joining,
-    a certificate); the session's periodic calls reschedule themselves instead."""
-    deadline = clock() + patience
-    while True:
-        try:
-            return call()
-        except RateLimited as exc:
-            wait = max(exc.retry_after, 0.1)
-            if clock() + wait > deadline:
-                raise
-            logger.info("the coordinator asks to wait %.0f s (%s); waiting", wait, exc)
-            sleep(wait)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -669,62 +628,6 @@ def _json_bytes(value: Any) -> bytes:
         return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
     except ValueError as exc:
         raise ValueError("a coordinator request cannot carry NaN or infinity") from exc
-
-
-def _reason(exc: Exception) -> str:
-    """``[Errno 111] Connection refused`` → ``connection refused``: one short line."""
-    text = _one_line(str(exc))
-    text = re.sub(r"^\[Errno -?\d+\]\s*", "", text)
-    if not text:
-        return type(exc).__name__
-    return text[0].lower() + text[1:]
-
-
-def _one_line(text: str) -> str:
-    text = " ".join(text.split())
-    if len(text) > MAX_MESSAGE_CHARS:
-        text = text[: MAX_MESSAGE_CHARS - 1] + "…"
-    return text
-
-
-def _detail(response: httpx.Response) -> str:
-    """The coordinator's ``detail``, as one line."""
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    detail = body.get("detail") if isinstance(body, dict) else None
-    if isinstance(detail, str) and detail.strip():
-        return _one_line(detail)
-    if isinstance(detail, list) and detail:
-        return _one_line("; ".join(_validation_problem(item) for item in detail[:3]))
-    return f"HTTP {response.status_code} {response.reason_phrase}".strip()
-
-
-def _validation_problem(item: Any) -> str:
-    """``{"loc": ["body", "port"], "msg": "..."}`` → ``port: ...``."""
-    if not isinstance(item, dict):
-        return str(item)
-    loc = [str(p) for p in item.get("loc", ()) if p not in ("body", "query", "path", "header")]
-    message = str(item.get("msg", "invalid"))
-    return f"{'.'.join(loc)}: {message}" if loc else message
-
-
-def _error(response: httpx.Response) -> CoordinatorError:
-    code = response.status_code
-    detail = _detail(response)
-    if code == 429:
-        return RateLimited(detail, retry_after=_retry_after(response))
-    if code >= 500:
-        return CoordinatorFailed(detail, status_code=code)
-    return _STATUS_ERRORS.get(code, RequestRejected)(detail, status_code=code)
-
-
-def _retry_after(response: httpx.Response) -> float:
-    try:
-        return max(0.0, float(response.headers.get("Retry-After", "1")))
-    except ValueError:
-        return 1.0
 
 
 def _build(host: str, build: Any) -> Any:

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from peer.coordinator.client import CoordinatorClient, JoinAnswer, JoinChallenge, when_allowed
+from peer.coordinator.client import CoordinatorClient, JoinAnswer, JoinChallenge
+from peer.coordinator.responses import when_allowed
 from peer.coordinator.session import CoordinatorSession
 from peer.exceptions import SwarmgradError
 from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
@@ -85,7 +86,7 @@ def join_run(
     already fetched with ``client.join_challenge(token)`` (e.g. to check the task before a
     use of the invite is spent); ``on_status`` is called with the run's status whenever it
     changes, ``on_credentials_lost`` with one line when the coordinator stops accepting the
-    peer token (see :class:`~peer.coordinator.CoordinatorSession`). A rate limit (429) is waited out (:func:`~peer.coordinator.client.when_allowed`).
+    peer token (see :class:`~peer.coordinator.CoordinatorSession`). A rate limit (429) is waited out (:func:`~peer.coordinator.responses.when_allowed`).
     Raises :class:`~peer.coordinator.CoordinatorError` subclasses."""
     if challenge is None:
         challenge = when_allowed(lambda: client.join_challenge(token))
