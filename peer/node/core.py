@@ -28,20 +28,19 @@ from peer.identity import (
     Identity,
     OpenAuth,
 )
+from peer.node.certificates import CertificateBook, sendable
 from peer.node.config import NodeConfig
 from peer.node.cost import membership_ttl
 from peer.node.exchange import GOSSIP_PUSH, Gossip
 from peer.node.gossip import (
     MEMBERS_KEY,
     RESERVED_PREFIX,
-    CertificateBook,
     GossipStore,
     Record,
     RecordError,
     Subkey,
     ValueWithExpiration,
     next_sequence,
-    sendable,
 )
 from peer.node.links import Handler, PeerLink, register_link_messages
 from peer.node.membership import MAX_ADDRESS_CHARS, MAX_ADDRESSES, Member, decode_member

@@ -36,20 +36,17 @@ from peer.exceptions import (
     SwarmgradError,
     TransportError,
 )
+from peer.node.certificates import CertificateBook, certificates_for, sendable, take_within_budget
 from peer.node.config import NodeConfig
 from peer.node.cost import full_sync_chance, news_rounds
 from peer.node.gossip import (
     DIGEST_ENTRY_BYTES,
     MEMBERS_KEY,
     RECORD_ID_BYTES,
-    CertificateBook,
     GossipStore,
     Record,
     RecordError,
-    certificates_for,
     digest_entries,
-    sendable,
-    take_within_budget,
 )
 from peer.node.links import Handler, PeerLink
 from peer.node.membership import Member, decode_member

@@ -18,7 +18,10 @@ from typing import Any
 
 from peer.exceptions import AuthenticationError, ProtocolError, SwarmgradError
 from peer.identity import Authenticator, CertificateAuth, Identity
-from peer.node.gossip import CertificateBook, GossipStore
+from peer.node.certificates import CertificateBook
+from peer.node.gossip import (
+    GossipStore,
+)
 from peer.node.links import Handler, PeerLink, RemotePeer
 from peer.revocation import MAX_LIST_BYTES, RevocationBook
 from peer.wire import Frame, Scalar, Schema

@@ -11,19 +11,16 @@ from typing import Any
 import pytest
 
 from peer.identity import Certificate, CertificateVerifier, Identity
+from peer.node.certificates import CertificateBook, certificates_for, sendable, take_within_budget
 from peer.node.gossip import (
     MEMBERS_KEY,
-    CertificateBook,
     GossipStore,
     Record,
     RecordError,
     Subkey,
-    certificates_for,
     digest_entries,
     next_sequence,
     pack_value,
-    sendable,
-    take_within_budget,
 )
 
 _SEQ = itertools.count(1)
