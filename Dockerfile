@@ -19,5 +19,8 @@ RUN pip install --no-cache-dir '.[coordinator]'
 WORKDIR /data
 VOLUME /data
 EXPOSE 8000
+# uvicorn serves the port itself, with the coordinator's guard on connections: request
+# headers within SWARMGRAD_HTTP_HEADER_TIMEOUT_S (10 s), caps per address and per worker
+# (docs/deploy.md); deploy/ puts Caddy in front.
 ENTRYPOINT ["swarmgrad"]
 CMD ["coordinator", "--host", "0.0.0.0"]

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: demo test test-fast lint format bench clean browser
+.PHONY: demo test test-fast lint format bench clean browser natlab
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,16 +30,28 @@ browser:
 		echo "the browser tests need Debian's chromium at $(CHROMIUM): run 'sudo apt-get install chromium'" >&2; exit 1; \
 	fi
 
+# The NAT lab's home routers are nftables rulesets (Debian's nftables) and a UPnP/NAT-PMP router
+# (Debian's miniupnpd, nftables backend); the lab itself needs root, as the network lab does.
+natlab:
+	@if command -v nft >/dev/null && command -v miniupnpd >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's nftables and miniupnpd for the NAT lab"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q nftables miniupnpd-nftables >/dev/null \
+		|| { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nftables miniupnpd-nftables >/dev/null; }; \
+	else \
+		echo "the NAT lab tests need root and Debian's nftables and miniupnpd: run 'sudo apt-get install nftables miniupnpd-nftables' and the tests as root" >&2; \
+	fi
+
 # Two passes. First every test on two workers: the multi-process scenarios (marked slow) one
 # at a time on one of them, in one xdist group, while the quick tests share both (the
 # scenarios mostly wait on their peers' rounds, so the cores they leave idle go to the quick
 # tests). Then the few that time something against a reference (marked alone), by themselves.
-test: $(STAMP) browser
+test: $(STAMP) browser natlab
 	@most=0; $(BIN)/python -m pytest -m "not alone" -n 2 --dist loadgroup || most=$$?; \
 	alone=0; $(BIN)/python -m pytest -m alone || alone=$$?; \
 	[ $$most -eq 0 ] && [ $$alone -eq 0 ]
 
-test-fast: $(STAMP) browser
+test-fast: $(STAMP) browser natlab
 	$(BIN)/python -m pytest -m "not slow" -n 2
 
 lint: $(STAMP)

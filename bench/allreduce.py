@@ -72,7 +72,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from peer import DecentralizedAverager, Node
-    from peer.identity import OpenAuth
+    from peer.formats.identity import OpenAuth
 
     torch.set_num_threads(1)
     # default gossip period; in a lab, on the peer's own address (a bench swarm is open)

@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from peer.testing import wait_until
 from swarmlab.averager_process import AveragerProcess
+from swarmlab.node_process import wait_until
 
 MOMENTS = ("matchmaking", "kill_after_first_part", "kill_while_reducing", "kill_mid_state")
 CONFIG: dict[str, Any] = {

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import make_url
 
-from peer.testing import wait_until
 from server.app import create_app
 from server.services.report_bounds import SAMPLES_GRACE_S
+from swarmlab.node_process import wait_until
 from tests.server.conftest import ORGANIZER, Api, make_settings, running
 from tests.server.test_chaos_storage import (
     Swarm,

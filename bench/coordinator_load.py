@@ -57,7 +57,7 @@ from sqlalchemy.engine import make_url
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from peer.identity import Identity, join_proof_payload  # noqa: E402
+from peer.formats.identity import Identity, join_proof_payload  # noqa: E402
 from server.models import ProgressReport  # noqa: E402
 
 ADMIN = "bench-admin-" + secrets.token_urlsafe(32)

@@ -33,7 +33,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from peer.identity import Identity, join_proof_payload  # noqa: E402
+from peer.formats.identity import Identity, join_proof_payload  # noqa: E402
 from server.app import create_app  # noqa: E402
 from server.clock import now_ms  # noqa: E402
 from server.config import Settings  # noqa: E402

@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peer.testing import NodeProcess, wait_until
 from swarmlab.gossip_cost import GossipCost, steady_gossip
+from swarmlab.node_process import NodeProcess, wait_until
 from swarmlab.sim import simulate
 
 

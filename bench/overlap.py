@@ -48,11 +48,11 @@ def worker(cfg: dict[str, Any]) -> None:
 
     from peer import Node
     from peer.optim.collaborative import Optimizer
-    from peer.testing import wait_until
+    from swarmlab.node_process import wait_until
 
     torch.set_num_threads(1)
     rank, peers, batch = cfg["rank"], cfg["peers"], cfg["batch"]
-    from peer.identity import OpenAuth
+    from peer.formats.identity import OpenAuth
 
     node = Node(
         cfg["initial_peers"],

@@ -10,15 +10,23 @@ virtual-time loop of :mod:`swarmlab.sim` (time jumps to the next timer whenever 
 waits, so the figures are protocol time, not this machine's). Each host draws its access
 link (one-way latency 5-80 ms, bandwidth 1-100 MB/s, log-uniform; a message pays both
 ends' latency, at the slower end's bandwidth); a share of the peers are in client mode
-(they dial out only). Peers sit on a Moshpit grid of ``d = ⌈log_g N⌉`` dimensions whose side
-is the smallest ``m ≤ g`` with ``mᵈ ≥ N``, so groups have ``m`` members; every round each
-present peer calls the real :class:`~peer.averaging.DecentralizedAverager`'s ``step``
-(gossip declarations, the matchmaking state machine and its driver, the butterfly round
-and its runner, exclusion of the dead). Churn: before each round a share of the peers
-leave (half of them crash in the middle of the round's all-reduce, the others between
-rounds) and as many newcomers arrive, each bootstrapping from one peer, downloading the
-state with ``load_state_from_peers`` (counted per donor) and taking a free place on the
-grid.
+(they dial out only). Every round each present peer places itself on the Moshpit grid that
+fits the membership its node sees (``DecentralizedAverager.place_on_grid`` with the grid of
+:mod:`peer.averaging.grid`: ``⌈log_g N⌉`` dimensions, or one more where N forbids it, full,
+with extras and slab weights) and calls the real averager's ``step`` with the place's
+weight (gossip declarations, the matchmaking state machine and its driver, the butterfly
+round and its runner, exclusion of the dead). Churn: before each
+round a share of the peers leave (half of them crash in the middle of the round's
+all-reduce, the others between rounds) and as many newcomers arrive, each bootstrapping
+from one peer and downloading the state with ``load_state_from_peers`` (counted per
+donor); they take their places from their own views in the next round.
+
+What is reported: without churn, the rounds until every peer holds the global mean within
+1e-6; with churn (``--churn-rounds`` rounds of it, then none), the survivors' distance from
+the mean of the peers present after each round (∞-norm, the largest over survivors and
+coordinates; survivors are the peers present before and after the round), the factor by
+which it shrinks per round (median and smallest of the churn rounds) and the rounds until
+it is under 1e-6 once churn stops.
 
 What is sampled, and why
 ------------------------
@@ -29,15 +37,19 @@ on top of it run N averagers. So, above ``--full-max`` peers (default 100):
 * **gossip** still runs for all N real nodes (stores seeded with the converged membership,
   then measured over a steady window): messages and bytes per peer per second and the
   store size per peer are full-fidelity at every N;
-* **Moshpit rounds** use the real grid functions of :mod:`peer.averaging.group_bits`
-  (``group_key``, ``slot_in_group``, ``next_group_bits``) with each group's exact mean —
-  what the butterfly computes, which the full tier checks to 1e-6 — and the same churn
-  (a peer that dies mid-round drops out of its group's mean, as the runner excludes it);
+* **Moshpit rounds** use the real places, keys and weights of :mod:`peer.averaging.grid`
+  and :mod:`peer.averaging.group_bits` with each group's exact weighted mean — what the
+  butterfly computes, which the full tier checks to 1e-6 — and the same churn (a peer that
+  dies mid-round drops out of its group's mean, as the runner excludes it); each peer sees
+  the exact membership (no gossip lag, which the full tier has) and keeps its cell from
+  round to round (:func:`~peer.averaging.grid.place_next`), and a newcomer takes its state
+  and placement from a peer of its slab (:func:`slab_mates`); the full tier's averagers
+  place themselves by rank from each view (a newcomer there has no placement to carry);
 * **matchmaking, failed rounds, newcomers and donors** come from a full-fidelity swarm of
-  ``--full-max`` peers (its own grid, of side ``m ≤ g`` like every size's): a peer's
-  matchmaking sees only the ``m`` peers of its key and a newcomer's download touches one
-  donor, so those figures depend on ``m`` and the churn rate rather than on N; the table
-  marks them ``*``.
+  ``--full-max`` peers (its own grid, of sides ``≤ g`` like every size's): a peer's
+  matchmaking sees only the peers of its key and a newcomer's download touches one donor,
+  so those figures depend on the group size and the churn rate rather than on N; the
+  table marks them ``*``.
 """
 
 from __future__ import annotations
@@ -62,12 +74,15 @@ import torch
 from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.control import StepControl
 from peer.averaging.exceptions import StepFailed
-from peer.averaging.group_bits import (
-    bits_per_coordinate,
-    group_key,
-    next_group_bits,
-    slot_in_group,
+from peer.averaging.grid import (
+    Grid,
+    GridHistory,
+    Placement,
+    grid_for,
+    home_coordinate,
+    place_next,
 )
+from peer.averaging.group_bits import group_key
 from peer.averaging.state import StateServer
 from peer.formats.identity import Identity
 from peer.node.core import AsyncNode, NodeConfig
@@ -86,6 +101,8 @@ class Settings:
     group_size: int = 16  # g: the largest group (the grid's side is at most this)
     churn: float = 0.10  # share of the peers that leave (and arrive) per round
     churn_rounds: int | None = None  # the rounds with churn (None: all); calm after them
+    churn_run: int = 10  # the table's run: rounds with churn before the calm ones
+    full_rounds: int = 4  # rounds of the full-protocol swarm (churn in every one)
     client_share: float = 0.10
     numel: int = 16  # averaged values per peer (the protocol, not the arithmetic)
     rounds: int = 6  # averaging rounds simulated
@@ -100,49 +117,24 @@ class Settings:
 # -- the grid ---------------------------------------------------------------------------------
 
 
-def grid_shape(n: int, g: int) -> tuple[int, int]:
-    """``(d, m)``: ``d = ⌈log_g n⌉`` dimensions and the smallest side ``m ≤ g`` with
-    ``mᵈ ≥ n`` (integer arithmetic: no float rounding at exact powers)."""
-    if n < 2 or g < 2:
-        raise ValueError("need at least 2 peers and groups of at least 2")
-    d = 1
-    while g**d < n:
-        d += 1
-    m = 2
-    while m**d < n:
-        m += 1
-    return d, m
+def grid_label(grid: Grid) -> str:
+    """``10x10``, ``6x6+1``: the sides, dimension 0 first, and the extras."""
+    sides = "x".join(str(side) for side in grid.sides)
+    return f"{sides}+{len(grid.extras)}" if grid.extras else sides
 
 
-def grid_bits_at(position: int, d: int, m: int) -> str:
-    """Group bits of grid cell ``position`` (mixed radix, base ``m``): the first coordinate
-    is the place in the round-0 group, so cells ``0 … m-1`` meet first."""
-    w = bits_per_coordinate(m)
-    coords = []
-    for _ in range(d):
-        coords.append(format(position % m, f"0{w}b"))
-        position //= m
-    return "".join(coords)
-
-
-def all_cells(d: int, m: int) -> list[str]:
-    return [grid_bits_at(p, d, m) for p in range(m**d)]
-
-
-def newcomer_cell(
-    cells: list[str], taken: set[str], donor_bits: str | None, m: int, rng: random.Random
-) -> str:
-    """The grid cell a newcomer takes: a free one in its donor's last group if there is one
-    (the cells that share the donor's bits but the last coordinate, written by the round
-    the donor last averaged in), so that it holds what the peer it replaces held; else any
-    free cell; else (a full grid) any cell."""
-    free = [c for c in cells if c not in taken]
-    if donor_bits is not None and len(donor_bits) == len(cells[0]):
-        w = bits_per_coordinate(m)
-        same_group = [c for c in free if c[:-w] == donor_bits[:-w]]
-        if same_group:
-            return rng.choice(same_group)
-    return rng.choice(free) if free else rng.choice(cells)
+def slab_mates(
+    placement: Placement, donors: list[str], newcomer: str, round_index: int
+) -> list[str]:
+    """The donors whose state a newcomer wants for its first round, ``round_index``: those
+    at its :func:`~peer.averaging.grid.home_coordinate` along that round's dimension, where
+    :func:`~peer.averaging.grid.place_all` places it if a cell there is free. After the
+    rounds on the other dimensions they hold the mean of the slab its cell belongs to, the
+    value the peer that left that cell would have brought."""
+    grid = placement.grid
+    dim = round_index % grid.dims
+    home = home_coordinate(newcomer, grid, dim)
+    return [p for p in donors if grid.coords(placement.cells[p])[dim] == home]
 
 
 def deviation(values: list[torch.Tensor], everyone: list[torch.Tensor]) -> float:
@@ -181,10 +173,9 @@ class Peer:
 @dataclass
 class SwarmResult:
     n: int
-    d: int
-    m: int
-    rounds_to_mean: int | None  # first round after which every original survivor holds it
-    deviations: list[float]
+    grid: Grid
+    rounds_to_mean: int | None  # first round after which every survivor holds it
+    deviations: list[float]  # the survivors' distance from the mean after each round
     steps: int = 0
     match_attempts: int = 0
     matched: int = 0
@@ -218,7 +209,6 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
     torch.manual_seed(s.seed)
     net = DrawnLinkNetwork(seed=s.seed)
     rng = net.random
-    d, m = grid_shape(n, s.group_size)
     CountingStateServer.served = Counter()
     peers: dict[str, Peer] = {}
     hosts = iter(range(10**9))
@@ -229,7 +219,7 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
     def servers() -> list[Peer]:
         return [p for p in peers.values() if not p.client]
 
-    async def add_peer(bits: str, value: torch.Tensor, *, original: bool) -> Peer:
+    async def add_peer(value: torch.Tensor, *, original: bool) -> Peer:
         host = f"p{next(hosts)}"
         client = bool(peers) and rng.random() < s.client_share  # the first one serves
         node = AsyncNode(
@@ -251,9 +241,8 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
             LoopHandle(node),
             start=False,
             prefix=PREFIX,
-            target_group_size=m,
+            target_group_size=s.group_size,
             min_group_size=2,
-            initial_group_bits=bits,
             min_matchmaking_time=s.min_matchmaking_time,
             request_timeout=2.0,
             part_size_bytes=4 * s.numel,
@@ -280,22 +269,26 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
         peers[host] = peer
         return peer
 
-    result = SwarmResult(n=n, d=d, m=m, rounds_to_mean=None, deviations=[])
+    result = SwarmResult(n=n, grid=grid_for(n, s.group_size), rounds_to_mean=None, deviations=[])
     # the swarm: bootstrapped one peer at a time from one earlier server
     originals = []
-    for i in range(n):
+    for _ in range(n):
         value = torch.randn(s.numel)
-        peer = await add_peer(grid_bits_at(i, d, m), value, original=True)
+        peer = await add_peer(value, original=True)
         originals.append(peer)
     # each from one earlier server, so the swarm is connected (no pair knowing only itself)
     for i, peer in enumerate(originals[1:], start=1):
         earlier = [p for p in originals[:i] if not p.client]
-        peer.node.initial_peers = rng.choice(earlier).node.visible_addresses
+        peer.node.gossip.initial_peers = rng.choice(earlier).node.visible_addresses
     await asyncio.gather(*(p.node.bootstrap() for p in originals[1:]))
-    await asyncio.sleep(5 * s.gossip_period)
+    # every peer places itself from the membership it sees: start once the views are whole
+    for _ in range(60):
+        await asyncio.sleep(s.gossip_period)
+        if all(len(p.node.members()) == n for p in originals):
+            break
+    await asyncio.sleep(2 * s.gossip_period)
 
     departed: set[str] = set()
-    cells = all_cells(d, m)
 
     async def leave(peer: Peer) -> None:
         departed.add(peer.host)
@@ -307,9 +300,10 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
             task.cancel()
         await peer.node.shutdown()
 
-    async def run_step(peer: Peer, at: float) -> None:
+    async def run_step(peer: Peer, r: int, at: float) -> None:
+        weight = peer.averager.place_on_grid(peer.node.members(), r)
         control = peer.averager.step(
-            scheduled_time=EPOCH + at, timeout=s.round_period - 1.0, wait=False
+            scheduled_time=EPOCH + at, weight=weight, timeout=s.round_period - 1.0, wait=False
         )
         assert isinstance(control, StepControl)
         result.steps += 1
@@ -325,22 +319,16 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
 
     async def arrive() -> None:
         donors = servers()
-        newcomer = await add_peer("", torch.zeros(s.numel), original=False)
+        newcomer = await add_peer(torch.zeros(s.numel), original=False)
         result.newcomers += 1
-        newcomer.node.initial_peers = rng.choice(donors).node.visible_addresses
+        newcomer.node.gossip.initial_peers = rng.choice(donors).node.visible_addresses
         await newcomer.node.bootstrap()
         await asyncio.sleep(2 * s.gossip_period)  # its membership and the donors' records
         pending: Any = newcomer.averager.load_state_from_peers(wait=False, timeout=10.0)
         loaded = await pending  # a task on this loop (LoopHandle)
-        donor_bits = None
         if loaded is not None:
             result.downloads += 1
-            metadata, tensors = loaded
-            newcomer.tensor.copy_(tensors[0])
-            if isinstance(metadata, dict) and isinstance(metadata.get("group_bits"), str):
-                donor_bits = metadata["group_bits"]
-        taken = {p.averager.get_group_bits() for p in peers.values() if p is not newcomer}
-        newcomer.averager.set_group_bits(newcomer_cell(cells, taken, donor_bits, m, rng))
+            newcomer.tensor.copy_(loaded[1][0])
 
     t_gossip = loop.time()
     stats0 = (net.stats.messages, net.stats.bytes)
@@ -353,13 +341,14 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
         for peer in leaving[len(leaving) // 2 :]:
             await leave(peer)
         for peer in peers.values():
-            peer.step = loop.create_task(run_step(peer, at))
+            peer.step = loop.create_task(run_step(peer, r, at))
         for peer in mid:  # crash while the round's parts are in flight
             loop.call_at(at + rng.uniform(0.05, 0.5), _spawn, loop, leave(peer))
+        stayed = set(peers)
         arrivals = [loop.create_task(arrive()) for _ in leaving]
         await asyncio.sleep(s.round_period)
         await asyncio.gather(*arrivals, return_exceptions=True)
-        survivors = [p.tensor for p in peers.values() if p.original]
+        survivors = [p.tensor for host, p in peers.items() if host in stayed]
         dev = deviation(survivors, [p.tensor for p in peers.values()])
         result.deviations.append(dev)
         if dev <= TOLERANCE and result.rounds_to_mean is None:
@@ -411,70 +400,100 @@ def _run(coro: Any) -> Any:
 @dataclass
 class MoshpitResult:
     n: int
-    d: int
-    m: int
-    rounds_to_mean: int | None
-    deviations: list[float]
-    groups_per_round: float
+    grid: Grid
+    rounds_to_mean: int | None  # first round after which every survivor holds the mean
+    deviations: list[float]  # the survivors' distance from the mean after each round
+    initial: float  # ... before the first round
+    churn_rounds: int  # the rounds with churn (the first ones)
+
+    def contraction(self) -> list[float]:
+        """Per round with churn: the survivors' distance before it over after it."""
+        before = [self.initial, *self.deviations]
+        return [
+            before[r] / max(self.deviations[r], 1e-300)
+            for r in range(min(self.churn_rounds, len(self.deviations)))
+        ]
+
+    def rounds_after_churn(self) -> int | None:
+        """Rounds after the last with churn until the survivors hold the mean (0: already)."""
+        k = self.churn_rounds
+        if k and self.deviations[k - 1] <= TOLERANCE:
+            return 0
+        return next(
+            (r + 1 - k for r in range(k, len(self.deviations)) if self.deviations[r] <= TOLERANCE),
+            None,
+        )
 
 
 def simulate_moshpit(n: int, settings: Settings = Settings()) -> MoshpitResult:
-    """Moshpit averaging for ``n`` peers under churn, on the real grid functions with each
-    group's exact mean (see the module docstring). Before each round ``churn·n`` peers
-    leave — half at once, half during the round's all-reduce, where they drop out of their
-    group's mean — and as many arrive after it, each holding a random donor's values and
-    taking a free cell in its donor's last group (:func:`newcomer_cell`)."""
+    """Moshpit averaging for ``n`` peers under churn, each peer placed on the grid of
+    :mod:`peer.averaging.grid` from the membership of the round (exact views: the model
+    has no gossip lag) with each group's exact weighted mean (see the module docstring).
+    Before each round ``churn·n`` peers leave — half at once, half during the round's
+    all-reduce, before their parts go out, so that they drop out of their group's mean —
+    and as many arrive after it, each holding the values and the placement of a donor of
+    the slab it will average for (:func:`slab_mates`; any donor if there is none). The
+    survivors are
+    the peers present before and after the round; "the mean" is that of every peer
+    present after it, newcomers included."""
     s = settings
     rng = random.Random(s.seed)
     gen = torch.Generator().manual_seed(s.seed)
-    d, m = grid_shape(n, s.group_size)
-    cells = all_cells(d, m)
-    # peer id → (bits, values, original)
-    peers: dict[int, tuple[str, torch.Tensor, bool]] = {
-        i: (grid_bits_at(i, d, m), torch.randn(s.numel, generator=gen, dtype=torch.float64), True)
-        for i in range(n)
+    peers: dict[str, torch.Tensor] = {
+        f"m{i}": torch.randn(s.numel, generator=gen, dtype=torch.float64) for i in range(n)
     }
     ids = iter(range(n, 10**9))
+    # each peer's placement carried from round to round (a newcomer takes its donor's)
+    history = dict.fromkeys(peers, GridHistory())
+    placement: Placement | None = None
     deviations: list[float] = []
-    groups_seen = 0
+    initial = deviation(list(peers.values()), list(peers.values()))
     rounds_to_mean = None
     for r in range(s.rounds):
         leaving = rng.sample(sorted(peers), round(_churn(s, r) * n))
         mid = set(leaving[: len(leaving) // 2])
-        for i in leaving[len(leaving) // 2 :]:
-            del peers[i]
-        groups: dict[str, list[int]] = {}
-        for i, (bits, _, _) in peers.items():
-            groups.setdefault(group_key(PREFIX, bits, m), []).append(i)
-        groups_seen += len(groups)
+        for peer in leaving[len(leaving) // 2 :]:
+            del peers[peer]
+        view = frozenset(peers)  # the crashing ones are still there when the round begins
+        groups: dict[str, list[tuple[str, float]]] = {}
+        for peer in sorted(peers):
+            place, history[peer] = place_next(history[peer], view, peer, s.group_size, r)
+            placement = place.placement
+            key = group_key(PREFIX, place.bits, s.group_size)
+            groups.setdefault(key, []).append((peer, place.weight))
         for members in groups.values():
-            rng.shuffle(members)  # the order the leader accepted them in
-            staying = [i for i in members if i not in mid]
+            staying = [(p, w) for p, w in members if p not in mid]
             if len(staying) < 2:
-                continue  # no group: the step fails, values and bits stay
-            mean = torch.stack([peers[i][1] for i in staying]).mean(0)
-            group_id = rng.randbytes(16)
-            for index, i in enumerate(staying):
-                bits, _, original = peers[i]
-                slot = slot_in_group(group_id, index, len(staying), m)
-                if slot < 2 ** bits_per_coordinate(m):
-                    bits = next_group_bits(bits, slot, m)
-                peers[i] = (bits, mean.clone(), original)
-        for i in mid:
-            del peers[i]
-        taken = {bits for bits, _, _ in peers.values()}
+                continue  # no group: the step fails, values stay
+            weights = torch.tensor([w for _, w in staying], dtype=torch.float64)
+            stacked = torch.stack([peers[p] for p, _ in staying])
+            mean = (stacked * weights[:, None]).sum(0) / weights.sum()
+            for p, _ in staying:
+                peers[p] = mean.clone()
+        for peer in mid:
+            del peers[peer]
+        survivors = list(peers.values())
         donors = sorted(peers)
+        assert placement is not None
         for _ in leaving:
-            donor = peers[rng.choice(donors)]
-            cell = newcomer_cell(cells, taken, donor[0], m, rng)
-            taken.add(cell)
-            peers[next(ids)] = (cell, donor[1].clone(), False)
-        survivors = [v for _, v, original in peers.values() if original]
-        dev = deviation(survivors, [v for _, v, _ in peers.values()])
+            newcomer = f"m{next(ids)}"
+            mates = slab_mates(placement, donors, newcomer, r + 1)
+            donor = rng.choice(mates or donors)
+            peers[newcomer] = peers[donor].clone()
+            history[newcomer] = history[donor]
+        dev = deviation(survivors, list(peers.values()))
         deviations.append(dev)
         if dev <= TOLERANCE and rounds_to_mean is None:
             rounds_to_mean = r + 1
-    return MoshpitResult(n, d, m, rounds_to_mean, deviations, groups_seen / max(1, s.rounds))
+    churn_rounds = s.rounds if s.churn_rounds is None else min(s.rounds, s.churn_rounds)
+    return MoshpitResult(
+        n,
+        grid_for(n, s.group_size),
+        rounds_to_mean,
+        deviations,
+        initial,
+        churn_rounds if s.churn > 0 else 0,
+    )
 
 
 # -- gossip at full fidelity for every N: steady state of a converged swarm --------------------
@@ -580,10 +599,12 @@ class Row:
     n: int
     grid: str
     bound: int  # ⌈log_g N⌉
+    needed: int  # rounds the grid needs: the bound, or one more where N forbids it
     rounds_still: int | None  # Moshpit rounds to the mean without churn
-    rounds_churn: int | None  # ... with churn
-    dev_at_bound: float  # with churn, after ⌈log_g N⌉ + 1 rounds
-    rounds_calm: int | None  # ... once churn stops after ⌈log_g N⌉ + 1 rounds of it
+    contraction_p50: float  # with churn: the survivors' distance shrinks by this per round
+    contraction_worst: float
+    rounds_calm: int | None  # once churn (for ⌈log_g N⌉ + 1 rounds) stops: rounds to 1e-6
+    churned: MoshpitResult
     swarm: SwarmResult
     swarm_sampled: bool
     gossip: GossipResult
@@ -600,29 +621,46 @@ def fit_slope(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return b, 1 - ss_res / ss_tot
 
 
+def log_g(n: int, g: int) -> int:
+    """``⌈log_g n⌉`` in integers."""
+    d = 0
+    while g**d < n:
+        d += 1
+    return d
+
+
 def measure(sizes: list[int], s: Settings, full_max: int, log: Any = print) -> list[Row]:
     rows = []
     swarms: dict[int, SwarmResult] = {}
     for n in sizes:
-        d, m = grid_shape(n, s.group_size)
+        grid = grid_for(n, s.group_size)
+        d = grid.dims
         wall = time.monotonic()
-        still = simulate_moshpit(n, replace(s, churn=0.0, rounds=4 * d + 4))
-        churned = simulate_moshpit(n, replace(s, rounds=4 * d + 4))
-        calm = simulate_moshpit(n, replace(s, rounds=4 * d + 4, churn_rounds=d + 1))
+        still = simulate_moshpit(n, replace(s, churn=0.0, rounds=d + 2))
+        churned = simulate_moshpit(
+            n, replace(s, churn_rounds=s.churn_run, rounds=s.churn_run + 2 * d + 2)
+        )
+        factors = churned.contraction()
+        # recovery: churn for d + 1 rounds leaves the survivors far apart (10 rounds of it
+        # may leave them under 1e-6 already), then none
+        calm = simulate_moshpit(n, replace(s, churn_rounds=d + 1, rounds=3 * d + 3))
         sample = min(n, full_max)
         if sample not in swarms:
-            swarms[sample] = simulate_swarm(sample, replace(s, rounds=d + 2))
+            swarms[sample] = simulate_swarm(
+                sample, replace(s, rounds=s.full_rounds, churn_rounds=None)
+            )
         gossip = simulate_gossip(n, s)
-        dev = churned.deviations[min(d, len(churned.deviations) - 1)]
         rows.append(
             Row(
                 n,
-                f"{m}^{d}",
+                grid_label(grid),
+                log_g(n, s.group_size),
                 d,
                 still.rounds_to_mean,
-                churned.rounds_to_mean,
-                dev,
-                None if calm.rounds_to_mean is None else calm.rounds_to_mean - (d + 1),
+                statistics.median(factors) if factors else math.nan,
+                min(factors) if factors else math.nan,
+                calm.rounds_after_churn(),
+                churned,
                 swarms[sample],
                 sample != n,
                 gossip,
@@ -639,13 +677,13 @@ def _rounds(r: int | None, limit: int) -> str:
 def print_table(rows: list[Row], s: Settings, full_max: int) -> None:
     g = s.group_size
     print(
-        f"\nMoshpit averaging, groups of at most g={g}, churn {s.churn:.0%} per round, "
-        f"{s.client_share:.0%} client-mode peers; * = from a full-protocol swarm of "
-        f"min(N, {full_max}) peers"
+        f"\nMoshpit averaging, groups of at most g={g}, churn {s.churn:.0%} per round "
+        f"({s.churn_run} rounds, then none), {s.client_share:.0%} client-mode peers; "
+        f"* = from a full-protocol swarm of min(N, {full_max}) peers"
     )
     header = (
-        f"{'N':>5} {'grid':>5} {'⌈log_g N⌉':>9} {'rounds':>6} {'churn':>6} {'dev@+1':>8} "
-        f"{'calm':>5} "
+        f"{'N':>5} {'grid':>9} {'⌈log_g N⌉':>9} {'rounds':>6} {'x/round':>7} {'worst':>5} "
+        f"{'calm':>4} "
         f"{'mm ok':>7} {'mm p50 s':>8} {'failed':>7} {'new→avg s':>9} {'donor max':>9} "
         f"{'msg/p/s':>7} {'KiB/p/s':>7} {'store':>6} {'st KiB':>6}"
     )
@@ -657,24 +695,29 @@ def print_table(rows: list[Row], s: Settings, full_max: int) -> None:
         failed = sw.failed_steps / max(1, sw.steps)
         mm = statistics.median(sw.match_seconds) if sw.match_seconds else float("nan")
         new = statistics.median(sw.newcomer_seconds) if sw.newcomer_seconds else float("nan")
-        limit = 4 * row.bound + 4
         print(
-            f"{row.n:>5} {row.grid:>5} {row.bound:>9} {_rounds(row.rounds_still, limit):>6} "
-            f"{_rounds(row.rounds_churn, limit):>6} {row.dev_at_bound:>8.1e} "
-            f"{_rounds(row.rounds_calm, limit - row.bound - 1):>5} "
+            f"{row.n:>5} {row.grid:>9} {row.bound:>9} {_rounds(row.rounds_still, row.needed + 2):>6} "
+            f"{row.contraction_p50:>7.1f} {row.contraction_worst:>5.1f} "
+            f"{_rounds(row.rounds_calm, 2 * row.needed + 2):>4} "
             f"{ok:>6.1%}{tag} {mm:>7.2f}{tag} {failed:>6.1%}{tag} {new:>8.1f}{tag} "
             f"{sw.max_donor_load:>3}/{sw.downloads:<4}{tag} "
             f"{row.gossip.messages_per_peer_s:>7.1f} {row.gossip.bytes_per_peer_s / 1024:>7.1f} "
             f"{row.gossip.store_records:>6.0f} {row.gossip.store_bytes / 1024:>6.0f}"
         )
     print(
-        "rounds: Moshpit rounds until every peer present throughout holds the global mean "
-        f"within {TOLERANCE:g} (no churn | with churn); dev@+1: its largest distance after "
-        "⌈log_g N⌉ + 1 rounds with churn; calm: rounds to the mean once churn stops after "
-        "those; mm ok: matchmaking attempts that found a group; "
+        "grid: sides (+ extras: a second peer in that many cells); rounds: Moshpit rounds "
+        f"until every peer holds the global mean within {TOLERANCE:g} without churn; "
+        "x/round, worst: with churn, the factor by which the survivors' distance from the "
+        "mean of the peers present shrinks per round (median, smallest); calm: rounds "
+        f"until it is under {TOLERANCE:g} once churn stops, after d + 1 rounds of it "
+        "(d: the grid's dimensions); "
+        "mm ok: matchmaking attempts that found a group; "
         "failed: steps that failed; donor max: downloads served by the most-asked donor / "
         "all downloads; store: records and KiB of a peer's gossip store"
     )
+    for row in rows:
+        spread = " ".join(f"{dev:.0e}" for dev in row.churned.deviations)
+        print(f"N={row.n}: the survivors' distance after each round (model): {spread}")
     seen = set()
     for row in rows:
         sw = row.swarm
@@ -683,8 +726,8 @@ def print_table(rows: list[Row], s: Settings, full_max: int) -> None:
         seen.add(id(sw))
         spread = " ".join(f"{dev:.1e}" for dev in sw.deviations)
         print(
-            f"the real protocol, {sw.n} peers on {sw.m}^{sw.d} with churn: the survivors' "
-            f"distance from the mean after each round: {spread}"
+            f"the real protocol, {sw.n} peers on {grid_label(sw.grid)} with churn: the "
+            f"survivors' distance from the mean after each round: {spread}"
         )
     if len(rows) >= 3:  # two points fit any curve
         ns = [float(r.n) for r in rows]
@@ -717,31 +760,32 @@ def plot(rows: list[Row], s: Settings, path: str) -> None:
     ns = [r.n for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     ax = axes[0][0]
-    limit = [4 * r.bound + 4 for r in rows]
     ax.plot(ns, [r.bound for r in rows], "k--", label="⌈log_g N⌉")
-    ax.plot(
-        ns,
-        [r.rounds_still or lim for r, lim in zip(rows, limit, strict=True)],
-        "o-",
-        label="no churn",
-    )
-    ax.plot(
-        ns,
-        [r.rounds_churn or lim for r, lim in zip(rows, limit, strict=True)],
-        "s-",
-        label=f"{s.churn:.0%} churn",
-    )
+    ax.plot(ns, [r.rounds_still or math.nan for r in rows], "o-", label="no churn")
+    ax.plot(ns, [r.rounds_calm or 0 for r in rows], "s-", label="once churn stops")
     ax.set(xscale="log", title="Moshpit rounds to the mean (1e-6)", xlabel="N")
     ax.legend()
     ax = axes[0][1]
+    for row in rows:
+        ax.plot(
+            range(1, len(row.churned.deviations) + 1), row.churned.deviations, label=f"N={row.n}"
+        )
+    ax.axvline(s.churn_run + 0.5, color="k", linestyle=":")
+    ax.set(
+        yscale="log",
+        title=f"survivors' distance, {s.churn:.0%} churn until the dotted line",
+        xlabel="round",
+    )
+    ax.legend(fontsize="small")
+    ax = axes[1][0]
+    ax.plot(ns, [r.contraction_p50 for r in rows], "o-", label="median")
+    ax.plot(ns, [r.contraction_worst for r in rows], "s-", label="worst")
+    ax.axhline(4, color="k", linestyle=":")
+    ax.set(xscale="log", title="contraction per round under churn", xlabel="N")
+    ax.legend()
+    ax = axes[1][1]
     ax.plot(ns, [r.gossip.bytes_per_peer_s / 1024 for r in rows], "o-")
     ax.set(xscale="log", yscale="log", title="gossip KiB per peer per second", xlabel="N")
-    ax = axes[1][0]
-    ax.plot(ns, [r.gossip.store_bytes / 1024 for r in rows], "o-")
-    ax.set(xscale="log", yscale="log", title="gossip store per peer (KiB)", xlabel="N")
-    ax = axes[1][1]
-    ax.plot(ns, [r.gossip.messages_per_peer_s for r in rows], "o-")
-    ax.set(xscale="log", title="gossip messages per peer per second", xlabel="N")
     fig.tight_layout()
     fig.savefig(path)
     print(f"plot: {path}")
@@ -754,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", type=int, action="append", help="a swarm size (repeatable)")
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--churn", type=float, default=0.10, help="share leaving per round")
+    parser.add_argument("--churn-rounds", type=int, default=10, help="rounds with churn")
     parser.add_argument("--clients", type=float, default=0.10, help="share in client mode")
     parser.add_argument("--full-max", type=int, default=100, help="largest full-protocol swarm")
     parser.add_argument("--gossip-live", type=int, default=100, help="gossip nodes run")
@@ -765,11 +810,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need at least 2 peers and a group size of at least 2")
     if not 0 <= args.churn < 1 or not 0 <= args.clients < 1:
         parser.error("--churn and --clients are shares from 0 to below 1")
+    if args.churn_rounds < 1:
+        parser.error("--churn-rounds must be at least 1")
     if args.full_max < 4 or args.gossip_live < 2:
         parser.error("--full-max must be at least 4 and --gossip-live at least 2")
     settings = Settings(
         group_size=args.group_size,
         churn=args.churn,
+        churn_run=args.churn_rounds,
         client_share=args.clients,
         gossip_live=args.gossip_live,
         seed=args.seed,

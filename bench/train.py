@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import multiprocessing
 import queue
 import sys
@@ -334,7 +333,8 @@ def _swarm_peer(
     from peer import Node
     from peer.optim.collaborative import Optimizer
     from peer.tasks import TrainingConfig, load_task
-    from peer.testing import wait_until
+    from peer.trainer import compute_gradients, set_lr
+    from swarmlab.node_process import wait_until
 
     task = load_task(task_name)
     config = TrainingConfig.from_run_config(task, run_config)
@@ -364,11 +364,14 @@ def _swarm_peer(
             batches = task.train_batches(config, node.peer_id)
             start = time.perf_counter()
             while opt.local_epoch < epochs:
-                batch = next(batches)
-                task.loss(model, batch).backward()
-                opt.step(batch_size=task.batch_size(batch))
+                # a volunteer's step (peer.trainer): the run's micro-batches, precision,
+                # clipping and the schedule's rate at the swarm's epoch
+                set_lr(opt, config.lr_at(opt.local_epoch))
+                micro = [next(batches) for _ in range(config.accumulation)]
+                _, n = compute_gradients(task, model, micro, config)
+                opt.step(batch_size=n)
                 opt.zero_grad()
-                samples += task.batch_size(batch)
+                samples += n
                 snapshot()
             seconds = time.perf_counter() - start
             with finished.get_lock():
@@ -392,17 +395,16 @@ def _swarm_peer(
 
 
 def _parse_config(items: list[str]) -> dict[str, Any]:
-    """``key=value`` pairs; a value is JSON when it parses as JSON (as the CLI does)."""
-    config: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--config {item!r} is not key=value")
-        try:
-            config[key.strip()] = json.loads(raw)
-        except ValueError:
-            config[key.strip()] = raw
-    return config
+    """``key=value`` pairs, as ``--config`` of the CLI reads them (a value is JSON when it
+    parses as JSON)."""
+    import typer
+
+    from swarmgrad.organizer import parse_config
+
+    try:
+        return parse_config(items)
+    except typer.BadParameter as exc:
+        raise SystemExit(f"--config: {exc}") from None
 
 
 def _run_swarm(

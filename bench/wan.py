@@ -94,10 +94,10 @@ def worker(cfg: dict[str, Any]) -> None:
     import torch
 
     from peer import Node
-    from peer.identity import OpenAuth
+    from peer.formats.identity import OpenAuth
     from peer.tasks.base import TrainingConfig
     from peer.tasks.charlm import CharLMTask
-    from peer.testing import wait_until
+    from swarmlab.node_process import wait_until
 
     torch.set_num_threads(1)
     rank, peers = cfg["rank"], cfg["peers"]

@@ -1,25 +1,23 @@
 """Swarmgrad peer library: what every volunteer runs.
 
 Layers, lowest first: :mod:`peer.wire` (frames), :mod:`peer.transport` (WebSocket and
-in-memory connections), :mod:`peer.identity` (keys, auth modes, certificates),
+in-memory connections), :mod:`peer.formats` (keys, auth modes, certificates),
 :mod:`peer.node` (authenticated connections, membership and the gossip store),
 :mod:`peer.averaging` (``DecentralizedAverager``: matchmaking, butterfly all-reduce, state
 download), :mod:`peer.optim` (``DecentralizedOptimizer``/``SGD``/``Adam`` with swarm epochs,
 the collaborative ``Optimizer`` with a global target batch size, ``DiLoCo`` (outer rounds
-every H local steps), ``HierarchicalModelAverager``
-and ``DASO`` over a machine's ``torch.distributed`` world and the swarm).
+every H local steps), ``HierarchicalModelAverager`` and ``DASO`` over a machine's
+``torch.distributed`` world and the swarm).
 
 Every name but the exception and the formats is imported lazily (PEP 562): ``import peer``
 (and so ``import peer.formats``, which the coordinator uses) loads neither the node nor its
-transports nor torch, and a process that only gossips starts without paying for
-``import torch``. :mod:`peer.formats` holds what the coordinator and the volunteer share
-(certificates, revocation lists); :mod:`peer.identity` is its older name.
+transports nor torch.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from peer.exceptions import SwarmgradError
 from peer.formats.identity import (
@@ -60,11 +58,11 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'peer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value: object = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

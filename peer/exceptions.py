@@ -11,7 +11,9 @@ Hierarchy::
     │   └── TamperedFrame          a sealed message failed authentication, or was replayed
     ├── AuthenticationError        handshake refused: bad signature, key, certificate or mode
     ├── TransportError             a connection could not be made or was lost
-    │   └── ConnectionClosed       the connection is closed (locally or by the remote)
+    │   ├── ConnectionClosed       the connection is closed (locally or by the remote)
+    │   └── RelayRefused           a relay refused to register or connect a peer (its limits,
+    │                              an unknown peer, a credential it does not accept)
     ├── RemoteError                the remote peer answered a request with an error
     └── NodeShutdown               the node was shut down while the call was in flight
 
@@ -67,6 +69,11 @@ class ConnectionClosed(TransportError):
     def __init__(self, message: str = "connection closed", *, clean: bool = False) -> None:
         super().__init__(message)
         self.clean = clean
+
+
+class RelayRefused(TransportError):
+    """A relay refused a request (:mod:`peer.transport.relay`): the reason says which limit
+    or check, and what to do."""
 
 
 class RemoteError(SwarmgradError):

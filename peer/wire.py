@@ -1,26 +1,16 @@
 """Wire format: one WebSocket binary message per frame.
 
-Layout of a frame (all integers big-endian)::
+A frame is ``u32 header length | msgpack header | payload`` (length big-endian). The header map
+has short keys: ``t`` message type (a registered str), ``v`` protocol version (must equal
+:data:`PROTOCOL_VERSION`), ``i`` request id (0 for one-way messages), ``r`` id of the request
+this answers (0 if none), ``n`` payload length, ``f`` the fields, checked by the type's
+:class:`Schema`.
 
-    +----------------+------------------------+---------------------------+
-    | header length  | header (msgpack map)   | payload (raw bytes)       |
-    | u32            | header length bytes    | header["n"] bytes         |
-    +----------------+------------------------+---------------------------+
-
-The header map has short keys:
-
-========  ======================================================================
-``t``     message type (str), e.g. ``"gossip.digest"``; must be registered
-``v``     protocol version (int), must equal :data:`PROTOCOL_VERSION`
-``i``     request id (int ≥ 0); 0 for one-way messages
-``r``     id of the request this frame answers (int ≥ 0); 0 when not a reply
-``n``     payload length in bytes (int ≥ 0); must match what follows the header
-``f``     the message's fields (map); validated against the type's schema
-========  ======================================================================
-
-Nothing is ever unpickled: the header is msgpack with ``strict_map_key`` and no
-extension types, and the payload is raw bytes interpreted only by the message's owner
-(e.g. tensor parts). Every limit is checked before any allocation it guards.
+Register each message type's schema in a :class:`MessageRegistry`; send with
+:func:`encode_frame`; read with :func:`decode_frame`, or :func:`decode_length` then
+:func:`decode_header` on a stream. Nothing is unpickled: the header is msgpack with
+``strict_map_key`` and no extension types, the payload raw bytes read only by the message's
+owner, and every limit is checked before the allocation it guards.
 """
 
 from __future__ import annotations
@@ -29,7 +19,7 @@ import abc
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgpack
 
@@ -42,6 +32,9 @@ from peer.exceptions import (
 
 PROTOCOL_VERSION = 1
 _LENGTH = struct.Struct(">I")
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,17 +57,17 @@ DEFAULT_LIMITS = Limits()
 # --------------------------------------------------------------------------- schemas
 
 
-class Spec(abc.ABC):
+class Spec(abc.ABC, Generic[T_co]):
     """A tiny validator for one msgpack-decoded value; raises MalformedFrame on mismatch."""
 
     @abc.abstractmethod
-    def check(self, value: Any, path: str, limits: Limits) -> Any:
+    def check(self, value: object, path: str, limits: Limits) -> T_co:
         """Return the validated value (possibly normalised, e.g. a tuple for a list)."""
 
 
 @dataclass(frozen=True, slots=True)
-class Scalar(Spec):
-    kind: type | tuple[type, ...]
+class Scalar(Spec[T]):
+    kind: type[T] | tuple[type[T], ...]
     min_value: float | None = None
     max_length: int | None = None
     # the accepted types themselves: values of exactly these take the short path below
@@ -83,22 +76,23 @@ class Scalar(Spec):
     def __post_init__(self) -> None:
         object.__setattr__(self, "_exact", frozenset(_as_tuple(self.kind)))
 
-    def check(self, value: Any, path: str, limits: Limits) -> Any:
+    def check(self, value: object, path: str, limits: Limits) -> T:
         kind = type(value)
         if kind in self._exact:  # every frame has several of these: no isinstance chain
+            # value is exactly of an accepted type, which mypy cannot see through type(); an
+            # isinstance or cast here would cost every frame, hence the ignores on this path
             if kind is int or kind is float:
-                if self.min_value is not None and value < self.min_value:
+                if self.min_value is not None and value < self.min_value:  # type: ignore[operator]
                     raise MalformedFrame(f"{path}: {value!r} is below {self.min_value}")
                 if value != value:
                     raise MalformedFrame(f"{path}: NaN is not allowed")
-                return value
-            if kind is str or kind is bytes:
+            elif kind is str or kind is bytes:
                 max_length = (
                     self.max_length if self.max_length is not None else limits.max_string_length
                 )
-                if len(value) > max_length:
+                if len(value) > max_length:  # type: ignore[arg-type]
                     raise MalformedFrame(f"{path}: longer than {max_length}")
-            return value
+            return value  # type: ignore[return-value]
         # bool is an int in Python; never accept it where a number is asked for.
         if isinstance(value, bool) and bool not in _as_tuple(self.kind):
             raise MalformedFrame(f"{path}: expected {_name(self.kind)}, got bool")
@@ -118,12 +112,12 @@ class Scalar(Spec):
 
 
 @dataclass(frozen=True, slots=True)
-class ListOf(Spec):
-    item: Spec
+class ListOf(Spec[list[T]]):
+    item: Spec[T]
     max_length: int | None = None
     exact_length: int | None = None
 
-    def check(self, value: Any, path: str, limits: Limits) -> Any:
+    def check(self, value: object, path: str, limits: Limits) -> list[T]:
         if not isinstance(value, list | tuple):
             raise MalformedFrame(f"{path}: expected a list, got {type(value).__name__}")
         max_length = self.max_length if self.max_length is not None else limits.max_list_length
@@ -135,10 +129,10 @@ class ListOf(Spec):
 
 
 @dataclass(frozen=True, slots=True)
-class Tuple(Spec):
-    items: tuple[Spec, ...]
+class Tuple(Spec[tuple[object, ...]]):
+    items: tuple[Spec[object], ...]
 
-    def check(self, value: Any, path: str, limits: Limits) -> Any:
+    def check(self, value: object, path: str, limits: Limits) -> tuple[object, ...]:
         if not isinstance(value, list | tuple) or len(value) != len(self.items):
             raise MalformedFrame(f"{path}: expected a list of {len(self.items)} items")
         return tuple(
@@ -148,18 +142,18 @@ class Tuple(Spec):
 
 
 @dataclass(frozen=True, slots=True)
-class Optional(Spec):
-    inner: Spec
+class Optional(Spec[T | None]):
+    inner: Spec[T]
 
-    def check(self, value: Any, path: str, limits: Limits) -> Any:
+    def check(self, value: object, path: str, limits: Limits) -> T | None:
         return None if value is None else self.inner.check(value, path, limits)
 
 
 @dataclass(frozen=True, slots=True)
-class AnyValue(Spec):
+class AnyValue(Spec[object]):
     """Any msgpack value (already bounded by the header size limit)."""
 
-    def check(self, value: Any, path: str, limits: Limits) -> Any:
+    def check(self, value: object, path: str, limits: Limits) -> object:
         return value
 
 
@@ -168,14 +162,14 @@ class Schema:
     """Fields of one message type: required and optional field specs. Unknown fields are
     rejected so that a typo on the sending side fails loudly instead of being ignored."""
 
-    required: Mapping[str, Spec] = field(default_factory=dict)
-    optional: Mapping[str, Spec] = field(default_factory=dict)
+    required: Mapping[str, Spec[object]] = field(default_factory=dict)
+    optional: Mapping[str, Spec[object]] = field(default_factory=dict)
     payload: bool = False  # whether a raw payload may follow the header
 
-    def check(self, fields: Any, message_type: str, limits: Limits) -> dict[str, Any]:
+    def check(self, fields: object, message_type: str, limits: Limits) -> dict[str, object]:
         if not isinstance(fields, dict):
             raise MalformedFrame(f"{message_type}: fields must be a map")
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for name, spec in self.required.items():
             if name not in fields:
                 raise MalformedFrame(f"{message_type}: missing field {name!r}")
@@ -244,7 +238,7 @@ class Frame:
 
 def encode_header(frame: Frame) -> bytes:
     """The length prefix and msgpack header of ``frame`` (the payload follows it as is)."""
-    header = msgpack.packb(
+    header: bytes = msgpack.packb(
         {
             "t": frame.type,
             "v": PROTOCOL_VERSION,

@@ -34,6 +34,7 @@ from server.metrics import Metrics, MetricsMiddleware
 from server.schemas import ErrorPublic
 from server.security import JoinChallenges, KeyBox, PrincipalCache
 from server.services.checkpoints import CheckpointStore
+from server.services.credit_rates import CreditLimits
 from server.services.report_bounds import ReportLimits
 from server.services.report_buffer import ReportBuffer, database_unavailable
 from server.services.report_guard import ReportGuard
@@ -137,6 +138,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.report_guard = ReportGuard(
         session_factory,
         ReportLimits(settings.report_max_samples_per_second, settings.report_max_epoch_lead),
+        credit=CreditLimits(
+            settings.report_rate_multiple,
+            settings.report_rate_floor,
+            settings.report_max_samples_per_second,
+        ),
         refresh_s=settings.report_swarm_refresh_s,
         online_ttl_s=settings.peer_online_ttl_s,
     )

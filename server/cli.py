@@ -91,6 +91,8 @@ def serve(
         return
     import uvicorn
 
+    from server.http_guard import ConnectionGuard, guarded_protocol
+
     settings = _settings(database_url, dev)
     # Migrate once here, before any worker starts, so workers never race on a fresh database.
     _migrate(settings)
@@ -104,6 +106,18 @@ def serve(
         log_level=log_level,
         # The app resolves X-Forwarded-For itself, from SWARMGRAD_TRUSTED_PROXIES only.
         proxy_headers=False,
+        # A deadline for request headers and caps on connections, which uvicorn lacks.
+        http=guarded_protocol(
+            ConnectionGuard(
+                header_timeout_s=settings.http_header_timeout_s,
+                max_connections=settings.http_max_connections,
+                max_pending_per_source=settings.http_max_pending_per_source,
+                max_header_bytes=settings.http_max_header_bytes,
+                ipv6_prefix=settings.rate_limit_ipv6_prefix,
+                exempt=settings.trusted_proxies,
+            )
+        ),
+        timeout_keep_alive=settings.http_keep_alive_s,
     )
 
 

@@ -7,9 +7,10 @@ Build it once per process (the app factory and the CLI do) and pass it down; not
 from __future__ import annotations
 
 import ipaddress
+import urllib.parse
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -103,6 +104,19 @@ class Settings(BaseSettings):
     bootstrap_peers: int = Field(
         default=8, ge=1, le=100, description="Peers handed out per bootstrap."
     )
+    relays: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="Relays (comma-separated relay://host:port, from `swarmgrad relay`) that "
+        "volunteers no other peer can dial register with: told at join, so that pairs that "
+        "cannot punch through their NATs still link. Empty: none.",
+    )
+    rendezvous_peers: int = Field(
+        default=64,
+        ge=1,
+        le=1000,
+        description="Peers behind NATs a punching peer is introduced to (the most recently "
+        "seen first): the direct links each one keeps.",
+    )
     history_points: int = Field(default=200, ge=2, le=5000, description="Points of chart history.")
     live_interval_s: float = Field(
         default=0.5,
@@ -136,6 +150,19 @@ class Settings(BaseSettings):
         description="The most samples per second any one peer of a run can process: a "
         "report claiming more, or a samples counter that grew faster since the peer "
         "joined, is refused (422).",
+    )
+    report_rate_multiple: float = Field(
+        default=4.0,
+        ge=1.0,
+        description="A peer's samples earn credit at most this many times the median rate "
+        "the coordinator measures for the run's other volunteers (a report over it is "
+        "accepted, its counter credited up to it).",
+    )
+    report_rate_floor: float = Field(
+        default=50_000.0,
+        gt=0,
+        description="Samples per second a peer earns credit for before any other volunteer "
+        "of the run is measured (its first minutes, or a volunteer alone).",
     )
     report_max_epoch_lead: int = Field(
         default=100,
@@ -194,6 +221,41 @@ class Settings(BaseSettings):
         default=3.0, gt=0, le=60, description="How long a reachability probe waits to connect."
     )
 
+    # The HTTP server `swarmgrad coordinator` runs (uvicorn; server.http_guard).
+    http_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="A connection must send its request's headers within this long of "
+        "opening, or of its previous response, or it is closed: idle and slow-header "
+        "connections cannot pile up. Bodies (checkpoint uploads) are not bound by it.",
+    )
+    http_keep_alive_s: int = Field(
+        default=5,
+        ge=1,
+        le=600,
+        description="How long a connection may stay idle after a response before it closes.",
+    )
+    http_max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        le=16 * 1024 * 1024,
+        description="Longest request line and headers accepted (431 beyond).",
+    )
+    http_max_connections: int = Field(
+        default=1000,
+        ge=1,
+        description="Open connections per worker (WebSockets included); beyond, a new one "
+        "is closed at once. Keep it under the process's descriptor limit (ulimit -n).",
+    )
+    http_max_pending_per_source: int = Field(
+        default=32,
+        ge=1,
+        description="Connections from one address (an IPv6 network of "
+        "rate_limit_ipv6_prefix bits) still waiting for their first request's headers; "
+        "beyond, a new one is closed at once. Trusted proxies are exempt.",
+    )
+
     # Rate limits: token buckets per worker process (docs/coordinator.md, "Rate limits").
     rate_limits: bool = Field(
         default=True, description="Refuse requests over the limits below with 429."
@@ -227,6 +289,23 @@ class Settings(BaseSettings):
         "address, whatever the token: many volunteers may share one address (a NAT).",
     )
     rate_limit_address_burst: int = Field(default=1000, ge=1)
+    rate_limit_dashboard_per_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Reads of the dashboard's data and pages (the runs list, a run's "
+        "dashboard, its volunteers' table, a volunteer's page) per second per address: a "
+        "page open in a browser reads one every few seconds at most, while each read of "
+        "another table page or volunteer is a database query.",
+    )
+    rate_limit_dashboard_burst: int = Field(default=100, ge=1)
+    rate_limit_ipv6_prefix: int = Field(
+        default=56,
+        ge=32,
+        le=128,
+        description="An IPv6 client is counted with its whole network of this prefix length "
+        "(per-address limits): a subscriber commonly holds a /56 or a /48, and could "
+        "otherwise multiply its limits by changing addresses. 48 counts per /48, 64 per LAN.",
+    )
     rate_limit_max_keys: int = Field(
         default=50_000,
         ge=1,
@@ -258,17 +337,34 @@ class Settings(BaseSettings):
 
     @field_validator("report_retention_s", "checkpoint_dir_max_bytes", mode="before")
     @classmethod
-    def _unset(cls, value: Any) -> Any:
+    def _unset(cls, value: object) -> object:
         # SWARMGRAD_REPORT_RETENTION_S= (empty) or =none: no bound.
         if isinstance(value, str) and value.strip().lower() in ("", "none"):
             return None
         return value
 
-    @field_validator("trusted_proxies", mode="before")
+    @field_validator("relays", "trusted_proxies", mode="before")
     @classmethod
-    def _split_proxies(cls, value: Any) -> Any:
+    def _split_list(cls, value: object) -> object:
+        # A list in one environment variable: comma-separated.
         if isinstance(value, str):
             return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("relays")
+    @classmethod
+    def _check_relays(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            parts = urllib.parse.urlsplit(entry)
+            try:
+                port = parts.port
+            except ValueError:
+                port = None
+            if parts.scheme != "relay" or not parts.hostname or port is None or parts.path:
+                raise ValueError(
+                    f"SWARMGRAD_RELAYS: {entry!r} is not a relay address "
+                    "(relay://host:port, as `swarmgrad relay` prints)"
+                )
         return value
 
     @field_validator("trusted_proxies")

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry
 
 from server.config import Settings
 
@@ -60,7 +61,7 @@ def make_engine(settings: Settings) -> Engine:
     )
 
 
-def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+def _sqlite_on_connect(dbapi_connection: sqlite3.Connection, _record: ConnectionPoolEntry) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
@@ -69,7 +70,9 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def _sqlite_mark_read_only(dbapi_connection: Any, record: Any) -> None:
+def _sqlite_mark_read_only(
+    dbapi_connection: sqlite3.Connection, record: ConnectionPoolEntry
+) -> None:
     # SQLite opens a file it cannot write read-only, silently, and such a connection stays
     # read-only — as does every connection the process opens to that file while one of them
     # holds it (they share its WAL index). So a connection opened on a read-only filesystem
@@ -82,7 +85,9 @@ def _sqlite_mark_read_only(dbapi_connection: Any, record: Any) -> None:
         record.info["read_only"] = True
 
 
-def _sqlite_close_read_only(_dbapi_connection: Any, record: Any) -> None:
+def _sqlite_close_read_only(
+    _dbapi_connection: sqlite3.Connection, record: ConnectionPoolEntry
+) -> None:
     if record.info.get("read_only"):
         record.invalidate()
 

@@ -1,21 +1,17 @@
 """Documents many readers ask for, built at most once per ``max_age_s`` in each worker.
 
-A run's dashboard data takes tens of milliseconds of SQL at thousands of volunteers; API
-clients polling it (a status page, a bot, a few hundred browsers without WebSockets) would
-each pay that. :class:`DocumentCache` keeps each document's serialised form per key:
+:class:`DocumentCache` keeps each document's serialised form per key, so that API clients
+polling a run's dashboard data do not each pay its SQL:
 
 * younger than ``max_age_s``: served as it is;
-* older, but younger than ``max_stale_s``: served as it is, and one background thread builds
-  the next (stale-while-revalidate): a reader who polls at least every ``max_stale_s`` never
-  waits for a build, and gets a document at most one polling interval plus one build old;
-* older still, or never built: the reader builds it, and concurrent readers of the same key
-  wait for that one build rather than each starting their own.
+* younger than ``max_stale_s``: served as it is while one background thread builds the next
+  (stale-while-revalidate);
+* older, or never built: the reader builds it; concurrent readers of that key wait for
+  that one build.
 
-Nothing is built that no reader asked for: a build starts only on a read, at most one per
-key at a time, so a reader costs at most one build, however many keys it asks for. Builds
-open their own database session (a background build outlives the request that started it).
-``max_age_s = 0`` turns the cache off: every reader builds. The number of keys is bounded
-(least recently read dropped first), so varied query strings cannot grow it without end.
+A build starts only on a read, at most one per key at a time, and opens its own database
+session. ``max_age_s = 0`` turns the cache off. The number of keys is bounded (least
+recently read dropped first).
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Live updates for open pages: one feed per watched view, fanned out to its WebSockets.
 
 Each worker process has a :class:`LiveHub`. A feed (the runs list, or one run's dashboard)
-exists while at least one of this worker's WebSockets watches it: a task that builds the
-view's document from the database every ``interval_s`` and, when its ``version`` changed,
-hands it to every subscriber. Nothing is kept that another worker would need: whichever
-worker received a report, it is in the database, and every worker's feeds read it from
-there within ``interval_s`` (plus the report buffer's flush interval).
+exists while at least one of this worker's WebSockets watches it (:meth:`LiveHub.subscribe`):
+a task that builds the view's document from the database every ``interval_s`` and, when its
+``version`` changed, hands it to every subscriber. Every worker reads what it shows from the
+database, so nothing is shared between workers.
 
-The cost of a feed is one document build per interval, whatever the number of browsers; and
-at most ``MAX_BUILD_SHARE`` of the worker's time: a document that takes long to build (a
-run of many thousands of volunteers) is rebuilt less often rather than starve the worker's
-other requests.
+A feed costs one build per interval whatever the number of browsers, and at most
+``MAX_BUILD_SHARE`` of the worker's time (a slow build is repeated less often).
 """
 
 from __future__ import annotations
@@ -19,12 +16,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Hashable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping
 
 logger = logging.getLogger(__name__)
 
-Build = Callable[[], dict[str, Any] | None]  # the document, or None: the view is gone
+# A view's document: the hub reads only its ``version`` and hands it on as it is.
+Document = Mapping[str, object]
+Build = Callable[[], Document | None]  # the document, or None: the view is gone
 
 # The most of a worker's time one feed spends building documents.
 MAX_BUILD_SHARE = 0.25
@@ -41,8 +39,8 @@ class _Feed:
     def __init__(self, build: Build, interval_s: float) -> None:
         self.build = build
         self.interval_s = interval_s
-        self.subscribers: set[asyncio.Queue[dict[str, Any] | None]] = set()
-        self.latest: dict[str, Any] | None = None
+        self.subscribers: set[asyncio.Queue[Document | None]] = set()
+        self.latest: Document | None = None
         self.task: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
@@ -66,7 +64,7 @@ class _Feed:
             await asyncio.sleep(pause_s(self.interval_s, time.perf_counter() - started))
 
 
-def _offer(queue: asyncio.Queue[dict[str, Any] | None], document: dict[str, Any]) -> None:
+def _offer(queue: asyncio.Queue[Document | None], document: Document) -> None:
     """Newest wins: a slow browser skips documents rather than queueing them."""
     while not queue.empty():
         queue.get_nowait()
@@ -81,13 +79,13 @@ class LiveHub:
     @contextlib.asynccontextmanager
     async def subscribe(
         self, key: Hashable, build: Build
-    ) -> AsyncIterator[asyncio.Queue[dict[str, Any] | None]]:
+    ) -> AsyncIterator[asyncio.Queue[Document | None]]:
         """A queue of documents for view ``key`` (``build`` makes one), the current one first;
         ``None`` in the queue means the view is gone."""
         feed = self._feeds.get(key)
         if feed is None:
             feed = self._feeds[key] = _Feed(build, self.interval_s)
-        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=1)
+        queue: asyncio.Queue[Document | None] = asyncio.Queue(maxsize=1)
         feed.subscribers.add(queue)
         if feed.latest is not None:
             _offer(queue, feed.latest)

@@ -2,17 +2,13 @@
 
 Two kinds, with different guarantees when several worker processes serve one coordinator:
 
-* Gauges and counters about the *run state* — runs by status, peers and peers online,
-  samples processed, reports stored — are read from the database at scrape time, so every
-  worker reports the same, correct values.
-* Per-process instruments — HTTP requests and their latencies, reports this process wrote
-  or pruned, requests it refused for a rate limit — live in the process that served the request. With
-  several workers, a scrape sees one worker's share; the ``pid`` label keeps those series
-  apart so that ``sum`` and ``rate`` over several scrapes stay meaningful. (For exact
-  per-process totals behind a load balancer, scrape each worker directly or run one worker
-  per container.)
+* the *run state* (runs by status, peers and peers online, samples, reports stored) is read
+  from the database at scrape time: every worker reports the same values;
+* per-process instruments (HTTP requests and latencies, reports written or pruned, rate
+  limit refusals) count what this process served, labelled with its ``pid``: a scrape sees
+  one worker's share; scrape each worker for exact totals.
 
-Each app owns its registry: no global state, so several apps (tests) can live in one process.
+Each app owns its registry (no global state), so several apps can live in one process.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.clock import now_ms
 from server.models import EpochSummary, Peer, Run, RunStatus
 from server.services import presence
-from server.services.reports import float_sum, saturated
+from server.services.run_totals import float_sum, saturated
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -24,13 +24,16 @@ from sqlalchemy import (
     LargeBinary,
     MetaData,
     String,
+    Table,
     TypeDecorator,
     UniqueConstraint,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, validates
 
 # A run's status is part of the REST payloads both sides share.
 from peer.formats.payloads import RunStatus as RunStatus
+from server.services.display_names import comparison_key
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -47,14 +50,14 @@ class UTCDateTime(TypeDecorator[datetime]):
     impl = DateTime(timezone=True)
     cache_ok = True
 
-    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
         if value.tzinfo is None:
             raise ValueError("naive datetime; use datetime.now(UTC)")
         return value.astimezone(UTC)
 
-    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
@@ -66,6 +69,14 @@ def utcnow() -> datetime:
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def table_of(model: type[Base]) -> Table:
+    """The table ``model`` is mapped to, for Core statements (declarative types a model's
+    ``__table__`` as any FromClause; every model here is declared on a Table)."""
+    table = model.__table__
+    assert isinstance(table, Table)
+    return table
 
 
 class TokenScope(enum.Enum):
@@ -93,6 +104,30 @@ class Run(Base):
     authority_public_key: Mapped[bytes] = mapped_column(LargeBinary(32))
     authority_private_key_encrypted: Mapped[bytes] = mapped_column(LargeBinary(128))
     last_snapshot_ms: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Set while the run waits (paused) for this many volunteers to be online; it starts by
+    # itself when they are (server.services.runs), and the value is cleared once it started.
+    min_volunteers: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The epoch at which the run finished by itself (its config's last); null when the
+    # organizer finished it, or while it runs.
+    finished_at_epoch: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # The task file the run ships (its bytes in task_files, by digest) and the pip
+    # requirements volunteers install for it; null when volunteers have the task installed.
+    task_sha256: Mapped[str | None] = mapped_column(
+        ForeignKey("task_files.sha256", ondelete="RESTRICT"), nullable=True
+    )
+    task_requirements: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+
+
+class TaskFile(Base):
+    """A task file shipped with runs, stored once by the SHA-256 of its bytes."""
+
+    __tablename__ = "task_files"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    filename: Mapped[str] = mapped_column(String(200))
+    size: Mapped[int] = mapped_column(Integer)
+    content: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)  # read to serve it
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
 class Token(Base):
@@ -127,15 +162,25 @@ class Volunteer(Base):
     """A person who joined a run through an invite; owns one or more peers."""
 
     __tablename__ = "volunteers"
+    __table_args__ = (Index("ix_volunteers_run_id_name_key", "run_id", "name_key"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     display_name: Mapped[str] = mapped_column(String(64))
+    # Equal for names a reader could take for one another (NFKC, case, UTS #39 skeleton):
+    # server.services.display_names.comparison_key, kept in step with display_name below.
+    # Null only for rows written around the ORM (a bulk insert), which collide with nothing.
+    name_key: Mapped[str | None] = mapped_column(String(32), nullable=True)
     # No foreign key: tokens reference peers, peers volunteers; this closes no cycle.
     join_token_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     # Set by an organizer's ban: the volunteer's tokens are revoked and its keys refused.
     banned_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    @validates("display_name")
+    def _keep_name_key(self, _: str, value: str) -> str:
+        self.name_key = comparison_key(value)
+        return value
 
 
 class Peer(Base):

@@ -17,6 +17,9 @@ class RunRow(BaseModel):
     id: str
     name: str
     status: RunStatus
+    status_detail: str | None = Field(
+        None, description="Why it is in its status: 'waiting for 3 volunteers (1 online)'."
+    )
     task: str
     epoch: int
     samples: int
@@ -40,6 +43,11 @@ class RunHeader(BaseModel):
     name: str
     task: str
     status: RunStatus
+    status_detail: str | None = Field(
+        None,
+        description="Why it is in its status: 'waiting for 3 volunteers (1 online)', "
+        "'reached its last epoch 40'; null for the organizer's own pause or finish.",
+    )
     created_at: datetime
     target_epochs: int | None
     algorithm: str = Field(
@@ -82,9 +90,19 @@ class Headline(BaseModel):
 
 
 class Alert(BaseModel):
-    kind: Literal["loss_nan", "loss_jump", "peers_collapse", "rounds_failing", "stalled"]
+    kind: Literal[
+        "loss_nan",
+        "loss_jump",
+        "peers_collapse",
+        "rounds_failing",
+        "stalled",
+        "not_averaging",
+        "no_group",
+        "islands",
+    ]
     severity: Literal["warning", "critical"]
     message: str
+    help: str | None = Field(default=None, description="What would help, where the alert knows.")
 
 
 class Series(BaseModel):
@@ -117,7 +135,12 @@ class VolunteerRow(BaseModel):
     online_s: float
     last_seen: datetime | None
     online: bool
-    reachable: bool = Field(description="False: every machine of theirs is in client mode.")
+    reachable: bool = Field(description="True: the coordinator reached a machine of theirs.")
+    behind_nat: bool = Field(
+        False,
+        description="True: not reachable, but a machine of theirs behind a NAT takes part "
+        "by hole punching (and relays); False with reachable false: client mode only.",
+    )
     peers: int
     banned: bool
 
@@ -183,6 +206,9 @@ class MachineRow(BaseModel):
     peer_id: str
     addresses: list[str]
     reachable: bool
+    behind_nat: bool = Field(
+        False, description="Behind a NAT, reached by hole punching (a punch:// address)."
+    )
     client_mode: bool
     epoch: int
     samples: int

@@ -157,7 +157,6 @@ class JoinChallenge:
 _CHALLENGE_CONTEXT = b"swarmgrad-join-challenge-v1\x00"
 _CHALLENGE_VERSION = 1
 _CHALLENGE_NONCE_SIZE = 16
-MAX_CHALLENGE_LENGTH = 256
 
 
 def _b64(data: bytes) -> str:

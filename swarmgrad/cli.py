@@ -1,18 +1,15 @@
 """The ``swarmgrad`` command: the root app and :func:`main`, which holds the error discipline.
 
-Every expected failure — a :class:`~peer.exceptions.SwarmgradError` (the coordinator client's
-``CoordinatorError`` family included), a bad option value, a missing token, a file that cannot
-be written — ends as ONE line ``error: ...`` on standard error and a non-zero exit status (2
-for usage errors, 1 otherwise), never a traceback. Ctrl-C exits with status 130 and prints
-nothing more.
+Every expected failure (a :class:`~peer.exceptions.SwarmgradError`, a bad option, a missing
+token, a file that cannot be written) ends as ONE line ``error: ...`` on standard error and
+exit status 2 for usage errors, 1 otherwise, never a traceback; Ctrl-C exits with 130.
 
 ``kill -USR1 <pid>`` makes any ``swarmgrad`` process print every thread's stack to standard
-error and go on: what a peer or a coordinator that seems stuck is doing, without a debugger.
+error and go on.
 
-``swarmgrad coordinator`` is the coordinator's own command line (``server.cli``), imported only
-when that command runs: the volunteer's commands never load ``server``, ``fastapi`` or
-``sqlalchemy``, which ``pip install swarmgrad`` does not install (the coordinator's extra does;
-without it, ``swarmgrad coordinator`` and ``swarmgrad demo`` say how to install it).
+``swarmgrad coordinator`` (``server.cli``) is imported only when that command runs: the
+volunteer's commands never load ``server``, ``fastapi`` or ``sqlalchemy``, which only the
+coordinator's extra installs.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from collections.abc import Sequence
 import typer
 
 from peer.exceptions import SwarmgradError
-from swarmgrad import demo, join, organizer
+from swarmgrad import demo, join, organizer, relay, tokens
 from swarmgrad.extras import require_coordinator
 
 PROG_NAME = "swarmgrad"
@@ -40,9 +37,10 @@ app = typer.Typer(
 )
 app.command("join")(join.join)
 app.command("demo")(demo.demo)
+app.command("relay")(relay.relay)
 app.add_typer(organizer.runs_app, name="runs")
-app.command("invite")(organizer.invite)
-app.add_typer(organizer.tokens_app, name="tokens")
+app.command("invite")(tokens.invite)
+app.add_typer(tokens.tokens_app, name="tokens")
 
 
 @app.command(

@@ -1,14 +1,13 @@
 """``swarmgrad demo``: a whole swarm on this machine, run the way people run it.
 
-A coordinator process (production mode, fresh secrets, SQLite in a temporary directory), a run
-with one single-use invite per peer made through the REST API, and N ``swarmgrad join ...
---quiet`` processes exactly as volunteers start them. The run stays paused until every
-volunteer is online (at most :data:`JOIN_GRACE_S`), so that they start training together
-rather than the first one racing through epochs alone. The demo prints one line per swarm epoch
-from the run's progress; at the last epoch (once its checkpoint is saved, or after a grace
-period) it finishes the run, waits for the peers to leave, evaluates the checkpoint, and stops
-the coordinator. Ctrl-C, SIGTERM or any failure stops every process it started (see
-:mod:`swarmgrad.local`).
+A coordinator process (production mode, fresh secrets, SQLite in a temporary directory), a
+run with one single-use invite per peer made through the REST API, and N ``swarmgrad join
+... --quiet`` processes exactly as volunteers start them. The run waits for all N
+(``min_volunteers``; after :data:`JOIN_GRACE_S` the demo starts it anyway), the demo prints
+one line per swarm epoch, and at the last epoch the run finishes once its checkpoint is
+saved; the demo then waits for the peers to leave, evaluates the checkpoint and stops the
+coordinator. Ctrl-C, SIGTERM or any failure stops every process it started
+(:mod:`swarmgrad.local`).
 """
 
 from __future__ import annotations
@@ -19,37 +18,36 @@ import io
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Annotated, Any, TextIO
+from typing import Annotated, TextIO
 
 import typer
 from rich.console import Console
 
 from peer.coordinator import CoordinatorClient
+from peer.coordinator.exceptions import RunNotAccepting
+from peer.formats.open_types import ConfigValues
 from peer.formats.payloads import ProgressPublic, RunPublic
 from swarmgrad.errors import CommandError
 from swarmgrad.extras import require_coordinator
 from swarmgrad.local import LocalCoordinator, start_volunteer, stop_processes
 from swarmgrad.organizer import check_run_config, parse_config, write_atomically
+from swarmgrad.shipping import RequirementOption, TaskFileOption, task_source
 
 # How often the demo reads the run's progress (a display refresh, not a synchronisation).
 POLL_INTERVAL_S = 1.0
-# How long the paused run waits for every volunteer to come online before it starts anyway.
+# How long the run waits for every volunteer to come online before the demo starts it anyway.
 JOIN_GRACE_S = 120.0
 # After the last epoch: how long to wait for its checkpoint before finishing the run anyway.
 FINAL_CHECKPOINT_GRACE_S = 60.0
 # After the run is finished: how long the peers get to notice and leave.
 PEER_EXIT_TIMEOUT_S = 60.0
-
-
-class DemoTask(enum.StrEnum):
-    digits = "digits"
-    charlm = "charlm"
 
 
 class DemoAlgorithm(enum.StrEnum):
@@ -64,7 +62,16 @@ DEMO_INNER_STEPS = 10
 
 def demo(
     peers: Annotated[int, typer.Option(min=1, max=32, help="How many volunteers to start.")] = 4,
-    task: Annotated[DemoTask, typer.Option(help="What the swarm trains.")] = DemoTask.digits,
+    task: Annotated[
+        str,
+        typer.Option(
+            help="What the swarm trains: digits, charlm, or package.module:function (a "
+            "function returning a peer.tasks.Task, importable from here; the current "
+            "directory counts, as for python -m)."
+        ),
+    ] = "digits",
+    task_file: TaskFileOption = None,
+    requirement: RequirementOption = None,
     epochs: Annotated[
         int, typer.Option(min=1, help="Swarm epochs to train before the run finishes.")
     ] = 40,
@@ -83,6 +90,16 @@ def demo(
             help="Save the run's final checkpoint here (load it with "
             '`model.load_state_dict(torch.load(path)["model"])`).',
             show_default=False,
+        ),
+    ] = None,
+    save_volunteers: Annotated[
+        Path | None,
+        typer.Option(
+            "--save-volunteers",
+            help="Have each volunteer write its own final model into this directory "
+            "(peer-N.pt, as `swarmgrad join --save-final`).",
+            show_default=False,
+            file_okay=False,
         ),
     ] = None,
     algorithm: Annotated[
@@ -105,19 +122,30 @@ def demo(
 ) -> None:
     """Start a coordinator and a few volunteers on this machine and train a run to the end."""
     settings = parse_config(config or [])
+    # --task's default is digits: with a file, --task was not given
+    source = task_source(
+        None if task == "digits" else task, task_file, requirement or [], default="digits"
+    )
+    # --task module:function: the demo and its volunteers import it from here, as python
+    # -m does; a --task-file is shipped to the volunteers with the run
+    import_path = [os.getcwd()] if source.file is None and ":" in source.task else []
+    sys.path[:0] = [p for p in import_path if p not in sys.path]
     for reserved, option in (("epochs", "--epochs"), ("algorithm", "--algorithm")):
         if reserved in settings:
             raise typer.BadParameter(f"set {reserved} with {option}", param_hint="'--config'")
     run = Demo(
         peers=peers,
-        task=task.value,
+        task=source.task,
+        task_file=source.body,
+        import_path=import_path,
         epochs=epochs,
         port=port,
         save=save,
+        save_volunteers=save_volunteers,
         algorithm=algorithm.value,
         settings=settings,
     )
-    check_run_config(run.task, run.run_config())
+    check_run_config(run.task, run.run_config(), source)
     require_coordinator("demo")
     with _signals_interrupt():
         try:
@@ -172,14 +200,20 @@ class Demo:
         epochs: int,
         port: int | None = None,
         save: Path | None = None,
+        save_volunteers: Path | None = None,
         out: TextIO | None = None,
         algorithm: str = "collaborative",
-        settings: Mapping[str, Any] | None = None,
+        settings: ConfigValues | None = None,
+        import_path: Sequence[str] = (),
+        task_file: Mapping[str, str | list[str]] | None = None,
     ) -> None:
         self.peers = peers
+        self.task_file = task_file  # POST /runs' task_file: the volunteers get it shipped
+        self.import_path = list(import_path)
         self.settings = dict(settings or {})
         self.algorithm = algorithm
         self.save = save
+        self.save_volunteers = save_volunteers
         self.task = task
         self.epochs = epochs
         self.port = port or 0
@@ -190,13 +224,27 @@ class Demo:
         self.console.print(line, soft_wrap=True)
         self.console.file.flush()
 
-    def run_config(self) -> dict[str, Any]:
+    def run_config(self) -> dict[str, object]:
         """The config of the run the demo creates."""
-        config: dict[str, Any] = {"epochs": self.epochs}
+        config: dict[str, object] = {"epochs": self.epochs}
         if self.algorithm == "diloco":
             config.update(algorithm="diloco", inner_steps=DEMO_INNER_STEPS)
         config.update(self.settings)
         return config
+
+    def _save_final(self, i: int) -> list[str]:
+        """``swarmgrad join``'s arguments to write volunteer ``i``'s final model, if asked."""
+        if self.save_volunteers is None:
+            return []
+        self.save_volunteers.mkdir(parents=True, exist_ok=True)
+        return ["--save-final", str((self.save_volunteers / f"peer-{i}.pt").absolute())]
+
+    def _python_path(self) -> dict[str, str]:
+        """``PYTHONPATH`` for the volunteers: where the task is imported from, first."""
+        if not self.import_path:
+            return {}
+        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        return {"PYTHONPATH": os.pathsep.join([*self.import_path, *inherited])}
 
     def run(self) -> None:
         with (
@@ -215,9 +263,15 @@ class Demo:
             self.say(f"coordinator: {coordinator.url} (API docs at {coordinator.url}/docs)")
             client = stack.enter_context(CoordinatorClient(coordinator.url))
             token = coordinator.admin_token
-            run = client.create_run(token, f"demo-{self.task}", self.task, self.run_config())
-            # paused until every volunteer is online: they start training together
-            client.update_run(token, run.id, status="paused")
+            # held until every volunteer is online: they start training together
+            run = client.create_run(
+                token,
+                f"demo-{self.task}",
+                self.task,
+                self.run_config(),
+                min_volunteers=self.peers,
+                task_file=self.task_file,
+            )
             invites = [
                 client.create_invite(token, run.id, max_uses=1, label=f"demo peer {i}")
                 for i in range(self.peers)
@@ -238,9 +292,12 @@ class Demo:
                         f"demo-{i}",
                         "--host",
                         "127.0.0.1",
+                        # the file is the demo user's own: consent given by running the demo
+                        *(["--trust-task"] if self.task_file is not None else []),
+                        *self._save_final(i),
                         stdout=log,
                         stderr=subprocess.STDOUT,
-                        env={"OMP_NUM_THREADS": str(threads)},
+                        env={"OMP_NUM_THREADS": str(threads), **self._python_path()},
                     )
                 peers.append(_Peer(i, process, log_path))
             self.say(
@@ -254,7 +311,7 @@ class Demo:
             self.metric_name = _metric_name(self.task)
             self._start_once_online(client, token, run.id, coordinator, peers)
             progress = self._watch(client, run.id, coordinator, peers)
-            client.update_run(token, run.id, status="finished")
+            self._finish(client, token, run.id)
             self._wait_for_peers(peers)
             self._report(client, token, run, progress)
             self.say("stopping the coordinator")
@@ -267,19 +324,21 @@ class Demo:
         coordinator: LocalCoordinator,
         peers: list[_Peer],
     ) -> None:
-        """Resume the paused run once every volunteer is online (or after the grace)."""
+        """Wait until the run started by itself (every volunteer online), or start it after
+        the grace."""
         self.say(f"waiting for the {self.peers} volunteer(s) to come online ...")
         deadline = time.monotonic() + JOIN_GRACE_S
         while True:
             _check_alive(coordinator, peers)
-            online = client.progress(run_id).peers_online
-            if online >= self.peers:
-                break
+            run = client.run(run_id)
+            if run.status.value == "running":
+                return
             if time.monotonic() >= deadline:
+                online = run.volunteers_online or 0
                 self.say(f"{online} of {self.peers} volunteer(s) online; starting anyway")
-                break
+                client.update_run(token, run_id, status="running")
+                return
             time.sleep(POLL_INTERVAL_S / 4)
-        client.update_run(token, run_id, status="running")
 
     def _watch(
         self,
@@ -298,11 +357,10 @@ class Demo:
             if epoch > shown and progress.samples:
                 shown = epoch
                 self.say(self._epoch_line(progress))
+            if progress.status.value == "finished":
+                return progress  # at its last epoch, with its checkpoint: it ended by itself
             if epoch >= self.epochs:
                 reached_at = reached_at if reached_at is not None else time.monotonic()
-                checkpoint = progress.checkpoint
-                if checkpoint is not None and checkpoint.epoch >= self.epochs:
-                    return progress
                 if time.monotonic() - reached_at > FINAL_CHECKPOINT_GRACE_S:
                     self.say(f"no checkpoint of epoch {self.epochs} arrived; finishing anyway")
                     return progress
@@ -326,8 +384,18 @@ class Demo:
             ]
         )
 
+    def _finish(self, client: CoordinatorClient, token: str, run_id: str) -> None:
+        """Finish the run unless it finished by itself; say how it ended."""
+        run = client.run(run_id)
+        if run.status.value != "finished":
+            try:
+                run = client.update_run(token, run_id, status="finished")
+            except RunNotAccepting:  # it finished by itself in the meantime
+                run = client.run(run_id)
+        why = f" ({run.status_detail})" if run.status_detail else ""
+        self.say(f"the run is finished{why}; waiting for the volunteers to leave")
+
     def _wait_for_peers(self, peers: list[_Peer]) -> None:
-        self.say("the run is finished; waiting for the volunteers to leave")
         deadline = time.monotonic() + PEER_EXIT_TIMEOUT_S
         for peer in peers:
             try:
@@ -391,7 +459,7 @@ def _metric_name(task: str) -> str:
     return str(load_task(task).metric_name)
 
 
-def _evaluate(task_name: str, run_config: Mapping[str, Any], data: bytes) -> float:
+def _evaluate(task_name: str, run_config: ConfigValues, data: bytes) -> float:
     """The task's held-out metric of the model in a checkpoint (the file a peer uploaded)."""
     import torch
 

@@ -6,6 +6,9 @@ as a live table, or — with ``--quiet``, or when standard output is not a termi
 for a log: one per swarm epoch the peer reaches, plus one per notable event::
 
     epoch 12 | samples 3456 | 210.5 samples/s (swarm 830.1) | loss 0.412 | accuracy 0.913 | peers 4 | group 4 | coordinator ok
+
+The rates are counted as the run's dashboard counts them: this peer's samples and the
+swarm's, over the last seconds of this machine's clock (``-`` before a second of training).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Annotated, Any, Protocol, TextIO
+from typing import Annotated, Protocol, Self, TextIO
 
 import typer
 from rich.console import Console, Group
@@ -29,6 +32,7 @@ from rich.table import Table
 from rich.text import Text
 
 from peer.coordinator import CoordinatorClient
+from peer.tasks.shipped import Consent
 from peer.volunteer import JoinOptions, Volunteer, VolunteerStatus, default_data_dir
 from swarmgrad.errors import CommandError, UsageError
 
@@ -79,11 +83,18 @@ def join(
         bool,
         typer.Option(help="Only dial out (behind NAT or a firewall that you cannot open)."),
     ] = False,
+    upnp: Annotated[
+        bool,
+        typer.Option(
+            help="Ask a UPnP home router to forward these ports while you train (removed "
+            "when you leave).",
+        ),
+    ] = True,
     data_dir: Annotated[
         Path | None,
         typer.Option(
-            help="Where this volunteer's key is kept, so a restart is the same peer "
-            "(default: $XDG_DATA_HOME/swarmgrad or ~/.local/share/swarmgrad).",
+            help="Where this volunteer's key is kept, so a restart is the same peer; one "
+            "process at a time (default: $XDG_DATA_HOME/swarmgrad or ~/.local/share/swarmgrad).",
             show_default=False,
         ),
     ] = None,
@@ -93,12 +104,48 @@ def join(
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="Log what the peer does (to stderr).")
     ] = False,
+    trust_task: Annotated[
+        bool,
+        typer.Option(
+            "--trust-task",
+            help="Run the task file the run ships without asking (it is the organizer's "
+            "code and runs with your permissions).",
+        ),
+    ] = False,
+    task_sha256: Annotated[
+        str | None,
+        typer.Option(
+            "--task-sha256",
+            help="Run the task file the run ships only if its SHA-256 is this one (the "
+            "organizer publishes it); any other is refused.",
+            show_default=False,
+        ),
+    ] = None,
+    save_final: Annotated[
+        Path | None,
+        typer.Option(
+            "--save-final",
+            help="When the run finishes or you leave, write this volunteer's final model "
+            "(torch.save of {'model': state_dict with parameters and buffers, 'epoch', "
+            "'task'}) to this file.",
+            show_default=False,
+            dir_okay=False,
+        ),
+    ] = None,
 ) -> None:
     """Join a training run as a volunteer and train until it finishes (Ctrl-C to leave)."""
     try:  # the client's own rules for a URL, before anything else happens
         CoordinatorClient(url).close()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if save_final is not None and not save_final.absolute().parent.is_dir():
+        raise UsageError(f"--save-final: no directory {save_final.absolute().parent}")
+    console = Console(highlight=False)
+    display: Display = (
+        LineDisplay(sys.stdout) if quiet or not console.is_terminal else LiveDisplay(console)
+    )
+    # Asked only when a person can answer; otherwise the flags decide (and refuse without).
+    ask = display.ask if sys.stdin is not None and sys.stdin.isatty() else None
     options = JoinOptions(
         url=url,
         token=token,
@@ -109,11 +156,10 @@ def join(
         port=port,
         bulk_port=bulk_port,
         client_mode=client_mode,
+        port_mapping=upnp,
         data_dir=data_dir if data_dir is not None else default_data_dir(),
-    )
-    console = Console(highlight=False)
-    display: Display = (
-        LineDisplay(sys.stdout) if quiet or not console.is_terminal else LiveDisplay(console)
+        task_consent=Consent(trusted=trust_task, sha256=task_sha256, ask=ask),
+        save_final=save_final,
     )
     volunteer = Volunteer(options, on_update=display.update)
     with (
@@ -159,7 +205,7 @@ def _on_signals(stop: Callable[[], None], note: Callable[[str], None]) -> Iterat
             signal.signal(s, old)
 
 
-class _StderrHandler(logging.StreamHandler):
+class _StderrHandler(logging.StreamHandler[TextIO]):
     """Writes to whatever ``sys.stderr`` is at the time (the live display redirects it)."""
 
     def __init__(self) -> None:
@@ -195,7 +241,7 @@ def _logging_to_stderr(level: int) -> Iterator[None]:
 
 
 class Display(Protocol):
-    def __enter__(self) -> Any: ...
+    def __enter__(self) -> Self: ...
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -205,10 +251,22 @@ class Display(Protocol):
     def update(self, status: VolunteerStatus) -> None: ...
     def note(self, message: str) -> None: ...
     def final(self, message: str) -> None: ...
+    def ask(self, what: str) -> bool: ...
+
+
+def _ask(what: str) -> bool:
+    """Whether the person at the terminal agrees to run the task file ``what`` describes."""
+    typer.echo(f"This run ships its {what}.", err=True)
+    typer.echo("It is the organizer's code and runs with your permissions.", err=True)
+    return typer.confirm("Run it?", default=False, err=True)
 
 
 def _number(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
 
 
 def epoch_line(status: VolunteerStatus) -> str:
@@ -216,7 +274,8 @@ def epoch_line(status: VolunteerStatus) -> str:
     parts = [
         f"epoch {status.epoch}",
         f"samples {status.samples}",
-        f"{status.samples_per_second:.1f} samples/s (swarm {status.swarm_samples_per_second:.1f})",
+        f"{_number(status.samples_per_second, 1)} samples/s "
+        f"(swarm {_number(status.swarm_samples_per_second, 1)})",
         f"loss {_number(status.loss)}",
     ]
     if status.metric_name:
@@ -224,8 +283,12 @@ def epoch_line(status: VolunteerStatus) -> str:
     parts += [
         f"peers {status.peers_online}",
         f"group {'-' if status.group_size is None else status.group_size}",
-        f"coordinator {'ok' if status.coordinator_reachable else 'unreachable'}",
     ]
+    if status.path:
+        parts.append(f"path {status.path}")
+    parts.append(f"coordinator {'ok' if status.coordinator_reachable else 'unreachable'}")
+    if status.no_group:
+        parts.append(status.no_group)
     return " | ".join(parts)
 
 
@@ -283,6 +346,10 @@ class LineDisplay:
             if message != self.events.message:
                 self._print(message)
 
+    def ask(self, what: str) -> bool:
+        with self.lock:
+            return _ask(what)
+
 
 class LiveDisplay:
     """A table redrawn in place; events are printed above it as they happen."""
@@ -321,8 +388,8 @@ class LiveDisplay:
             ("samples (this peer)", f"{status.samples:,}"),
             (
                 "samples/s",
-                f"{status.samples_per_second:,.1f} here, "
-                f"{status.swarm_samples_per_second:,.1f} swarm",
+                f"{_rate(status.samples_per_second)} here, "
+                f"{_rate(status.swarm_samples_per_second)} swarm",
             ),
             ("loss", _number(status.loss)),
             (status.metric_name or "eval metric", _number(status.eval_metric)),
@@ -338,7 +405,10 @@ class LiveDisplay:
             ),
             ("coordinator", "reachable" if status.coordinator_reachable else "unreachable"),
             ("this peer", status.reachability or "-"),
+            ("path", status.path or "-"),
         ]
+        if status.no_group:
+            rows.append(("averaging", status.no_group))
         for name, value in rows:
             table.add_row(name, value)
         footer = Text("Ctrl-C to leave the run", style="dim")
@@ -356,3 +426,10 @@ class LiveDisplay:
     def final(self, message: str) -> None:
         if message != self.events.message:
             self.console.print(message, soft_wrap=True)
+
+    def ask(self, what: str) -> bool:
+        self.live.stop()  # the question and its answer stay above the table
+        try:
+            return _ask(what)
+        finally:
+            self.live.start()

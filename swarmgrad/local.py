@@ -3,16 +3,13 @@ for tests that run the system as people do.
 
 - :class:`LocalCoordinator` runs ``swarmgrad coordinator`` in production mode with fresh
   secrets, its SQLite database and checkpoints in one directory; it can be stopped, killed
-  (SIGKILL) and started again on the same port and database.
+  and started again on the same port and database.
 - :func:`start_volunteer` runs ``swarmgrad join URL --token T --data-dir D ...``.
 
-Children never outlive their parent: each runs in its own process group (so a stop reaches its
-own children too, and a Ctrl-C at the terminal reaches only the parent, which then stops them
-in order), :func:`stop_process` sends SIGTERM to the group and SIGKILL after a grace period,
-and on Linux each child asks the kernel for SIGKILL when its parent dies
-(``PR_SET_PDEATHSIG``), which covers a parent that is itself SIGKILLed. The kernel sends that
-signal when the *thread* that started the child exits: start children from a thread that lives
-as long as they should (the main thread, typically).
+Children never outlive their parent: each runs in its own process group, which
+:func:`stop_process` stops (SIGTERM, SIGKILL after a grace period), and on Linux gets SIGKILL
+when the *thread* that started it exits (``PR_SET_PDEATHSIG``): start children from a thread
+that lives as long as they should (the main thread, typically).
 """
 
 from __future__ import annotations
@@ -29,12 +26,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Literal, TypeAlias, overload
 
 import httpx
 
 import swarmgrad
-from peer.coordinator.client import COORDINATOR_HEADER
+from peer.coordinator.connection import COORDINATOR_HEADER
 from swarmgrad.errors import CommandError
 
 # How long a coordinator may take to answer /healthz after its start (migrations included).
@@ -83,30 +80,76 @@ def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def spawn(args: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
+# A child process, its pipes in text or in binary mode.
+Process: TypeAlias = subprocess.Popen[str] | subprocess.Popen[bytes]
+# Where a child's standard stream goes: subprocess.PIPE, DEVNULL, STDOUT, a file, or inherited.
+Stream: TypeAlias = int | IO[str] | IO[bytes] | None
+
+
+@overload
+def spawn(
+    args: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    stdin: Stream = None,
+    stdout: Stream = None,
+    stderr: Stream = None,
+    text: Literal[False] = False,
+) -> subprocess.Popen[bytes]: ...
+
+
+@overload
+def spawn(
+    args: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    stdin: Stream = None,
+    stdout: Stream = None,
+    stderr: Stream = None,
+    text: Literal[True],
+) -> subprocess.Popen[str]: ...
+
+
+def spawn(
+    args: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    stdin: Stream = None,
+    stdout: Stream = None,
+    stderr: Stream = None,
+    text: bool = False,
+) -> Process:
     """``subprocess.Popen(args)`` in a new session (its own process group), killed by the
     kernel if this process dies (Linux)."""
     return subprocess.Popen(
         list(args),
         start_new_session=True,
         preexec_fn=_death_signal_setter(),
-        **popen_kwargs,
+        env=env,
+        cwd=cwd,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        text=text,
     )
 
 
-def _signal_group(process: subprocess.Popen[Any], signum: int) -> None:
+def _signal_group(process: Process, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signum)
 
 
-def stop_process(process: subprocess.Popen[Any], grace: float = STOP_GRACE_S) -> int:
+def stop_process(process: Process, grace: float = STOP_GRACE_S) -> int:
     """Stop ``process`` and its process group: SIGTERM, SIGKILL after ``grace`` seconds (at
     once on a KeyboardInterrupt while waiting). Returns the exit status."""
     stop_processes([process], grace)
     return process.returncode
 
 
-def stop_processes(processes: Sequence[subprocess.Popen[Any]], grace: float = STOP_GRACE_S) -> None:
+def stop_processes(processes: Sequence[Process], grace: float = STOP_GRACE_S) -> None:
     """:func:`stop_process` for several at once: all get SIGTERM, then one shared grace."""
     for process in processes:
         if process.poll() is None:
@@ -261,8 +304,8 @@ def start_volunteer(
     token: str,
     data_dir: Path,
     *extra_args: str,
-    stdout: int | IO[Any] | None = subprocess.PIPE,
-    stderr: int | IO[Any] | None = subprocess.STDOUT,
+    stdout: Stream = subprocess.PIPE,
+    stderr: Stream = subprocess.STDOUT,
     env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[str]:
     """``swarmgrad join URL --token T --data-dir D *extra_args`` as a child process (text

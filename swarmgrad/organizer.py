@@ -1,11 +1,14 @@
-"""The organizer's commands: ``swarmgrad runs ...``, ``swarmgrad invite`` and ``swarmgrad
-tokens ...``.
+"""The organizer's commands for runs (``swarmgrad runs ...``) and what all of them share.
+
+Shared with :mod:`swarmgrad.tokens` (``swarmgrad invite``, ``swarmgrad tokens ...``): the
+``--url``/``--token``/``--json`` options, the client and the output.
 
 Each is one or two calls of :class:`peer.coordinator.CoordinatorClient` and a rendering of the
 answer — the coordinator's own payload types (:mod:`peer.formats.payloads`), so mypy checks
 every field read here against the server's description of it: rich tables for people, or
 with ``--json`` one JSON document on standard output for scripts. An answer the client cannot
-parse ends, like every other failure, as one ``error:`` line (:mod:`swarmgrad.cli`). The coordinator's URL and the organizer token come from ``--url``/``--token`` or
+parse ends, like every other failure, as one ``error:`` line (:mod:`swarmgrad.cli`). The
+coordinator's URL and the organizer token come from ``--url``/``--token`` or
 ``SWARMGRAD_URL``/``SWARMGRAD_TOKEN`` (``swarmgrad coordinator admin-token`` makes a token).
 """
 
@@ -14,12 +17,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shlex
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from pydantic_core import to_jsonable_python
@@ -28,16 +30,18 @@ from rich.table import Table
 
 from peer.coordinator import CoordinatorClient
 from peer.formats.durations import parse_duration
+from peer.formats.open_types import ConfigValues
 from peer.formats.payloads import ProgressPublic, RunPublic
 from swarmgrad.errors import CommandError, UsageError
+from swarmgrad.shipping import RequirementOption, TaskFileOption, task_source
+
+if TYPE_CHECKING:
+    from peer.tasks.base import TrainingConfig
+    from swarmgrad.shipping import TaskSource
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 runs_app = typer.Typer(help="Create, list, inspect and steer training runs.", no_args_is_help=True)
-tokens_app = typer.Typer(
-    help="List, create and revoke organizer tokens (through the coordinator's API).",
-    no_args_is_help=True,
-)
 
 UrlOption = Annotated[
     str,
@@ -62,15 +66,26 @@ JsonOption = Annotated[
     bool, typer.Option("--json", help="Print one JSON document instead of tables.")
 ]
 RunArgument = Annotated[str, typer.Argument(help="The run's id.", show_default=False)]
+MinVolunteersOption = Annotated[
+    int | None,
+    typer.Option(
+        "--min-volunteers",
+        min=1,
+        max=1_000_000,
+        help="Hold the run (paused) until this many volunteers are online, then start it by "
+        "itself; a volunteer's machines count once.",
+        show_default=False,
+    ),
+]
 
 
 # ---------------------------------------------------------------------------- parsing
 
 
-def parse_config(items: list[str]) -> dict[str, Any]:
+def parse_config(items: list[str]) -> dict[str, object]:
     """``["lr=0.1", "optimizer=adam"]`` → ``{"lr": 0.1, "optimizer": "adam"}``: a value is
     JSON when it parses as JSON, else the string as written. A later key wins."""
-    config: dict[str, Any] = {}
+    config: dict[str, object] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         key = key.strip()
@@ -83,15 +98,19 @@ def parse_config(items: list[str]) -> dict[str, Any]:
     return config
 
 
-def check_run_config(task_name: str, settings: Mapping[str, Any]) -> None:
-    """Load the task ``task_name`` here and check ``settings`` against it as every volunteer
-    will (:meth:`peer.tasks.base.TrainingConfig.from_run_config`): a run that no volunteer
-    could train is a usage error before it exists, not one error per volunteer after."""
+def check_run_config(
+    task_name: str, settings: ConfigValues, source: TaskSource | None = None
+) -> TrainingConfig:
+    """Load the task ``task_name`` here (from ``source``'s file when it ships one) and check
+    ``settings`` against it as every volunteer will
+    (:meth:`peer.tasks.base.TrainingConfig.from_run_config`): a run that no volunteer could
+    train is a usage error before it exists, not one error per volunteer after. Returns the
+    config the volunteers will train with."""
     from peer.tasks.base import TaskError, TrainingConfig
     from peer.tasks.registry import load_task
 
     try:
-        task = load_task(task_name)
+        task = source.load() if source is not None else load_task(task_name)
     except TaskError as exc:
         raise typer.BadParameter(
             f"{exc} (volunteers load it the same way; if it is installed on their machines "
@@ -99,7 +118,7 @@ def check_run_config(task_name: str, settings: Mapping[str, Any]) -> None:
             param_hint="'--task'",
         ) from None
     try:
-        TrainingConfig.from_run_config(task, settings)
+        return TrainingConfig.from_run_config(task, settings)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="'--config'") from None
 
@@ -113,7 +132,7 @@ def duration_option(text: str | None, option: str) -> float | None:
         raise typer.BadParameter(str(exc), param_hint=f"'{option}'") from None
 
 
-def _require_token(token: str | None) -> str:
+def require_token(token: str | None) -> str:
     if not token:
         raise UsageError(
             "no organizer token: pass --token or set SWARMGRAD_TOKEN "
@@ -123,7 +142,7 @@ def _require_token(token: str | None) -> str:
 
 
 @contextmanager
-def _client(url: str) -> Iterator[CoordinatorClient]:
+def open_client(url: str) -> Iterator[CoordinatorClient]:
     """A client for ``url``. The client raises ValueError only for what the caller passed —
     here what the person typed (a URL without http://, a token with spaces) — so that is a
     usage error."""
@@ -137,7 +156,7 @@ def _client(url: str) -> Iterator[CoordinatorClient]:
 # ---------------------------------------------------------------------------- output
 
 
-def _emit(as_json: bool, document: Any, render: Callable[[Console], None]) -> None:
+def emit(as_json: bool, document: object, render: Callable[[Console], None]) -> None:
     """``document`` (payloads, or dicts and lists of them) as JSON on stdout — each payload
     as the coordinator sent it — or ``render`` it for a person."""
     if as_json:
@@ -146,7 +165,7 @@ def _emit(as_json: bool, document: Any, render: Callable[[Console], None]) -> No
         render(Console(highlight=False))
 
 
-def _text(value: Any) -> str:
+def cell_text(value: object) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -158,24 +177,37 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _fields(title: str, rows: Mapping[str, Any]) -> Table:
+def _fields(title: str, rows: Mapping[str, object]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column(overflow="fold")
     for name, value in rows.items():
-        table.add_row(name, _text(value))
+        table.add_row(name, cell_text(value))
     return table
 
 
-def _run_rows(run: RunPublic) -> dict[str, Any]:
-    return {
+def _status(run: RunPublic) -> str:
+    """The run's status, and why where the coordinator says: "paused: waiting for 3
+    volunteers (1 online)", "finished: reached its last epoch 40"."""
+    detail = run.status_detail
+    return run.status.value if not detail else f"{run.status.value}: {detail}"
+
+
+def _run_rows(run: RunPublic) -> dict[str, object]:
+    rows: dict[str, object] = {
         "id": run.id,
         "name": run.name,
         "task": run.task,
-        "status": run.status.value,
+        "status": _status(run),
         "config": run.config,
         "created": run.created_at,
     }
+    if run.task_file is not None:
+        shipped = run.task_file
+        rows["task file"] = f"{shipped.filename}, {shipped.size:,} bytes"
+        rows["task sha256"] = shipped.sha256
+        rows["requirements"] = ", ".join(shipped.requirements) or "-"
+    return rows
 
 
 # ---------------------------------------------------------------------------- runs
@@ -185,11 +217,16 @@ def _run_rows(run: RunPublic) -> dict[str, Any]:
 def create(
     name: Annotated[str, typer.Argument(help="A name people recognise the run by.")],
     task: Annotated[
-        str,
+        str | None,
         typer.Option(
-            "--task", help="The task peers train: digits, charlm or package.module:function."
+            "--task",
+            help="The task peers train, installed on their machines: digits, charlm or "
+            "package.module:function.",
+            show_default=False,
         ),
-    ],
+    ] = None,
+    task_file: TaskFileOption = None,
+    requirement: RequirementOption = None,
     config: Annotated[
         list[str] | None,
         typer.Option(
@@ -207,29 +244,49 @@ def create(
             "task installed on the volunteers' machines only).",
         ),
     ] = False,
+    min_volunteers: MinVolunteersOption = None,
     url: UrlOption = DEFAULT_URL,
     token: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Create a run. Next: `swarmgrad invite RUN` for the volunteers."""
     settings = parse_config(config or [])
-    token = _require_token(token)
+    if task is None and task_file is None:
+        raise UsageError("give the run's task: --task NAME, or --task-file FILE to ship it")
+    source = task_source(task, task_file, requirement or [], default="digits")
+    token = require_token(token)
     if not no_check:
-        check_run_config(task, settings)
-    with _client(url) as client:
-        run = client.create_run(token, name, task, settings)
+        checked = check_run_config(source.task, settings, source)
+        if "epochs" not in settings and checked.epochs is not None:
+            # The task's own last epoch, written down: the coordinator finishes the run there.
+            settings["epochs"] = checked.epochs
+    with open_client(url) as client:
+        run = client.create_run(
+            token,
+            name,
+            source.task,
+            settings,
+            min_volunteers=min_volunteers,
+            task_file=source.body,
+        )
 
     def render(console: Console) -> None:
         console.print(_fields(f"Created run {run.name}", _run_rows(run)))
+        if run.min_volunteers is not None:
+            console.print(
+                f"It starts by itself once {run.min_volunteers} volunteers are online "
+                f"(`swarmgrad runs resume {run.id}` starts it now).",
+                soft_wrap=True,
+            )
         console.print(f"Next: swarmgrad invite {run.id}", soft_wrap=True)
 
-    _emit(as_json, run, render)
+    emit(as_json, run, render)
 
 
 @runs_app.command("list")
 def list_runs(url: UrlOption = DEFAULT_URL, as_json: JsonOption = False) -> None:
     """List the runs, newest first."""
-    with _client(url) as client:
+    with open_client(url) as client:
         runs = client.list_runs()
 
     def render(console: Console) -> None:
@@ -240,13 +297,13 @@ def list_runs(url: UrlOption = DEFAULT_URL, as_json: JsonOption = False) -> None
         for column in ("id", "name", "task", "status", "created"):
             table.add_column(column, overflow="fold")
         for run in runs:
-            table.add_row(run.id, run.name, run.task, run.status.value, _text(run.created_at))
+            table.add_row(run.id, run.name, run.task, _status(run), cell_text(run.created_at))
         console.print(table)
 
-    _emit(as_json, runs, render)
+    emit(as_json, runs, render)
 
 
-def _progress_rows(progress: ProgressPublic) -> dict[str, Any]:
+def _progress_rows(progress: ProgressPublic) -> dict[str, object]:
     checkpoint = progress.checkpoint
     return {
         "epoch": progress.epoch,
@@ -269,7 +326,7 @@ def _progress_rows(progress: ProgressPublic) -> dict[str, Any]:
 @runs_app.command("show")
 def show(run_id: RunArgument, url: UrlOption = DEFAULT_URL, as_json: JsonOption = False) -> None:
     """Show a run and its progress."""
-    with _client(url) as client:
+    with open_client(url) as client:
         run = client.run(run_id)
         progress = client.progress(run_id)
 
@@ -277,29 +334,42 @@ def show(run_id: RunArgument, url: UrlOption = DEFAULT_URL, as_json: JsonOption 
         console.print(_fields(f"Run {run.name}", _run_rows(run)))
         console.print(_fields("Progress", _progress_rows(progress)))
 
-    _emit(as_json, {"run": run, "progress": progress}, render)
+    emit(as_json, {"run": run, "progress": progress}, render)
 
 
-def _set_status(run_id: str, status: str, url: str, token: str | None, as_json: bool) -> None:
-    token = _require_token(token)
-    with _client(url) as client:
-        run = client.update_run(token, run_id, status=status)
-    _emit(
+def _set_status(
+    run_id: str,
+    status: str,
+    url: str,
+    token: str | None,
+    as_json: bool,
+    *,
+    min_volunteers: int | None = None,
+) -> None:
+    token = require_token(token)
+    with open_client(url) as client:
+        if min_volunteers is None:
+            run = client.update_run(token, run_id, status=status)
+        else:
+            run = client.update_run(token, run_id, min_volunteers=min_volunteers)
+    emit(
         as_json,
         run,
-        lambda console: console.print(f"Run {run.name} ({run.id}) is {run.status.value}."),
+        lambda console: console.print(f"Run {run.name} ({run.id}) is {_status(run)}."),
     )
 
 
 @runs_app.command("pause")
 def pause(
     run_id: RunArgument,
+    min_volunteers: MinVolunteersOption = None,
     url: UrlOption = DEFAULT_URL,
     token: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Pause a run: volunteers stop training and wait."""
-    _set_status(run_id, "paused", url, token, as_json)
+    """Pause a run: volunteers stop training and wait (with --min-volunteers, until that
+    many are online: it then resumes by itself, at once if they are)."""
+    _set_status(run_id, "paused", url, token, as_json, min_volunteers=min_volunteers)
 
 
 @runs_app.command("resume")
@@ -309,7 +379,7 @@ def resume(
     token: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Resume a paused run."""
+    """Resume a paused run (one waiting for volunteers starts now)."""
     _set_status(run_id, "running", url, token, as_json)
 
 
@@ -342,8 +412,8 @@ def checkpoint(
 ) -> None:
     """Download the run's newest checkpoint. Load it with
     `model.load_state_dict(torch.load(path)["model"])`."""
-    token = _require_token(token)
-    with _client(url) as client:
+    token = require_token(token)
+    with open_client(url) as client:
         found = client.download_checkpoint(token, run_id)
     if found is None:
         raise CommandError(f"run {run_id} has no checkpoint yet")
@@ -357,7 +427,7 @@ def checkpoint(
         "size": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
     }
-    _emit(
+    emit(
         as_json,
         document,
         lambda console: console.print(
@@ -386,8 +456,8 @@ def checkpoints(
     --unpin or --delete EPOCH first."""
     if sum((pin is not None, unpin, delete is not None)) > 1:
         raise UsageError("give at most one of --pin, --unpin and --delete")
-    token = _require_token(token)
-    with _client(url) as client:
+    token = require_token(token)
+    with open_client(url) as client:
         if pin is not None:
             client.pin_checkpoint(token, run_id, pin)
         elif unpin:
@@ -411,7 +481,7 @@ def checkpoints(
                 soft_wrap=True,
             )
 
-    _emit(as_json, {"run_id": run_id, "checkpoints": found}, render)
+    emit(as_json, {"run_id": run_id, "checkpoints": found}, render)
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -428,141 +498,3 @@ def write_atomically(path: Path, data: bytes) -> None:
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
-
-
-# ---------------------------------------------------------------------------- invite
-
-
-def invite(
-    run_id: RunArgument,
-    uses: Annotated[
-        int | None,
-        typer.Option(
-            "--uses",
-            min=1,
-            help="How many volunteers may join with it (default: the coordinator's, 100).",
-        ),
-    ] = None,
-    expires: Annotated[
-        str | None,
-        typer.Option(
-            "--expires",
-            help="Lifetime like 30m, 12h or 7d (default: the coordinator's, 7 days).",
-            show_default=False,
-        ),
-    ] = None,
-    label: Annotated[
-        str | None, typer.Option("--label", help="A note to recognise the invite by.")
-    ] = None,
-    url: UrlOption = DEFAULT_URL,
-    token: TokenOption = None,
-    as_json: JsonOption = False,
-) -> None:
-    """Make an invite for volunteers: prints its link, the token and the `swarmgrad join` command."""
-    expires_in_s = duration_option(expires, "--expires")
-    token = _require_token(token)
-    with _client(url) as client:
-        created = client.create_invite(
-            token, run_id, max_uses=uses, expires_in_s=expires_in_s, label=label
-        )
-        url = client.url
-    command = f"swarmgrad join {shlex.quote(url)} --token {shlex.quote(created.token)}"
-    # The invite page: a display name there gives the volunteer a personal credential.
-    link = f"{url.rstrip('/')}/join/{created.token}"
-    document = {
-        **created.model_dump(mode="json"),
-        "run_id": run_id,
-        "url": url,
-        "command": command,
-        "link": link,
-    }
-
-    def render(console: Console) -> None:
-        console.print(f"Invite token: {created.token}", soft_wrap=True)
-        limits = [
-            f"{created.max_uses} use(s)" if created.max_uses else "unlimited uses",
-            f"expires {created.expires_at}" if created.expires_at else "no expiry",
-        ]
-        console.print(f"({', '.join(limits)}; shown only now)")
-        console.print(
-            "Send volunteers this link (they pick a display name and get their own token):"
-        )
-        console.print(f"  {link}", soft_wrap=True)
-        console.print("or have them run:")
-        console.print(f"  {command}", soft_wrap=True)
-
-    _emit(as_json, document, render)
-
-
-# ---------------------------------------------------------------------------- tokens
-
-
-@tokens_app.command("list")
-def list_tokens(
-    url: UrlOption = DEFAULT_URL, token: TokenOption = None, as_json: JsonOption = False
-) -> None:
-    """List the organizer tokens, oldest first (never their secrets)."""
-    token = _require_token(token)
-    with _client(url) as client:
-        tokens = client.list_organizer_tokens(token)
-
-    def render(console: Console) -> None:
-        table = Table(title="Organizer tokens", title_justify="left")
-        for column in ("id", "state", "label", "created", "expires"):
-            table.add_column(column, overflow="fold")
-        for row in tokens:
-            state = "active" if row.active else "revoked" if row.revoked_at else "expired"
-            if row.current:
-                state += " (this one)"
-            table.add_row(
-                row.id,
-                state,
-                _text(row.label),
-                _text(row.created_at),
-                _text(row.expires_at),
-            )
-        console.print(table)
-
-    _emit(as_json, tokens, render)
-
-
-@tokens_app.command("create")
-def create_token(
-    label: Annotated[
-        str | None, typer.Option("--label", help="A note to recognise the token by.")
-    ] = None,
-    expires: Annotated[
-        str | None,
-        typer.Option(
-            "--expires", help="Lifetime like 12h or 30d (default: none).", show_default=False
-        ),
-    ] = None,
-    url: UrlOption = DEFAULT_URL,
-    token: TokenOption = None,
-    as_json: JsonOption = False,
-) -> None:
-    """Create an organizer token and print it (shown only now)."""
-    expires_in_s = duration_option(expires, "--expires")
-    token = _require_token(token)
-    with _client(url) as client:
-        created = client.create_organizer_token(token, label=label, expires_in_s=expires_in_s)
-
-    def render(console: Console) -> None:
-        console.print(f"Organizer token: {created.token}", soft_wrap=True)
-        expiry = f"expires {created.expires_at}" if created.expires_at else "no expiry"
-        console.print(f"(id {created.id}, {expiry}; shown only now)")
-
-    _emit(as_json, created, render)
-
-
-@tokens_app.command("revoke")
-def revoke_token(
-    token_id: Annotated[str, typer.Argument(help="The token's id (see `swarmgrad tokens list`).")],
-    url: UrlOption = DEFAULT_URL,
-    token: TokenOption = None,
-) -> None:
-    """Revoke an organizer token; it stops working at once."""
-    token = _require_token(token)
-    with _client(url) as client:
-        client.revoke_organizer_token(token, token_id)
-    typer.echo(f"revoked organizer token {token_id}")

@@ -14,15 +14,7 @@ answers JSON commands on standard input, one per line::
     {"cmd": "donors"}                           -> {"donors": [peer ids, best first]}
     {"cmd": "quit"}                             -> {"ok": true}, then exits
 
-``--fault`` injects one misbehaviour, through the averager's ``runner_factory`` (a round
-whose frames misbehave, sends held at the seam by :mod:`swarmlab.send_gate`) or its
-``state_server_factory`` (a donor that dies):
-``kill_after_first_part`` / ``stall_after_first_part`` / ``freeze_after_first_part``
-(SIGKILL itself, stop sending anything, or SIGSTOP itself -- no more reading either, its
-connections left open, like a laptop put to sleep -- right after its first part went out),
-``kill_while_reducing`` (SIGKILL on the first part it receives as a reducer), ``nan`` /
-``wrong_length`` / ``oversized`` (corrupt parts), ``kill_mid_state`` (SIGKILL while serving
-the third chunk of a state download).
+``--fault`` injects one misbehaviour (:func:`faulty_runner` lists the kinds).
 """
 
 from __future__ import annotations
@@ -44,9 +36,9 @@ from peer.averaging.butterfly_send import RoundSending
 from peer.averaging.protocol import PART
 from peer.averaging.seam import Link
 from peer.averaging.state import StateServer
-from peer.testing import ChildProcess, serve_json_lines
 from peer.wire import Frame
 from swarmlab import child_env
+from swarmlab.node_process import ChildProcess, serve_json_lines
 from swarmlab.send_gate import gated_runner
 
 FAULTS = (
@@ -140,7 +132,18 @@ class SendFault:
 
 def faulty_runner(fault: str) -> RunnerFactory:
     """A runner factory (``DecentralizedAverager(runner_factory=...)``) whose rounds
-    misbehave as ``fault`` says, in their sends or their frames."""
+    misbehave as ``fault`` says, in their sends or their frames.
+
+    ``--fault`` injects one misbehaviour, through the averager's ``runner_factory`` (a round
+    whose frames misbehave, sends held at the seam by :mod:`swarmlab.send_gate`) or its
+    ``state_server_factory`` (a donor that dies):
+    ``kill_after_first_part`` / ``stall_after_first_part`` / ``freeze_after_first_part``
+    (SIGKILL itself, stop sending anything, or SIGSTOP itself -- no more reading either, its
+    connections left open, like a laptop put to sleep -- right after its first part went out),
+    ``kill_while_reducing`` (SIGKILL on the first part it receives as a reducer), ``nan`` /
+    ``wrong_length`` / ``oversized`` (corrupt parts), ``kill_mid_state`` (SIGKILL while serving
+    the third chunk of a state download).
+    """
     runner = functools.partial(
         AllreduceRunner, round_factory=functools.partial(FaultyRound, fault=fault)
     )

@@ -2,28 +2,11 @@
 each of the swarm's training methods, for side-by-side comparison (``bench/train.py``).
 
 Each peer is a machine of one process: its own node, its shard of the training set, plain
-``torch.optim.SGD`` with the recipe's learning rate and momentum. Every peer takes the same
-number of steps per epoch (enough to cover the largest shard), so the swarm as a whole
-processes at least the single process's samples and the peers stay in step:
-
-* ``collaborative`` — :class:`~peer.Optimizer` with ``target_batch_size`` of one batch per
-  peer: a step of the averaged gradient whenever the swarm has processed that many samples
-  (large-batch SGD; a peer keeps accumulating while a round runs);
-
-* ``delayed`` — the same with ``delay_grad_averaging`` and ``delay_optimizer_step`` (the
-  optimizer offloaded, its state averaged in the background): the averaging and the step
-  of an epoch overlap the next epoch's batches, one step stale;
-* ``lightning`` — the same optimizer as ``collaborative``, driven by a Lightning ``Trainer``
-  with :class:`~peer.integrations.lightning.SwarmgradStrategy` (needs the ``lightning``
-  extra);
-* ``hierarchical`` — :class:`~peer.optim.HierarchicalModelAverager` with
-  ``{2: 2, 4: num_peers}``: pairs average every 2 steps, everyone every
-  4; the last step is a top-level one, so the peers end with the same model;
-* ``daso`` — :class:`~peer.optim.DASO` with one warm-up and one cool-down epoch (blocking global syncs after every batch),
-  the cycling phase in between; every epoch ends with a blocking sync.
-
-:func:`train_peer_with` returns a :class:`~peer.tasks.digits.TrainResult` whose
-``bytes_sent`` is what this peer's node sent while it trained.
+``torch.optim.SGD`` with the recipe's learning rate and momentum, and one of
+:data:`METHODS` (``collaborative``, ``delayed``, ``lightning``, ``hierarchical``, ``daso``;
+:func:`train_peer_with`'s docstring says what each is). :func:`train_peer_with` returns a
+:class:`~peer.tasks.digits.TrainResult` whose ``bytes_sent`` is what this peer's node sent
+while it trained.
 """
 
 from __future__ import annotations
@@ -44,7 +27,7 @@ from peer.tasks.digits import (
     make_model,
     shard_indices,
 )
-from peer.testing import wait_until
+from swarmlab.node_process import wait_until
 
 __all__ = ["METHODS", "train_peer_with"]
 
@@ -63,7 +46,29 @@ def train_peer_with(
     matchmaking_time: float = 0.2,
     start_timeout: float = 60.0,
 ) -> TrainResult:
-    """Train peer ``index`` of ``num_peers`` with ``method`` (one of :data:`METHODS`)."""
+    """Train peer ``index`` of ``num_peers`` with ``method`` (one of :data:`METHODS`).
+
+    Each peer is a machine of one process: its own node, its shard of the training set, plain
+    ``torch.optim.SGD`` with the recipe's learning rate and momentum. Every peer takes the same
+    number of steps per epoch (enough to cover the largest shard), so the swarm as a whole
+    processes at least the single process's samples and the peers stay in step:
+
+    * ``collaborative`` — :class:`~peer.Optimizer` with ``target_batch_size`` of one batch per
+      peer: a step of the averaged gradient whenever the swarm has processed that many samples
+      (large-batch SGD; a peer keeps accumulating while a round runs);
+
+    * ``delayed`` — the same with ``delay_grad_averaging`` and ``delay_optimizer_step`` (the
+      optimizer offloaded, its state averaged in the background): the averaging and the step
+      of an epoch overlap the next epoch's batches, one step stale;
+    * ``lightning`` — the same optimizer as ``collaborative``, driven by a Lightning ``Trainer``
+      with :class:`~peer.integrations.lightning.SwarmgradStrategy` (needs the ``lightning``
+      extra);
+    * ``hierarchical`` — :class:`~peer.optim.HierarchicalModelAverager` with
+      ``{2: 2, 4: num_peers}``: pairs average every 2 steps, everyone every
+      4; the last step is a top-level one, so the peers end with the same model;
+    * ``daso`` — :class:`~peer.optim.DASO` with one warm-up and one cool-down epoch (blocking global syncs after every batch),
+      the cycling phase in between; every epoch ends with a blocking sync.
+    """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}")
     from peer.optim.collaborative import Optimizer
@@ -104,7 +109,7 @@ def train_peer_with(
         xb, yb = next(stream)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(xb), yb)
-        loss.backward()
+        torch.autograd.backward(loss)  # typed, unlike Tensor.backward
         samples += len(yb)
         steps += 1
         return loss.detach()
@@ -269,4 +274,5 @@ def _train_lightning(
     )
     trainer.fit(Module())
     opt = strategy.optimizer
+    assert opt is not None  # built at the first batch
     return opt.rounds_done, opt.local_epoch

@@ -16,7 +16,7 @@ import asyncio
 import statistics
 from dataclasses import dataclass
 
-from peer.identity import Identity
+from peer.formats.identity import Identity
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.cost import membership_ttl
 from peer.node.gossip import MEMBERS_KEY, Record
@@ -67,7 +67,7 @@ async def _steady(
     ttl = membership_ttl(config.member_ttl, n, config.max_record_ttl)
     records: list[tuple[float, Record]] = []
     for node in nodes:
-        node.swarm_size = n
+        node.gossip.swarm_size = n
         published = now - rng.uniform(0.0, ttl / 3)
         records.append(
             (
@@ -89,14 +89,14 @@ async def _steady(
             node.store_.put(record, published)  # taken when it was published: old news
     await asyncio.sleep(3 * gossip_period)  # the first rounds run, links open
     before = (network.stats.messages, network.stats.bytes)
-    exchanges_before = sum(node.exchanges for node in nodes)
-    full_before = sum(node.full_exchanges for node in nodes)
+    exchanges_before = sum(node.gossip.exchanges for node in nodes)
+    full_before = sum(node.gossip.full_exchanges for node in nodes)
     await asyncio.sleep(window)
     messages = (network.stats.messages - before[0]) / n / window
     sent = (network.stats.bytes - before[1]) / n / window
-    exchanges = sum(node.exchanges for node in nodes) - exchanges_before
+    exchanges = sum(node.gossip.exchanges for node in nodes) - exchanges_before
     # a full exchange counts at both ends: halve for the share of exchanges
-    full = (sum(node.full_exchanges for node in nodes) - full_before) / 2
+    full = (sum(node.gossip.full_exchanges for node in nodes) - full_before) / 2
     store_records = statistics.mean(len(node.store_) for node in nodes)
     store_bytes = statistics.mean(node.store_.total_bytes for node in nodes)
     # one new record: how long until every node holds it

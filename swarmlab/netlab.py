@@ -1,21 +1,9 @@
 """Emulated networks for benchmarks and tests: a slow link or a partition, on one machine.
 
-Each peer gets its own Linux network namespace with one interface, ``eth0``, at
-``10.77.0.<i+1>``; the other end of its veth pair sits on a bridge in a switch namespace
-of the lab's own. :meth:`NetLab.shape` gives every link a token-bucket rate (tc's ``tbf``,
-applied both ways, so a peer uploads and downloads at that rate), :meth:`NetLab.cut`
-takes a peer off the bridge, and :meth:`NetLab.partition` splits the lab into sides that
-cannot reach each other until :meth:`NetLab.heal` (each side on a bridge of its own).
-Processes run inside a peer's namespace through :meth:`NetLab.command` (``ip netns exec``).
-Nothing outside the lab's namespaces is touched: no address, route or qdisc of the machine
-itself.
-
-Home links: ``rtt_ms`` gives every link a propagation delay, and ``links`` gives each peer a
-:class:`Link` of its own (:func:`home_links` draws a mix of home connections). A peer whose
-link has a round trip of R holds every packet it sends for R/2 (:mod:`swarmlab.netlab_delay`:
-netem is missing from these kernels, so the packets go through a TUN device and a small
-process that keeps them), so two peers with links of R1 and R2 see a round trip of
-(R1 + R2) / 2 between them, and peers with equal links exactly their link's.
+Each peer gets its own Linux network namespace and address; :class:`NetLab` shapes, cuts
+and partitions their links (its docstring has the details), and each peer may have a home
+:class:`Link` of its own (:func:`home_links` draws a mix). Nothing outside the lab's
+namespaces is touched: no address, route or qdisc of the machine itself.
 
 Needs root, ``ip`` and ``tc`` (iproute2), and a kernel with network namespaces, veth,
 bridges and the ``tbf`` qdisc (and TUN devices for delays); :func:`unavailable` says what is
@@ -39,7 +27,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Link", "NetLab", "NetLabError", "home_links", "unavailable"]
+__all__ = [
+    "Link",
+    "NetLab",
+    "NetLabError",
+    "home_links",
+    "shape_device",
+    "start_delay_line",
+    "stop_delay_line",
+    "unavailable",
+]
 
 SUBNET = "10.77.0"
 DELAY_SCRIPT = Path(__file__).with_name("netlab_delay.py")
@@ -115,8 +112,87 @@ def _run(argv: Sequence[str]) -> None:
         raise NetLabError(f"{' '.join(argv)}: {detail or f'exit {done.returncode}'}")
 
 
+def shape_device(namespace: str, device: str, rate_mbit: float | None) -> None:
+    """Give what ``device`` in ``namespace`` sends a token-bucket rate of ``rate_mbit``
+    (None: line rate again)."""
+    subprocess.run(
+        ["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"],
+        capture_output=True,
+        check=False,
+    )
+    if rate_mbit is None:
+        return
+    # a burst of a few milliseconds at the rate (at least 64 KiB); a queue of up to 100 ms
+    # before tbf drops
+    burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
+    tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
+    _run(["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", *tbf])
+
+
+def start_delay_line(
+    namespace: str, source: str, destination: str, gateway: str | None, one_way_ms: float
+) -> subprocess.Popen[str]:
+    """Route what ``namespace`` (address ``source`` on ``eth0``) sends to ``destination``
+    (a prefix, or ``default``) through a TUN device whose packets a process of ours holds
+    for ``one_way_ms`` before they go out on ``eth0`` (through ``gateway`` if given). The
+    caller stops the process by closing its standard input (:func:`stop_delay_line`)."""
+    ns, via = namespace, ["via", gateway] if gateway else []
+    _run(["ip", "-n", ns, "tuntap", "add", "dev", "tun0", "mode", "tun"])
+    _run(["ip", "-n", ns, "link", "set", "tun0", "up"])
+    # packets come back out of tun0 with this namespace's own source address: forward them
+    # (ip_forward), and accept a local source on tun0 (accept_local, no reverse-path
+    # filter); all of it inside the namespace
+    _run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1",
+          "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.tun0.rp_filter=0",
+          "net.ipv4.conf.tun0.accept_local=1"])  # fmt: skip
+    _run(["ip", "-n", ns, "route", "add", destination, "dev", "tun0", "src", source])
+    _run(["ip", "-n", ns, "route", "add", destination, *via, "dev", "eth0",
+          "table", _FORWARD_TABLE])  # fmt: skip
+    _run(["ip", "-n", ns, "rule", "add", "iif", "tun0", "lookup", _FORWARD_TABLE])
+    process = subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-I", str(DELAY_SCRIPT), "tun0",
+         str(one_way_ms)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    if process.stdout.readline().strip() != "ready":
+        _, err = process.communicate()
+        raise NetLabError(f"the delay line of {ns} did not start: {err.strip()}")
+    return process
+
+
+def stop_delay_line(process: subprocess.Popen[str]) -> None:
+    """Stop a process of :func:`start_delay_line` (closing its standard input)."""
+    try:
+        process.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+
+
 class NetLab:
-    """``peers`` network namespaces on one bridge; a context manager that removes them."""
+    """``peers`` network namespaces on one bridge; a context manager that removes them.
+
+    Each peer gets its own Linux network namespace with one interface, ``eth0``, at
+    ``10.77.0.<i+1>``; the other end of its veth pair sits on a bridge in a switch namespace
+    of the lab's own. :meth:`NetLab.shape` gives every link a token-bucket rate (tc's ``tbf``,
+    applied both ways, so a peer uploads and downloads at that rate), :meth:`NetLab.cut`
+    takes a peer off the bridge, and :meth:`NetLab.partition` splits the lab into sides that
+    cannot reach each other until :meth:`NetLab.heal` (each side on a bridge of its own).
+    Processes run inside a peer's namespace through :meth:`NetLab.command` (``ip netns exec``).
+    Nothing outside the lab's namespaces is touched: no address, route or qdisc of the machine
+    itself.
+
+    Home links: ``rtt_ms`` gives every link a propagation delay, and ``links`` gives each peer a
+    :class:`Link` of its own (:func:`home_links` draws a mix of home connections). A peer whose
+    link has a round trip of R holds every packet it sends for R/2 (:mod:`swarmlab.netlab_delay`:
+    netem is missing from these kernels, so the packets go through a TUN device and a small
+    process that keeps them), so two peers with links of R1 and R2 see a round trip of
+    (R1 + R2) / 2 between them, and peers with equal links exactly their link's.
+    """
 
     def __init__(
         self,
@@ -125,7 +201,12 @@ class NetLab:
         rate_mbit: float | None = None,
         rtt_ms: float | None = None,
         links: Sequence[Link] | None = None,
+        tag: str | None = None,
+        subnet: str = SUBNET,
     ) -> None:
+        """``tag`` names the lab's namespaces and interfaces (at most 9 characters; a
+        fresh random one by default); peers are numbered in the /24 ``subnet`` (its first
+        three octets)."""
         if not 1 <= peers <= 250:
             raise ValueError("a lab has 1 to 250 peers")
         if rate_mbit is not None and rate_mbit <= 0:
@@ -141,7 +222,10 @@ class NetLab:
         self.links = list(links) if links is not None else [Link(rate_mbit, rtt_ms or 0.0)] * peers
         self._delays: list[subprocess.Popen[str]] = []
         # short and unique: interface names have at most 15 characters
-        self._tag = f"sg{uuid.uuid4().hex[:6]}"
+        self.subnet = subnet
+        self._tag = tag or f"sg{uuid.uuid4().hex[:6]}"
+        if len(self._tag) > 9:
+            raise ValueError("a lab's tag has at most 9 characters (interface names: 15)")
         self._switch = f"{self._tag}-sw"
         self._created: list[str] = []
         self._bridges = 1  # br0, br1, ...: one per side of a partition
@@ -155,7 +239,7 @@ class NetLab:
     def address(self, i: int) -> str:
         """Peer ``i``'s IPv4 address (reachable from every other peer of the lab)."""
         self._check(i)
-        return f"{SUBNET}.{i + 1}"
+        return f"{self.subnet}.{i + 1}"
 
     def command(self, i: int, argv: Sequence[str]) -> list[str]:
         """``argv`` to run inside peer ``i``'s namespace."""
@@ -212,36 +296,14 @@ class NetLab:
             _run(["ip", "-n", self._switch, "link", "set", port, "master", "br0"])
             _run(["ip", "-n", self._switch, "link", "set", port, "up"])
             if not any(link.rtt_ms > 0 for link in self.links):
-                _run(["ip", "-n", ns, "route", "add", f"{SUBNET}.0/24", "dev", "eth0"])
+                _run(["ip", "-n", ns, "route", "add", f"{self.subnet}.0/24", "dev", "eth0"])
 
     def _delay(self, i: int, one_way_ms: float) -> None:
-        """Route what peer ``i`` sends to the lab through a TUN device whose packets a
-        process of ours holds for ``one_way_ms`` before they go out on ``eth0``."""
-        ns, a = self.namespace(i), self.address(i)
-        _run(["ip", "-n", ns, "tuntap", "add", "dev", "tun0", "mode", "tun"])
-        _run(["ip", "-n", ns, "link", "set", "tun0", "up"])
-        # packets come back out of tun0 with this peer's own source address: forward them
-        # (ip_forward), and accept a local source on tun0 (accept_local, no reverse-path
-        # filter); all of it inside the namespace
-        _run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1",
-              "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.tun0.rp_filter=0",
-              "net.ipv4.conf.tun0.accept_local=1"])  # fmt: skip
-        _run(["ip", "-n", ns, "route", "add", f"{SUBNET}.0/24", "dev", "tun0", "src", a])
-        _run(["ip", "-n", ns, "route", "add", f"{SUBNET}.0/24", "dev", "eth0",
-              "table", _FORWARD_TABLE])  # fmt: skip
-        _run(["ip", "-n", ns, "rule", "add", "iif", "tun0", "lookup", _FORWARD_TABLE])
-        process = subprocess.Popen(
-            self.command(i, [sys.executable, "-I", str(DELAY_SCRIPT), "tun0", str(one_way_ms)]),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        """Route what peer ``i`` sends to the lab through a delay line of ``one_way_ms``."""
+        line = start_delay_line(
+            self.namespace(i), self.address(i), f"{self.subnet}.0/24", None, one_way_ms
         )
-        self._delays.append(process)
-        assert process.stdout is not None
-        if process.stdout.readline().strip() != "ready":
-            _, err = process.communicate()
-            raise NetLabError(f"the delay line of peer {i} did not start: {err.strip()}")
+        self._delays.append(line)
 
     def _add_namespace(self, name: str) -> None:
         _run(["ip", "netns", "add", name])
@@ -251,12 +313,7 @@ class NetLab:
         """Stop the delay lines, remove the lab's namespaces (their interfaces go with them).
         Idempotent."""
         while self._delays:
-            process = self._delays.pop()
-            try:
-                process.communicate(timeout=5)  # closes its stdin: it stops
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.communicate()
+            stop_delay_line(self._delays.pop())
         while self._created:
             name = self._created.pop()
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
@@ -274,19 +331,8 @@ class NetLab:
         self.rate_mbit = rate_mbit
 
     def _shape_peer(self, i: int, rate_mbit: float | None) -> None:
-        for ns, dev in ((self.namespace(i), "eth0"), (self._switch, self._port(i))):
-            subprocess.run(
-                ["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"],
-                capture_output=True,
-                check=False,
-            )
-            if rate_mbit is None:
-                continue
-            # a burst of a few milliseconds at the rate (at least 64 KiB); a queue of
-            # up to 100 ms before tbf drops
-            burst = max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
-            tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *tbf])
+        shape_device(self.namespace(i), "eth0", rate_mbit)
+        shape_device(self._switch, self._port(i), rate_mbit)
 
     def cut(self, i: int) -> None:
         """Take peer ``i`` off the network (its link goes down; it keeps its loopback)."""

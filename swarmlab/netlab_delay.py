@@ -1,18 +1,9 @@
 """Propagation delay for :mod:`swarmlab.netlab`, in user space: a TUN device that holds packets.
 
-The kernels this project runs on have tc's token bucket but not ``netem``, so a lab link
-cannot be given a delay by a qdisc. Instead every packet a peer sends to the lab's subnet
-is routed into a TUN device; this process, running in the peer's namespace, reads each
-packet, keeps it for the link's one-way delay and writes it back, and policy routing then
-sends what comes out of the TUN device on to ``eth0`` (where the token bucket shapes it).
-Packets are released in arrival order (one constant delay per link keeps them in order);
-a queue holding more than ``--limit`` bytes drops what arrives, as a router's buffer would.
-Inbound packets are delivered directly, so a path's one-way delay is the sender's. The
-process raises its own priority: on a machine loaded past its cores, a starved delay line
-would pass fewer Mbit/s than the link's rate (tests/peer/test_netlab.py bounds it).
-
-Run by :class:`swarmlab.netlab.NetLab` as a plain script (no ``peer`` import, so it starts in
-a fraction of a second)::
+Netem is missing from the kernels this project runs on, so every packet a peer sends to the
+lab's subnet goes through a TUN device and this process, which keeps it for the link's
+one-way delay (:class:`DelayLine` has the rules). Run by :class:`swarmlab.netlab.NetLab` as
+a plain script (no ``peer`` import, so it starts in a fraction of a second)::
 
     ip netns exec NS python swarmlab/netlab_delay.py tun0 25.0
 
@@ -42,7 +33,19 @@ class DelayLine:
     """Packets in, the same packets out ``delay`` seconds later, in order; no I/O.
 
     ``limit`` bounds the bytes held: a packet arriving at a full line is dropped (counted
-    in :attr:`dropped`)."""
+    in :attr:`dropped`).
+
+    The kernels this project runs on have tc's token bucket but not ``netem``, so a lab link
+    cannot be given a delay by a qdisc. Instead every packet a peer sends to the lab's subnet
+    is routed into a TUN device; this process, running in the peer's namespace, reads each
+    packet, keeps it for the link's one-way delay and writes it back, and policy routing then
+    sends what comes out of the TUN device on to ``eth0`` (where the token bucket shapes it).
+    Packets are released in arrival order (one constant delay per link keeps them in order);
+    a queue holding more than ``--limit`` bytes drops what arrives, as a router's buffer would.
+    Inbound packets are delivered directly, so a path's one-way delay is the sender's. The
+    process raises its own priority: on a machine loaded past its cores, a starved delay line
+    would pass fewer Mbit/s than the link's rate (tests/peer/test_netlab.py bounds it).
+    """
 
     def __init__(self, delay: float, limit: int) -> None:
         if delay < 0:

@@ -83,7 +83,7 @@ async def _simulate(
         nodes.append(node)
     # Everyone joins at once, each bootstrapped from one random other node only.
     for i, node in enumerate(nodes[1:], start=1):
-        node.initial_peers = nodes[rng.randrange(i)].visible_addresses
+        node.gossip.initial_peers = nodes[rng.randrange(i)].visible_addresses
     await asyncio.gather(*(node.bootstrap() for node in nodes[1:]))
     messages_before, bytes_before = network.stats.messages, network.stats.bytes
     t0 = loop.time()
@@ -99,7 +99,7 @@ async def _simulate(
     messages = network.stats.messages - messages_before
     sent = network.stats.bytes - bytes_before
     gossip_rounds = max((loop.time() - t0) / gossip_period, 1e-9)
-    exchanges = statistics.median(node.exchanges for node in nodes)
+    exchanges = statistics.median(node.gossip.exchanges for node in nodes)
     for node in nodes:
         await node.shutdown()
     return SimulationResult(

@@ -4,9 +4,11 @@ every round averages every peer exactly.
 Each epoch, the peers' batch streams (:meth:`Task.train_batches` with peer ids
 ``"peer-0"``, ``"peer-1"``, ...) take turns giving one batch until together they hold
 ``target_batch_size`` samples; one optimizer step on the sample-weighted mean gradient
-follows (``peer.Optimizer`` computes the same thing, spread over processes). With
-``peers=1`` it is plain single-process training with the task's config — the reference
-``bench/train.py`` compares a swarm with. Used to tune a task's defaults quickly.
+follows (``peer.Optimizer`` computes the same thing, spread over processes), at the run's
+learning-rate schedule, precision and clipping (clipped here as one step: a swarm clips each
+peer's share). With ``peers=1`` it is plain single-process training with the task's config —
+the reference ``bench/train.py`` compares a swarm with. Used to tune a task's defaults
+quickly.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peer.tasks.base import Task, TrainingConfig
+from peer.trainer import compute_gradients, set_lr
 
 __all__ = ["CurvePoint", "SimulationResult", "simulate_swarm"]
 
@@ -71,9 +74,10 @@ def simulate_swarm(
             batches.append(batch)
             samples += task.batch_size(batch)
         optimizer.zero_grad()
-        for batch in batches:
-            # Σ (n_b / N) · mean loss of b = the mean loss over all N samples
-            (task.loss(model, batch) * (task.batch_size(batch) / samples)).backward()
+        # the mean loss over all the samples, under the run's precision, clipped, at the
+        # schedule's rate: a volunteer's step (peer.trainer) on the whole epoch's batches
+        set_lr(optimizer, config.lr_at(epoch - 1))
+        compute_gradients(task, model, batches, config)
         optimizer.step()
         result.samples += samples
         result.seconds += time.perf_counter() - started

@@ -68,7 +68,7 @@ def served(app: Any) -> Iterator[str]:
     the port in between."""
     import uvicorn
 
-    from peer.testing import wait_until
+    from swarmlab.node_process import wait_until
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -31,10 +31,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from sqlalchemy import create_engine, inspect, text
 
-from peer.testing import wait_until
 from server.db import alembic_config
 from swarmgrad.extras import COORDINATOR_INSTALL
 from swarmgrad.local import free_port
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 
 pytestmark = pytest.mark.slow

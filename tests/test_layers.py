@@ -21,21 +21,20 @@ PRODUCT = ("peer", "server", "swarmgrad")  # what the wheel ships; swarmlab is t
 # The peer library, lowest first: a module may import its own layer and those below.
 PEER_LAYERS: tuple[tuple[str, ...], ...] = (
     ("peer.exceptions",),
-    # what the coordinator and the volunteer share; peer.identity and peer.revocation are the
-    # formats' older names
-    ("peer.formats", "peer.identity", "peer.revocation", "peer.wire", "peer.compression"),
+    # what the coordinator and the volunteer share
+    ("peer.formats", "peer.wire", "peer.compression"),
     ("peer.transport",),
     ("peer.node",),
     ("peer.averaging",),
     ("peer.optim",),
-    ("peer.coordinator", "peer.testing"),
+    ("peer.coordinator",),
     ("peer.tasks",),
-    ("peer.volunteer",),
+    ("peer.volunteer", "peer.trainer", "peer.data_dir"),
     ("peer.integrations",),
     ("peer",),  # the package's lazy names (its __init__) reach every layer
 )
 # What the coordinator may use of the peer library: the shared formats, nothing of the node.
-SERVER_MAY_IMPORT = ("peer.exceptions", "peer.formats", "peer.identity", "peer.revocation")
+SERVER_MAY_IMPORT = ("peer.exceptions", "peer.formats")
 SERVER_STACK = ("fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic", "psycopg", "jinja2")
 SERVER_STACK += ("pydantic_settings", "prometheus_client")
 
@@ -255,6 +254,33 @@ def test_the_node_modules_import_one_way_even_for_the_type_checker() -> None:
     assert _cycles(edges) == []
 
 
+def test_the_transport_layer_never_touches_the_node() -> None:
+    """Transports and bulk lanes import nothing of peer.node, not even for the type checker,
+    and take nothing typed ``Any`` that could be the node: what they need of it is a
+    Protocol of their own (peer.transport.lane_links), which the node satisfies."""
+    imports = [
+        f"{i.importer} (line {i.line}) imports {i.imported}"
+        for i in all_imports(type_only=True)
+        if _within(i.importer, "peer.transport") and _within(i.imported, "peer.node")
+    ]
+    assert imports == []
+    untyped = []
+    for name, path in modules().items():
+        if not _within(name, "peer.transport"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.arg)
+                and node.arg in ("core", "node", "owner", "links")
+                and node.annotation is not None
+                and "Any" in ast.unparse(node.annotation)
+            ):
+                untyped.append(f"{name} (line {node.lineno}): {node.arg}")
+    assert untyped == []
+    lanes = (REPO_ROOT / "peer/transport/bulk.py").read_text()
+    assert "links: LaneLinks" in lanes  # the test reads the seam it guards
+
+
 def _loaded_by(statement: str) -> set[str]:
     """The modules a fresh interpreter has loaded after ``statement``."""
     done = subprocess.run(
@@ -276,7 +302,9 @@ def test_the_server_does_not_load_the_node(statement: str) -> None:
     assert {m for m in loaded if _within(m, "peer")} <= {
         "peer", "peer.exceptions", "peer.formats", "peer.formats.identity",
         "peer.formats.revocation", "peer.formats.durations", "peer.formats.payloads",
-        "peer.identity", "peer.revocation",
+        "peer.formats.requests",
+        "peer.formats.run_config", "peer.formats.rates", "peer.formats.task_files",
+        "peer.formats.open_types",
     }  # fmt: skip
 
 
@@ -324,3 +352,18 @@ def test_no_node_is_typed_any_in_the_peer_library() -> None:
             if target in ("node", "_node") and "Any" in ast.unparse(annotation):
                 found.append(f"{name} (line {node.lineno})")
     assert found == []
+
+
+# The module names that may repeat in peer/: one idea at several layers (docs/architecture.md,
+# Layout, says which).
+SAME_IDEA_AT_LAYERS = {"__init__.py", "base.py", "exceptions.py", "seam.py"}
+
+
+def test_no_two_modules_of_the_peer_library_are_named_alike() -> None:
+    seen: dict[str, list[str]] = {}
+    for path in sorted((REPO_ROOT / "peer").rglob("*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(REPO_ROOT)))
+    repeated = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert set(repeated) <= SAME_IDEA_AT_LAYERS, {
+        name: paths for name, paths in repeated.items() if name not in SAME_IDEA_AT_LAYERS
+    }

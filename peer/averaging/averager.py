@@ -4,26 +4,16 @@ The public signature mirrors hivemind's ``hivemind.averaging.DecentralizedAverag
 :class:`peer.Node` where hivemind took a ``DHT``). Inside, the options are grouped into
 small frozen configs (:class:`~peer.averaging.matchmaking.MatchmakingConfig`,
 :class:`~peer.averaging.allreduce.AllreduceConfig`, :class:`AveragerConfig`) and the work
-is split into layers beside this module: ``matchmaking`` (pure state machine) and
+is split into layers beside this module: ``group_step`` (one step: find a group and average
+with it; mixed into the averager), ``matchmaking`` (pure state machine) and
 ``matchmaking_io`` (its I/O), ``members`` (what each member tells its group), ``butterfly``
 (one round, pure) and ``allreduce`` (its driver), ``sharing`` (a
 :class:`~peer.averaging.sharing.StateSharing` the averager owns: declaring, serving and
 downloading state) over ``state`` (its protocol), ``control`` (:class:`StepControl`),
 ``round_tensors`` (the tensors' lock and each round's flat buffer).
 
-Failure contract: :meth:`DecentralizedAverager.step` either returns a dict peer id →
-gathered data (every member of the group, this peer included) with the averaged tensors
-updated in place, or raises a :class:`~peer.averaging.exceptions.StepFailed` subclass —
-``MatchmakingFailed``, ``AllreduceFailed`` (``AllreduceTimeout``) or ``StepCancelled`` —
-and leaves the tensors unchanged — except that in the default in-place mode a round that
-fails after its all-reduce began (``allreduce_timeout``) keeps the parts it finished: each
-element then holds either its local value or its group's average. It never returns ``None``.
-
-Tensor access: by default (as in hivemind) a round holds the tensors' lock from the start
-of its all-reduce to the end and averages them in place; with ``concurrent_updates=True``
-it averages a snapshot and adds the change back at the end, so that the tensors may be
-updated during the round. :class:`~peer.averaging.round_tensors.AveragedTensors` owns the
-lock and does that tensor handling (its module docstring has the details and costs).
+Use: build one over the tensors to average, call :meth:`~DecentralizedAverager.step` (the
+class docstring has its failure contract), and :meth:`~DecentralizedAverager.shutdown`.
 """
 
 from __future__ import annotations
@@ -33,34 +23,22 @@ import concurrent.futures
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from peer.averaging.allreduce import AllreduceConfig, AllreduceRunner, MemberInfo, RunnerFactory
-from peer.averaging.control import AveragingStage, StepControl
-from peer.averaging.exceptions import (
-    AllreduceFailed,
-    AllreduceTimeout,
-    BadContribution,
-    MatchmakingFailed,
-    NonFiniteTensors,
-    StepCancelled,
-    StepFailed,
-)
+from peer.averaging.allreduce import AllreduceConfig, AllreduceRunner, RunnerFactory
+from peer.averaging.grid import place_in_grid
 from peer.averaging.group_bits import (
-    bits_per_coordinate,
     group_key,
-    next_group_bits,
-    slot_in_group,
     validate_group_bits,
 )
+from peer.averaging.group_step import GroupSteps
 from peer.averaging.inbox import RoundInbox
-from peer.averaging.matchmaking import GroupInfo, MatchmakingConfig
+from peer.averaging.matchmaking import MatchmakingConfig
 from peer.averaging.matchmaking_io import MatchmakingDriver
-from peer.averaging.members import certified, pack_metadata, parse_members
 from peer.averaging.partition import FlatLayout, schema_hash
 from peer.averaging.protocol import (
     ABORT,
@@ -115,7 +93,7 @@ class AveragerConfig:
             raise ValueError("declare_state_period must be positive")
 
 
-class DecentralizedAverager:
+class DecentralizedAverager(GroupSteps):
     """Average ``averaged_tensors`` with other peers of the swarm sharing ``prefix``.
 
     Arguments keep hivemind's names and meanings; the notable ones:
@@ -131,7 +109,7 @@ class DecentralizedAverager:
     * ``allow_state_sharing`` (default: not client and not auxiliary),
       ``declare_state_period``;
     * ``concurrent_updates`` (not in hivemind): average a snapshot so that the tensors may
-      be updated during a round (see the module docstring);
+      be updated during a round (see "Tensor access" below);
     * ``max_weight`` (not in hivemind): a contribution weighing more is refused and its
       sender excluded from the round, named in the log (default: no bound);
     * ``relative_weight_bound`` (not in hivemind): each member declares its weight when the
@@ -148,6 +126,20 @@ class DecentralizedAverager:
 
     ``start=False`` defers registration on the node until :meth:`run`. Call
     :meth:`shutdown` when done (or use as a context manager); the node is not shut down.
+
+    Failure contract: :meth:`DecentralizedAverager.step` either returns a dict peer id →
+    gathered data (every member of the group, this peer included) with the averaged tensors
+    updated in place, or raises a :class:`~peer.averaging.exceptions.StepFailed` subclass —
+    ``MatchmakingFailed``, ``AllreduceFailed`` (``AllreduceTimeout``) or ``StepCancelled`` —
+    and leaves the tensors unchanged — except that in the default in-place mode a round that
+    fails after its all-reduce began (``allreduce_timeout``) keeps the parts it finished: each
+    element then holds either its local value or its group's average. It never returns ``None``.
+
+    Tensor access: by default (as in hivemind) a round holds the tensors' lock from the start
+    of its all-reduce to the end and averages them in place; with ``concurrent_updates=True``
+    it averages a snapshot and adds the change back at the end, so that the tensors may be
+    updated during the round. :class:`~peer.averaging.round_tensors.AveragedTensors` owns the
+    lock and does that tensor handling (its docstring has the details and costs).
     """
 
     def __init__(
@@ -240,6 +232,9 @@ class DecentralizedAverager:
         )
         self.schema_hash = schema_hash(tensors, compression, self.roles)
         self._group_bits = validate_group_bits(initial_group_bits)
+        # place_on_grid: the membership last placed from, and the rounds placed from it since
+        self._grid_view: frozenset[str] | None = None
+        self._grid_rounds = 0
         self._running = False
         self._shut = False
         self._step_futures: set[concurrent.futures.Future[Any]] = set()
@@ -366,6 +361,23 @@ class DecentralizedAverager:
     def set_group_bits(self, group_bits: str) -> None:
         self._group_bits = validate_group_bits(group_bits)
 
+    def place_on_grid(self, members: Iterable[str], round_index: int) -> float:
+        """Take this round's place on the Moshpit grid that fits ``members`` (the swarm as
+        this peer sees it, itself included: e.g. its node's ``members()``) for round
+        ``round_index`` (a counter every peer shares, such as the epoch): sets the group
+        bits and returns the factor to multiply this round's step weight by (see
+        :mod:`peer.averaging.grid`; with equal step weights every peer holds the mean after
+        ``rounds_to_mean(N, target_group_size)`` rounds). Needs ``target_group_size``."""
+        target = self.matchmaking_config.target_group_size
+        if target is None:
+            raise ValueError("a Moshpit grid needs target_group_size")
+        view = frozenset(members) | {self.peer_id}
+        self._grid_rounds = self._grid_rounds + 1 if view == self._grid_view else 0
+        self._grid_view = view
+        place = place_in_grid(view, self.peer_id, target, round_index, self._grid_rounds)
+        self._group_bits = place.bits
+        return place.weight
+
     def _group_key(self) -> str:
         target = self.matchmaking_config.target_group_size
         if target is None:
@@ -387,18 +399,36 @@ class DecentralizedAverager:
         timeout: float | None = None,
         *,
         max_priority: float = math.inf,
+        min_priority: float = -math.inf,
         check: Callable[[Any], str | None] | None = None,
+        holding: bool = False,
+        partners: Collection[str] = (),
+        prefer: Collection[str] = (),
     ) -> tuple[Any, list[torch.Tensor]] | concurrent.futures.Future[Any] | None:
         """Download ``(metadata, tensors)`` from the donor with the highest
-        ``state_sharing_priority`` (random among ties), falling back to the next one if a
+        ``state_sharing_priority`` (among ties those in ``prefer`` first, such as the
+        peers of this peer's Moshpit slab, then at random), falling back to the next one if a
         donor fails. Returns None if no donor could provide it within ``timeout``. Donors
-        declaring a priority over ``max_priority`` are not asked; a state whose metadata
-        ``check`` refuses (it returns why; called on the node's loop) is dropped and the
-        next donor asked. A donor's state may take at most
-        :data:`~peer.averaging.sharing.STATE_SIZE_FACTOR` times this peer's own
+        declaring a priority over ``max_priority`` or under ``min_priority`` are not asked;
+        a state whose metadata ``check`` refuses (it returns why; called on the node's
+        loop) is dropped and the next donor asked. Other donors judge the state
+        (:mod:`peer.averaging.witnesses`); with ``holding`` (this peer holds a state worth
+        keeping) only a state another volunteer confirms is used, or one at ``min_priority``
+        from one of ``partners`` (the peers that began, with this peer, the round that
+        produced it). A donor's state may take
+        at most :data:`~peer.averaging.sharing.STATE_SIZE_FACTOR` times this peer's own
         (:meth:`get_current_state`) plus :data:`~peer.averaging.sharing.STATE_SIZE_SLACK`
         bytes."""
-        return self.sharing.load(wait, timeout, max_priority=max_priority, check=check)
+        return self.sharing.load(
+            wait,
+            timeout,
+            max_priority=max_priority,
+            min_priority=min_priority,
+            check=check,
+            holding=holding,
+            partners=partners,
+            prefer=prefer,
+        )
 
     @property
     def last_state_donor(self) -> str | None:
@@ -422,261 +452,6 @@ class DecentralizedAverager:
     @state_sharing_priority.setter
     def state_sharing_priority(self, value: float) -> None:
         self.sharing.priority = value
-
-    # ------------------------------------------------------------------------ step
-
-    def withdrawn_peers(self) -> frozenset[str]:
-        """While a step looks for a group: the peers that looked for one under the same key
-        and withdrew, because their group began without this peer or they gave up. They
-        will not join this step's group, so a caller that knows who else could still come
-        (e.g. from progress reports) can call the step off early. Empty otherwise."""
-        driver = self._driver
-        return driver.withdrawn if driver is not None else frozenset()
-
-    def step(
-        self,
-        gather: Any = None,
-        scheduled_time: float | None = None,
-        weight: float | None = None,
-        timeout: float | None = None,
-        allow_retries: bool = True,
-        require_trigger: bool = False,
-        wait: bool = True,
-    ) -> dict[str, Any] | StepControl:
-        """Find a group and average with it.
-
-        ``gather`` (any msgpack-serialisable value) is shared with the group; the result maps
-        every member's peer id to its ``gather``. ``weight`` defaults to 1 (0 for auxiliary
-        peers). ``scheduled_time`` (wall clock) is when the group should assemble, at the
-        earliest ``now + min_matchmaking_time``. ``timeout`` bounds the whole step;
-        ``allow_retries`` retries matchmaking and a failed all-reduce within it.
-        ``require_trigger`` waits for :meth:`StepControl.allow_allreduce` once the group is
-        formed. ``wait=False`` returns a :class:`StepControl` at once.
-
-        Raises a :class:`~peer.averaging.exceptions.StepFailed` subclass on failure.
-        """
-        if self._shut or not self._running:
-            raise RuntimeError("the averager is not running (start=True or run())")
-        if weight is None:
-            weight = 0.0 if self.config.auxiliary else 1.0
-        weight = float(weight)
-        if not weight >= 0 or weight == float("inf"):
-            raise ValueError("weight must be finite and non-negative")
-        if self.config.auxiliary and weight != 0:
-            raise ValueError("an auxiliary averager contributes nothing: weight must be 0")
-        if timeout is not None and timeout <= 0:
-            raise ValueError("timeout must be positive")
-        metadata = pack_metadata(self.config.bandwidth, self.config.auxiliary, weight, gather)
-        control = StepControl(
-            self.node.loop,
-            scheduled_time=scheduled_time,
-            weight=weight,
-            require_trigger=require_trigger,
-            data_for_gather=gather,
-        )
-        deadline = None if timeout is None else self.node.get_time() + timeout
-        future = self.node.run_coroutine(
-            self._step(control, metadata, deadline, allow_retries), wait=False
-        )
-        self._step_futures.add(future)
-        future.add_done_callback(self._step_futures.discard)
-        if wait:
-            return control.result()
-        return control
-
-    async def _step(
-        self, control: StepControl, metadata: bytes, deadline: float | None, allow_retries: bool
-    ) -> None:
-        assert self._step_lock is not None
-        try:
-            async with self._step_lock:
-                result = await self._step_attempts(control, metadata, deadline, allow_retries)
-        except StepFailed as exc:
-            control._finish(error=exc)
-        except asyncio.CancelledError:
-            control._finish(error=StepCancelled("the averager was shut down"))
-            raise
-        except Exception as exc:
-            logger.exception("averaging step failed unexpectedly")
-            error = AllreduceFailed(f"unexpected error: {exc!r}")
-            error.__cause__ = exc
-            control._finish(error=error)
-        else:
-            control._finish(result)
-
-    async def _step_attempts(
-        self, control: StepControl, metadata: bytes, deadline: float | None, allow_retries: bool
-    ) -> dict[str, Any]:
-        core = self.core
-        mm = self.matchmaking_config
-        first = True
-        while True:
-            if control.cancel_requested:
-                raise StepCancelled("step cancelled")
-            control._set_stage(AveragingStage.LOOKING_FOR_GROUP)
-            now = core.now()
-            scheduled = control.scheduled_time if first else None
-            start_time = max(now + mm.min_matchmaking_time, scheduled or now)
-            # a finite attempt: a follower of a dead leader gives up by then, and we retry
-            attempt_deadline = start_time + mm.min_matchmaking_time + mm.request_timeout
-            if deadline is not None:
-                attempt_deadline = min(attempt_deadline, deadline)
-            first = False
-            assert self._driver is not None
-            try:
-                group = await self._driver.find_group(
-                    group_key=self._group_key(),
-                    schema_hash=self.schema_hash,
-                    metadata=metadata,
-                    scheduled_time=scheduled,
-                    deadline=attempt_deadline,
-                    client_mode=self.config.client_mode,
-                    cancel=control._cancel,
-                )
-            except MatchmakingFailed:
-                self._inbox.early.drop()
-                if deadline is not None and core.now() >= deadline:
-                    raise
-                continue
-            self._inbox.early.drop(keep=group.group_id)
-            try:
-                return await self._run_group(control, group, deadline)
-            except AllreduceFailed as exc:
-                if not allow_retries or (deadline is not None and core.now() >= deadline):
-                    raise
-                logger.info("all-reduce failed (%s); retrying", exc)
-
-    async def _run_group(
-        self, control: StepControl, group: GroupInfo, deadline: float | None
-    ) -> dict[str, Any]:
-        core = self.core
-        members, gathered = parse_members(group)
-        members = [certified(member, core.certified_role(member.peer_id)) for member in members]
-        if control.require_trigger and not control._trigger.is_set():
-            control._set_stage(AveragingStage.AWAITING_TRIGGER)
-            waiters = [
-                asyncio.ensure_future(control._trigger.wait()),
-                asyncio.ensure_future(control._cancel.wait()),
-            ]
-            timeout = None if deadline is None else max(0.0, deadline - core.now())
-            try:
-                await asyncio.wait(waiters, timeout=timeout, return_when="FIRST_COMPLETED")
-            finally:
-                for waiter in waiters:
-                    waiter.cancel()
-                await asyncio.gather(*waiters, return_exceptions=True)
-            if not control._trigger.is_set():
-                await self._leave_group(group, "cancelled before all-reduce")
-                if control._cancel.is_set():
-                    raise StepCancelled("step cancelled while awaiting the trigger")
-                raise AllreduceFailed("the step's deadline passed while awaiting the trigger")
-        with control._lock:
-            if control._cancel_requested:
-                cancelled = True
-            else:
-                cancelled = False
-                control._stage = AveragingStage.RUNNING_ALLREDUCE
-                control._ran_allreduce = True
-        if cancelled:
-            await self._leave_group(group, "cancelled before all-reduce")
-            raise StepCancelled("step cancelled before all-reduce")
-        began = asyncio.get_running_loop().time()
-        if self.config.concurrent_updates:
-            async with self._tensors.locked():
-                flat = self._tensors.snapshot()  # [total], in a buffer reused across rounds
-            await self._run_allreduce(group, members, control.weight, flat)
-        else:
-            async with self._tensors.held_for_round():
-                await self._run_allreduce(group, members, control.weight, None)
-        self._advance_group_bits(group)
-        self.last_allreduce_seconds = asyncio.get_running_loop().time() - began
-        return gathered
-
-    async def _run_allreduce(
-        self,
-        group: GroupInfo,
-        members: list[MemberInfo],
-        weight: float,
-        snapshot: torch.Tensor | None,
-    ) -> None:
-        """The all-reduce of a round: on ``snapshot`` (then add ``average - snapshot`` to the
-        tensors) or, when it is None, in place with the tensors' lock held."""
-        in_place = snapshot is None
-        copy_back = False
-        if snapshot is not None:
-            flat = snapshot
-        else:
-            flat, copy_back = self._tensors.in_place(auxiliary=self.config.auxiliary)
-        try:
-            runner = self._runner_factory(
-                self.core,
-                self.config.prefix,
-                group,
-                members,
-                self.layout,
-                flat,
-                weight=weight,
-                compression=self.compression,
-                roles=self.roles,
-                config=self.allreduce_config,
-                scratch=self._tensors.accumulator,
-                in_place=in_place,
-                alpha=self.config.averaging_alpha,
-            )
-        except ValueError as exc:
-            await self._leave_group(group, str(exc))
-            raise AllreduceFailed(f"cannot average with this group: {exc}") from exc
-        try:
-            self._inbox.open(group.group_id, runner)
-            timeout = self.config.allreduce_timeout
-            try:
-                async with asyncio.timeout(timeout):
-                    await runner.run()
-            except BadContribution as exc:  # raised by run() only for this peer's own values
-                await runner.abort("its own values are not finite")
-                raise NonFiniteTensors(
-                    "the averaged tensors hold NaN or Inf values; this peer left the round"
-                ) from exc
-            except TimeoutError:
-                await runner.abort("all-reduce timeout")
-                raise AllreduceTimeout(
-                    f"all-reduce did not finish within allreduce_timeout={timeout} s"
-                ) from None
-            finally:
-                if copy_back:  # parts that finished are kept, as with an alias
-                    self._tensors.copy_back(flat)
-        finally:
-            self._inbox.close(group.group_id)
-        if not in_place and not self.config.auxiliary:
-            async with self._tensors.locked():
-                self._tensors.apply(flat, self.config.averaging_alpha)
-        self.last_round_left = frozenset(runner.round.left)
-        if runner.failed:
-            logger.info(
-                "averaged with %d of %d peers (%d left the round)",
-                len(runner.contributors),
-                group.size,
-                len(runner.failed),
-            )
-
-    async def _leave_group(self, group: GroupInfo, reason: str) -> None:
-        frame = Frame(ABORT, {"p": self.config.prefix, "g": group.group_id, "why": reason[:200]})
-        self._inbox.close(group.group_id)
-
-        async def tell(peer_id: str) -> None:
-            with contextlib.suppress(SwarmgradError, TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await self.core.send(peer_id, frame)
-
-        await asyncio.gather(*(tell(p) for p in group.peer_ids if p != self.peer_id))
-
-    def _advance_group_bits(self, group: GroupInfo) -> None:
-        target = self.matchmaking_config.target_group_size
-        if target is None or not self._group_bits or bits_per_coordinate(target) == 0:
-            return
-        slot = slot_in_group(group.group_id, group.index_of(self.peer_id), group.size, target)
-        if slot < 2 ** bits_per_coordinate(target):
-            self._group_bits = next_group_bits(self._group_bits, slot, target)
 
     # ------------------------------------------------------------------- routing
 
@@ -706,15 +481,6 @@ class DecentralizedAverager:
         if self._core is None:
             raise RuntimeError("the averager has not started: call run() first")
         return self._core
-
-    # ------------------------------------------------------------------- reports
-
-    #: wall time of the last successful all-reduce (snapshot to write-back), for benchmarks
-    last_allreduce_seconds: float | None = None
-    #: members that left the last all-reduce this peer finished (excluded in both roles, or
-    #: reducers silent until the timeout before all their averages came: ButterflyRound.left):
-    #: the span a departed reducer held kept this peer's own values, so results may differ
-    last_round_left: frozenset[str] = frozenset()
 
     def __repr__(self) -> str:
         return f"DecentralizedAverager(prefix={self.config.prefix!r}, peer_id={self.peer_id!r})"

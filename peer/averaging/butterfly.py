@@ -1,70 +1,17 @@
 """One butterfly all-reduce round of an assembled group: a state machine without I/O.
 
-Roles (Moshpit SGD, Ryabinin et al. 2021; hivemind's ``AllReduceRunner``): the flat vector
-is split into one span per member (:func:`~peer.averaging.load_balancing.load_balance` over
-the members' bandwidths; client-mode members and ``bandwidth=0`` get none). Every member
-that is not auxiliary is a *sender*: it streams its values of span ``r`` to member ``r`` in
-parts of at most ``part_size_bytes`` after compression. Member ``r`` *reduces*: it adds each
-sender's part into a preallocated accumulator as it arrives
-(:class:`~peer.averaging.reducer.WeightedMeanReducer`) and, as soon as a part has every
-sender's values, sends its weighted mean back to every member.
+The flat vector is split into one span per member (by bandwidth; client-mode members get
+none). Every non-auxiliary member streams its values of span ``r`` to member ``r`` in
+parts; member ``r`` reduces each part as it arrives and sends the weighted mean back.
 
-The machine
------------
-One :class:`ButterflyRound` per member and round. Its driver
-(:class:`~peer.averaging.allreduce.AllreduceRunner`) feeds it events and carries out the
-commands each call returns, in any order (none of them waits for another):
-
-* events: :meth:`~ButterflyRound.start`, a frame from a member
-  (:meth:`~ButterflyRound.on_frame`), a frame handed to the transport or lost with its link
-  (:meth:`~ButterflyRound.sent`), and the watchdog's :meth:`~ButterflyRound.tick` with the
-  transport's signs of life;
-* commands: :class:`Wake` (the outbox to a member has something new, or closed),
-  :class:`Tell` (send this notice to a member, best effort) and :class:`Done` (the round is
-  over for this member; with an error if its own values are bad);
-* what to send next to a member is pulled, not pushed: :meth:`~ButterflyRound.next_send`
-  gives the next frame of that member's outbox (contributions first, then averages as they
-  are ready), so that one frame per member is under way at a time and consecutive parts
-  ready together travel as one frame.
-
-Time is only ever an argument (``now``), tensors and frames are the only state, and nothing
-here touches a socket or an event loop, so the round's fault handling is tested by feeding
-it interleavings of events (``tests/peer/averaging/test_butterfly.py``).
-
-The module's parts, each without I/O: :mod:`~peer.averaging.butterfly_types` (options,
-member info, commands), :mod:`~peer.averaging.butterfly_plan` (roles, weight bound and
-spans, computed alike by every member), :mod:`~peer.averaging.butterfly_send` (outboxes,
-frames, batching of consecutive uncompressed parts: a collaborator each
-:class:`ButterflyRound` owns as ``sending``) and
-:mod:`~peer.averaging.butterfly_results` (in-place or delta results, and the averages held
-until their reducer is trusted) and :mod:`~peer.averaging.butterfly_decode` (what a
-received frame holds). This module keeps the machine itself: its events, what it accepts,
-and its faults.
-
-Faults (each decision is local; survivors always finish):
-
-* a sender silent for ``sender_timeout`` while still owing parts is excluded from this
-  reducer's parts not yet final;
-* a reducer silent for ``reducer_timeout`` (no average, no accepted send) fails: its span's
-  remaining parts keep the local values. A member killed once its contributions went out is
-  seen this way (nothing more is sent to it, so no send fails), and only by the members
-  still owed one of its averages: :attr:`ButterflyRound.left` names it with the members
-  excluded in both roles, so the caller knows its result may differ from the others';
-* a member that takes nothing of a frame sent to it for ``sender_timeout`` (it stopped
-  reading: a frozen process) is excluded in both roles. Silence is the absence of bytes,
-  not of complete frames: the driver passes the transport's signs of life to
-  :meth:`~ButterflyRound.tick` (on a bulk lane, the bytes of a frame still under way count),
-  so a slow link whose frames take longer than the timeouts is not taken for a dead peer;
-* a link that breaks, a bad part (wrong size or dtype, NaN/Inf, undecodable), or an
-  ``avg.abort`` from a member excludes that member in both roles; bad input is logged once
-  and its sender told with ``avg.abort``;
-* this peer's own values with NaN/Inf: its span (all its values if it reduces nothing) is
-  checked before the round; values for another reducer's span are checked by that reducer,
-  which excludes this peer and tells it with ``avg.abort``, upon which this peer checks the
-  values it sent there itself. Either way the round ends at once with :class:`Done` holding
-  :class:`~peer.averaging.exceptions.BadContribution` naming this peer: nothing more is
-  reduced or sent (an average finished from then on would leave out the member that found
-  the fault).
+Use: one :class:`ButterflyRound` per member and round, driven by
+:class:`~peer.averaging.allreduce.AllreduceRunner`, which feeds it events
+(:meth:`~ButterflyRound.start`, :meth:`~ButterflyRound.on_frame`,
+:meth:`~ButterflyRound.sent`, :meth:`~ButterflyRound.tick`), carries out the commands each
+call returns (:class:`Wake`, :class:`Tell`, :class:`Done`) and pulls frames with
+:meth:`~ButterflyRound.next_send`. Time is only an argument (``now``), so tests feed it
+interleavings of events. Its parts: ``butterfly_types``, ``butterfly_plan``,
+``butterfly_send``, ``butterfly_results``, ``butterfly_decode``, ``butterfly_faults``.
 """
 
 from __future__ import annotations
@@ -77,10 +24,13 @@ from typing import Any
 import torch
 
 from peer.averaging.butterfly_decode import average_values, batch_sizes, contribution_values
+from peer.averaging.butterfly_faults import RoundFaults
 from peer.averaging.butterfly_plan import make_reducer, plan_round
+from peer.averaging.butterfly_recovery import Orphans
 from peer.averaging.butterfly_results import (
     FORGED_AVERAGE_FACTOR,
     RoundResults,
+    check_pair,
     check_plausible,
 )
 from peer.averaging.butterfly_send import NOT_YET, RoundSending
@@ -131,13 +81,32 @@ def _never(peer_id: str) -> float:
 SendingFactory = Callable[..., RoundSending]
 
 
-class ButterflyRound:
-    """One member's side of one round (see the module docstring). After :class:`Done` and
+class ButterflyRound(RoundFaults):
+    """One member's side of one round (see also below). After :class:`Done` and
     :meth:`finish`, ``flat`` holds the round's result.
 
     ``sending_factory`` is for tests: it builds the round's sending side
     (:class:`~peer.averaging.butterfly_send.RoundSending`, given keyword arguments) in place
-    of the real one (a subclass whose frames misbehave)."""
+    of the real one (a subclass whose frames misbehave).
+
+    The machine
+    -----------
+    One per member and round. Its driver
+    (:class:`~peer.averaging.allreduce.AllreduceRunner`) feeds it events and carries out the
+    commands each call returns, in any order (none of them waits for another):
+
+    * events: :meth:`~ButterflyRound.start`, a frame from a member
+      (:meth:`~ButterflyRound.on_frame`), a frame handed to the transport or lost with its link
+      (:meth:`~ButterflyRound.sent`), and the watchdog's :meth:`~ButterflyRound.tick` with the
+      transport's signs of life;
+    * commands: :class:`Wake` (the outbox to a member has something new, or closed),
+      :class:`Tell` (send this notice to a member, best effort) and :class:`Done` (the round is
+      over for this member; with an error if its own values are bad);
+    * what to send next to a member is pulled, not pushed: :meth:`~ButterflyRound.next_send`
+      gives the next frame of that member's outbox (contributions first, then averages as they
+      are ready), so that one frame per member is under way at a time and consecutive parts
+      ready together travel as one frame.
+    """
 
     def __init__(
         self,
@@ -180,6 +149,9 @@ class ButterflyRound:
         self.partition = plan.partition
         self._sizes = plan.sizes
         self._plain = plan.plain
+        # two senders under a robust aggregator: no majority, so each member holds every
+        # average to the pair's bound on its own (robust.pair_average)
+        self._pair = config.aggregator != "mean" and plan.weighted_senders == 2
         self.reducer = make_reducer(
             plan,
             self.index,
@@ -206,6 +178,8 @@ class ButterflyRound:
         }
         self.failed: set[str] = set()  # excluded in both roles
         self.failed_reducers: set[int] = set()
+        # own values of the parts dead reducers left open (butterfly_recovery)
+        self.orphans = Orphans()
         self.excluded_senders: set[str] = set()
         self._logged: set[str] = set()
         self._outliers_named: set[str] = set()
@@ -336,7 +310,7 @@ class ButterflyRound:
 
     def finish(self) -> None:
         """The round is over (done, timed out or cancelled): write the averages still held
-        (see the module docstring) and drop the encoded ones."""
+        (:class:`~peer.averaging.butterfly_results.RoundResults`) and drop the encoded ones."""
         self.sending.wire_cache.clear()
         self.results.finish()
 
@@ -398,35 +372,6 @@ class ButterflyRound:
         elif frame.type == ABORT:
             self._on_abort(sender, frame.fields.get("why", ""))
 
-    def _on_abort(self, sender: str, why: str) -> None:
-        """``sender`` left the round, or excluded this peer. If it reduces a span, the values
-        this peer sent it are checked now (on this rare event only, not before every send):
-        non-finite, the round ends for this peer as if its own span held them; finite, the
-        claim is a remote peer's and only that peer is dropped."""
-        r = self.peer_index[sender]
-        if (
-            self.error is None
-            and self.is_sender
-            and self.weight > 0
-            and r not in self.failed_reducers
-            and self.partition.parts_of(r)
-        ):
-            start, stop = self.partition.spans[r]
-            if not all_finite(self.flat[start:stop]):
-                self._leave(BadContribution(self.me, None, "this peer's own values are not finite"))
-                return
-        self._peer_failed(sender, f"it left the round ({why})")
-
-    def _leave(self, error: BadContribution) -> None:
-        """This peer's own values are bad: it stops at once. Nothing more is reduced or
-        sent (an average finished from here on would leave out the member that found the
-        fault, whose values are good)."""
-        self.error = error
-        for peer_id in self.sending.outboxes:
-            self._wake(peer_id)  # its senders learn that the outbox closed (next_send)
-        self.done = True
-        self._commands.append(Done(error))
-
     def _on_part(self, now: float, sender: str, frame: Frame) -> None:
         reducer = self.reducer
         if reducer is None or sender not in reducer.senders:
@@ -448,7 +393,7 @@ class ButterflyRound:
         complete = self._accepted[sender] == reducer.num_parts
         if complete and self.in_place:
             # its values in parts still open are checked now rather than when those parts
-            # complete: its averages need not be held until then (see the module docstring)
+            # complete: its averages need not be held until then (RoundResults)
             finished += reducer.vouch(sender)
         self._reject_bad()  # NaN/Inf found in parts this frame completed, or by vouch()
         if complete and sender not in self.failed:
@@ -488,6 +433,14 @@ class ButterflyRound:
             average = average_values(frame, sizes, count, self.flat.dtype)
             if average is not None and self.config.aggregator != "mean":
                 check_plausible(average, self.flat, parts[index].start, self.config.aggregator)
+                if self._pair:  # (parts already written hold results, not own values)
+                    base = parts[index].start
+                    slots = [
+                        (p.start - base, p.start, p.stop)
+                        for i, p in enumerate(parts[index : index + count], index)
+                        if i in pending
+                    ]
+                    check_pair(average, self.flat, slots)
         except (CompressionError, ValueError, RuntimeError) as exc:
             self._bad(sender, f"bad average: {exc}")
             return
@@ -528,7 +481,7 @@ class ButterflyRound:
                     view = self.partition.part(self.index, done.index).view(self.flat)
                     self.results.write(view, done.average.to(view.dtype))
                 # compressed when first sent alone (a batch sends the averages as they are)
-                sending.hold_average(done.index, NOT_YET, None)
+                sending.hold_average(done.index, NOT_YET, b"")
             else:
                 # a lossy codec: this peer keeps what the others decode, not its exact
                 # average, so every member of the round ends with the same values
@@ -555,66 +508,6 @@ class ButterflyRound:
             for peer_id in self.sending.outboxes:
                 self._wake(peer_id)
         self._check_done()
-
-    # ----------------------------------------------------------------- faults
-
-    def _bad(self, sender: str, reason: str) -> None:
-        if sender not in self._logged:
-            self._logged.add(sender)
-            logger.warning("excluding %s from the round: %s", sender, reason)
-            # tell the offender, so that it stops waiting for our averages
-            self._commands.append(Tell(sender, self.abort_frame("excluded")))
-        r = self.peer_index[sender]
-        if r != self.index and sender not in self.failed:
-            # distrust everything it reduced, too: its whole span keeps the local values
-            start, stop = self.partition.spans[r]
-            self.results.distrust(r, self.flat[start:stop])
-            self.unresolved[r].clear()
-        self._peer_failed(sender, reason, log=False)
-
-    def _exclude_sender(self, sender: str, reason: str) -> None:
-        if sender in self.excluded_senders:
-            return
-        self.excluded_senders.add(sender)
-        logger.info("excluding sender %s: %s", sender, reason)
-        if self.reducer is not None and sender in self.reducer.senders:
-            finished = self.reducer.exclude(sender)
-            self._reject_bad()
-            self._on_finished(finished)
-        self._check_done()
-
-    def _fail_reducer(self, r: int, reason: str) -> None:
-        if r in self.failed_reducers or r == self.index:
-            return
-        self.failed_reducers.add(r)
-        pending = self.unresolved.get(r, set())
-        if pending:
-            logger.info(
-                "reducer %s failed (%s): %d parts keep local values",
-                self.members[r].peer_id,
-                reason,
-                len(pending),
-            )
-        for index in pending:
-            self.results.keep_local(self.partition.part(r, index).view(self.flat))
-        pending.clear()
-        self._wake(self.members[r].peer_id)
-        self._check_done()
-
-    def _peer_failed(self, peer_id: str, reason: str, *, log: bool = True) -> None:
-        if peer_id in self.failed or peer_id == self.me:
-            return
-        if log:
-            logger.info("peer %s left the round: %s", peer_id, reason)
-        self.failed.add(peer_id)
-        box = self.sending.outboxes.get(peer_id)
-        if box is not None:
-            while box.averages:
-                self.sending.release_wire(box.averages.popleft())
-            box.contributions.clear()
-            self._wake(peer_id)
-        self._exclude_sender(peer_id, reason)
-        self._fail_reducer(self.peer_index[peer_id], reason)
 
     def _check_done(self) -> None:
         if self.done:

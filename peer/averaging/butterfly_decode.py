@@ -10,7 +10,6 @@ Received ``none`` payloads are decoded with one copy (the transport hands out re
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -26,7 +25,7 @@ from peer.wire import Frame
 __all__ = ["average_values", "batch_sizes", "contribution_values"]
 
 
-def batch_sizes(part_sizes: Sequence[int], index: Any, count: Any) -> Sequence[int]:
+def batch_sizes(part_sizes: Sequence[int], index: object, count: object) -> Sequence[int]:
     """The element counts of parts ``index .. index + count - 1`` of ``part_sizes``, as a
     frame's fields ``i`` and ``k`` claim them (untrusted)."""
     if type(count) is not int or count < 1 or type(index) is not int or index < 0:

@@ -43,6 +43,13 @@ class RoundPlan:
     sizes: list[list[int]]
     plain: list[list[bool]]
 
+    @property
+    def weighted_senders(self) -> int:
+        """The senders whose values count: not over the bound, weight not 0."""
+        return sum(
+            1 for s in self.senders if s not in self.overweight and self.declared.get(s, 1.0) > 0
+        )
+
 
 def plan_round(
     me: str,

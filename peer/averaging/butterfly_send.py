@@ -1,34 +1,21 @@
 """The sending side of a butterfly round: what goes in the next frame to a member.
 
-Each other member has an outbox (:class:`Outbox`): the indices of the contributions this
-member still owes it (parts of that member's span) and of the averages of this member's
-own span not yet sent to it. What to send next to a member is pulled, not pushed:
-:meth:`RoundSending.next_send` takes the head of its outbox (contributions first, then
-averages as they are ready) and turns it into a frame. :class:`RoundSending` is a
-collaborator that :class:`~peer.averaging.butterfly.ButterflyRound` owns (``round.sending``):
-it is given what it reads (the round's plan, flat buffer, reducer and the containers of
-finished parts and unresolved or failed reducers, which the round fills) and owns the
-outboxes, the wire cache and the set of reducers a contribution is under way to.
+Each other member has an :class:`Outbox`: the contributions this member still owes it and
+the averages of this member's span not yet sent to it. :class:`RoundSending` (owned by
+:class:`~peer.averaging.butterfly.ButterflyRound` as ``round.sending``) turns the head of an
+outbox into a frame on :meth:`RoundSending.next_send`: contributions first, then averages.
 
-Payloads are views of the flat buffer or of the reducer's results (``NoCompression`` is
-zero-copy): uncompressed frames are slices of byte views taken once per round. An average
-of this member's span is encoded once, when first sent alone, and kept in a wire cache
-until every member it goes to took it (or left).
-
-Batching: consecutive uncompressed parts that are ready for the same member at once (all
-of a member's contributions are, at the start) go out as one frame of up to
-:attr:`RoundSending.max_batch_bytes` (field ``k``: how many parts, from ``i`` on): the
-receiver handles them part by part, but per-frame costs (system calls, wake-ups, headers)
-are paid once per batch. Parts stay the unit of reduction, exclusion and fault handling.
-
-No I/O: frames are built here and handed out by the machine; the driver sends them.
+Uncompressed payloads are zero-copy slices of the flat buffer or the reducer's results; an
+average is encoded once and kept in a wire cache until every member took it. Consecutive
+uncompressed parts ready for one member go out as one frame of up to
+:attr:`RoundSending.max_batch_bytes` (field ``k``: how many parts from ``i``). No I/O.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Mapping
-from typing import Any
+from typing import TypeAlias
 
 import torch
 
@@ -42,7 +29,9 @@ from peer.wire import Frame
 
 __all__ = ["NOT_YET", "Outbox", "RoundSending"]
 
-NOT_YET: dict[str, Any] = {}  # a wire cache entry whose average is not compressed yet
+Payload: TypeAlias = bytes | bytearray | memoryview  # a frame's raw payload
+
+NOT_YET: dict[str, object] = {}  # a wire cache entry whose average is not compressed yet
 
 
 class Outbox:
@@ -56,10 +45,32 @@ class Outbox:
 
 
 class RoundSending:
-    """Frames out of a round's state (see the module docstring), owned by a
+    """Frames out of a round's state (the rules are below), owned by a
     :class:`~peer.averaging.butterfly.ButterflyRound`. Fault-injection tests subclass it,
     overriding :meth:`_frame` and :meth:`_contribution_wire` to misbehave, and hand the
-    subclass to the round as ``sending_factory``."""
+    subclass to the round as ``sending_factory``.
+
+    Each other member has an outbox (:class:`Outbox`): the indices of the contributions this
+    member still owes it (parts of that member's span) and of the averages of this member's
+    own span not yet sent to it. What to send next to a member is pulled, not pushed:
+    :meth:`RoundSending.next_send` takes the head of its outbox (contributions first, then
+    averages as they are ready) and turns it into a frame. :class:`RoundSending` is a
+    collaborator that :class:`~peer.averaging.butterfly.ButterflyRound` owns (``round.sending``):
+    it is given what it reads (the round's plan, flat buffer, reducer and the containers of
+    finished parts and unresolved or failed reducers, which the round fills) and owns the
+    outboxes, the wire cache and the set of reducers a contribution is under way to.
+
+    Payloads are views of the flat buffer or of the reducer's results (``NoCompression`` is
+    zero-copy): uncompressed frames are slices of byte views taken once per round. An average
+    of this member's span is encoded once, when first sent alone, and kept in a wire cache
+    until every member it goes to took it (or left).
+
+    Batching: consecutive uncompressed parts that are ready for the same member at once (all
+    of a member's contributions are, at the start) go out as one frame of up to
+    :attr:`RoundSending.max_batch_bytes` (field ``k``: how many parts, from ``i`` on): the
+    receiver handles them part by part, but per-frame costs (system calls, wake-ups, headers)
+    are paid once per batch. Parts stay the unit of reduction, exclusion and fault handling.
+    """
 
     #: consecutive uncompressed parts sent as one frame, up to this many bytes (0: never)
     max_batch_bytes = 2 << 20
@@ -110,7 +121,7 @@ class RoundSending:
         self.contributing: set[int] = set()
         # averages of this member's span by part index: (header or NOT_YET or None for
         # "no average", payload, members still to take it)
-        self.wire_cache: dict[int, tuple[dict[str, Any] | None, Any, int]] = {}
+        self.wire_cache: dict[int, tuple[dict[str, object] | None, Payload, int]] = {}
         # byte views: uncompressed frames are slices of these (no tensor views per frame)
         self._itemsize = flat.element_size()
         self._dtype_name = dtype_name(flat.dtype)
@@ -121,7 +132,7 @@ class RoundSending:
             if results.dtype == flat.dtype:
                 self._results_bytes = byte_view(results)
 
-    def hold_average(self, index: int, header: dict[str, Any] | None, payload: Any) -> None:
+    def hold_average(self, index: int, header: dict[str, object] | None, payload: Payload) -> None:
         """Keep the wire form of this member's average of part ``index`` until every other
         member took it (``header``: :data:`NOT_YET` to compress it when first sent alone,
         None when the part has no average)."""
@@ -181,7 +192,7 @@ class RoundSending:
 
     def _frame(self, kind: str, r: int, index: int, count: int = 1) -> Frame:
         base = {"p": self.prefix, "g": self.group.group_id, "l": self.group.leader, "i": index}
-        payload: Any
+        payload: Payload
         if count > 1:  # uncompressed, adjacent parts (see _batch)
             base["k"] = count
             if kind == "part":
@@ -217,17 +228,19 @@ class RoundSending:
             return Frame(AVERAGE, base)
         return Frame(AVERAGE, {**base, "c": cached}, payload)
 
-    def _contribution_wire(self, r: int, index: int) -> tuple[dict[str, Any], Any]:
+    def _contribution_wire(self, r: int, index: int) -> tuple[dict[str, object], Payload]:
         part = self.partition.part(r, index)
         if self._plain[r][index]:
             return self._plain_wire(self._flat_bytes, part.start, part.stop)
         return part.codec.compress(part.view(self.flat)).to_wire()
 
-    def _plain_wire(self, data: memoryview, start: int, stop: int) -> tuple[dict[str, Any], Any]:
+    def _plain_wire(
+        self, data: memoryview, start: int, stop: int
+    ) -> tuple[dict[str, object], Payload]:
         """An uncompressed payload: elements ``start..stop`` of ``data`` (a byte view of
         the flat buffer or of the reducer's results), with its ``none`` codec header."""
         size = self._itemsize
-        header = {
+        header: dict[str, object] = {
             "codec": NoCompression.name,
             "dtype": self._dtype_name,
             "shape": [stop - start],

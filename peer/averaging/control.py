@@ -20,9 +20,10 @@ import asyncio
 import concurrent.futures
 import enum
 import threading
-from typing import Any
+from collections.abc import Callable
 
 from peer.averaging.exceptions import StepCancelled
+from peer.formats.open_types import UserMetadata
 
 __all__ = ["AveragingStage", "StepControl"]
 
@@ -54,10 +55,12 @@ class StepControl:
         scheduled_time: float | None,
         weight: float,
         require_trigger: bool,
-        data_for_gather: Any = None,
+        data_for_gather: UserMetadata = None,
     ) -> None:
         self._loop = loop
-        self._future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._future: concurrent.futures.Future[dict[str, UserMetadata]] = (
+            concurrent.futures.Future()
+        )
         self._lock = threading.Lock()
         self._stage = AveragingStage.IDLE
         self.scheduled_time = scheduled_time
@@ -131,7 +134,7 @@ class StepControl:
 
     # ---------------------------------------------------------------- future
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> dict[str, UserMetadata]:
         return self._future.result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
@@ -140,15 +143,17 @@ class StepControl:
     def done(self) -> bool:
         return self._future.done()
 
-    def add_done_callback(self, fn: Any) -> None:
+    def add_done_callback(self, fn: Callable[[StepControl], object]) -> None:
         self._future.add_done_callback(lambda _f: fn(self))
 
-    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+    def _finish(
+        self, result: dict[str, UserMetadata] | None = None, error: BaseException | None = None
+    ) -> None:
         if self._future.done():
             return
         if error is None:
             self._set_stage(AveragingStage.FINISHED)
-            self._future.set_result(result)
+            self._future.set_result({} if result is None else result)
         else:
             cancelled = isinstance(error, StepCancelled)
             self._set_stage(AveragingStage.CANCELLED if cancelled else AveragingStage.FAILED)

@@ -17,12 +17,8 @@ Hierarchy (all under :class:`peer.exceptions.SwarmgradError`)::
             ├── NonFiniteTensors         this peer's own values have NaN/Inf (not retried)
             └── StepCancelled            ``StepControl.cancel()`` (or shutdown) before all-reduce
 
-Matchmaking never raises for a remote peer's behaviour: its outcomes are typed values
-(:class:`peer.averaging.matchmaking.Failed` and friends), not exceptions. Caller mistakes (a
-bad argument, an event in a state where it cannot happen) raise ``ValueError``/``TypeError``.
-
-The networked averager raises :class:`StepFailed` subclasses from ``step()``; it never
-returns ``None`` for a failed step. The averaged tensors are unchanged by a failed step.
+A failed ``step()`` raises a :class:`StepFailed` subclass and leaves the tensors unchanged;
+a remote peer's misbehaviour in matchmaking is a typed outcome, never an exception.
 """
 
 from __future__ import annotations

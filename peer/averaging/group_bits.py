@@ -5,31 +5,9 @@ Moshpit SGD (Ryabinin et al., 2021, §3.2) arranges ``N = Mᵈ`` peers on a virt
 round; after ``d`` rounds every peer holds the global mean, and random restarts of the grid
 keep mixing when peers come and go.
 
-Here a peer's *group bits* are its grid coordinates written in binary, ``w =
-ceil(log2 M)`` bits per coordinate, the coordinate along the dimension averaged *this* round
-first::
-
-    bits = c_r  c_{r+1}  …  c_{r+d-1}        (each c is w bits)
-    key  = f"{prefix}.0b{bits[w:]}"           (every coordinate but the first)
-
-Peers that agree on every coordinate except ``c_r`` share a key and so meet in a group.
-After the round each member rotates its bits by one coordinate and writes its *slot* in the
-group (a permutation of ``0 … M-1`` derived from the group id, so the members of one group
-get distinct slots) as the new last coordinate::
-
-    bits' = bits[w:] + format(slot, f"0{w}b")
-
-The members of a group leave with distinct keys (they differ in the slot just written), and
-peers from different groups of the previous round that share a slot meet next — exactly
-one grid dimension further. For 8 peers, ``M = 2`` and 3 bits whose first bit splits the
-pairs (0, 1), (2, 3), … (see :func:`grid_bits`), rounds 0, 1, 2 average along the three
-dimensions of the 2x2x2 cube, every round has four groups of two, and every peer holds the
-global mean from round 3 on.
-
-This differs from hivemind, whose key is *all* the bits: there, 3 bits for 8 peers give 8
-distinct keys after three rounds (nobody meets), so the grid needs ``log2(N/M)`` bits. Here
-the first coordinate is the in-group position and is not part of the key, so ``d·w`` bits
-describe a full ``d``-dimensional grid of ``Mᵈ`` peers.
+A peer keeps *group bits* (its grid coordinates in binary; :func:`grid_bits` places peers
+on a full grid), matches on :func:`group_key` of them each round, and after the round moves
+on to :func:`next_group_bits` with its :func:`slot_in_group`.
 """
 
 from __future__ import annotations
@@ -66,7 +44,22 @@ def validate_group_bits(bits: str) -> str:
 
 
 def group_key(prefix: str, bits: str, target_group_size: int) -> str:
-    """The matchmaking key for a round: ``f"{prefix}.0b{bits[w:]}"``."""
+    """The matchmaking key for a round: ``f"{prefix}.0b{bits[w:]}"``.
+
+    A peer's *group bits* are its grid coordinates written in binary, ``w =
+    ceil(log2 M)`` bits per coordinate, the coordinate along the dimension averaged *this* round
+    first::
+
+        bits = c_r  c_{r+1}  …  c_{r+d-1}        (each c is w bits)
+        key  = f"{prefix}.0b{bits[w:]}"           (every coordinate but the first)
+
+    Peers that agree on every coordinate except ``c_r`` share a key and so meet in a group.
+
+    This differs from hivemind, whose key is *all* the bits: there, 3 bits for 8 peers give 8
+    distinct keys after three rounds (nobody meets), so the grid needs ``log2(N/M)`` bits. Here
+    the first coordinate is the in-group position and is not part of the key, so ``d·w`` bits
+    describe a full ``d``-dimensional grid of ``Mᵈ`` peers.
+    """
     validate_group_bits(bits)
     if not prefix:
         raise ValueError("prefix must not be empty")
@@ -102,6 +95,19 @@ def next_group_bits(bits: str, slot: int, target_group_size: int) -> str:
     """Bits for the next round: rotate by one coordinate, append ``slot`` (same length).
 
     With no bits (``""``) there is one key for everybody and nothing changes.
+
+    After the round each member rotates its bits by one coordinate and writes its *slot* in the
+    group (a permutation of ``0 … M-1`` derived from the group id, so the members of one group
+    get distinct slots) as the new last coordinate::
+
+        bits' = bits[w:] + format(slot, f"0{w}b")
+
+    The members of a group leave with distinct keys (they differ in the slot just written), and
+    peers from different groups of the previous round that share a slot meet next — exactly
+    one grid dimension further. For 8 peers, ``M = 2`` and 3 bits whose first bit splits the
+    pairs (0, 1), (2, 3), … (see :func:`grid_bits`), rounds 0, 1, 2 average along the three
+    dimensions of the 2x2x2 cube, every round has four groups of two, and every peer holds the
+    global mean from round 3 on.
     """
     validate_group_bits(bits)
     if not bits:

@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from peer.averaging.allreduce import AllreduceRunner
+from peer.averaging.butterfly_recovery import RECOVERY_ID_BYTES
 from peer.averaging.early import EarlyFrames
 from peer.averaging.matchmaking import Matchmaker, MatchState
 from peer.averaging.protocol import ABORT
@@ -67,6 +68,12 @@ class RoundInbox:
         docstring); ``machine`` is this peer's matchmaking, if it looks for a group."""
         group_id = frame.fields["g"]
         runner = self._runners.get(group_id)
+        parent = group_id
+        while runner is None and len(parent) > RECOVERY_ID_BYTES:
+            # a recovery of a round here (butterfly_recovery): that round's runner sorts it
+            # out (a recovery of a round over here is answered below: not a member)
+            parent = parent[:-RECOVERY_ID_BYTES]
+            runner = self._runners.get(parent)
         if runner is not None:
             if runner.started:
                 runner.on_frame(sender, frame)

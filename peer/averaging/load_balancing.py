@@ -1,37 +1,10 @@
 """Bandwidth-aware span sizes for butterfly all-reduce (pure; no scipy).
 
-Cost model
-----------
-A group of ``n`` members averages a flat vector of ``N`` elements; member ``i`` reduces a
-span of ``sᵢ`` elements (``Σ sᵢ = N``) and has bandwidth ``bᵢ`` (elements per second in each
-direction, full duplex). In a butterfly all-reduce member ``i``
-
-* uploads its values for the other spans, ``N - sᵢ``, plus the average of its own span to
-  the ``n - 1`` others, ``(n - 1)·sᵢ``;
-* downloads the others' values for its span, ``(n - 1)·sᵢ``, plus the averages of the
-  other spans, ``N - sᵢ``.
-
-Both directions carry ``N + (n - 2)·sᵢ`` elements, so member ``i`` needs
-``tᵢ = (N + (n - 2)·sᵢ) / bᵢ``, and the round takes ``max tᵢ``. (A half-duplex link doubles
-every ``tᵢ``; the optimum is the same.) A member that reduces nothing still moves ``N`` each
-way; that time does not depend on the split, so only reducers enter the optimisation.
-
-Optimum (water-filling)
------------------------
-With ``c = n - 2 > 0``, span ``i`` fits in time ``T`` iff ``sᵢ ≤ (T·bᵢ - N)/c``. The least
-feasible ``T`` solves ``Σᵢ max(0, (T·bᵢ - N)/c) = N``: the left side is continuous and
-increasing in ``T``, linear between consecutive break points ``N/bᵢ``. If the ``k`` fastest
-members are the active ones, ``T = N·(c + k) / Σ_{top k} bᵢ``; the right ``k`` is the first
-for which the next member would get nothing (``T·b_{k+1} ≤ N``). Slow members therefore
-reduce nothing when the others are fast enough — the same answer as the small linear
-programme of hivemind's ``load_balance_peers``, found in ``O(n log n)`` without a solver.
-With ``n ≤ 2`` every split costs the same; spans are then proportional to bandwidth.
-
-Integer spans come from largest-remainder rounding (they sum to ``N`` exactly, each within
-one element of its real optimum, so ``max tᵢ`` is within ``(n - 2)/min bᵢ`` of the optimum).
-A reducer whose span would be positive but below ``min_vector_size`` is dropped (treated as
-bandwidth 0) and the split recomputed, smallest first, until none is left — but the last
-reducer always stays, so a vector shorter than ``min_vector_size`` goes to the fastest one.
+:func:`load_balance` gives each member of a group the number of elements it reduces so that
+the slowest member's transfer time is least (slow members may reduce nothing);
+:func:`optimal_fractions` is the real-valued optimum behind it (its docstring has the cost
+model), :func:`max_transfer_time` the cost of a split and :func:`resolve_bandwidths` fills
+in unknown bandwidths.
 """
 
 from __future__ import annotations
@@ -61,7 +34,35 @@ def resolve_bandwidths(bandwidths: Sequence[float | None]) -> list[float]:
 
 
 def optimal_fractions(bandwidths: Sequence[float | None]) -> list[float]:
-    """Real-valued optimal share ``sᵢ/N`` of each member (sums to 1; 0 for bandwidth 0)."""
+    """Real-valued optimal share ``sᵢ/N`` of each member (sums to 1; 0 for bandwidth 0).
+
+    Cost model
+    ----------
+    A group of ``n`` members averages a flat vector of ``N`` elements; member ``i`` reduces a
+    span of ``sᵢ`` elements (``Σ sᵢ = N``) and has bandwidth ``bᵢ`` (elements per second in each
+    direction, full duplex). In a butterfly all-reduce member ``i``
+
+    * uploads its values for the other spans, ``N - sᵢ``, plus the average of its own span to
+      the ``n - 1`` others, ``(n - 1)·sᵢ``;
+    * downloads the others' values for its span, ``(n - 1)·sᵢ``, plus the averages of the
+      other spans, ``N - sᵢ``.
+
+    Both directions carry ``N + (n - 2)·sᵢ`` elements, so member ``i`` needs
+    ``tᵢ = (N + (n - 2)·sᵢ) / bᵢ``, and the round takes ``max tᵢ``. (A half-duplex link doubles
+    every ``tᵢ``; the optimum is the same.) A member that reduces nothing still moves ``N`` each
+    way; that time does not depend on the split, so only reducers enter the optimisation.
+
+    Optimum (water-filling)
+    -----------------------
+    With ``c = n - 2 > 0``, span ``i`` fits in time ``T`` iff ``sᵢ ≤ (T·bᵢ - N)/c``. The least
+    feasible ``T`` solves ``Σᵢ max(0, (T·bᵢ - N)/c) = N``: the left side is continuous and
+    increasing in ``T``, linear between consecutive break points ``N/bᵢ``. If the ``k`` fastest
+    members are the active ones, ``T = N·(c + k) / Σ_{top k} bᵢ``; the right ``k`` is the first
+    for which the next member would get nothing (``T·b_{k+1} ≤ N``). Slow members therefore
+    reduce nothing when the others are fast enough — the same answer as the small linear
+    programme of hivemind's ``load_balance_peers``, found in ``O(n log n)`` without a solver.
+    With ``n ≤ 2`` every split costs the same; spans are then proportional to bandwidth.
+    """
     bw = resolve_bandwidths(bandwidths)
     n = len(bw)
     active = sorted((i for i in range(n) if bw[i] > 0), key=lambda i: -bw[i])
@@ -116,6 +117,12 @@ def load_balance(
     :func:`resolve_bandwidths`; ``0`` = reduces nothing). Members with bandwidth 0 get 0; every
     other span is 0 or at least ``min_vector_size`` (unless the whole vector is shorter).
     Raises ``ValueError`` if no member can reduce or an argument is out of range.
+
+    Integer spans come from largest-remainder rounding (they sum to ``N`` exactly, each within
+    one element of its real optimum, so ``max tᵢ`` is within ``(n - 2)/min bᵢ`` of the optimum).
+    A reducer whose span would be positive but below ``min_vector_size`` is dropped (treated as
+    bandwidth 0) and the split recomputed, smallest first, until none is left — but the last
+    reducer always stays, so a vector shorter than ``min_vector_size`` goes to the fastest one.
     """
     if vector_size < 0 or min_vector_size < 0:
         raise ValueError("vector_size and min_vector_size must be non-negative")
@@ -136,7 +143,7 @@ def load_balance(
 
 
 def max_transfer_time(spans: Sequence[int], bandwidths: Sequence[float | None]) -> float:
-    """``max tᵢ`` of the cost model above over the reducers (members with a positive span)."""
+    """``max tᵢ`` over the reducers (positive span), in :func:`optimal_fractions`'s cost model."""
     bw = resolve_bandwidths(bandwidths)
     n, total = len(spans), sum(spans)
     times = [(total + (n - 2) * s) / bw[i] for i, s in enumerate(spans) if s > 0]

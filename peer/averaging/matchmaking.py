@@ -9,76 +9,17 @@ commands each call returns, *in order*: publish or retract a :class:`Declaration
 only ever an argument (``now``); :meth:`~Matchmaker.next_wakeup` says when to call
 :meth:`~Matchmaker.tick`.
 
-Why it cannot deadlock
-----------------------
-Every declaration of intent to average has a place in one total order,
-``Declaration.order_key = (start_time, peer_id)`` — the same on every peer, because both
-fields are chosen by the declaring peer and carried verbatim (clock skew changes where a
-peer lands in the order, never whether peers agree on it). The rules:
-
-1. A peer sends a join request only to a leader whose declaration *precedes* its own
-   (:meth:`Matchmaker._viable`); a leader refuses a request from a peer that does not come
-   after it (``RefuseReason.WRONG_ORDER``), so a buggy peer cannot break the rule either.
-2. A peer waits on at most one other peer: the leader it is REQUESTING or FOLLOWING
-   (:meth:`Matchmaker.waiting_on`). While it does, it answers every join request to itself
-   at once with a redirect to that leader (which precedes the requester too, by
-   transitivity) — it never holds followers and never lets a requester wait on it: a
-   leader with followers that asks an earlier leader sends them there first
-   (:class:`GroupDisbanded` with a redirect), so they ask it alongside, not after, their
-   leader (each hop of a chain costs a request, and the group forms at the earliest one).
-3. Every request is answered immediately by the handler (:meth:`Matchmaker.on_join_request`
-   returns its :class:`Reply`); no answer waits for another peer's action.
-4. A leader never waits on its followers: it assembles on its own (full group, or its start
-   time reached with at least ``min_group_size``) and tells them; nothing is acknowledged.
-   One bounded exception is a timer, not a wait on a peer: a requester that hands its
-   followers over names them in its request (``JoinRequest.bringing``), and a leader past
-   its start time holds the group open for those still under way, until they arrive, the
-   group is full, or ``assembly_grace`` after its start time (never past its deadline).
-   Without it a redirect that reaches the followers just before the start time leaves them
-   out: they arrive after the group assembled and find no other.
-
-So every edge of the waits-for graph goes from a declaration to a strictly earlier one:
-the graph is acyclic and no deadlock can form. Timeouts remain only for peers that die or
-stall (a request unanswered after ``request_timeout``; a leader silent ``assembly_grace``
-after its declared deadline, or whose connection the I/O layer reports lost), and for the
-caller's overall ``deadline``.
-
-Client-mode peers (they cannot accept connections) never lead and are never requested;
-nothing can wait on them, so they may ask any leader regardless of order, and leaders accept
-them regardless of order.
-
-Other guarantees read off the code
-----------------------------------
-* A peer is in at most one group per attempt: it emits at most one :class:`BeginAllreduce`,
-  after which it refuses every request; it leads or follows, never both (asking a leader,
-  it first redirects its own followers there with :class:`GroupDisbanded`).
-* Group size stays within ``[min_group_size, target_group_size]``: the leader counts.
-* Different ``group_key`` or ``schema_hash`` (shapes, dtypes, compression) never share a
-  group: leaders refuse such requests and peers never ask such leaders.
-* A follower whose leader refuses, disbands, times out or dies moves on to the next
-  viable leader in order, or leads itself. A peer that abandons a leader sends it
-  :class:`LeaveGroup`, so a late acceptance does not leave it listed. One race remains:
-  if the leader assembles before the notice arrives, its :class:`GroupInfo` names a member
-  that will not come; the all-reduce layer must exclude it (it refuses traffic for a group
-  id it never began), exactly as it excludes a member that crashes.
-
-Clock skew: decisions by *order* (who leads) need no synchronised clocks. One decision
-compares another peer's declared time with the local clock: a follower gives up on a silent
-leader ``assembly_grace`` (default: ``request_timeout``) after that leader's declared
-``deadline`` (a live leader assembles or disbands before it); that tolerates skew up to
-``assembly_grace``. A leader that is alive but short of ``min_group_size`` keeps its
-followers until then, so a late peer can still complete the group. Old
-declarations are not filtered by time (a lone leader past its start time still takes late
-followers until its deadline); gossip expiry (``Publish.expires_at``), :meth:`Matchmaker.forget`
-and request timeouts remove dead ones.
+:class:`Matchmaker`'s docstring has the rules that keep matchmaking free of deadlock and the
+guarantees they give (``docs/averaging.md`` tells the same story with the I/O layer).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
+from peer.averaging.matchmaking_attempt import Attempt, Follower, acceptable
 from peer.averaging.matchmaking_types import (
     BeginAllreduce,
     Command,
@@ -97,6 +38,7 @@ from peer.averaging.matchmaking_types import (
     Notify,
     PeerID,
     Publish,
+    Redirected,
     RefuseReason,
     Reply,
     ResponseStatus,
@@ -120,8 +62,10 @@ __all__ = [
     "MatchState",
     "Matchmaker",
     "MatchmakingConfig",
+    "Notice",
     "Notify",
     "Publish",
+    "Redirected",
     "RefuseReason",
     "Reply",
     "ResponseStatus",
@@ -132,44 +76,92 @@ __all__ = [
 _ACTIVE = (MatchState.LOOKING, MatchState.REQUESTING, MatchState.FOLLOWING)
 
 
-@dataclass
-class _Follower:
-    declaration: Declaration
-    metadata: bytes
-
-
-@dataclass
-class _Attempt:
-    """Per-attempt state (reset by :meth:`Matchmaker.start`)."""
-
-    declaration: Declaration
-    metadata: bytes
-    deadline: float
-    leader: Declaration | None = None  # the peer waited on (REQUESTING / FOLLOWING)
-    since: float = 0.0  # when the request was sent / acceptance arrived
-    # declaration (by order key) → the revision of it this peer gave up on
-    tried: dict[tuple[float, PeerID], int] = field(default_factory=dict)
-    followers: dict[PeerID, _Follower] = field(default_factory=dict)
-    # peers a follower said it sent here, not yet arrived (the leader holds for them)
-    expected: set[PeerID] = field(default_factory=set)
-    # peers this one sent ahead to the leader it asks (named in its requests)
-    sent_ahead: set[PeerID] = field(default_factory=set)
-
-
-#: how many announced peers a leader holds for when the group size is unbounded
-_MAX_EXPECTED = 64
-
-
 # --------------------------------------------------------------------- machine
 
 
 class Matchmaker:
-    """The matchmaking state machine of one peer; see the module docstring for the rules.
+    """The matchmaking state machine of one peer: the rules below, without I/O.
 
     Every event method takes ``now`` (seconds, the caller's clock; non-decreasing) and
     returns the list of commands to execute in order. Events that do not apply in the
     current state (a stale response, a notice from a peer left behind) are ignored, never
     errors: remote peers are not trusted to be in sync.
+
+    Why it cannot deadlock
+    ----------------------
+    Every declaration of intent to average has a place in one total order,
+    ``Declaration.order_key(order)``: by default ``(rank, peer_id)`` with ``rank =
+    sha256(group_key ‖ peer_id)``, or ``(start_time, peer_id)`` with ``order="start_time"`` —
+    the same on every peer, because it is computed from fields carried verbatim (clock skew
+    changes when a group assembles, never whether peers agree on the order). By default no
+    declaration can win the order: the earliest start time would go to whoever declares no
+    matchmaking wait (or starts early), and that peer would lead, and pick, every group it
+    reaches. Under the rank the group waits for its leader's start time instead of the
+    earliest; a peer does not ask a leader that assembles after its own deadline. The rules:
+
+    1. A peer sends a join request only to a leader whose declaration *precedes* its own
+       (:meth:`~peer.averaging.matchmaking_attempt.Attempt.viable`); a leader refuses a
+       request from a peer that does not come after it (``RefuseReason.WRONG_ORDER``), so a
+       buggy peer cannot break the rule either.
+    2. A peer waits on at most one other peer: the leader it is REQUESTING or FOLLOWING
+       (:meth:`Matchmaker.waiting_on`). While it does, it answers every join request to itself
+       at once with a redirect to that leader (which precedes the requester too, by
+       transitivity), and tells that leader whom it sent (:class:`Redirected`) — it never
+       holds followers and never lets a requester wait on it: a
+       leader with followers that asks an earlier leader sends them there first
+       (:class:`GroupDisbanded` with a redirect), so they ask it alongside, not after, their
+       leader (each hop of a chain costs a request, and the group forms at the earliest one).
+    3. Every request is answered immediately by the handler (:meth:`Matchmaker.on_join_request`
+       returns its :class:`Reply`); no answer waits for another peer's action.
+    4. A leader never waits on its followers: it assembles on its own (full group, or its start
+       time reached with at least ``min_group_size``) and tells them; nothing is acknowledged.
+       One bounded exception is a timer, not a wait on a peer: the peers sent to a leader are
+       announced to it — a requester that hands its followers over names them in its request
+       (``JoinRequest.bringing``), a peer that redirects a requester names it in a
+       :class:`Redirected` notice (passed on, hop by hop, to the leader at the end of the
+       chain) — and a leader past its start time holds the group open for those still under
+       way, until they arrive, the group is full, or ``assembly_grace`` after its start time
+       (never past its deadline). Without it a peer that learns of the group's leader late
+       and reaches it through a chain of redirects (a request per hop) arrives after the group
+       assembled, is refused as busy and finds no other.
+
+    So every edge of the waits-for graph goes from a declaration to a strictly earlier one:
+    the graph is acyclic and no deadlock can form. Timeouts remain only for peers that die or
+    stall (a request unanswered after ``request_timeout``; a leader silent ``assembly_grace``
+    after its declared deadline, or whose connection the I/O layer reports lost), and for the
+    caller's overall ``deadline``.
+
+    Client-mode peers (they cannot accept connections) never lead and are never requested;
+    nothing can wait on them, so they may ask any leader regardless of order, and leaders accept
+    them regardless of order.
+
+    Other guarantees read off the code
+    ----------------------------------
+    * A peer is in at most one group per attempt: it emits at most one :class:`BeginAllreduce`,
+      after which it refuses every request; it leads or follows, never both (asking a leader,
+      it first redirects its own followers there with :class:`GroupDisbanded`).
+    * Group size stays within ``[min_group_size, target_group_size]``: the leader counts, and
+      each follower checks the group it is told of against its own settings (a leader that
+      assembles before its start time must be full by the follower's target).
+    * Different ``group_key`` or ``schema_hash`` (shapes, dtypes, compression) never share a
+      group: leaders refuse such requests and peers never ask such leaders.
+    * A follower whose leader refuses, disbands, times out or dies moves on to the next
+      viable leader in order, or leads itself. A peer that abandons a leader sends it
+      :class:`LeaveGroup`, so a late acceptance does not leave it listed. One race remains:
+      if the leader assembles before the notice arrives, its :class:`GroupInfo` names a member
+      that will not come; the all-reduce layer must exclude it (it refuses traffic for a group
+      id it never began), exactly as it excludes a member that crashes.
+
+    Clock skew: decisions by *order* (who leads) need no synchronised clocks. Two decisions
+    compare another peer's declared time with the local clock, each tolerating skew up to
+    ``assembly_grace`` (default: ``request_timeout``): a follower gives up on a silent leader
+    that long after the leader's declared ``deadline`` (a live leader assembles or disbands
+    before it), and takes a group assembled before the leader's start time, less that grace,
+    only if it is full. A leader that is alive but short of ``min_group_size`` keeps its
+    followers until then, so a late peer can still complete the group. Old
+    declarations are not filtered by time (a lone leader past its start time still takes late
+    followers until its deadline); gossip expiry (``Publish.expires_at``), :meth:`Matchmaker.forget`
+    and request timeouts remove dead ones.
     """
 
     def __init__(self, peer_id: PeerID, config: MatchmakingConfig | None = None) -> None:
@@ -178,7 +170,7 @@ class Matchmaker:
         self.state = MatchState.IDLE
         self.known: dict[PeerID, Declaration] = {}  # latest declaration seen per peer
         self.group: GroupInfo | None = None  # set when GROUPED
-        self._attempt: _Attempt | None = None
+        self._attempt: Attempt | None = None
         self._now = -math.inf
         self._assembled = 0  # attempts counter, salts group ids
 
@@ -207,12 +199,12 @@ class Matchmaker:
         times = [a.deadline]
         if self.state is MatchState.LOOKING and a.declaration.start_time > self._now:
             times.append(a.declaration.start_time)  # may assemble then
-        elif self.state is MatchState.LOOKING and self._holding(self._now):
-            times.append(self._hold_end())  # assembles then without the peers still missing
+        elif self.state is MatchState.LOOKING and a.holding(self._now):
+            times.append(a.hold_end())  # assembles then without the peers still missing
         elif self.state is MatchState.REQUESTING:
             times.append(a.since + self.config.request_timeout)
         elif self.state is MatchState.FOLLOWING:
-            times.append(self._follow_deadline())
+            times.append(a.follow_deadline())
         finite = [t for t in times if math.isfinite(t)]
         return min(finite) if finite else None
 
@@ -248,7 +240,7 @@ class Matchmaker:
         declaration = Declaration(
             group_key, self.peer_id, start_time, schema_hash, client_mode, deadline=deadline
         )
-        self._attempt = _Attempt(declaration, metadata, deadline)
+        self._attempt = Attempt(declaration, metadata, deadline, self.config)
         self.group = None
         self.state = MatchState.LOOKING
         out: list[Command] = []
@@ -303,25 +295,19 @@ class Matchmaker:
             return refuse(RefuseReason.WRONG_SCHEMA)
         if me.client_mode:
             return refuse(RefuseReason.CLIENT_MODE)
-        if not requester.client_mode and not me.precedes(requester):
+        if not requester.client_mode and not me.precedes(requester, self.config.order):
             return refuse(RefuseReason.WRONG_ORDER)
         if self.state in (MatchState.REQUESTING, MatchState.FOLLOWING):
             # rule 2: never let anyone wait on a peer that waits; point it further down
             assert a.leader is not None
-            return [
-                Reply(to, JoinResponse(self.peer_id, ResponseStatus.REDIRECT, redirect_to=a.leader))
-            ]
+            reply = JoinResponse(self.peer_id, ResponseStatus.REDIRECT, redirect_to=a.leader)
+            return [Reply(to, reply), *a.pass_on((to, *request.bringing))]
         # LOOKING: lead
-        if to not in a.followers and self._is_full():
+        if to not in a.followers and a.is_full():
             return refuse(RefuseReason.FULL)
-        a.followers[to] = _Follower(requester, request.metadata)
+        a.followers[to] = Follower(requester, request.metadata)
         a.expected.discard(to)
-        limit = self.config.target_group_size or _MAX_EXPECTED
-        for peer_id in request.bringing[:limit]:
-            if len(a.expected) >= limit:
-                break
-            if peer_id != self.peer_id and peer_id not in a.followers:
-                a.expected.add(peer_id)
+        a.expect(request.bringing)
         out: list[Command] = [Reply(to, JoinResponse(self.peer_id, ResponseStatus.ACCEPTED))]
         return out + self._progress(now)
 
@@ -342,7 +328,7 @@ class Matchmaker:
             a.since = now
             self.state = MatchState.FOLLOWING
             return []
-        self._give_up_on(leader)
+        a.give_up_on(leader)
         self.state = MatchState.LOOKING
         if response.status is ResponseStatus.REDIRECT and response.redirect_to is not None:
             return self._redirected(now, response.redirect_to)
@@ -354,7 +340,7 @@ class Matchmaker:
         if self.waiting_on() != peer_id or self.state is not MatchState.REQUESTING:
             return []
         assert self._attempt is not None and self._attempt.leader is not None
-        self._give_up_on(self._attempt.leader)
+        self._attempt.give_up_on(self._attempt.leader)
         self.state = MatchState.LOOKING
         return self._progress(now)
 
@@ -369,7 +355,7 @@ class Matchmaker:
         if self.waiting_on() != peer_id:
             return []
         assert a.leader is not None
-        self._give_up_on(a.leader)
+        a.give_up_on(a.leader)
         self.state = MatchState.LOOKING
         return self._progress(now)
 
@@ -386,6 +372,14 @@ class Matchmaker:
                 if self.state is MatchState.LOOKING:
                     return self._progress(now)  # it may have been the last one held for
             return []
+        if isinstance(message, Redirected):
+            if message.follower_id != sender:
+                return []
+            if self.state is MatchState.LOOKING:
+                if not a.declaration.client_mode:
+                    a.expect(message.peer_ids)
+                return []
+            return a.pass_on(message.peer_ids)  # waiting: to the leader it waits on
         # from the leader we follow -- or the one we asked: its notice may overtake its reply
         waiting = self.state in (MatchState.REQUESTING, MatchState.FOLLOWING)
         if not waiting or a.leader is None or a.leader.peer_id != sender:
@@ -396,16 +390,17 @@ class Matchmaker:
                 group.leader == sender
                 and self.peer_id in group.peer_ids
                 and group.group_key == a.declaration.group_key
+                and acceptable(self.config, now, group, a.leader)
             ):
                 # (the notice may overtake the acceptance)
                 self.group = group
                 self.state = MatchState.GROUPED
                 return [Retract(a.declaration), BeginAllreduce(group)]
-            self._give_up_on(a.leader)  # assembled without us
+            a.give_up_on(a.leader)  # assembled without us, or as we do not accept
             self.state = MatchState.LOOKING
             return self._progress(now)
         if isinstance(message, GroupDisbanded):
-            self._give_up_on(a.leader)
+            a.give_up_on(a.leader)
             self.state = MatchState.LOOKING
             if message.redirect_to is not None:
                 return self._redirected(now, message.redirect_to)
@@ -423,16 +418,16 @@ class Matchmaker:
         if self.state is MatchState.REQUESTING and now >= a.since + self.config.request_timeout:
             assert a.leader is not None
             leader = a.leader
-            self._give_up_on(leader)
+            a.give_up_on(leader)
             self.state = MatchState.LOOKING
             return [
                 Notify(leader.peer_id, LeaveGroup(self.peer_id, leader.peer_id)),
                 *self._progress(now),
             ]
-        if self.state is MatchState.FOLLOWING and now >= self._follow_deadline():
+        if self.state is MatchState.FOLLOWING and now >= a.follow_deadline():
             assert a.leader is not None
             leader = a.leader
-            self._give_up_on(leader)
+            a.give_up_on(leader)
             self.state = MatchState.LOOKING
             return [
                 Notify(leader.peer_id, LeaveGroup(self.peer_id, leader.peer_id)),
@@ -454,49 +449,6 @@ class Matchmaker:
     def _tick_clock(self, now: float) -> None:
         self._now = max(self._now, now)
 
-    def _follow_deadline(self) -> float:
-        # a live leader assembles or disbands us by its own deadline; only a dead or
-        # stalled one makes us wait that long (the I/O layer reports lost connections
-        # sooner through on_peer_lost)
-        a = self._attempt
-        assert a is not None and a.leader is not None
-        return max(a.leader.deadline, a.since) + self.config.grace
-
-    def _is_full(self) -> bool:
-        target = self.config.target_group_size
-        return target is not None and 1 + len(self._attempt.followers) >= target  # type: ignore[union-attr]
-
-    def _hold_end(self) -> float:
-        a = self._attempt
-        assert a is not None
-        return min(a.declaration.start_time + self.config.grace, a.deadline)
-
-    def _holding(self, now: float) -> bool:
-        """Past its start time, does this leader still hold the group open for announced
-        peers (rule 4)?"""
-        a = self._attempt
-        assert a is not None
-        return bool(a.expected) and now < self._hold_end()
-
-    def _give_up_on(self, leader: Declaration) -> None:
-        assert self._attempt is not None
-        # the revision we asked, not the newest known: if the peer has led again since
-        # (a newer revision reached us meanwhile), it is worth asking again
-        tried = self._attempt.tried
-        tried[leader.order_key] = max(tried.get(leader.order_key, -1), leader.revision)
-
-    def _viable(self, other: Declaration, now: float) -> bool:
-        """May this peer ask ``other`` to lead it? (rule 1 and compatibility)"""
-        a = self._attempt
-        assert a is not None
-        me = a.declaration
-        if other.peer_id == self.peer_id or other.client_mode or not me.compatible(other):
-            return False
-        if not me.client_mode and not other.precedes(me):
-            return False
-        # a newer revision means the peer leads again after a failed attempt to follow
-        return a.tried.get(other.order_key, -1) < other.revision
-
     def _learn(self, declaration: Declaration) -> bool:
         """Remember ``declaration`` unless it is ours or nothing new (gossip may deliver old
         revisions late); whether it was new."""
@@ -505,24 +457,28 @@ class Matchmaker:
         previous = self.known.get(declaration.peer_id)
         if (
             previous is not None
-            and previous.order_key == declaration.order_key
+            and previous.identity == declaration.identity
             and previous.revision >= declaration.revision
         ):
             return False
         self.known[declaration.peer_id] = declaration
         return True
 
-    def _earliest_viable(self, now: float) -> Declaration | None:
-        candidates = [d for d in self.known.values() if self._viable(d, now)]
-        return min(candidates, key=lambda d: d.order_key) if candidates else None
+    def _earliest_viable(self) -> Declaration | None:
+        a = self._attempt
+        assert a is not None
+        candidates = [d for d in self.known.values() if a.viable(d)]
+        order = self.config.order
+        return min(candidates, key=lambda d: d.order_key(order)) if candidates else None
 
     def _redirected(self, now: float, target: Declaration) -> list[Command]:
         """Pointed at ``target`` (the leader of the peer we asked): ask the earliest viable
         leader we know, the target included — the target may itself be waiting on one we
         already know of, and every hop of a redirect chain costs a request."""
-        if self._viable(target, now):
+        assert self._attempt is not None
+        if self._attempt.viable(target):
             self._learn(target)
-        best = self._earliest_viable(now)
+        best = self._earliest_viable()
         if best is not None:
             return self._request(now, best)
         return self._progress(now)
@@ -541,9 +497,8 @@ class Matchmaker:
         a.leader = leader
         a.since = now
         self.state = MatchState.REQUESTING
-        request = JoinRequest(
-            a.declaration, leader.peer_id, a.metadata, tuple(sorted(a.sent_ahead))
-        )
+        bringing = a.bringing(leader)
+        request = JoinRequest(a.declaration, leader.peer_id, a.metadata, bringing)
         return [*out, SendRequest(leader.peer_id, request)]
 
     def _progress(self, now: float) -> list[Command]:
@@ -552,9 +507,7 @@ class Matchmaker:
         assert a is not None and self.state is MatchState.LOOKING
         size = 1 + len(a.followers)
         ready = now >= a.declaration.start_time and size >= self.config.min_group_size
-        assemble = not a.declaration.client_mode and (
-            self._is_full() or (ready and not self._holding(now))
-        )
+        assemble = not a.declaration.client_mode and (a.is_full() or (ready and not a.holding(now)))
         if not assemble and now >= a.deadline:
             return self._stop(FailureReason.DEADLINE, "no group before the deadline")
         out: list[Command] = []
@@ -567,7 +520,7 @@ class Matchmaker:
                 out.append(Publish(a.declaration, None if math.isinf(a.deadline) else a.deadline))
         if assemble:
             return out + self._assemble(now)
-        best = self._earliest_viable(now)
+        best = self._earliest_viable()
         if best is not None:
             return out + self._request(now, best)
         return out
@@ -576,7 +529,8 @@ class Matchmaker:
         a = self._attempt
         assert a is not None
         me = a.declaration
-        followers = sorted(a.followers.values(), key=lambda f: f.declaration.order_key)
+        order = self.config.order
+        followers = sorted(a.followers.values(), key=lambda f: f.declaration.order_key(order))
         peer_ids = (self.peer_id, *(f.declaration.peer_id for f in followers))
         self._assembled += 1
         digest = hashlib.sha256(

@@ -1,19 +1,15 @@
 """Drive the :class:`~peer.averaging.matchmaking.Matchmaker` over the network.
 
-The state machine decides; this module only carries its events and commands:
+The state machine decides; this module carries its events and commands:
 
-* declarations go to gossip under the group key (subkey = peer id), are read back when one
-  arrives (``AsyncNode.watch``) and at least every ``poll_interval``, and fed in with
-  ``on_declaration`` (a retracted one — value ``None`` — with ``forget``);
-* ``SendRequest`` becomes an ``avg.join`` request; its reply, failure or timeout becomes
-  ``on_join_response`` / ``on_request_failed``;
-* join requests to this peer are answered by the handler with the machine's ``Reply``
-  (rule 3 of the deadlock argument: answered at once, never deferred);
+* declarations go to gossip under the group key (subkey = peer id) and are read back on
+  change and every ``poll_interval`` (``on_declaration``; a retracted one: ``forget``);
+* ``SendRequest`` becomes an ``avg.join`` request (reply or failure: ``on_join_response`` /
+  ``on_request_failed``); join requests to this peer are answered at once with ``Reply``;
 * ``Notify`` becomes a one-way ``avg.notice``; received notices go to ``on_notice``;
 * timers: the loop sleeps until ``next_wakeup()`` (or the next poll) and calls ``tick``.
 
-Time is the node's wall clock (``core.now()``) because declarations carry absolute times
-that other peers compare with theirs (see the clock-skew notes in ``matchmaking``).
+Time is the node's wall clock (``core.now()``): declarations carry absolute times.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections.abc import Coroutine
 from typing import Any
 
 from peer.averaging.exceptions import MatchmakingFailed, StepCancelled
@@ -97,7 +94,8 @@ class MatchmakingDriver:
         """One matchmaking attempt. Returns the group, or raises
         :class:`MatchmakingFailed` (deadline) / :class:`StepCancelled` (``cancel`` set)."""
         loop = asyncio.get_running_loop()
-        self._result = result = loop.create_future()
+        result: asyncio.Future[GroupInfo] = loop.create_future()
+        self._result = result
         self._group_key = group_key
         self.withdrawn = frozenset()
         self.machine.known.clear()  # re-learnt from gossip below; drops stale peers
@@ -306,7 +304,7 @@ class MatchmakingDriver:
         except (SwarmgradError, TimeoutError) as exc:
             logger.debug("notice to %s failed: %s", command.to, exc)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[object, None, object]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -7,10 +7,16 @@ machine's states. The rules that use them are in :mod:`peer.averaging.matchmakin
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 PeerID = str
+
+#: the total orders matchmaking can follow (see :attr:`MatchmakingConfig.order`)
+Order = Literal["rank", "start_time"]
+ORDERS: tuple[Order, ...] = ("rank", "start_time")
 
 
 # ------------------------------------------------------------------ configuration
@@ -22,6 +28,13 @@ class MatchmakingConfig:
 
     ``target_group_size=None`` means no upper bound. ``assembly_grace`` (default
     ``request_timeout``) is how long past a leader's start time a follower keeps waiting.
+
+    ``order`` is the total order in which leaders are followed (:meth:`Declaration.order_key`):
+    ``"rank"`` (the default) by :attr:`Declaration.rank`, a hash of the group key and the
+    peer id that no peer chooses, so no declaration (say, one with no matchmaking wait, or
+    made early) puts a peer first; ``"start_time"`` by declared start time, the earliest
+    leading: a group assembles at the earliest start, but whoever declares the earliest time
+    leads every group it reaches, so only for swarms whose members trust each other.
     """
 
     target_group_size: int | None = None
@@ -29,6 +42,7 @@ class MatchmakingConfig:
     min_matchmaking_time: float = 5.0
     request_timeout: float = 3.0
     assembly_grace: float | None = None
+    order: Order = "rank"
 
     def __post_init__(self) -> None:
         if self.min_group_size < 1:
@@ -39,6 +53,8 @@ class MatchmakingConfig:
             raise ValueError("min_matchmaking_time must be >= 0 and request_timeout > 0")
         if self.assembly_grace is not None and self.assembly_grace < 0:
             raise ValueError("assembly_grace must be >= 0")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}, not {self.order!r}")
 
     @property
     def grace(self) -> float:
@@ -66,12 +82,24 @@ class Declaration:
     deadline: float = math.inf  # the peer gives up (and disbands its followers) by then
 
     @property
-    def order_key(self) -> tuple[float, PeerID]:
-        """Position in the one total order that makes matchmaking deadlock-free."""
+    def identity(self) -> tuple[float, PeerID]:
+        """Which declaration this is: a peer's new attempt declares a new start time."""
         return (self.start_time, self.peer_id)
 
-    def precedes(self, other: Declaration) -> bool:
-        return self.order_key < other.order_key
+    @property
+    def rank(self) -> bytes:
+        """``sha256(group_key ‖ peer_id)``: the same on every peer, chosen by none (a peer
+        chooses its id once, before it knows the round's key), new with each group key."""
+        return hashlib.sha256(f"{self.group_key}\x00{self.peer_id}".encode()).digest()
+
+    def order_key(self, order: Order = "rank") -> tuple[bytes | float, PeerID]:
+        """Position in the one total order that makes matchmaking deadlock-free: by
+        :attr:`rank` or by declared start time (see :attr:`MatchmakingConfig.order`), then
+        peer id. Only fields carried verbatim: every peer computes the same."""
+        return (self.rank if order == "rank" else self.start_time, self.peer_id)
+
+    def precedes(self, other: Declaration, order: Order = "rank") -> bool:
+        return self.order_key(order) < other.order_key(order)
 
     def compatible(self, other: Declaration) -> bool:
         """Same group key and tensor schema: allowed to share a group."""
@@ -165,7 +193,18 @@ class LeaveGroup:
     leader_id: PeerID
 
 
-Notice = GroupAssembled | GroupDisbanded | LeaveGroup
+@dataclass(frozen=True)
+class Redirected:
+    """Waiting peer → the leader it waits on: "I pointed these peers at you" (the requesters
+    it redirected there, and the peers they named as theirs). The leader holds its group
+    open for them as for :attr:`JoinRequest.bringing` (rule 4); a peer that waits itself
+    passes them on to its own leader."""
+
+    follower_id: PeerID
+    peer_ids: tuple[PeerID, ...]
+
+
+Notice = GroupAssembled | GroupDisbanded | LeaveGroup | Redirected
 
 
 # ----------------------------------------------------------------- commands (out)

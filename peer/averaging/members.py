@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any
 
 import msgpack
 
 from peer.averaging.butterfly import MemberInfo
 from peer.averaging.matchmaking import GroupInfo
+from peer.formats.open_types import UserMetadata
 
 logger = logging.getLogger("peer.averaging.averager")
 
 __all__ = ["certified", "pack_metadata", "parse_members"]
 
 
-def pack_metadata(bandwidth: float | None, auxiliary: bool, weight: float, gather: Any) -> bytes:
+def pack_metadata(bandwidth: float | None, auxiliary: bool, weight: float, gather: object) -> bytes:
     """This member's metadata for its group; :class:`TypeError` if ``gather`` is not
     msgpack-serialisable."""
     try:
@@ -57,11 +57,11 @@ def certified(member: MemberInfo, role: str | None) -> MemberInfo:
     return member
 
 
-def parse_members(group: GroupInfo) -> tuple[list[MemberInfo], dict[str, Any]]:
+def parse_members(group: GroupInfo) -> tuple[list[MemberInfo], dict[str, UserMetadata]]:
     """Members' roles and gathered data from the group's metadata. A member whose metadata
     does not parse is treated as auxiliary with bandwidth 0 — the same on every member."""
     members: list[MemberInfo] = []
-    gathered: dict[str, Any] = {}
+    gathered: dict[str, UserMetadata] = {}
     for peer_id, raw, client in zip(group.peer_ids, group.gathered, group.client_mode, strict=True):
         try:
             value = msgpack.unpackb(raw, raw=False, strict_map_key=False)

@@ -1,23 +1,13 @@
 """Flatten averaged tensors into one vector, split it among reducers, cut spans into parts.
 
-Butterfly all-reduce (as in hivemind and Moshpit SGD, Ryabinin et al. 2021, §3): the flat
-vector of ``N`` elements is split into one contiguous *span* per group member; member ``i``
-reduces span ``i`` (receives everyone's values for it, averages, sends the average back).
-Each span is streamed in *parts* of at most ``part_size_bytes`` after compression, so
-sending, reducing and receiving overlap.
+The flat vector is split into one contiguous *span* per member; member ``i`` reduces span
+``i``, streamed in *parts* of at most ``part_size_bytes`` after compression. No I/O:
 
-Two pure pieces, no I/O:
-
-* :class:`FlatLayout` — where each tensor lives in the flat vector; :meth:`FlatLayout.flatten`
-  copies the tensors into one buffer once, :meth:`FlatLayout.unflatten_into` writes the
-  (averaged) buffer back into the tensors in place. Mixed floating dtypes are flattened to
-  their promoted dtype (averaging in the wider type is at least as precise).
-* :class:`Partition` — integer bookkeeping: spans per reducer and the parts of each span.
-  A part never crosses a point where the codec changes (per-tensor codecs), so every part
-  is compressed by exactly one codec; within one codec's run it may cross tensor boundaries,
-  which keeps the number of frames low for models with many small tensors.
-
-Parts are views (``flat[part.start:part.stop]``), never copies.
+* :class:`FlatLayout`: where each tensor lives in the flat vector;
+  :meth:`FlatLayout.flatten` copies the tensors into one buffer (mixed floating dtypes in
+  their promoted dtype), :meth:`FlatLayout.unflatten_into` writes it back in place.
+* :class:`Partition`: spans per reducer and the parts of each span. A part never crosses a
+  change of codec, but may cross tensor boundaries. Parts are views, never copies.
 """
 
 from __future__ import annotations

@@ -4,20 +4,8 @@ Every averager message names the averager's ``prefix`` (field ``p``), so several
 (e.g. parameters and optimizer state) can share one node; :class:`Router` registers the
 message types once per node and hands each frame to the averager of that prefix.
 
-==================  ========  ===========================================================
-type                kind      meaning
-==================  ========  ===========================================================
-``avg.join``        request   matchmaking :class:`~peer.averaging.matchmaking.JoinRequest`
-``avg.join_reply``  reply     its :class:`~peer.averaging.matchmaking.JoinResponse`
-``avg.notice``      one-way   ``GroupAssembled`` / ``GroupDisbanded`` / ``LeaveGroup``
-``avg.part``        one-way   a sender's values for one part of the receiver's span
-``avg.average``     one-way   a reducer's average of one part of its span
-``avg.abort``       one-way   "I am not (or no longer) in group ``g``": exclude me
-``avg.state_begin`` request   start a state download; reply ``avg.state_info``
-``avg.state_chunk`` request   one chunk of a state download; reply ``avg.state_data``
-==================  ========  ===========================================================
-
-The requester of ``avg.join`` is the authenticated peer of the link, never a field.
+:class:`Router`'s docstring lists the message types. The requester of ``avg.join`` is the
+authenticated peer of the link, never a field.
 """
 
 from __future__ import annotations
@@ -35,6 +23,7 @@ from peer.averaging.matchmaking import (
     JoinResponse,
     LeaveGroup,
     Notice,
+    Redirected,
     RefuseReason,
     ResponseStatus,
 )
@@ -66,7 +55,13 @@ HANDLED: dict[str, Schema] = {
     ),
     NOTICE: Schema(
         required={"p": PREFIX, "k": STR},
-        optional={"g": AnyValue(), "d": AnyValue(), "f": STR, "l": STR},
+        optional={
+            "g": AnyValue(),
+            "d": AnyValue(),
+            "f": STR,
+            "l": STR,
+            "b": ListOf(PEER_ID, max_length=MAX_BRINGING),  # Redirected.peer_ids
+        },
     ),
     PART: Schema(
         required={"p": PREFIX, "g": GROUP_ID, "l": STR, "i": INT, "w": FLOAT, "c": AnyValue()},
@@ -95,7 +90,26 @@ RoundEndpoint = Callable[[str, Frame], None]  # (sender's peer id, part or avera
 
 
 class Router:
-    """Per-node dispatch of averager messages by prefix (one per :class:`AsyncNode`)."""
+    """Per-node dispatch of averager messages by prefix (one per :class:`AsyncNode`).
+
+    The message types:
+
+    ====================  ========  ===========================================================
+    type                  kind      meaning
+    ====================  ========  ===========================================================
+    ``avg.join``          request   matchmaking :class:`~peer.averaging.matchmaking.JoinRequest`
+    ``avg.join_reply``    reply     its :class:`~peer.averaging.matchmaking.JoinResponse`
+    ``avg.notice``        one-way   ``GroupAssembled`` / ``GroupDisbanded`` / ``LeaveGroup`` /
+                                    ``Redirected``
+    ``avg.part``          one-way   a sender's values for one part of the receiver's span
+    ``avg.average``       one-way   a reducer's average of one part of its span
+    ``avg.abort``         one-way   "I am not (or no longer) in group ``g``": exclude me
+    ``avg.state_begin``   request   start a state download; reply ``avg.state_info``
+    ``avg.state_chunk``   request   one chunk of a state download; reply ``avg.state_data``
+    ``avg.state_digest``  request   a donor's digest of the state it would serve now; reply
+                                    ``avg.state_hash``
+    ====================  ========  ===========================================================
+    """
 
     _by_node: weakref.WeakKeyDictionary[Any, Router] = weakref.WeakKeyDictionary()
 
@@ -145,7 +159,7 @@ class Router:
 # ------------------------------------------------------------------ declarations
 
 
-def encode_declaration(d: Declaration) -> dict[str, Any]:
+def encode_declaration(d: Declaration) -> dict[str, object]:
     return {
         "k": d.group_key,
         "id": d.peer_id,
@@ -157,7 +171,7 @@ def encode_declaration(d: Declaration) -> dict[str, Any]:
     }
 
 
-def decode_declaration(value: Any) -> Declaration:
+def decode_declaration(value: object) -> Declaration:
     """Parse a declaration from the wire or gossip; ``ValueError`` if malformed."""
     if not isinstance(value, dict):
         raise ValueError("declaration must be a map")
@@ -215,7 +229,7 @@ def decode_response(sender: str, frame: Frame) -> JoinResponse:
 # ------------------------------------------------------------------ notices
 
 
-def encode_group(group: GroupInfo) -> dict[str, Any]:
+def encode_group(group: GroupInfo) -> dict[str, object]:
     return {
         "id": group.group_id,
         "k": group.group_key,
@@ -226,7 +240,7 @@ def encode_group(group: GroupInfo) -> dict[str, Any]:
     }
 
 
-def decode_group(value: Any) -> GroupInfo:
+def decode_group(value: object) -> GroupInfo:
     if not isinstance(value, dict):
         raise ValueError("group must be a map")
     try:
@@ -268,6 +282,11 @@ def encode_notice(prefix: str, notice: Notice) -> Frame:
         return Frame(
             NOTICE, {"p": prefix, "k": "leave", "f": notice.follower_id, "l": notice.leader_id}
         )
+    if isinstance(notice, Redirected):
+        return Frame(
+            NOTICE,
+            {"p": prefix, "k": "redirected", "f": notice.follower_id, "b": list(notice.peer_ids)},
+        )
     raise TypeError(f"unknown notice {notice!r}")
 
 
@@ -281,6 +300,8 @@ def decode_notice(sender: str, frame: Frame) -> Notice:
         return GroupDisbanded(sender, redirect)
     if kind == "leave":
         return LeaveGroup(sender, str(f.get("l", "")))
+    if kind == "redirected":
+        return Redirected(sender, tuple(f.get("b", ())))
     raise ValueError(f"unknown notice kind {kind!r}")
 
 

@@ -1,29 +1,15 @@
 """The weighted-mean reducer of one reducer's span (butterfly all-reduce), without I/O.
 
-A group member that reduces span ``i`` receives, for each part of that span, one
-contribution ``(weight wⱼ, values xⱼ)`` from every sender ``j`` (itself included) and answers
-every member with ``Σⱼ wⱼ·xⱼ / Σⱼ wⱼ``. :class:`WeightedMeanReducer` is that bookkeeping fed
-one event at a time, sans-I/O style: :meth:`~WeightedMeanReducer.accumulate` and
-:meth:`~WeightedMeanReducer.exclude` return the parts that became final, which the caller
-sends back.
-
-Memory: one preallocated accumulator ``[span numel]`` in the accumulation dtype, written in
-place as contributions arrive, so reducing overlaps receiving: a part's first positive
-contribution is only remembered, the second is written together with it
-(``acc = w₁·x₁ + w₂·x₂``, one pass and no zeroing), the rest as ``acc += w·x``; a part with a
-single contributor is that contributor's values, untouched. With ``destination``, a final
-average is divided straight into the caller's buffer (one pass fewer).
-:meth:`accumulate_range` takes several consecutive parts of one sender at once (one
-arithmetic call per run of parts). To drop an
-excluded sender's contribution *exactly* (no floating-point subtraction), the reducer keeps
-a reference to each contribution of a part until that part is final and rebuilds the
-affected accumulators from the survivors'; references are released at finalisation, so
-memory beyond the accumulator is bounded by the contributions of parts still in flight.
-
-With a robust ``aggregator`` (:mod:`peer.averaging.robust`) nothing is accumulated: a part
-is aggregated from its retained contributions once it has them all, into the same buffers,
-and the senders whose values lie far from the aggregate (:func:`~peer.averaging.robust.outliers`)
-are queued in :attr:`WeightedMeanReducer.outliers` for the caller to name.
+For each part of its span, a reducer receives ``(weight wⱼ, values xⱼ)`` from every sender
+and answers every member with ``Σⱼ wⱼ·xⱼ / Σⱼ wⱼ``. :class:`WeightedMeanReducer` is fed one
+event at a time: :meth:`~WeightedMeanReducer.accumulate` (or
+:meth:`~WeightedMeanReducer.accumulate_range` for consecutive parts) and
+:meth:`~WeightedMeanReducer.exclude` return the parts that became final, for the caller to
+send. It accumulates in place into one preallocated buffer, keeps each contribution until
+its part is final so an excluded sender is dropped exactly (by rebuilding), and with
+``destination`` divides final averages straight into the caller's buffer. With a robust
+``aggregator`` (:mod:`peer.averaging.robust`) a part is aggregated once complete, and far
+senders are queued in :attr:`WeightedMeanReducer.outliers`.
 """
 
 from __future__ import annotations
@@ -52,7 +38,9 @@ class FinishedPart:
     ``average`` is a view of the reducer's accumulator or the part's destination (shape
     ``[numel]``), valid until the
     reducer is dropped; ``None`` when no surviving sender had positive weight (everyone was
-    excluded or auxiliary): members then keep their local values for that part.
+    excluded or auxiliary), or a robust aggregator found the part's two contributions too
+    far apart (:func:`~peer.averaging.robust.pair_average`): members then keep their local
+    values for that part.
     ``senders`` are the senders whose values are in the average.
     """
 
@@ -84,6 +72,24 @@ class WeightedMeanReducer:
     ``max_weight`` bounds a contribution's weight; ``declared`` (sender → weight, from
     matchmaking) is the weight each sender announced, which its contributions must carry.
     ``aggregator`` other than ``"mean"`` aggregates each complete part robustly instead.
+
+    Memory: one preallocated accumulator ``[span numel]`` in the accumulation dtype, written in
+    place as contributions arrive, so reducing overlaps receiving: a part's first positive
+    contribution is only remembered, the second is written together with it
+    (``acc = w₁·x₁ + w₂·x₂``, one pass and no zeroing), the rest as ``acc += w·x``; a part with a
+    single contributor is that contributor's values, untouched. With ``destination``, a final
+    average is divided straight into the caller's buffer (one pass fewer).
+    :meth:`accumulate_range` takes several consecutive parts of one sender at once (one
+    arithmetic call per run of parts). To drop an
+    excluded sender's contribution *exactly* (no floating-point subtraction), the reducer keeps
+    a reference to each contribution of a part until that part is final and rebuilds the
+    affected accumulators from the survivors'; references are released at finalisation, so
+    memory beyond the accumulator is bounded by the contributions of parts still in flight.
+
+    With a robust ``aggregator`` (:mod:`peer.averaging.robust`) nothing is accumulated: a part
+    is aggregated from its retained contributions once it has them all, into the same buffers,
+    and the senders whose values lie far from the aggregate (:func:`~peer.averaging.robust.outliers`)
+    are queued in :attr:`WeightedMeanReducer.outliers` for the caller to name.
     """
 
     def __init__(
@@ -418,6 +424,9 @@ class WeightedMeanReducer:
             # in float64: finite values cannot overflow there, so neither can their aggregate
             stack = stack.to(torch.float64)
         average = aggregate(self.aggregator, stack, [w for _, w, _ in survivors])
+        if average is None:  # a pair too far apart: each member keeps its own values
+            self._total_weight[index] = 0.0  # released with no average (see FinishedPart)
+            return
         results[self.offsets[index] : self.offsets[index + 1]].copy_(average)
         for row, ratio in outliers(stack, average):
             self.outliers.append((survivors[row][0], index, ratio))

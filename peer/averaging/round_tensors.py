@@ -1,20 +1,13 @@
 """The averaged tensors as an averager's rounds use them: their lock, and the flat buffer a
 round averages.
 
-By default (as in hivemind) a round holds the tensors' lock from the start of its
-all-reduce to the end and averages them in place (:meth:`AveragedTensors.in_place`),
-reading and writing their memory directly when they are laid out back to back (one tensor,
-or views of one flat buffer) and through one flat copy otherwise, written back at the end
-(:meth:`AveragedTensors.copy_back`, whether the round finished or not: each element then
-holds either its local value or its group's average). With ``concurrent_updates=True`` a
-round instead averages a snapshot (:meth:`AveragedTensors.snapshot`) and adds ``alpha ·
-(average - snapshot)`` back at the end (:meth:`AveragedTensors.apply`), so the lock is held
-only for two copies and updates made to the tensors during the round are kept (the
-optimizers use this to train while averaging in the background); it costs two more passes
-over the tensors and a snapshot's memory.
-
-The snapshot or copy and the reducer's accumulator are buffers reused across rounds. Tensor
-arithmetic and locking only: the averager decides when, and runs the round.
+By default a round holds the lock throughout and averages in place
+(:meth:`AveragedTensors.in_place`): directly in the tensors' memory when laid out back to
+back, else through one flat copy written back at the end (:meth:`AveragedTensors.copy_back`).
+With ``concurrent_updates=True`` a round averages a snapshot
+(:meth:`AveragedTensors.snapshot`) and adds ``alpha · (average - snapshot)`` back at the end
+(:meth:`AveragedTensors.apply`), so updates made during the round are kept. Buffers are
+reused across rounds; the averager decides when to run a round.
 """
 
 from __future__ import annotations
@@ -32,8 +25,24 @@ __all__ = ["AveragedTensors"]
 
 
 class AveragedTensors:
-    """An averager's tensors, their lock and its rounds' buffers (see the module
-    docstring). The tensors are those given, never copied."""
+    """An averager's tensors, their lock and its rounds' buffers. The tensors are those
+    given, never copied.
+
+    By default (as in hivemind) a round holds the tensors' lock from the start of its
+    all-reduce to the end and averages them in place (:meth:`AveragedTensors.in_place`),
+    reading and writing their memory directly when they are laid out back to back (one tensor,
+    or views of one flat buffer) and through one flat copy otherwise, written back at the end
+    (:meth:`AveragedTensors.copy_back`, whether the round finished or not: each element then
+    holds either its local value or its group's average). With ``concurrent_updates=True`` a
+    round instead averages a snapshot (:meth:`AveragedTensors.snapshot`) and adds ``alpha ·
+    (average - snapshot)`` back at the end (:meth:`AveragedTensors.apply`), so the lock is held
+    only for two copies and updates made to the tensors during the round are kept (the
+    optimizers use this to train while averaging in the background); it costs two more passes
+    over the tensors and a snapshot's memory.
+
+    The snapshot or copy and the reducer's accumulator are buffers reused across rounds. Tensor
+    arithmetic and locking only: the averager decides when, and runs the round.
+    """
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], layout: FlatLayout) -> None:
         self.tensors = tensors

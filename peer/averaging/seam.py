@@ -13,13 +13,17 @@ mypy checks that the node does.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Protocol
+import concurrent.futures
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, overload
 
-from peer.node.gossip import ValueWithExpiration
+from peer.formats.open_types import UserMetadata
+from peer.node.gossip import Subkey, ValueWithExpiration
 from peer.wire import Frame, MessageRegistry, Schema
 
-__all__ = ["Handler", "Lanes", "Link", "NodeCore", "NodeHandle"]
+T = TypeVar("T")
+
+__all__ = ["Handler", "Lanes", "Link", "MemberRecord", "NodeCore", "NodeHandle"]
 
 #: a request or message handler: ``(link it came over, frame) -> reply or None``
 Handler = Callable[[Any, Frame], Awaitable[Frame | None]]
@@ -52,8 +56,19 @@ class Lanes(Protocol):
     async def send(self, peer_id: str, frame: Frame, idle_timeout: float | None = None) -> None: ...
 
 
+class MemberRecord(Protocol):
+    """A live member of the swarm, as averaging reads it."""
+
+    @property
+    def leaving(self) -> bool: ...
+
+
 class NodeCore(Protocol):
     """A node's event-loop side, as averaging uses it."""
+
+    def members(self) -> Mapping[str, MemberRecord]:
+        """Peers whose membership record is live, this node included."""
+        ...
 
     @property
     def peer_id(self) -> str: ...
@@ -74,10 +89,17 @@ class NodeCore(Protocol):
         """The person ``peer_id``'s certificate names (None: not known)."""
         ...
 
-    async def get(self, key: str, latest: bool = False) -> ValueWithExpiration[Any] | None: ...
+    def certified_invite(self, peer_id: str) -> str | None:
+        """The invite that admitted that person, as the certificate names it (None: not
+        known)."""
+        ...
+
+    async def get(
+        self, key: str, latest: bool = False
+    ) -> ValueWithExpiration[UserMetadata] | None: ...
 
     async def store(
-        self, key: str, value: Any, expiration_time: float, subkey: Any = None
+        self, key: str, value: object, expiration_time: float, subkey: Subkey = None
     ) -> bool: ...
 
     def watch(self, key: str, callback: Callable[[], None]) -> Callable[[], None]: ...
@@ -114,7 +136,21 @@ class NodeHandle(Protocol):
         """The node's wall clock (seconds), as :meth:`NodeCore.now`."""
         ...
 
-    def run_coroutine(self, coro: Coroutine[Any, Any, Any], *, wait: bool = True) -> Any:
+    @overload
+    def run_coroutine(
+        self, coro: Coroutine[object, object, T], *, wait: Literal[True] = True
+    ) -> T: ...
+    @overload
+    def run_coroutine(
+        self, coro: Coroutine[object, object, T], *, wait: Literal[False]
+    ) -> concurrent.futures.Future[T]: ...
+    @overload
+    def run_coroutine(
+        self, coro: Coroutine[object, object, T], *, wait: bool = True
+    ) -> T | concurrent.futures.Future[T]: ...
+    def run_coroutine(
+        self, coro: Coroutine[object, object, T], *, wait: bool = True
+    ) -> T | concurrent.futures.Future[T]:
         """Run ``coro`` on the node's loop: its result, or a future with ``wait=False``."""
         ...
 

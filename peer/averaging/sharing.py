@@ -19,7 +19,7 @@ import concurrent.futures
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from peer.averaging.protocol import STATE_BEGIN, STATE_CHUNK, STATE_DIGEST
 from peer.averaging.seam import Link, NodeCore, NodeHandle
 from peer.averaging.state import StateServer, download_state, state_key
+from peer.averaging.witnesses import Refusals
 from peer.compression import Compression
 from peer.exceptions import SwarmgradError
 from peer.wire import Frame
@@ -96,6 +97,8 @@ class StateSharing:
         self._priority = 0.0
         #: the donor of the last state downloaded
         self.last_donor: str | None = None
+        #: donors this peer no longer downloads from (:mod:`peer.averaging.witnesses`)
+        self.refusals = Refusals()
         # loop-side, from start() to stop()
         self._core: NodeCore | None = None
         self._server: StateServer | None = None
@@ -196,15 +199,19 @@ class StateSharing:
         timeout: float | None = None,
         *,
         max_priority: float = math.inf,
+        min_priority: float = -math.inf,
         check: Callable[[Any], str | None] | None = None,
+        holding: bool = False,
+        partners: Collection[str] = (),
+        prefer: Collection[str] = (),
     ) -> tuple[Any, list[torch.Tensor]] | concurrent.futures.Future[Any] | None:
         """See :meth:`DecentralizedAverager.load_state_from_peers
         <peer.averaging.averager.DecentralizedAverager.load_state_from_peers>`."""
         max_bytes = self._state_size_bound()
 
         async def download() -> tuple[Any, list[torch.Tensor]] | None:
-            core = self._core
-            if core is None:
+            core, server = self._core, self._server
+            if core is None or server is None:
                 raise RuntimeError("the averager has not started: call run() first")
             try:
                 async with asyncio.timeout(timeout):
@@ -215,7 +222,12 @@ class StateSharing:
                         chunk_timeout=self.chunk_timeout,
                         max_bytes=max_bytes,
                         max_priority=max_priority,
+                        min_priority=min_priority,
                         check=check,
+                        own=await server.digest() if holding else None,
+                        partners=frozenset(partners),
+                        refusals=self.refusals,
+                        prefer=frozenset(prefer),
                     )
             except TimeoutError:
                 logger.warning("state download did not finish within %s s", timeout)
@@ -228,6 +240,10 @@ class StateSharing:
 
         future = self.node.run_coroutine(download(), wait=False)
         return future.result() if wait else future
+
+    def refused_donors(self) -> frozenset[str]:
+        """The donors (peer ids) whose states this peer dropped (any thread)."""
+        return frozenset(self.refusals.peers)
 
     def _state_size_bound(self) -> int:
         """The most bytes a donor's state may take: a few times this peer's own state (same

@@ -1,39 +1,12 @@
 """State download: a newcomer fetches ``(metadata, tensors)`` from a peer that has them.
 
-Donors declare themselves in gossip under ``f"{prefix}.all_averagers"`` (subkey: peer id,
-value: ``state_sharing_priority``; ``None`` retracts), refreshed every
-``declare_state_period / 2`` and expiring after ``declare_state_period``.
-
-Transfer (one donor at a time; highest priority first, random order among equal ones):
-
-1. ``avg.state_begin`` → ``avg.state_info``: the donor snapshots ``get_current_state()``,
-   compresses each tensor with ``state_compression`` and copies the payloads into one
-   buffer (a snapshot: the donor may keep training). The reply carries a transfer id, the
-   msgpack metadata, each tensor's compressed header and byte length, the chunk size and
-   the chunk count.
-2. ``avg.state_chunk`` (``i`` = 0 … n-1) → ``avg.state_data`` with the chunk's bytes; a few
-   requests are kept in flight so the stream does not wait a round trip per chunk.
-
-A donor that fails to answer within ``next_chunk_timeout`` (or dies, or sends anything
-malformed) is abandoned and the next donor is tried from the start. Nothing is unpickled:
-metadata is msgpack, tensors are validated by :meth:`CompressedTensor.from_wire`.
-
-Checked against the swarm: a donor could serve any weights under any priority, so a state
-downloaded is compared with what other donors hold before it is used. The newcomer asks up
-to :data:`CORROBORATORS` other donors (``avg.state_digest`` → ``avg.state_hash``: their
-priority and the digest of the state they would serve now, over its wire form, so that it
-is compared as served). A donor whose digest equals the state's confirms it. If none does
-but two or more of them agree with each other on another state, the donor is outvoted: its
-state is dropped, the donor is named in a warning, and the next donor is tried. Otherwise
-(no other donor, or donors whose states all differ, as peers that train alone do) the state
-cannot be checked and is used, as it was before this check; a swarm whose peers hold equal
-states (the collaborative optimizer's, after each epoch) therefore needs two honest donors
-to outvote one that lies.
-
-Witnesses are people, not keys: where certificates name the volunteer a key belongs to, a
-donor's other keys neither confirm nor outvote it, and several keys of one volunteer that
-agree count as one witness (named in a warning). One person with many machines therefore
-cannot outvote an honest donor, nor vouch for its own state.
+Donors run a :class:`StateServer` and declare themselves in gossip under
+``f"{prefix}.all_averagers"`` (:func:`state_key`; subkey: peer id, value:
+``state_sharing_priority``; ``None`` retracts), refreshed every ``declare_state_period / 2``
+and expiring after ``declare_state_period``. A newcomer calls :func:`download_state`, which
+tries donors one at a time (highest priority first, random order among equal ones) and
+judges each state by other donors (:mod:`peer.averaging.witnesses`) before it is used.
+``docs/averaging.md`` ("State download") describes the whole exchange.
 """
 
 from __future__ import annotations
@@ -55,14 +28,14 @@ from peer.averaging.protocol import (
     STATE_BEGIN,
     STATE_CHUNK,
     STATE_DATA,
-    STATE_DIGEST,
     STATE_HASH,
     STATE_INFO,
 )
 from peer.averaging.seam import Link, NodeCore
+from peer.averaging.witnesses import Refusals, judge, witness_of
 from peer.compression import CompressedTensor, Compression, CompressionError, extract
 from peer.exceptions import SwarmgradError
-from peer.identity import is_peer_id
+from peer.formats.identity import is_peer_id
 from peer.wire import Frame
 
 logger = logging.getLogger("peer.averaging.state")
@@ -106,7 +79,18 @@ class _Transfer:
 
 
 class StateServer:
-    """The donor side: answers ``avg.state_begin`` and ``avg.state_chunk``."""
+    """The donor side: answers ``avg.state_begin`` and ``avg.state_chunk``.
+
+    The transfer:
+
+    1. ``avg.state_begin`` → ``avg.state_info``: the donor snapshots ``get_current_state()``,
+       compresses each tensor with ``state_compression`` and copies the payloads into one
+       buffer (a snapshot: the donor may keep training). The reply carries a transfer id, the
+       msgpack metadata, each tensor's compressed header and byte length, the chunk size and
+       the chunk count.
+    2. ``avg.state_chunk`` (``i`` = 0 … n-1) → ``avg.state_data`` with the chunk's bytes; a few
+       requests are kept in flight so the stream does not wait a round trip per chunk.
+    """
 
     def __init__(
         self,
@@ -129,15 +113,19 @@ class StateServer:
         compressed = [self.compression.compress(t.detach().cpu()) for t in tensors]
         return metadata, [c.to_wire() for c in compressed]
 
+    async def digest(self) -> bytes:
+        """The digest of the state this peer would serve now (takes the lock)."""
+        async with self.lock():
+            _, wires = self._snapshot()
+            return state_digest(wires)
+
     async def on_digest(self, link: Link, frame: Frame, priority: float) -> Frame:
         """The digest of the state this peer would serve now, and its priority."""
         if self._digesting >= _MAX_TRANSFERS:
             raise ValueError("too many state digests in progress")
         self._digesting += 1
         try:
-            async with self.lock():
-                _, wires = self._snapshot()
-                digest = state_digest(wires)
+            digest = await self.digest()
         finally:
             self._digesting -= 1
         return Frame(STATE_HASH, {"e": priority, "d": digest})
@@ -187,9 +175,11 @@ class StateServer:
         )
 
 
-async def list_donors(core: NodeCore, prefix: str) -> list[tuple[float, str]]:
+async def list_donors(
+    core: NodeCore, prefix: str, prefer: frozenset[str] = frozenset()
+) -> list[tuple[float, str]]:
     """``(priority, peer_id)`` of the declared donors other than this peer, best first
-    (random order among equal priorities)."""
+    (among equal priorities those in ``prefer`` first, in random order)."""
     entry = await core.get(state_key(prefix), latest=True)
     donors = []
     if entry is not None and isinstance(entry.value, dict):
@@ -204,7 +194,7 @@ async def list_donors(core: NodeCore, prefix: str) -> list[tuple[float, str]]:
             ):
                 continue
             donors.append((float(priority), random.random(), subkey))
-    donors.sort(key=lambda d: (-d[0], d[1]))
+    donors.sort(key=lambda d: (-d[0], d[2] not in prefer, d[1]))
     return [(priority, peer_id) for priority, _, peer_id in donors]
 
 
@@ -216,15 +206,46 @@ async def download_state(
     chunk_timeout: float,
     max_bytes: int = _MAX_STATE_BYTES,
     max_priority: float = math.inf,
+    min_priority: float = -math.inf,
     check: Callable[[Any], str | None] | None = None,
+    own: bytes | None = None,
+    partners: frozenset[str] = frozenset(),
+    refusals: Refusals | None = None,
+    prefer: frozenset[str] = frozenset(),
 ) -> tuple[Any, list[torch.Tensor], str] | None:
     """Download from the best donor that works; ``(metadata, tensors, donor)`` or None.
     A donor announcing a state of more than ``max_bytes`` is skipped before anything is
     allocated, and one declaring a priority over ``max_priority`` before it is asked (the
-    caller knows that no honest donor can be that far ahead); a state whose metadata
-    ``check`` refuses (it returns why), or that other donors outvote, is dropped (see the
-    module docstring)."""
-    donors = await list_donors(core, prefix)
+    caller knows that no honest donor can be that far ahead), or under ``min_priority``
+    (its state is no newer than this peer's). A state whose metadata ``check`` refuses (it
+    returns why), or that the witnesses do not let this peer use, is dropped and the next
+    donor tried (see below). ``own``: the digest of the state this peer holds
+    and would replace (None: a newcomer, with nothing of its own to keep); ``partners``: the
+    peers that began, with this peer, the round whose result it misses — their state at
+    exactly ``min_priority`` extends this peer's own and is judged as a newcomer judges a
+    state. ``refusals``:
+    the donors refused so far, updated here (keep one per averager: the run). ``prefer``:
+    donors asked first among those of equal priority (e.g. the peers of this peer's slab
+    of the Moshpit grid, whose values its first round wants).
+
+    A donor that fails to answer within ``next_chunk_timeout`` (or dies, or sends anything
+    malformed) is abandoned and the next donor is tried from the start. Nothing is unpickled:
+    metadata is msgpack, tensors are validated by :meth:`CompressedTensor.from_wire`.
+
+    Checked against the swarm: a donor could serve any weights under any priority, so a state
+    downloaded is judged by what other donors hold before it is used
+    (:mod:`peer.averaging.witnesses`): a newcomer uses it unless other volunteers outvote it; a
+    peer that holds a state of its own (``own``) replaces it only with a state another
+    volunteer confirms. A donor outvoted once is not downloaded from again, and one whose state
+    was refused is not asked again until it declares a higher priority.
+    """
+    refusals = Refusals() if refusals is None else refusals
+    donors = await list_donors(core, prefix, prefer)
+    # every donor of this peer's own invite (a run that shares one invite): no witness can
+    # ever confirm a state, and the donors cannot be told from this peer itself; a holder
+    # takes an unconfirmed state then as a newcomer does, rather than never catch up
+    me = witness_of(core, core.peer_id)
+    sole = me[0] == "invite" and {witness_of(core, d) for _, d in donors} == {me}
     for priority, donor in donors:
         if priority > max_priority:
             logger.warning(
@@ -234,6 +255,9 @@ async def download_state(
                 priority,
                 max_priority,
             )
+            continue
+        person = witness_of(core, donor)
+        if priority < min_priority or refusals.refuses(person, priority):
             continue
         try:
             metadata, tensors, digest = await _download_from(
@@ -255,6 +279,8 @@ async def download_state(
                 exc or type(exc).__name__,
             )
             continue
+        if own is not None and digest == own:
+            continue  # the state this peer holds: nothing to load, nothing to reset
         refusal = check(metadata) if check is not None else None
         if refusal is not None:
             logger.warning(
@@ -263,73 +289,49 @@ async def download_state(
                 priority,
                 refusal,
             )
+            refusals.refused(person, donor, priority)
             continue
-        others = [d for p, d in sorted(donors, key=lambda d: d[0] != priority) if d != donor]
-        verdict = await _corroborate(
-            core, prefix, donor, others[:CORROBORATORS], digest, request_timeout
+        others = [
+            d
+            for p, d in sorted(donors, key=lambda d: d[0] != priority)
+            if d != donor and witness_of(core, d) not in refusals.people
+        ]
+        # a round mate's state of the round this peer missed extends this peer's own: the
+        # peers that missed it too hold this peer's state, and do not outvote it for that
+        extends = own is not None and donor in partners and priority == min_priority
+        verdict = await judge(
+            core,
+            prefix,
+            donor,
+            others[:CORROBORATORS],
+            digest,
+            request_timeout,
+            own=None if extends else own,
+            refusals=refusals,
         )
-        if verdict is not None:
+        if verdict.kind == "outvoted":
             logger.warning(
-                "state from %s (priority %g) dropped: %s; trying the next donor",
+                "state from %s (priority %g) dropped: %s; this peer downloads from its "
+                "volunteer no more",
                 donor,
                 priority,
-                verdict,
+                verdict.why,
             )
+            refusals.outvoted(person, donor, verdict.why)
             continue
+        if verdict.kind == "unconfirmed":
+            if own is not None and not extends and not sole:
+                logger.warning(
+                    "state from %s (priority %g) not used: this peer replaces its own state "
+                    "only with one another volunteer confirms, and %s",
+                    donor,
+                    priority,
+                    verdict.why,
+                )
+                refusals.refused(person, donor, priority)
+                continue
+            logger.info("a downloaded state could not be checked: %s", verdict.why)
         return metadata, tensors, donor
-    return None
-
-
-def _person(core: NodeCore, peer_id: str) -> tuple[str, str]:
-    """Who stands behind ``peer_id``: the volunteer its certificate names, else the key."""
-    volunteer = core.certified_volunteer(peer_id)
-    return ("volunteer", volunteer) if volunteer is not None else ("peer", peer_id)
-
-
-async def _corroborate(
-    core: NodeCore, prefix: str, donor: str, others: list[str], digest: bytes, timeout: float
-) -> str | None:
-    """Why the state of ``digest`` from ``donor`` is outvoted by ``others`` (their own states'
-    digests), or None: confirmed by one of them, or not decided (no answer, or no two of them
-    agree). Witnesses are people: keys whose certificates name the donor's volunteer neither
-    confirm nor outvote it, and several keys of one volunteer count as one witness."""
-
-    async def ask(peer_id: str) -> bytes | None:
-        try:
-            reply = await core.request(peer_id, Frame(STATE_DIGEST, {"p": prefix}), timeout)
-        except (SwarmgradError, TimeoutError, ValueError):
-            return None
-        return reply.fields["d"] if reply.type == STATE_HASH else None
-
-    replies = await asyncio.gather(*(ask(p) for p in others))
-    donor_person = _person(core, donor)
-    held: dict[bytes, set[tuple[str, str]]] = {}  # digest → the people who hold that state
-    keys: dict[tuple[bytes, tuple[str, str]], list[str]] = {}  # (digest, person) → peer ids
-    for peer_id, answer in zip(others, replies, strict=True):
-        if answer is None:
-            continue
-        person = _person(core, peer_id)
-        if person == donor_person:
-            logger.info(
-                "donor %s and %s belong to the same volunteer: not a witness", donor, peer_id
-            )
-            continue
-        held.setdefault(answer, set()).add(person)
-        keys.setdefault((answer, person), []).append(peer_id)
-    for (_, person), peer_ids in keys.items():
-        if len(peer_ids) > 1:  # one person's keys agreeing: one witness, however many keys
-            logger.warning(
-                "peers %s are keys of one volunteer (%s): they count as one witness",
-                ", ".join(sorted(peer_ids)),
-                person[1],
-            )
-    if digest in held:
-        return None
-    agreeing = max((len(people) for people in held.values()), default=0)
-    if agreeing >= 2:
-        return f"{agreeing} other donors hold another state (each a volunteer of its own), and none holds this one"
-    if held:
-        logger.info("a downloaded state could not be checked: the other donors' states differ")
     return None
 
 

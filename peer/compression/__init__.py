@@ -1,46 +1,13 @@
 """Tensor codecs for averaging and state transfer (protocol logic, no I/O).
 
-Names and meanings follow ``hivemind.compression`` so a seed user recognises them:
-
-==============================  ==============================  =========================
-codec                           wire name                       payload bytes / element
-==============================  ==============================  =========================
-:class:`NoCompression`          ``none``                        ``itemsize`` of the dtype
-:class:`Float16Compression`     ``float16``                     2
-:class:`ScaledFloat16Compression` ``scaled_float16`` (mean/std) 2
-:class:`BFloat16Compression`    ``bfloat16``                    2
-:class:`Uniform8BitQuantization` ``uniform_8bit`` (min/step)    1
-:class:`Quantile8BitQuantization` ``quantile_8bit`` (codebook)  1
-:class:`Blockwise8BitQuantization` ``blockwise_8bit``         1 + 4 per 256 (scales)
-:class:`Blockwise4BitQuantization` ``blockwise_4bit``         1/2 + 4 per 128 (scales)
-==============================  ==============================  =========================
-
-:func:`compression_from_name` gives a codec for a run's configuration by a short name
-(``none``, ``float16``/``fp16``, ``bfloat16``/``bf16``, ``int8``, ``int4``, or any wire name).
-
-Wrappers pick one of those per tensor from its :class:`CompressionInfo`:
+Names and meanings follow ``hivemind.compression``: :class:`NoCompression`, casts to 16 bits
+(:class:`Float16Compression`, :class:`ScaledFloat16Compression`,
+:class:`BFloat16Compression`) and 8- or 4-bit quantizations; :func:`compression_from_name`
+gives one by a short name (its docstring has the table of codecs and their sizes). Wrappers
+pick one of those per tensor from its :class:`CompressionInfo`:
 :class:`SizeAdaptiveCompression`, :class:`PerTensorCompression`,
-:class:`RoleAdaptiveCompression`.
-
-A codec turns a tensor into a :class:`CompressedTensor` (codec name, dtype, shape, small
-``meta`` dict, raw ``data`` buffer). :meth:`CompressedTensor.to_wire` splits it into
-msgpack-able header fields and the raw payload; :meth:`CompressedTensor.from_wire` validates
-both strictly and :func:`extract` decodes, so the receiver never needs to know which codec
-the sender was configured with: the wire name says. Anything malformed — unknown codec, bad
-dtype or shape, wrong payload length, missing or non-finite meta, NaN/Inf in the decoded
-values — raises :class:`CompressionError` (a ``ValueError``), which the networked layer treats
-as grounds to exclude the sender. Nothing is ever unpickled.
-
-Copies: :class:`NoCompression` of a contiguous CPU tensor hands out a zero-copy view of the
-tensor's memory, and :func:`extract` of a ``none`` payload is zero-copy when the payload is
-*writable* (``bytearray`` or a memoryview of one); a read-only ``bytes`` payload is copied
-once, because torch has no read-only tensors. Lossy codecs copy by nature.
-
-Byte order is little-endian (every platform torch ships wheels for); payloads are the
-tensors' native bytes.
-
-Lossy codecs apply to floating-point tensors only; any other dtype (and a tensor that is
-already in the target dtype) is sent with ``none`` — the wire name records what was done.
+:class:`RoleAdaptiveCompression`. A codec turns a tensor into a :class:`CompressedTensor`
+(its docstring has the wire format and what is validated); :func:`extract` decodes one.
 
 The package: ``base`` (what every codec shares, the registry by wire name, :func:`extract`),
 ``casts`` and ``quantization`` (the leaf codecs), ``adaptive`` (the wrappers); this module
@@ -135,7 +102,21 @@ def compression_from_name(name: str) -> Compression:
     """The codec a run's configuration names: ``none``, ``float16`` (``fp16``),
     ``bfloat16`` (``bf16``), ``int8`` (:class:`Blockwise8BitQuantization`), ``int4``
     (:class:`Blockwise4BitQuantization`), or any codec's wire name. ``ValueError`` naming
-    the choices otherwise."""
+    the choices otherwise.
+
+    ==============================  ==============================  =========================
+    codec                           wire name                       payload bytes / element
+    ==============================  ==============================  =========================
+    :class:`NoCompression`          ``none``                        ``itemsize`` of the dtype
+    :class:`Float16Compression`     ``float16``                     2
+    :class:`ScaledFloat16Compression` ``scaled_float16`` (mean/std) 2
+    :class:`BFloat16Compression`    ``bfloat16``                    2
+    :class:`Uniform8BitQuantization` ``uniform_8bit`` (min/step)    1
+    :class:`Quantile8BitQuantization` ``quantile_8bit`` (codebook)  1
+    :class:`Blockwise8BitQuantization` ``blockwise_8bit``         1 + 4 per 256 (scales)
+    :class:`Blockwise4BitQuantization` ``blockwise_4bit``         1/2 + 4 per 128 (scales)
+    ==============================  ==============================  =========================
+    """
     if not isinstance(name, str):
         raise ValueError(f"a compression name must be a string, got {type(name).__name__}")
     key = _SHORT_NAMES.get(name.strip().lower(), name.strip().lower())

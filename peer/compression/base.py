@@ -9,7 +9,7 @@ import enum
 import math
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -125,6 +125,15 @@ class CompressedTensor:
     ``data`` is the raw payload (often a zero-copy memoryview of a tensor's memory: keep the
     object alive and do not mutate the source tensor until it has been sent). ``meta`` holds
     the codec's msgpack-able scalars (floats, ints, bytes).
+
+    :meth:`to_wire` splits it into msgpack-able header fields and the raw payload;
+    :meth:`from_wire` validates both strictly and :func:`extract` decodes, so the receiver never
+    needs to know which codec the sender was configured with: the wire name says. Anything
+    malformed — unknown codec, bad dtype or shape, wrong payload length, missing or non-finite
+    meta, NaN/Inf in the decoded values — raises :class:`CompressionError` (a ``ValueError``),
+    which the networked layer treats as grounds to exclude the sender. Nothing is ever
+    unpickled. Byte order is little-endian (every platform torch ships wheels for); payloads are
+    the tensors' native bytes.
     """
 
     codec: str
@@ -143,9 +152,9 @@ class CompressedTensor:
         """Size of the raw payload in bytes."""
         return memoryview(self.data).nbytes
 
-    def to_wire(self) -> tuple[dict[str, Any], bytes | bytearray | memoryview]:
+    def to_wire(self) -> tuple[dict[str, object], bytes | bytearray | memoryview]:
         """Split into msgpack-able header fields and the raw payload (no copy)."""
-        header = {
+        header: dict[str, object] = {
             "codec": self.codec,
             "dtype": self.dtype,
             "shape": list(self.shape),
@@ -155,7 +164,7 @@ class CompressedTensor:
 
     @classmethod
     def from_wire(
-        cls, header: Mapping[str, Any], payload: bytes | bytearray | memoryview
+        cls, header: Mapping[str, object], payload: bytes | bytearray | memoryview
     ) -> CompressedTensor:
         """Rebuild from :meth:`to_wire` output received from a peer, validating everything.
 
@@ -180,6 +189,8 @@ class CompressedTensor:
         if not isinstance(codec_name, str) or codec_name not in LEAF_CODECS:
             raise CompressionError(f"unknown codec {codec_name!r}")
         codec = LEAF_CODECS[codec_name]
+        if type(dtype_str) is not str:
+            raise CompressionError(f"unknown dtype {dtype_str!r}")
         dtype = dtype_from_name(dtype_str)
         if not isinstance(shape, list | tuple) or len(shape) > MAX_NDIM:
             raise CompressionError(f"bad shape {shape!r}")
@@ -213,7 +224,9 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def plain_values(header: Any, payload: Any, dtype: torch.dtype) -> torch.Tensor | None:
+def plain_values(
+    header: object, payload: bytes | bytearray | memoryview, dtype: torch.dtype
+) -> torch.Tensor | None:
     """The values of a received uncompressed 1-d ``dtype`` tensor (``none`` codec) as a
     tensor over ``payload``, without a copy, if the header is exactly that and the payload
     a writable buffer of the right size; else None (then :meth:`CompressedTensor.from_wire`
@@ -232,7 +245,9 @@ def plain_values(header: Any, payload: Any, dtype: torch.dtype) -> torch.Tensor 
     return torch.frombuffer(view, dtype=dtype)
 
 
-def from_payload(payload: bytes | bytearray | memoryview, dtype: torch.dtype, numel: int):
+def from_payload(
+    payload: bytes | bytearray | memoryview, dtype: torch.dtype, numel: int
+) -> torch.Tensor:
     """A 1-d tensor over the payload: zero-copy if writable, one copy if read-only."""
     if numel == 0:
         return torch.empty(0, dtype=dtype)
@@ -274,11 +289,11 @@ def require_finite(tensor: torch.Tensor, codec: str) -> torch.Tensor:
     return tensor
 
 
-def _meta_float(meta: Mapping[str, Any], key: str) -> float:
+def _meta_float(meta: Mapping[str, object], key: str) -> float:
     value = meta[key]
-    if type(value) not in (float, int) or not math.isfinite(value):
-        raise CompressionError(f"meta field {key!r} must be a finite number, got {value!r}")
-    return float(value)
+    if (type(value) is float or type(value) is int) and math.isfinite(value):
+        return float(value)
+    raise CompressionError(f"meta field {key!r} must be a finite number, got {value!r}")
 
 
 # -------------------------------------------------------------------------- codecs
@@ -289,6 +304,12 @@ class Compression:
 
     Subclasses that are *leaf* codecs set ``name``, ``meta_fields`` and implement
     ``_encode``/``_decode``; wrappers override :meth:`select` only.
+
+    Lossy codecs apply to floating-point tensors only; any other dtype (and a tensor that is
+    already in the target dtype) is sent with ``none`` — the wire name records what was done.
+
+    Lossy codecs apply to floating-point tensors only; any other dtype (and a tensor that is
+    already in the target dtype) is sent with ``none`` — the wire name records what was done.
     """
 
     name: ClassVar[str] = ""
@@ -384,7 +405,7 @@ class Compression:
         )
 
     # Leaf codecs override these two; wrappers delegate through select() and never get here.
-    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], Any]:
+    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], bytes | memoryview]:
         raise TypeError(
             f"{type(self).__name__} does not encode itself; select() picks a leaf codec"
         )
@@ -401,7 +422,7 @@ class Compression:
             raise CompressionError(f"codec {self.name} cannot carry dtype {dtype_name(dtype)}")
         return self.payload_nbytes(numel, dtype)
 
-    def _validate_meta(self, meta: Mapping[str, Any], dtype: torch.dtype) -> None:
+    def _validate_meta(self, meta: Mapping[str, object], dtype: torch.dtype) -> None:
         if set(meta) != set(self.meta_fields):
             raise CompressionError(
                 f"codec {self.name} needs meta fields {sorted(self.meta_fields)}, got {sorted(map(str, meta))}"
@@ -432,6 +453,14 @@ def extract(compressed: CompressedTensor, *, check_finite: bool = True) -> torch
     Validates the fields first (as :meth:`CompressedTensor.from_wire` does, so a value built
     by hand is checked too) and, with ``check_finite``, that a floating result has no NaN/Inf.
     Raises :class:`CompressionError` on any problem. The result may alias a writable payload.
+
+    Copies: a ``none`` payload decodes zero-copy when it is *writable* (``bytearray`` or a
+    memoryview of one); a read-only ``bytes`` payload is copied once, because torch has no
+    read-only tensors. Lossy codecs copy by nature.
+
+    Copies: a ``none`` payload decodes zero-copy when it is *writable* (``bytearray`` or a
+    memoryview of one); a read-only ``bytes`` payload is copied once, because torch has no
+    read-only tensors. Lossy codecs copy by nature.
     """
     # built by from_wire: already validated (the flag cannot survive a change: frozen)
     checked = (

@@ -4,7 +4,6 @@ bfloat16."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -26,7 +25,7 @@ class NoCompression(Compression):
     def applies_to(self, dtype: torch.dtype) -> bool:
         return True
 
-    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], Any]:
+    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], bytes | memoryview]:
         return {}, byte_view(tensor)
 
     def _decode(self, compressed: CompressedTensor, dtype: torch.dtype) -> torch.Tensor:
@@ -43,7 +42,7 @@ class Float16Compression(Compression):
     float_payload_itemsize = 2
     target_dtype = torch.float16
 
-    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], Any]:
+    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], bytes | memoryview]:
         # clamp after the cast: overflowed values became ±inf and clamp maps them to ±max
         half = tensor.to(torch.float16).clamp_(-_FP16_MAX, _FP16_MAX)
         return {}, byte_view(half)
@@ -66,7 +65,7 @@ class ScaledFloat16Compression(Compression):
     def applies_to(self, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
 
-    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], Any]:
+    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], bytes | memoryview]:
         work = tensor if tensor.dtype == torch.float64 else tensor.float()  # [numel...]
         if work.numel() == 0:
             return {"mean": 0.0, "std": 1.0}, b""
@@ -95,7 +94,7 @@ class BFloat16Compression(Compression):
     float_payload_itemsize = 2
     target_dtype = torch.bfloat16
 
-    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], Any]:
+    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], bytes | memoryview]:
         return {}, byte_view(tensor.to(torch.bfloat16))
 
     def _decode(self, compressed: CompressedTensor, dtype: torch.dtype) -> torch.Tensor:

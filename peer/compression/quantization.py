@@ -6,7 +6,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -38,7 +38,7 @@ class Uniform8BitQuantization(Compression):
     def applies_to(self, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
 
-    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], Any]:
+    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], bytes | memoryview]:
         if tensor.numel() == 0:
             return {"min": 0.0, "step": 0.0}, b""
         work = tensor if tensor.dtype == torch.float64 else tensor.float()
@@ -76,7 +76,7 @@ class Quantile8BitQuantization(Compression):
     def applies_to(self, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point
 
-    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], Any]:
+    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], bytes | memoryview]:
         flat = tensor.reshape(-1).float()  # [numel]
         codebook = torch.zeros(256, dtype=torch.float32)
         if flat.numel() == 0:
@@ -92,9 +92,10 @@ class Quantile8BitQuantization(Compression):
         codebook = torch.where(counts > 0, sums / counts.clamp(min=1), 0.0).float()
         return {"codebook": byte_view(codebook).tobytes()}, byte_view(codes.to(torch.uint8))
 
-    def _validate_meta(self, meta: Mapping[str, Any], dtype: torch.dtype) -> None:
+    def _validate_meta(self, meta: Mapping[str, object], dtype: torch.dtype) -> None:
         super()._validate_meta(meta, dtype)
-        if len(meta["codebook"]) != self._CODEBOOK_BYTES:
+        codebook = meta["codebook"]  # bytes: checked by the base class
+        if not isinstance(codebook, bytes) or len(codebook) != self._CODEBOOK_BYTES:
             raise CompressionError(f"quantile codebook must be {self._CODEBOOK_BYTES} bytes")
 
     def _decode(self, compressed: CompressedTensor, dtype: torch.dtype) -> torch.Tensor:
@@ -169,7 +170,7 @@ class Blockwise8BitQuantization(_BlockwiseQuantization):
     def _code_bytes(self, numel: int) -> int:
         return numel
 
-    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], Any]:
+    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], bytes | memoryview]:
         codes, scales = self._quantize(tensor)
         return {}, byte_view(codes.to(torch.int8)).tobytes() + byte_view(scales).tobytes()
 
@@ -190,7 +191,7 @@ class Blockwise4BitQuantization(_BlockwiseQuantization):
     def _code_bytes(self, numel: int) -> int:
         return -(-numel // 2)
 
-    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], Any]:
+    def _encode(self, tensor: torch.Tensor) -> tuple[dict[str, MetaValue], bytes | memoryview]:
         codes, scales = self._quantize(tensor)
         nibbles = (codes + 8).to(torch.uint8)  # [numel] in 1..15
         if nibbles.numel() % 2:

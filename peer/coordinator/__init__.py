@@ -29,7 +29,7 @@ from peer.coordinator.exceptions import (
     RunNotAccepting,
     Unauthorized,
 )
-from peer.coordinator.reports import ReportQueue, clean_report, merge_reports
+from peer.coordinator.reports import ReportFields, ReportQueue, clean_report, merge_reports
 from peer.coordinator.responses import when_allowed
 from peer.coordinator.session import CoordinatorSession, SessionTimings
 
@@ -46,6 +46,7 @@ __all__ = [
     "NotFound",
     "RateLimited",
     "Reachability",
+    "ReportFields",
     "ReportQueue",
     "RequestRejected",
     "RunNotAccepting",

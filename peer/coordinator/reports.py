@@ -1,7 +1,8 @@
 """Progress reports waiting for the coordinator: a bounded queue that never drops silently.
 
 Pure bookkeeping (no I/O, no clock): :class:`~peer.coordinator.session.CoordinatorSession`
-adds reports as training produces them and sends them, oldest first, when the coordinator
+turns the fields training produces into a :class:`~peer.formats.requests.ReportCreate`
+(:func:`clean_report`), queues it and sends the queue, oldest first, when the coordinator
 answers. While it does not, memory stays bounded: when the queue is full, its two oldest
 reports waiting to be sent are merged into one (:func:`merge_reports`) — the gauges and
 cumulative counters (``epoch``, ``samples``, ``samples_per_second``, ...) of the newer, the
@@ -14,38 +15,90 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Protocol, TypedDict
+
+from peer.formats.requests import (
+    FAILURE_CHARACTERS,
+    MAX_ABS_LOSS,
+    MAX_FAILURE_LENGTH,
+    MAX_INT,
+    ReportCreate,
+)
 
 SUMMED_FIELDS = ("rounds_done", "rounds_failed")
-# The coordinator refuses a report whose loss or metric is beyond this either way: such a
-# value (a diverging run) is sent as unknown instead, the loss with ``loss_nan``.
-MAX_ABS_VALUE = 1e6
-MAX_FAILURE_CHARS = 64
-_FAILURE_CHAR = re.compile(r"[^A-Za-z0-9_.:-]")
 
 
-def merge_reports(older: Mapping[str, Any], newer: Mapping[str, Any]) -> dict[str, Any]:
-    """One report standing for ``older`` then ``newer``."""
-    merged = dict(older)
-    merged.update((k, v) for k, v in newer.items() if v is not None)
+class ReportFields(TypedDict, total=False):
+    """A report's fields as training counts them, before :func:`clean_report`: those of
+    :class:`~peer.formats.requests.ReportCreate`, any of them None (not sent), a loss or
+    rate possibly NaN or infinite."""
+
+    epoch: int
+    samples: int
+    samples_per_second: float
+    loss: float | None
+    loss_nan: bool
+    group_size: int | None
+    rounds_done: int
+    rounds_failed: int
+    failure: str | None
+    eval_metric: float | None
+    bytes_sent: int | None
+    compute_utilisation: float | None
+
+
+class ReportingOptimizer(Protocol):
+    """What :class:`OptimizerReports` reads of a collaborative optimizer (``peer.Optimizer``,
+    ``peer.DiLoCo``); its ``node``, when it has one, gives ``bytes_sent``."""
+
+    @property
+    def local_epoch(self) -> int: ...
+
+    @property
+    def rounds_done(self) -> int: ...
+
+    @property
+    def rounds_failed(self) -> int: ...
+
+    @property
+    def last_group_size(self) -> int | None: ...
+
+    @property
+    def last_failure(self) -> str | None: ...
+
+
+_FAILURE_CHAR = re.compile(rf"[^{FAILURE_CHARACTERS}]")
+
+
+def merge_reports(older: ReportCreate, newer: ReportCreate) -> ReportCreate:
+    """One report standing for ``older`` then ``newer``: what ``newer`` sets (and is not
+    None) over ``older``, the per-report counts summed (at most ``MAX_INT``)."""
+    merged = older.model_dump(exclude_unset=True)
+    merged.update(
+        (name, value)
+        for name, value in newer.model_dump(exclude_unset=True).items()
+        if value is not None
+    )
     for name in SUMMED_FIELDS:
-        if name in older or name in newer:
-            merged[name] = int(older.get(name) or 0) + int(newer.get(name) or 0)
-    return merged
+        if name in older.model_fields_set or name in newer.model_fields_set:
+            merged[name] = min(MAX_INT, getattr(older, name) + getattr(newer, name))
+    return ReportCreate.model_validate(merged)
 
 
-def clean_report(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """``fields`` as the coordinator accepts them: a NaN or infinite ``loss`` or
-    ``eval_metric``, or one beyond ±:data:`MAX_ABS_VALUE`, becomes None (unknown; for the
-    loss, ``loss_nan`` says so), a NaN or infinite ``samples_per_second`` 0, and ``failure``
-    is cut to 64 characters of ``[A-Za-z0-9_.:-]``. A report the coordinator would refuse
-    would lose its rounds."""
+def clean_report(fields: ReportFields) -> ReportCreate:
+    """``fields`` (as training counts them) as a report the coordinator accepts: a NaN or infinite ``loss`` or ``eval_metric``, or
+    one past the coordinator's ±``MAX_ABS_LOSS``, becomes None (unknown; for the loss,
+    ``loss_nan`` says so), a NaN or infinite ``samples_per_second`` 0, and ``failure`` is cut
+    to the characters and length the report allows — a report the coordinator would refuse
+    would lose its rounds. Fields that are None stay unset. ``TypeError`` for ``fields``
+    that are not a mapping; ``ValueError`` (pydantic's ``ValidationError``) for values no
+    report may carry (a negative epoch, an unknown field, ...)."""
     if not isinstance(fields, Mapping):
         raise TypeError("a progress report is a mapping of field names to values")
-    report = dict(fields)
+    report: dict[str, object] = dict(fields)
     for name in ("loss", "eval_metric"):
         value = report.get(name)
-        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= MAX_ABS_VALUE):
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= MAX_ABS_LOSS):
             report[name] = None
             if name == "loss":
                 report["loss_nan"] = True  # what the organizer's dashboard alerts on
@@ -54,8 +107,8 @@ def clean_report(fields: Mapping[str, Any]) -> dict[str, Any]:
         report["samples_per_second"] = 0.0
     failure = report.get("failure")
     if failure is not None:
-        report["failure"] = _FAILURE_CHAR.sub("_", str(failure))[:MAX_FAILURE_CHARS]
-    return report
+        report["failure"] = _FAILURE_CHAR.sub("_", str(failure))[:MAX_FAILURE_LENGTH]
+    return ReportCreate.model_validate({k: v for k, v in report.items() if v is not None})
 
 
 class ReportQueue:
@@ -71,7 +124,7 @@ class ReportQueue:
         if not isinstance(max_reports, int) or max_reports < 2:
             raise ValueError("max_reports must be an integer >= 2")
         self.max_reports = max_reports
-        self._items: list[dict[str, Any]] = []
+        self._items: list[ReportCreate] = []
         self._in_flight = 0
         self.merges = 0  # how many times two reports became one
 
@@ -85,10 +138,9 @@ class ReportQueue:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def add(self, report: Mapping[str, Any]) -> None:
+    def add(self, report: ReportCreate) -> None:
         """Append ``report``; when the queue is full, first merge its two oldest reports
         that are not in flight (the newest waiting one with ``report`` if only one waits)."""
-        report = dict(report)
         items = self._items
         if len(items) < self.max_reports:
             items.append(report)
@@ -101,14 +153,15 @@ class ReportQueue:
         else:
             items[-1] = merge_reports(items[-1], report)
 
-    def peek_batch(self, limit: int | None = None) -> list[dict[str, Any]]:
-        """Copies of the oldest reports (up to ``limit``), now in flight until :meth:`ack`.
-        A new call replaces the previous batch (after a failed send, say)."""
+    def peek_batch(self, limit: int | None = None) -> list[ReportCreate]:
+        """The oldest reports (up to ``limit``), now in flight until :meth:`ack`. A new call
+        replaces the previous batch (after a failed send, say). Reports are never changed
+        in place: a merge makes a new one."""
         if limit is not None and limit < 1:
             raise ValueError("limit must be >= 1")
         n = min(len(self._items), self.max_reports - 1, limit or len(self._items))
         self._in_flight = n
-        return [dict(r) for r in self._items[:n]]
+        return self._items[:n]
 
     def ack(self, n: int) -> None:
         """The coordinator took the ``n`` oldest reports of the batch in flight."""
@@ -127,20 +180,20 @@ class OptimizerReports:
 
     def fields(
         self,
-        optimizer: Any,
+        optimizer: ReportingOptimizer,
         *,
         samples: int,
         samples_per_second: float,
         loss: float | None,
         eval_metric: float | None = None,
         compute_utilisation: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> ReportFields:
         """The report's fields; ``compute_utilisation`` is the share of the training loop's
         time spent computing since the previous report (:mod:`peer.optim.utilisation`), and
         the bytes the optimizer's node has sent go along (a counter beside ``samples``)."""
         rounds = (int(optimizer.rounds_done), int(optimizer.rounds_failed))
         node = getattr(optimizer, "node", None)
-        fields = {
+        fields: ReportFields = {
             "epoch": optimizer.local_epoch,
             "samples": samples,
             "samples_per_second": samples_per_second,

@@ -9,7 +9,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import httpx
 
@@ -92,12 +92,15 @@ def _detail(response: httpx.Response) -> str:
     return f"HTTP {response.status_code} {response.reason_phrase}".strip()
 
 
-def _validation_problem(item: Any) -> str:
+def _validation_problem(item: object) -> str:
     """``{"loc": ["body", "port"], "msg": "..."}`` → ``port: ...``."""
     if not isinstance(item, dict):
         return str(item)
-    loc = [str(p) for p in item.get("loc", ()) if p not in ("body", "query", "path", "header")]
-    message = str(item.get("msg", "invalid"))
+    where = item.get("loc", ())
+    parts = where if isinstance(where, list | tuple) else ()
+    loc = [str(p) for p in parts if p not in ("body", "query", "path", "header")]
+    # pydantic prefixes a validator's own message; the message alone reads as the reason
+    message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
     return f"{'.'.join(loc)}: {message}" if loc else message
 
 

@@ -20,11 +20,13 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from peer.coordinator.client import CoordinatorClient, check_token
+from pydantic import ValidationError
+
+from peer.coordinator.client import CoordinatorClient
+from peer.coordinator.connection import check_token
 from peer.coordinator.exceptions import (
     CoordinatorError,
     CoordinatorFailed,
@@ -34,7 +36,8 @@ from peer.coordinator.exceptions import (
     RunNotAccepting,
     Unauthorized,
 )
-from peer.coordinator.reports import ReportQueue, clean_report
+from peer.coordinator.reports import ReportFields, ReportQueue, clean_report
+from peer.formats.payloads import RendezvousPeer
 
 logger = logging.getLogger("peer.coordinator")
 
@@ -52,12 +55,16 @@ class SessionTimings:
     bounds each call the session makes (so :meth:`CoordinatorSession.close` is prompt)."""
 
     poll_interval: float = 3.0
+    rendezvous_interval: float = 10.0
     retry_base: float = 1.0
     max_backoff: float = 30.0
     request_timeout: float = 5.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.retry_base <= self.max_backoff or self.poll_interval <= 0:
+        if (
+            not 0 < self.retry_base <= self.max_backoff
+            or min(self.poll_interval, self.rendezvous_interval) <= 0
+        ):
             raise ValueError("need poll_interval > 0 and 0 < retry_base <= max_backoff")
         if self.request_timeout <= 0:
             raise ValueError("request_timeout must be > 0")
@@ -91,6 +98,8 @@ class CoordinatorSession:
     - when ``needs_bootstrap()`` is true (the node has no peer left), asks for bootstrap
       addresses and hands them to ``on_bootstrap(addresses)`` (e.g.
       ``node.add_initial_peers``);
+    - every ``rendezvous_interval``, given ``on_rendezvous``, asks which peers behind NATs
+      punch and hands them to ``on_rendezvous(peers)`` (e.g. ``node.introduce``);
     - when the coordinator refuses the peer token (401: it expired after the peer was away
       longer than the coordinator's ``PEER_TOKEN_TTL_S``, or it was revoked by a ban or a
       newer join), stops renewing, sets :attr:`credentials_lost` to one line for the
@@ -112,6 +121,7 @@ class CoordinatorSession:
         on_revocations: Callable[[bytes], object] | None = None,
         needs_bootstrap: Callable[[], bool] | None = None,
         on_bootstrap: Callable[[list[str]], object] | None = None,
+        on_rendezvous: Callable[[list[RendezvousPeer]], object] | None = None,
         on_credentials_lost: Callable[[str], object] | None = None,
         status: str | None = None,
         max_reports: int = 256,
@@ -129,6 +139,7 @@ class CoordinatorSession:
         self._revocations_serial = 0  # the newest list handed on (0: there are no bans)
         self._needs_bootstrap = needs_bootstrap
         self._on_bootstrap = on_bootstrap
+        self._on_rendezvous = on_rendezvous
         self._on_credentials_lost = on_credentials_lost
         self._credentials_lost: str | None = None
         self.timings = timings or SessionTimings()
@@ -138,6 +149,7 @@ class CoordinatorSession:
         self._flush_deadline = 0.0
         self._queue = ReportQueue(max_reports)
         self._status = status
+        self._status_detail: str | None = None
         self._reachable = True
         self._piling_noted = False
         self._refused: set[type[CoordinatorError]] = set()  # report errors logged once
@@ -156,6 +168,7 @@ class CoordinatorSession:
         self._poll_at = now
         self._report_at = now
         self._bootstrap_at = now + t.poll_interval  # the join answer brought addresses
+        self._rendezvous_at = now
 
         self._thread = threading.Thread(
             target=self._run, name=f"swarmgrad-coordinator-{run_id[:8]}", daemon=True
@@ -169,6 +182,13 @@ class CoordinatorSession:
         """The run's status as last seen ("running", "paused", "finished"), or None."""
         with self._lock:
             return self._status
+
+    @property
+    def status_detail(self) -> str | None:
+        """Why the run is in its status, as the coordinator last said ("waiting for 3
+        volunteers (1 online)", "reached its last epoch 40"), or None."""
+        with self._lock:
+            return self._status_detail
 
     @property
     def coordinator_reachable(self) -> bool:
@@ -195,13 +215,18 @@ class CoordinatorSession:
         with self._lock:
             return self._certificate_expires_at
 
-    def submit_report(self, fields: Mapping[str, Any]) -> None:
-        """Queue a progress report (see :meth:`CoordinatorClient.report` for the fields) and
-        return at once; it is sent in the background. Never blocks on the coordinator and
+    def submit_report(self, fields: ReportFields) -> None:
+        """Queue a progress report (the fields of :class:`~peer.formats.requests.ReportCreate`)
+        and return at once; it is sent in the background. Never blocks on the coordinator and
         never raises because of it (``TypeError`` only for a ``fields`` that is not a
         mapping). Values the coordinator would refuse are cleaned first
-        (:func:`~peer.coordinator.reports.clean_report`)."""
-        report = clean_report(fields)
+        (:func:`~peer.coordinator.reports.clean_report`); a report still invalid is dropped
+        with a warning, as the coordinator would refuse it."""
+        try:
+            report = clean_report(fields)
+        except ValueError as exc:
+            logger.warning("a progress report is invalid (%s); dropped", _invalid(exc))
+            return
         with self._lock:
             if self._closing.is_set():
                 logger.debug("a progress report after close() was dropped")
@@ -251,9 +276,13 @@ class CoordinatorSession:
                 self._guarded(self._poll_status, now, "_poll_at")
             if self._needs_bootstrap is not None and now >= self._bootstrap_at:
                 self._guarded(self._bootstrap, now, "_bootstrap_at")
+            if self._on_rendezvous is not None and now >= self._rendezvous_at:
+                self._guarded(self._rendezvous, now, "_rendezvous_at")
             due = [self._renew_at, self._poll_at]
             if self._needs_bootstrap is not None:
                 due.append(self._bootstrap_at)
+            if self._on_rendezvous is not None:
+                due.append(self._rendezvous_at)
             if self.pending_reports:
                 due.append(self._report_at)
             self._wake.wait(max(0.0, min(due) - time.monotonic()))
@@ -323,8 +352,6 @@ class CoordinatorSession:
                     return
                 except CoordinatorError as exc:
                     self._refused_report(exc)
-                except (TypeError, ValueError) as exc:  # a value JSON cannot carry
-                    logger.warning("a progress report cannot be sent (%s); dropped", exc)
                 else:
                     self._report_backoff.reset()
                     self._back(time.monotonic())
@@ -449,6 +476,7 @@ class CoordinatorSession:
         status = run.status.value
         with self._lock:
             changed, self._status = status != self._status, status
+            self._status_detail = run.status_detail
         if changed:
             logger.info("the run is %s", status)
             if self._on_status is not None:
@@ -486,14 +514,7 @@ class CoordinatorSession:
         try:
             addresses = self._client.bootstrap(self._token, self._run_id)
         except CoordinatorError as exc:
-            if isinstance(exc, Unauthorized):
-                self._token_refused(exc)
-            elif isinstance(exc, _AWAY):
-                self._away(exc)
-            elif isinstance(exc, RateLimited):
-                self._bootstrap_at = max(self._bootstrap_at, now + exc.retry_after)
-            else:
-                logger.debug("cannot get bootstrap peers: %s", exc)
+            self._bootstrap_at = max(self._bootstrap_at, self._failed(exc, now, "bootstrap peers"))
             return
         self._back(time.monotonic())
         if addresses:
@@ -501,9 +522,45 @@ class CoordinatorSession:
             if self._on_bootstrap is not None:
                 self._on_bootstrap(addresses)
 
+    def _failed(self, exc: CoordinatorError, now: float, what: str) -> float:
+        """What a periodic call's failure means for the session: the token refused, the
+        coordinator away, or a rate limit, whose end it returns (else ``now``): the
+        earliest time to ask again."""
+        if isinstance(exc, Unauthorized):
+            self._token_refused(exc)
+        elif isinstance(exc, _AWAY):
+            self._away(exc)
+        elif isinstance(exc, RateLimited):
+            return now + exc.retry_after
+        else:
+            logger.debug("cannot get %s: %s", what, exc)
+        return now
+
+    def _rendezvous(self, now: float) -> None:
+        assert self._on_rendezvous is not None
+        self._rendezvous_at = now + self.timings.rendezvous_interval
+        try:
+            peers = self._client.rendezvous(self._token, self._run_id)
+        except CoordinatorError as exc:
+            failed = self._failed(exc, now, "the rendezvous list")
+            self._rendezvous_at = max(self._rendezvous_at, failed)
+            return
+        self._back(time.monotonic())
+        self._on_rendezvous(peers)
+
 
 def _clock_time(unix: float) -> str:
     return time.strftime("%H:%M", time.localtime(unix))
+
+
+def _invalid(exc: ValueError) -> str:
+    """A refused report's fields and why, on one line."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(
+            f"{'.'.join(str(part) for part in error['loc']) or 'report'}: {error['msg']}"
+            for error in exc.errors()
+        )
+    return str(exc)
 
 
 def _sentence(exc: CoordinatorError) -> str:

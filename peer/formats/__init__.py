@@ -1,18 +1,16 @@
 """The formats the coordinator and the volunteer share, and nothing else.
 
-- :mod:`peer.formats.identity`: key pairs and peer ids, run certificates (what the coordinator
-  signs, what every peer verifies), the join proof a volunteer signs, the nodes' three
-  authentication modes;
-- :mod:`peer.formats.revocation`: a run's signed list of banned peers;
-- :mod:`peer.formats.payloads`: the REST payloads the volunteer's side reads or sends, the
-  very classes the coordinator's routes validate and document;
-- :mod:`peer.formats.durations`: durations as both command lines take them.
+- :mod:`~peer.formats.identity`: key pairs, peer ids, run certificates, the join proof, the
+  nodes' three authentication modes; :mod:`~peer.formats.revocation`: a run's signed bans;
+- :mod:`~peer.formats.requests` and :mod:`~peer.formats.payloads`: the REST bodies a client
+  sends and the answers it reads, the very classes the coordinator's routes validate;
+- :mod:`~peer.formats.run_config`: the settings every run shares, and their checks;
+- :mod:`~peer.formats.durations`, :mod:`~peer.formats.rates`, :mod:`~peer.formats.task_files`,
+  :mod:`~peer.formats.open_types`: durations as typed, counted rates, shipped task files, and
+  the names of the few values whose type really is open.
 
-Both sides import these modules: the coordinator (``server``) to issue, sign and validate,
-the peer library to present, verify and parse. So they import only the standard library,
-``msgpack``, ``cryptography``, ``pydantic`` and :mod:`peer.exceptions` — never the node, the
-transports, torch or the server stack (``tests/test_layers.py`` walks the imports). ``peer.identity`` and
-``peer.revocation`` are the older names of the two modules and stay importable.
+Both sides import these modules, so they import only the standard library, ``msgpack``,
+``cryptography``, ``pydantic`` and :mod:`peer.exceptions` (``tests/test_layers.py`` checks).
 """
 
 from __future__ import annotations

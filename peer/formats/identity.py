@@ -12,9 +12,8 @@ downgraded silently:
 * :class:`SwarmKeyAuth` — a pre-shared secret; both sides prove knowledge of it with an
   HMAC over the handshake transcript.
 * :class:`CertificateAuth` — a run authority (the coordinator) signs a :class:`Certificate`
-  over the peer's public key, run id, role and expiry. Verification is a pluggable callable
-  (``verify(certificate_bytes, peer_public_key) -> Certificate``); :class:`CertificateVerifier`
-  is the standard one, checking against the run's public key.
+  over the peer's public key, run id, role and expiry; :class:`CertificateVerifier` checks
+  one against the run's public key.
 """
 
 from __future__ import annotations
@@ -43,6 +42,12 @@ PEER_ID_LENGTH = 32
 
 CERTIFICATE_CONTEXT = b"swarmgrad/certificate/v1\x00"
 _PEER_ID_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyz234567")
+
+
+def pack(value: object) -> bytes:
+    """``value`` as msgpack, bytes as its bin type: what the signed formats sign."""
+    data: bytes = msgpack.packb(value, use_bin_type=True)
+    return data
 
 
 def is_peer_id(value: object) -> bool:
@@ -162,8 +167,10 @@ class Certificate:
     ``expires_at`` is a Unix time in seconds. ``role`` is free-form for the authority
     (the coordinator uses ``"peer"``, ``"client"`` and ``"auxiliary"``). ``volunteer``
     names the person (the coordinator's volunteer id) the key belongs to, so several keys
-    of one person can be counted as one; it is signed when present, and a certificate
-    without it signs the same bytes as before the field existed.
+    of one person can be counted as one; ``invite`` names the invite that admitted that
+    volunteer (an opaque tag: the volunteers one shared invite admitted cannot be told
+    apart, so peers counting witnesses count them as one). Each is signed when present, and
+    a certificate without them signs the same bytes as before the fields existed.
     """
 
     run_id: str
@@ -172,17 +179,20 @@ class Certificate:
     expires_at: float
     signature: bytes = field(default=b"", repr=False)
     volunteer: str | None = None
+    invite: str | None = None
 
     def signed_payload(self) -> bytes:
-        fields: list[Any] = [
+        fields: list[object] = [
             self.run_id,
             bytes(self.public_key),
             self.role,
             float(self.expires_at),
         ]
-        if self.volunteer is not None:
+        if self.volunteer is not None or self.invite is not None:
             fields.append(self.volunteer)
-        return CERTIFICATE_CONTEXT + msgpack.packb(fields, use_bin_type=True)
+        if self.invite is not None:  # six fields: never read as a volunteer-only payload
+            fields.append(self.invite)
+        return CERTIFICATE_CONTEXT + pack(fields)
 
     @classmethod
     def issue(
@@ -194,11 +204,14 @@ class Certificate:
         role: str = "peer",
         expires_at: float,
         volunteer: str | None = None,
+        invite: str | None = None,
     ) -> Certificate:
         """Sign a certificate for ``public_key`` with the run authority's key."""
         if len(public_key) != PUBLIC_KEY_SIZE:
             raise ValueError(f"an Ed25519 public key is {PUBLIC_KEY_SIZE} raw bytes")
-        unsigned = cls(run_id, bytes(public_key), role, float(expires_at), volunteer=volunteer)
+        unsigned = cls(
+            run_id, bytes(public_key), role, float(expires_at), volunteer=volunteer, invite=invite
+        )
         return cls(
             run_id,
             bytes(public_key),
@@ -206,10 +219,11 @@ class Certificate:
             float(expires_at),
             authority.sign(unsigned.signed_payload()),
             volunteer=volunteer,
+            invite=invite,
         )
 
     def to_bytes(self) -> bytes:
-        raw: dict[str, Any] = {
+        raw: dict[str, object] = {
             "run_id": self.run_id,
             "public_key": self.public_key,
             "role": self.role,
@@ -218,7 +232,9 @@ class Certificate:
         }
         if self.volunteer is not None:
             raw["volunteer"] = self.volunteer
-        return msgpack.packb(raw, use_bin_type=True)
+        if self.invite is not None:
+            raw["invite"] = self.invite
+        return pack(raw)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Certificate:
@@ -237,6 +253,7 @@ class Certificate:
                 expires_at=raw["expires_at"],
                 signature=raw["signature"],
                 volunteer=raw.get("volunteer"),
+                invite=raw.get("invite"),
             )
         except KeyError as exc:
             raise AuthenticationError(f"certificate lacks field {exc.args[0]!r}") from exc
@@ -247,6 +264,7 @@ class Certificate:
             and isinstance(cert.expires_at, int | float)
             and isinstance(cert.signature, bytes)
             and (cert.volunteer is None or isinstance(cert.volunteer, str))
+            and (cert.invite is None or isinstance(cert.invite, str))
         ):
             raise AuthenticationError("certificate fields have the wrong types")
         return cert
@@ -309,9 +327,7 @@ def join_proof_payload(run_id: str, challenge: str, public_key: bytes) -> bytes:
     """What a volunteer signs with :meth:`Identity.sign` to join a run: it proves to the
     coordinator that the joiner holds the private key of ``public_key``, for this run and
     this challenge only (``POST /api/v1/join/challenge`` hands out the challenge)."""
-    return JOIN_PROOF_CONTEXT + msgpack.packb(
-        [run_id, challenge, bytes(public_key)], use_bin_type=True
-    )
+    return JOIN_PROOF_CONTEXT + pack([run_id, challenge, bytes(public_key)])
 
 
 # --------------------------------------------------------------------------- auth modes

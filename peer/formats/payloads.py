@@ -1,26 +1,22 @@
-"""The coordinator's REST payloads that its clients read or send (a volunteer's peer and the
-organizer's ``swarmgrad`` commands): one description of the protocol that both sides hold to.
+"""The coordinator's answers that its clients read (a volunteer's peer and the organizer's
+``swarmgrad`` commands): one description of each answer for both sides.
 
-The coordinator (``server``) declares them as its routes' request and response models, so
-FastAPI validates and documents them with these very classes; the client
-(:class:`peer.coordinator.CoordinatorClient`) parses every answer into them before it uses a
-field, so an answer of another shape is refused as not a coordinator's, naming the field,
-and mypy checks both sides' uses against one set of types. The server's own bodies (what only
-its web pages, its dashboard API or the server itself use, and the requests it validates
-more strictly than a client needs to know) stay in ``server.schemas``, which re-exports
-these.
-
-Pydantic is the one dependency this adds to the volunteer's install (the server stack is not
-needed: pydantic alone).
+The coordinator (``server``) declares them as its routes' response models, so FastAPI
+documents them with these very classes; the client (:class:`peer.coordinator.CoordinatorClient`)
+parses every answer into them before it uses a field, so an answer of another shape is
+refused as not a coordinator's, naming the field, and mypy checks both sides' uses against
+one set of types. The requests are in :mod:`peer.formats.requests`; the server's own bodies
+(its web pages', its dashboard API's) stay in ``server.schemas``, which re-exports both.
 """
 
 from __future__ import annotations
 
 import enum
 from datetime import datetime
-from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from peer.formats.open_types import JsonObject
 
 __all__ = [
     "BootstrapPeer",
@@ -36,14 +32,15 @@ __all__ = [
     "OrganizerTokenCreated",
     "OrganizerTokenPublic",
     "OrganizerTokensPublic",
-    "Port",
     "ProgressPublic",
     "ReachabilityPublic",
-    "ReachabilityRequest",
+    "RendezvousPeer",
+    "RendezvousPublic",
     "RevocationsPublic",
     "RunPublic",
     "RunStatus",
     "RunsPublic",
+    "TaskFilePublic",
     "TokenCreated",
 ]
 
@@ -57,23 +54,60 @@ class RunStatus(enum.StrEnum):
     finished = "finished"
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
 # ----------------------------------------------------------------------- runs
+
+
+class TaskFilePublic(BaseModel):
+    """The task file a run ships to its volunteers (``GET /runs/{run_id}/task``)."""
+
+    filename: str = Field(description="The file's name: the run's task names its module.")
+    sha256: str = Field(description="SHA-256 of the file's bytes (hex): what volunteers check.")
+    size: int = Field(description="The file's size in bytes.")
+    requirements: list[str] = Field(
+        default_factory=list,
+        description="pip requirements a volunteer installs for it, into a directory of the "
+        "task's own.",
+    )
 
 
 class RunPublic(BaseModel):
     id: str
     name: str
     task: str
-    config: dict[str, Any]
+    config: JsonObject
     status: RunStatus
     created_at: datetime
     updated_at: datetime
     archived_at: datetime | None
     public_key: str = Field(description="The run authority's Ed25519 public key (base64).")
+    min_volunteers: int | None = Field(
+        None,
+        description="While set, the run waits (status paused) until this many volunteers "
+        "are online, then starts by itself; null once it started, or when it never waited.",
+    )
+    volunteers_online: int | None = Field(
+        None,
+        description="While the run waits for min_volunteers: the distinct volunteers online "
+        "and ready, i.e. reported once their task and model were loaded (a volunteer's "
+        "machines count once). Null otherwise.",
+    )
+    finished_at_epoch: int | None = Field(
+        None,
+        description="The last epoch (config epochs), when the run finished by itself on "
+        "reaching it; null when the organizer finished it, or while it runs.",
+    )
+    status_detail: str | None = Field(
+        None,
+        description="Why the run is in its status, for people: 'waiting for 3 volunteers "
+        "(1 online)', 'reached its last epoch 40'; null for the organizer's own pause, "
+        "resume or finish.",
+    )
+    task_file: TaskFilePublic | None = Field(
+        None,
+        description="The task file the run ships (its task is module:function of it): "
+        "volunteers download it, check its SHA-256 and install its requirements; null "
+        "when the task is installed on the volunteers' machines.",
+    )
     revocations_serial: int | None = Field(
         None,
         description="Serial of the run's revocation list (its newest ban, in ms; 0 without "
@@ -241,7 +275,7 @@ class JoinResponse(BaseModel):
     run_name: str
     status: RunStatus
     task: str
-    config: dict[str, Any]
+    config: JsonObject
     bootstrap: list[BootstrapPeer]
     checkpoint: CheckpointPublic | None = Field(
         description="The run's newest checkpoint, to start from (GET /runs/{id}/checkpoint)."
@@ -252,6 +286,11 @@ class JoinResponse(BaseModel):
         le=60.0,
         description="How often the peer reports its progress (a coordinator that does not say "
         "expects every 10 s).",
+    )
+    relays: list[str] = Field(
+        default_factory=list,
+        description="Relays (relay://host:port) to register with when no other peer can "
+        "dial this one: pairs that cannot punch through their NATs link through them.",
     )
 
 
@@ -267,14 +306,6 @@ class BootstrapPublic(BaseModel):
 # --------------------------------------------------------------- reachability
 
 
-Port = Annotated[int, Field(ge=1, le=65535)]
-
-
-class ReachabilityRequest(_Body):
-    port: Port = Field(description="The peer's WebSocket port.")
-    bulk_port: Port | None = Field(None, description="Its bulk-transfer port, if it has one.")
-
-
 class ReachabilityPublic(BaseModel):
     reachable: bool
     address: str | None = Field(description="The address now announced for the peer, if any.")
@@ -282,3 +313,26 @@ class ReachabilityPublic(BaseModel):
     port: int
     bulk_port: int | None
     detail: str = Field(description="One line for the volunteer.")
+    punch_address: str | None = Field(
+        None,
+        description="Where other peers punch toward it (``punch://host:port/<peer id>``) "
+        "when it is not reachable but punches.",
+    )
+
+
+class RendezvousPeer(BaseModel):
+    """A peer behind a NAT that others may punch toward: its public address as the
+    coordinator saw it, and the port it punches from."""
+
+    peer_id: str
+    host: str
+    port: int
+    relays: list[str] = Field(
+        default_factory=list,
+        description="Where it is reached through the coordinator's relays "
+        "(relay://host:port/<peer id>), for a pair the punch does not get through.",
+    )
+
+
+class RendezvousPublic(BaseModel):
+    peers: list[RendezvousPeer]

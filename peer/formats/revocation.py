@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from peer.exceptions import AuthenticationError
-from peer.formats.identity import PUBLIC_KEY_SIZE, Identity, verify_signature
+from peer.formats.identity import PUBLIC_KEY_SIZE, Identity, pack, verify_signature
 
 __all__ = ["REVOCATION_CONTEXT", "RevocationBook", "RevocationList"]
 
@@ -41,9 +41,8 @@ class RevocationList:
     signature: bytes = field(default=b"", repr=False)
 
     def signed_payload(self) -> bytes:
-        body = msgpack.packb(
-            [self.run_id, int(self.serial), [[bytes(k), float(u)] for k, u in self.entries]],
-            use_bin_type=True,
+        body = pack(
+            [self.run_id, int(self.serial), [[bytes(k), float(u)] for k, u in self.entries]]
         )
         return REVOCATION_CONTEXT + body
 
@@ -66,9 +65,8 @@ class RevocationList:
         )
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb(
-            [self.run_id, int(self.serial), [[k, u] for k, u in self.entries], self.signature],
-            use_bin_type=True,
+        return pack(
+            [self.run_id, int(self.serial), [[k, u] for k, u in self.entries], self.signature]
         )
 
     @classmethod

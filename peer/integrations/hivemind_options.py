@@ -12,13 +12,12 @@ at hivemind's defaults.
 from __future__ import annotations
 
 import re
-from collections.abc import MutableMapping
-from typing import Any
+from collections.abc import Iterable, MutableMapping
 
 _MULTIADDR = re.compile(r"/(ip4|ip6|dns|dns4|dns6)/([^/]+)/(tcp|udp)/(\d{1,5})(/.*)?")
 
 # name -> (hivemind's default, why another value has no counterpart here)
-REFUSED: dict[str, tuple[Any, str]] = {
+REFUSED: dict[str, tuple[object, str]] = {
     "use_ipfs": (
         False,
         "there is no IPFS discovery: peers are found through initial_peers= or a "
@@ -36,7 +35,7 @@ REFUSED: dict[str, tuple[Any, str]] = {
 }
 
 
-def map_dht_options(host: str, port: int, options: MutableMapping[str, Any]) -> tuple[str, int]:
+def map_dht_options(host: str, port: int, options: MutableMapping[str, object]) -> tuple[str, int]:
     """The node's ``(host, port)`` once hivemind's DHT options are taken out of ``options``
     (the strategy's extra keyword arguments): ``host_maddrs`` mapped, the others accepted
     at hivemind's defaults only. ``ValueError`` naming the option otherwise."""
@@ -48,6 +47,8 @@ def map_dht_options(host: str, port: int, options: MutableMapping[str, Any]) -> 
     maddrs = options.pop("host_maddrs", None)
     if maddrs is None:
         return host, port
+    if not isinstance(maddrs, Iterable):
+        raise TypeError(f"host_maddrs: a multiaddr or a list of them, not {maddrs!r}")
     tcp: list[tuple[str, int]] = []
     for maddr in [maddrs] if isinstance(maddrs, str) else list(maddrs):
         match = _MULTIADDR.fullmatch(str(maddr))

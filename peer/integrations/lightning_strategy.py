@@ -1,18 +1,16 @@
 """The one implementation of ``SwarmgradStrategy``, for either Lightning package.
 
-``lightning.pytorch`` and ``pytorch_lightning`` ship the same Trainer under two names, and each
-accepts only strategies derived from its own ``Strategy`` class. :class:`SwarmgradStrategyBase`
-holds every method of the strategy and derives from neither: each package's strategy is this
-class mixed into that package's ``Strategy``, with the Lightning helpers it calls (batch-size
-inference, warnings, the configuration error) taken from that same package through
-:class:`LightningPackage`::
+``lightning.pytorch`` and ``pytorch_lightning`` ship the same Trainer under two names, each
+accepting only strategies derived from its own ``Strategy``. :class:`SwarmgradStrategyBase`
+holds every method and derives from neither; each package's strategy mixes it into that
+package's ``Strategy``, with the Lightning helpers it calls taken from that same package
+(:class:`LightningPackage`)::
 
     class SwarmgradStrategy(SwarmgradStrategyBase, pytorch_lightning.strategies.Strategy):
-        lightning = LightningPackage.load("pytorch_lightning")
+        lightning_package = LightningPackage.load("pytorch_lightning")
 
-:mod:`peer.integrations.lightning` and :mod:`peer.integrations.pytorch_lightning` are those two
-declarations (and the user's guide to the strategy: see the former's docstring). This module
-imports no Lightning package itself.
+:mod:`peer.integrations.lightning` and :mod:`peer.integrations.pytorch_lightning` are those
+two declarations. This module imports no Lightning package itself.
 """
 
 from __future__ import annotations
@@ -23,9 +21,11 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 
 from peer.exceptions import NodeShutdown
 from peer.formats.payloads import DEFAULT_REPORT_INTERVAL_S
@@ -34,9 +34,16 @@ from peer.integrations.hivemind_options import map_dht_options
 if TYPE_CHECKING:
     # What the type checker checks the methods against; at run time the base is each
     # package's Strategy, which the subclass names after this class.
+    import lightning.pytorch as pl
     from lightning.pytorch.strategies import Strategy as _Strategy
 
+    from peer.coordinator.joining import Membership
+    from peer.coordinator.reports import OptimizerReports
+    from peer.data_dir import DataDirLock
+    from peer.formats.open_types import StateDict
     from peer.node import Node
+    from peer.optim.collaborative import Optimizer
+    from peer.optim.diloco import DiLoCo
 else:
     _Strategy = object
 
@@ -48,6 +55,8 @@ REPORT_INTERVAL_S = (
 
 __all__ = ["LightningPackage", "SwarmScheduler", "SwarmgradStrategyBase"]
 
+T = TypeVar("T")
+
 
 @dataclass
 class LightningPackage:
@@ -56,16 +65,16 @@ class LightningPackage:
 
     name: str
     strategy: type
-    extract_batch_size: Callable[[Any], int]
+    extract_batch_size: Callable[[object], int]
     misconfiguration: type[Exception]
-    is_overridden: Callable[..., bool]
-    rank_zero_warn: Callable[..., Any]
+    is_overridden: Callable[[str, object], bool]
+    rank_zero_warn: Callable[[str], None]
 
     @classmethod
     def load(cls, name: str) -> LightningPackage:
         """The package ``name``; ``ModuleNotFoundError`` when it is not installed."""
 
-        def module(path: str) -> Any:
+        def module(path: str) -> ModuleType:
             return importlib.import_module(f"{name}.{path}")
 
         return cls(
@@ -81,11 +90,39 @@ class LightningPackage:
 class SwarmgradStrategyBase(_Strategy):
     """Collaborative training across the swarm (see :mod:`peer.integrations.lightning`), for
     the Lightning package of :attr:`lightning_package`; a subclass also derives from that
-    package's ``Strategy`` (checked when the subclass is declared)."""
+    package's ``Strategy`` (checked when the subclass is declared).
+
+    Arguments and behaviour follow Lightning's ``HivemindStrategy``: the module's optimizer
+    is wrapped by a collaborative :class:`~peer.Optimizer` that steps once the whole swarm
+    has processed ``target_batch_size`` samples; ``batch_size`` (the samples behind each
+    local step) is read from the first batch when not given; schedulers step on swarm
+    epochs. Options that re-create the optimizer (``offload_optimizer``,
+    ``delay_optimizer_step``, ``delay_state_averaging``) need ``scheduler_fn`` for a
+    scheduler. Peers are found through ``initial_peers`` (or the ``PL_INITIAL_PEERS``
+    environment variable, comma-separated); ``host`` and ``port`` are where this machine's
+    node listens (hivemind's ``host_maddrs`` maps onto them; its other DHT options are
+    refused at construction where they have no counterpart:
+    :mod:`peer.integrations.hivemind_options`). Other keyword arguments go to
+    :class:`~peer.Optimizer` unchanged (``grad_compression``, ``average_state_every``, ...).
+
+    ``algorithm="diloco"`` trains with :class:`~peer.DiLoCo` instead (no
+    ``target_batch_size``): the module's optimizer takes ``inner_steps`` local steps, then
+    the swarm averages the pseudo-gradient and an outer step follows; ``inner_steps``,
+    ``fragments``, ``compression``, ``overlap`` and ``outer_optimizer`` are passed as
+    keyword arguments.
+
+    With ``coordinator=URL`` and ``token=T`` (an invite token, as ``swarmgrad join`` takes)
+    the strategy joins that coordinator's run instead: it proves it holds this machine's key
+    (kept in ``data_dir``, by default the volunteer's), gets a run certificate and the run's
+    peers, checks whether others can dial it, uses the run's id, and sends progress reports
+    (epoch, samples, loss, averaging rounds) that show on the run's dashboard. ``name`` is
+    the display name. The run's task and config do not apply: the ``LightningModule`` is the
+    model.
+    """
 
     lightning_package: ClassVar[LightningPackage]
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         package = cls.__dict__.get("lightning_package")
         if package is not None and not issubclass(cls, package.strategy):
@@ -106,7 +143,7 @@ class SwarmgradStrategyBase(_Strategy):
         delay_grad_averaging: bool = False,
         offload_optimizer: bool | None = None,
         reuse_grad_buffers: bool = False,
-        scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None,
+        scheduler_fn: Callable[[torch.optim.Optimizer], LRScheduler] | None = None,
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 30.0,
         verbose: bool = False,
@@ -120,7 +157,7 @@ class SwarmgradStrategyBase(_Strategy):
         name: str | None = None,
         data_dir: str | os.PathLike[str] | None = None,
         algorithm: str = "collaborative",
-        **optimizer_kwargs: Any,
+        **optimizer_kwargs: Any,  # the optimizer's (peer.Optimizer or peer.DiLoCo), passed on
     ) -> None:
         super().__init__()
         if algorithm not in ("collaborative", "diloco"):
@@ -163,10 +200,10 @@ class SwarmgradStrategyBase(_Strategy):
             reuse_grad_buffers=reuse_grad_buffers,
             **optimizer_kwargs,
         )
-        self._opt: Any = None
+        self._opt: Optimizer | DiLoCo | None = None
         self._num_peers = 1
         self._left = False  # the swarm is left (teardown): num_peers stays as it was
-        self._optimizer_zero_grad_original: Callable[..., Any] | None = None
+        self._optimizer_zero_grad_original: Callable[..., None] | None = None
         self._initialized = False
         env = os.environ.get(self.INITIAL_PEERS_ENV)
         peers = env if env is not None else initial_peers
@@ -176,8 +213,9 @@ class SwarmgradStrategyBase(_Strategy):
             else (list(peers) if peers is not None else None)
         )
         self._own_node = node is None
-        self._membership: Any = None
-        self._reports: Any = None
+        self._membership: Membership | None = None
+        self._data_dir_lock: DataDirLock | None = None  # the key's directory, held while joined
+        self._reports: OptimizerReports | None = None
         self._samples = 0
         self._reported_at = 0.0
         self._samples_at_report = 0
@@ -190,7 +228,7 @@ class SwarmgradStrategyBase(_Strategy):
                 )
             node = self._join(coordinator, token, name, data_dir, host, port)
         elif node is None:
-            from peer.identity import OpenAuth
+            from peer.formats.identity import OpenAuth
             from peer.node import Node
 
             # explicit peers and no coordinator: an open swarm, as Lightning's own strategy
@@ -226,16 +264,19 @@ class SwarmgradStrategyBase(_Strategy):
         data_dir: str | os.PathLike[str] | None,
         host: str,
         port: int,
-    ) -> Any:
+    ) -> Node:
         """Join a coordinator's run as ``swarmgrad join`` does; progress goes to it."""
         from pathlib import Path
 
         from peer.coordinator import CoordinatorClient
-        from peer.coordinator.membership import NodeOptions, join_run
+        from peer.coordinator.joining import NodeOptions, join_run
         from peer.coordinator.reports import OptimizerReports
-        from peer.volunteer import default_data_dir, load_identity
+        from peer.data_dir import default_data_dir, load_identity, lock_data_dir
 
-        identity = load_identity(Path(data_dir) if data_dir is not None else default_data_dir())
+        directory = Path(data_dir) if data_dir is not None else default_data_dir()
+        # one process per key, as for ``swarmgrad join``: held until teardown
+        lock = lock_data_dir(directory)
+        identity = load_identity(directory)
         client = CoordinatorClient(url)
         try:
             membership = join_run(
@@ -243,7 +284,9 @@ class SwarmgradStrategyBase(_Strategy):
             )
         except BaseException:
             client.close()
+            lock.release()
             raise
+        self._data_dir_lock = lock
         self._membership = membership
         self._reports = OptimizerReports()
         self._run_id = membership.answer.run_id
@@ -251,15 +294,19 @@ class SwarmgradStrategyBase(_Strategy):
         return membership.node
 
     def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
-    ) -> Any:
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], object],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: object,
+    ) -> object:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._samples += int(self._batch_size or 0)
         if self._membership is not None and self._opt is not None:
             self._report(result)
         return result
 
-    def _report(self, loss: Any, force: bool = False) -> None:
+    def _report(self, loss: object, force: bool = False) -> None:
         """A progress report to the coordinator, at most every REPORT_INTERVAL_S (never blocks)."""
         now = time.monotonic()
         if not force and now - self._reported_at < REPORT_INTERVAL_S:
@@ -267,6 +314,8 @@ class SwarmgradStrategyBase(_Strategy):
         elapsed = now - self._reported_at if self._reported_at else 0.0
         rate = (self._samples - self._samples_at_report) / elapsed if elapsed > 0 else 0.0
         value = float(loss) if isinstance(loss, (int, float, torch.Tensor)) else None
+        assert self._membership is not None and self._reports is not None  # set by _join
+        assert self._opt is not None  # both callers check it
         self._membership.session.submit_report(
             self._reports.fields(
                 self._opt, samples=self._samples, samples_per_second=rate, loss=value
@@ -308,11 +357,11 @@ class SwarmgradStrategyBase(_Strategy):
         return self._num_peers
 
     @property
-    def optimizer(self) -> Any:
+    def optimizer(self) -> Optimizer | DiLoCo | None:
         """The collaborative :class:`~peer.Optimizer` (``None`` before the first batch)."""
         return self._opt
 
-    def setup(self, trainer: Any) -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         self.model_to_device()
         super().setup(trainer)
         if "16" in str(self.precision_plugin.precision) and "bf16" not in str(
@@ -323,7 +372,7 @@ class SwarmgradStrategyBase(_Strategy):
                 "a loss scaler, which Lightning would step outside the swarm's optimizer"
             )
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_train_batch_start(self, batch: object, batch_idx: int, dataloader_idx: int = 0) -> None:
         if self._initialized:
             return
         self._initialized = True
@@ -420,7 +469,7 @@ class SwarmgradStrategyBase(_Strategy):
         self.optimizers = [opt]  # type: ignore[list-item]  # it has step/zero_grad/state
         self._opt = opt
 
-    def _wrap_schedulers(self, opt: Any) -> None:
+    def _wrap_schedulers(self, opt: Optimizer) -> None:
         for config in self.lr_scheduler_configs:
             if isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
                 raise ValueError(
@@ -428,11 +477,11 @@ class SwarmgradStrategyBase(_Strategy):
                 )
             config.scheduler = SwarmScheduler(opt, config.scheduler)  # type: ignore[assignment]
 
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    def reduce(self, tensor: T, *args: object, **kwargs: object) -> T:
         return tensor
 
     def all_gather(
-        self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False
+        self, tensor: torch.Tensor, group: object = None, sync_grads: bool = False
     ) -> torch.Tensor:
         return tensor
 
@@ -440,10 +489,10 @@ class SwarmgradStrategyBase(_Strategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: T, src: int = 0) -> T:
         return obj
 
     def teardown(self) -> None:
@@ -458,17 +507,23 @@ class SwarmgradStrategyBase(_Strategy):
             self._left = True
             self._opt.shutdown()
             if self._algorithm == "diloco":
+                from peer.optim.diloco import DiLoCo
+
+                assert isinstance(self._opt, DiLoCo)  # _initialize_diloco made it
                 # Lightning moves the optimizers' state back at teardown: the inner one's
                 self.optimizers = [self._opt.inner_optimizer]
         if self._membership is not None:
             self._membership.close()  # flushes the reports
+            if self._data_dir_lock is not None:
+                self._data_dir_lock.release()
+                self._data_dir_lock = None
         elif self._own_node:
             log.info("leaving the swarm")
             self.node.shutdown()
         super().teardown()
 
 
-def _no_zero_grad(*args: Any, **kwargs: Any) -> None:
+def _no_zero_grad(*args: object, **kwargs: object) -> None:
     """Stands in for ``optimizer_zero_grad`` with ``reuse_grad_buffers``."""
 
 
@@ -476,7 +531,7 @@ class SwarmScheduler:
     """A scheduler that steps on swarm epochs: Lightning calls :meth:`step` as usual; the
     wrapped scheduler catches up to the swarm's epoch."""
 
-    def __init__(self, optimizer: Any, scheduler: Any) -> None:
+    def __init__(self, optimizer: Optimizer, scheduler: LRScheduler) -> None:
         self.__dict__ = {
             k: v for k, v in scheduler.__dict__.items() if k not in ("step", "__del__")
         }
@@ -489,9 +544,9 @@ class SwarmScheduler:
             self.scheduler.step()
             self.current_step += 1
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         return {"current_step": self.current_step, "scheduler": self.scheduler.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         self.current_step = state["current_step"]
         self.scheduler.load_state_dict(state["scheduler"])

@@ -1,21 +1,18 @@
 """``SwarmgradStrategy`` for ``pytorch_lightning.Trainer``: the seed's import path.
 
-``pytorch_lightning`` and ``lightning.pytorch`` ship the same Trainer under two names, and each
-accepts only strategies derived from its own ``Strategy`` class (the other's is refused as an
-"invalid strategy name"). :class:`SwarmgradStrategy` here is the strategy of
-:mod:`peer.integrations.lightning` — one implementation,
-:class:`~peer.integrations.lightning_strategy.SwarmgradStrategyBase`: the same methods, the same
-arguments, the same tests — on ``pytorch_lightning.strategies.Strategy``, with Lightning's
-helpers taken from ``pytorch_lightning`` too::
+``pytorch_lightning`` and ``lightning.pytorch`` ship the same Trainer under two names, each
+accepting only strategies derived from its own ``Strategy``. This ``SwarmgradStrategy`` is
+that of :mod:`peer.integrations.lightning` (one implementation,
+:class:`~peer.integrations.lightning_strategy.SwarmgradStrategyBase`) on
+``pytorch_lightning.strategies.Strategy``::
 
     import pytorch_lightning as pl
     from peer.integrations.pytorch_lightning import SwarmgradStrategy
 
     pl.Trainer(strategy=SwarmgradStrategy(target_batch_size=4096)).fit(model)
 
-Needs the ``pytorch_lightning`` package (``pip install pytorch-lightning``) besides
-``lightning`` (``pip install 'swarmgrad[lightning]'``); without it, importing this module says
-so and names the other way.
+Needs ``pytorch_lightning`` (``pip install pytorch-lightning``) besides ``lightning``
+(``pip install 'swarmgrad[lightning]'``); without it, importing this module says so.
 """
 
 from __future__ import annotations

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
 
-from peer.identity import (
+from peer.formats.identity import (
     PUBLIC_KEY_SIZE,
     CertificateVerify,
     peer_id_from_public_key,
@@ -25,6 +24,7 @@ class OwnerCertificate:
     expires_at: float | None  # None: the verifier did not say; valid until replaced
     role: str | None = None  # the role the authority gave it, when the verifier says
     volunteer: str | None = None  # the person the key belongs to, when the certificate says
+    invite: str | None = None  # the invite that admitted that person, when it says
 
 
 class CertificateBook:
@@ -74,10 +74,16 @@ class CertificateBook:
         held = self._owners.get(self._keys.get(peer_id, b""))
         return held.volunteer if held is not None else None
 
+    def invite(self, peer_id: str) -> str | None:
+        """The invite ``peer_id``'s certificate names, or None when this node holds no
+        certificate of that peer or it names none."""
+        held = self._owners.get(self._keys.get(peer_id, b""))
+        return held.invite if held is not None else None
+
     def __contains__(self, owner: bytes) -> bool:
         return owner in self._owners
 
-    def learn(self, owner: bytes, certificate: bytes, verified: Any, now: float) -> bool:
+    def learn(self, owner: bytes, certificate: bytes, verified: object, now: float) -> bool:
         """Remember ``owner``'s ``certificate``, which ``verify`` returned ``verified``
         for. A certificate expiring before the one held is ignored. Returns whether the
         owner is known now."""
@@ -101,11 +107,13 @@ class CertificateBook:
             return True
         role = getattr(verified, "role", None)
         volunteer = getattr(verified, "volunteer", None)
+        invite = getattr(verified, "invite", None)
         self._owners[owner] = OwnerCertificate(
             bytes(certificate),
             expires_at,
             role if isinstance(role, str) else None,
             volunteer if isinstance(volunteer, str) else None,
+            invite if isinstance(invite, str) else None,
         )
         self._keys[peer_id_from_public_key(owner)] = owner
         return True

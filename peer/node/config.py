@@ -47,7 +47,7 @@ class NodeConfig:
     # inbound connections still in their handshake; more are closed at once (each one may
     # hold a small pre-authentication buffer until its handshake times out)
     max_pending_handshakes: int = 64
-    # ... and of those, from one source (an IP address, an IPv6 /64): a stranger's idle
+    # ... and of those, from one source (an IP address, an IPv6 /56): a stranger's idle
     # connections cannot take every place and lock honest peers out
     max_pending_handshakes_per_source: int = 16
     bulk_lanes: bool = True  # TCP side lanes for tensor parts (peer.transport.bulk), if TCP

@@ -16,19 +16,20 @@ import ipaddress
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from peer.exceptions import (
     ConnectionClosed,
     NodeShutdown,
 )
-from peer.identity import (
+from peer.formats.identity import (
     Authenticator,
     Identity,
     OpenAuth,
 )
-from peer.node.certificates import CertificateBook, sendable
+from peer.formats.open_types import UserMetadata
+from peer.node.certificates import sendable
 from peer.node.config import NodeConfig
 from peer.node.cost import membership_ttl
 from peer.node.exchange import GOSSIP_PUSH, Gossip
@@ -43,13 +44,20 @@ from peer.node.gossip import (
     next_sequence,
 )
 from peer.node.links import Handler, PeerLink, register_link_messages
-from peer.node.membership import MAX_ADDRESS_CHARS, MAX_ADDRESSES, Member, decode_member
+from peer.node.membership import (
+    Member,
+    announced_addresses,
+    decode_member,
+    live_members,
+    member_record,
+)
 from peer.node.pool import IDLE_CLOSE, LINK_RETIRE, LinkPool
+from peer.node.punching import Puncher
 from peer.node.reconnect import Reconnector
 from peer.node.trust import Trust
-from peer.revocation import RevocationBook
 from peer.transport.base import Listener, Transport
 from peer.transport.bulk import BULK_TICKET, BulkLanes, BulkSender
+from peer.transport.punch import PunchPort
 from peer.wire import (
     Frame,
     MessageRegistry,
@@ -57,6 +65,8 @@ from peer.wire import (
 )
 
 logger = logging.getLogger("peer.node")
+
+T = TypeVar("T")
 
 
 def is_loopback(host: str) -> bool:
@@ -122,6 +132,7 @@ class AsyncNode:
         self._listener: Listener | None = None
         self._addresses: list[str] = []
         self.bulk: BulkLanes | None = None
+        self.puncher: Puncher | None = None  # links through NATs (start_punching)
         self.bytes_sent = 0  # frame headers and payloads this node sent, links and lanes
         # accepted on lanes (also when set before start()), with their inline handlers
         self._bulk_types: dict[str, Callable[[str, Frame], None] | None] = {}
@@ -186,20 +197,6 @@ class AsyncNode:
         # replaced before start (a test's or a simulator's own store): every part sees it
         self._store = self.gossip.store_ = self.trust.store_ = store
 
-    @property
-    def auth(self) -> Authenticator:
-        return self.trust.auth
-
-    @property
-    def certificates(self) -> CertificateBook | None:
-        """Certificate mode: which record owners hold a valid certificate of the run."""
-        return self.trust.certificates
-
-    @property
-    def revocations(self) -> RevocationBook | None:
-        """Certificate mode with the run's key at hand: the peers the run's authority banned."""
-        return self.trust.revocations
-
     def set_auth(self, auth: Authenticator) -> None:
         """Present ``auth`` in every later handshake (see :meth:`Trust.set_auth`)."""
         self.trust.set_auth(auth)
@@ -216,37 +213,9 @@ class AsyncNode:
         """The volunteer ``peer_id``'s certificate names (:meth:`Trust.certified_volunteer`)."""
         return self.trust.certified_volunteer(peer_id)
 
-    @property
-    def initial_peers(self) -> list[str]:
-        return self.gossip.initial_peers
-
-    @initial_peers.setter
-    def initial_peers(self, addresses: Sequence[str]) -> None:
-        self.gossip.initial_peers = [str(a) for a in addresses]
-
-    @property
-    def rounds(self) -> int:
-        """Gossip rounds this node started."""
-        return self.gossip.rounds
-
-    @property
-    def exchanges(self) -> int:
-        """Gossip exchanges this node started and saw answered."""
-        return self.gossip.exchanges
-
-    @property
-    def full_exchanges(self) -> int:
-        """Exchanges (started or answered) that compared whole stores."""
-        return self.gossip.full_exchanges
-
-    @property
-    def swarm_size(self) -> int:
-        """Live members at the last gossip round (:mod:`peer.node.cost`)."""
-        return self.gossip.swarm_size
-
-    @swarm_size.setter
-    def swarm_size(self, n: int) -> None:
-        self.gossip.swarm_size = n
+    def certified_invite(self, peer_id: str) -> str | None:
+        """The invite ``peer_id``'s certificate names (:meth:`Trust.certified_invite`)."""
+        return self.trust.certified_invite(peer_id)
 
     async def bootstrap(self) -> None:
         """Exchange with every initial peer once, right away, so membership is known before
@@ -285,7 +254,7 @@ class AsyncNode:
         self._next_refresh = self.now() + self._refresh_interval() * self.random.random()
         self._spawn(self.gossip.loop(), "gossip")
         self._spawn(self._maintenance_loop(), "maintenance")
-        if bootstrap and self.initial_peers:
+        if bootstrap and self.gossip.initial_peers:
             await self.bootstrap()
 
     async def _listen(self) -> None:
@@ -301,6 +270,7 @@ class AsyncNode:
                 host=None if cfg.client_mode else cfg.host,
                 port=cfg.bulk_port,
                 deliver=self._deliver_bulk,
+                request_timeout=cfg.request_timeout,
             )
             self.handlers[BULK_TICKET] = self.bulk.on_ticket
             for message_type, inline in self._bulk_types.items():
@@ -323,9 +293,29 @@ class AsyncNode:
             await self._listener.close()
         if self.bulk is not None:
             await self.bulk.close()
+        if self.puncher is not None:
+            await self.puncher.close()
         await self.pool.close()
 
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+    def start_punching(self, port: PunchPort) -> Puncher:
+        """Punch links through NATs from ``port`` toward the peers the coordinator
+        introduces (:class:`~peer.node.punching.Puncher`); the pool dials ``punch://``
+        addresses through it. Needs the WebSocket transport (relays may wrap it)."""
+        from peer.transport.websocket import WebSocketTransport
+
+        websocket = getattr(self.transport, "inner", self.transport)
+        if not isinstance(websocket, WebSocketTransport):
+            raise ValueError("punching through NATs needs the WebSocket transport")
+        if self.puncher is not None:
+            raise ValueError("this node punches already")
+        self.puncher = Puncher(
+            self.pool, websocket, port, own_id=self.peer_id, on_link=self.gossip.exchange
+        )
+        self.pool.punch = self.puncher.connect
+        self._spawn(self.puncher.run(), "punch")
+        return self.puncher
+
+    def _spawn(self, coro: Coroutine[object, object, T], name: str) -> asyncio.Task[T]:
         task = asyncio.get_running_loop().create_task(coro, name=f"{self.peer_id[:8]}-{name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -341,7 +331,7 @@ class AsyncNode:
         return self.clock()
 
     async def store(
-        self, key: str, value: Any, expiration_time: float, subkey: Subkey = None
+        self, key: str, value: object, expiration_time: float, subkey: Subkey = None
     ) -> bool:
         """Store ``value`` under ``key`` (and ``subkey``) until ``expiration_time`` (wall
         clock, seconds). Returns False if this node already holds a record of its own in
@@ -404,7 +394,7 @@ class AsyncNode:
 
         return stop
 
-    async def get(self, key: str, latest: bool = False) -> ValueWithExpiration[Any] | None:
+    async def get(self, key: str, latest: bool = False) -> ValueWithExpiration[UserMetadata] | None:
         """The freshest value this node knows for ``key``. With ``latest=True``, first pull
         from up to ``fanout`` peers so that a store made elsewhere a moment ago is seen."""
         self._check_running()
@@ -414,21 +404,9 @@ class AsyncNode:
 
     def members(self) -> dict[str, Member]:
         """Peers whose membership record is live, this node included."""
-        out = {}
-        cache: dict[bytes, Member] = {}
-        for record in self.store_.records(MEMBERS_KEY, self.now()):
-            member = self._member_cache.get(record.signature)
-            if member is None:
-                try:
-                    addresses, client_mode, leaving = decode_member(record)
-                except RecordError:
-                    continue
-                member = Member(record.owner_id, addresses, client_mode, record.expiration, leaving)
-            cache[record.signature] = member
-            if not member.leaving:
-                out[member.peer_id] = member
-        self._member_cache = cache
-        return out
+        records = self.store_.records(MEMBERS_KEY, self.now())
+        members, self._member_cache = live_members(records, self._member_cache)
+        return members
 
     def _next_seq(self) -> int:
         self._seq = next_sequence(self._seq, self.now())
@@ -445,16 +423,10 @@ class AsyncNode:
             ),
             default=now,
         )
-        record = Record.create(
-            self.identity,
-            MEMBERS_KEY,
-            self.peer_id,
-            {"addresses": self._addresses, "client_mode": self.config.client_mode},
-            max(
-                now + membership_ttl(self.config.member_ttl, self.swarm_size, self.store_.max_ttl),
-                latest + 1e-3,
-            ),
-            seq=self._next_seq(),
+        ttl = membership_ttl(self.config.member_ttl, self.gossip.swarm_size, self.store_.max_ttl)
+        expiration = max(now + ttl, latest + 1e-3)
+        record = member_record(
+            self.identity, self._addresses, self.config.client_mode, expiration, self._next_seq()
         )
         self.store_.put(record, now)
         return record
@@ -465,17 +437,7 @@ class AsyncNode:
         membership record, pushes it to peers at once, and presents the addresses in later
         handshakes. Not in client mode (``ValueError``): nobody can dial such a node."""
         self._check_running()
-        if isinstance(addresses, str):
-            raise TypeError('addresses is a list, e.g. ["ws://203.0.113.7:4000"]')
-        announced = [str(a) for a in addresses]
-        if self.config.client_mode and announced:
-            raise ValueError("a client-mode node accepts no connections: it has no address")
-        if len(announced) > MAX_ADDRESSES or any(
-            not a or len(a) > MAX_ADDRESS_CHARS for a in announced
-        ):
-            raise ValueError(
-                f"announce at most {MAX_ADDRESSES} addresses of 1 to {MAX_ADDRESS_CHARS} characters"
-            )
+        announced = announced_addresses(addresses, self.config.client_mode)
         self._addresses = announced
         record = self._publish_membership()
         self._spawn(self.gossip.push_now([record], self.config.push_relays), "push")
@@ -504,17 +466,13 @@ class AsyncNode:
             r for r in self.store_.records(MEMBERS_KEY, now) if r.owner == self.identity.public_key
         ]
         expiration = max((r.expiration for r in own), default=now) + 1e-3
-        record = Record.create(
-            self.identity,
-            MEMBERS_KEY,
-            self.peer_id,
-            {"addresses": [], "client_mode": self.config.client_mode, "leaving": True},
-            expiration,
-            seq=self._next_seq(),
+        record = member_record(
+            self.identity, [], self.config.client_mode, expiration, self._next_seq(), leaving=True
         )
         self.store_.put(record, now)
         frame = Frame(
-            GOSSIP_PUSH, self.gossip.records_fields(sendable([record], self.certificates, now), now)
+            GOSSIP_PUSH,
+            self.gossip.records_fields(sendable([record], self.trust.certificates, now), now),
         )
         links = self.pool.open_links()
         with contextlib.suppress(TimeoutError):
@@ -602,7 +560,7 @@ class AsyncNode:
         """Seconds until this node republishes its membership record: a third of its time
         to live (:func:`~peer.node.cost.membership_ttl`), less up to a quarter at random
         so that peers that started together do not refresh together."""
-        ttl = membership_ttl(self.config.member_ttl, self.swarm_size, self.store_.max_ttl)
+        ttl = membership_ttl(self.config.member_ttl, self.gossip.swarm_size, self.store_.max_ttl)
         return max(self.config.gossip_period, ttl / 3 * self.random.uniform(0.75, 1.0))
 
     async def _maintenance_loop(self) -> None:
@@ -622,5 +580,3 @@ class AsyncNode:
                     logger.info("peer %s left the swarm (membership expired)", peer_id)
                     with contextlib.suppress(RecordError):
                         self._reconnect.departed(peer_id, decode_member(record)[0], now)
-
-    # bans -----------------------------------------------------------------------------------

@@ -2,24 +2,10 @@
 and receives per second growing as log N, not N (the design is in docs/architecture.md,
 "Gossip cost").
 
-Three quantities, each a function of the number of live members a node knows:
-
-* :func:`membership_ttl`: how long a node's membership record lives. Every peer holds every
-  membership record, so each refresh must reach all N peers: with a fixed time to live the
-  swarm makes N/T refreshes a second and every peer receives all of them, a cost linear in
-  N however they travel. Above :data:`SCALE_FROM` members the time to live grows with N,
-  so the swarm makes a bounded number of refreshes a second. The price: a peer that dies
-  without a goodbye stays listed for longer in a large swarm (a clean leave is gossiped at
-  once, and a peer that stops answering is skipped by the one that noticed).
-* :func:`news_rounds`: a record stays *news* at a node (offered in its rumour exchanges)
-  for about log2 N gossip rounds after it arrived: push-pull gossip with a fanout of 3
-  reaches all N peers in O(log N) rounds, so a record offered for that long reaches
-  everyone, and each peer offers each record a bounded number of times.
-* :func:`full_sync_chance`: an exchange compares whole stores (a digest of every record,
-  20 bytes each: linear in N) only with this probability, about c·log2(N)/N, so these cost
-  O(log N) bytes a round on average; they catch whatever rumours missed (a node that was
-  away, a lost frame). Small swarms (up to :data:`FULL_SYNC_UP_TO` members) compare whole
-  stores in every exchange, as they always did.
+Three functions of the number of live members a node knows: :func:`membership_ttl` (how
+long a membership record lives), :func:`news_rounds` (how long a record stays news in
+rumour exchanges) and :func:`full_sync_chance` (how often an exchange compares whole
+stores). Each docstring says why its growth keeps the cost logarithmic.
 """
 
 from __future__ import annotations
@@ -43,20 +29,33 @@ def membership_ttl(member_ttl: float, n: int, cap: float) -> float:
     ``member_ttl`` up to :data:`SCALE_FROM` members, then growing in proportion to ``n``
     (the swarm then refreshes ``3·SCALE_FROM / member_ttl`` records a second, whatever
     its size: records are refreshed every third of their life), never past ``cap`` (the
-    longest time to live peers accept)."""
+    longest time to live peers accept).
+
+    Every peer holds every membership record, so each refresh must reach all N peers: with
+    a fixed time to live the cost would be linear in N however they travel. The price: a
+    peer that dies without a goodbye stays listed for longer in a large swarm (a clean
+    leave is gossiped at once, and a peer that stops answering is skipped by the one that
+    noticed)."""
     _check(n)
     return min(member_ttl * max(1.0, n / SCALE_FROM), max(cap, member_ttl))
 
 
 def news_rounds(n: int) -> int:
-    """Gossip rounds a record stays news after it arrived, in a swarm of ``n``."""
+    """Gossip rounds a record stays news after it arrived, in a swarm of ``n``: about
+    log2 n. Push-pull gossip with a fanout of 3 reaches all n peers in O(log n) rounds, so a
+    record offered for that long reaches everyone, and each peer offers each record a
+    bounded number of times."""
     _check(n)
     return math.ceil(math.log2(n + 1)) + 2
 
 
 def full_sync_chance(n: int) -> float:
     """The probability that one exchange compares whole stores, in a swarm of ``n``: 1 up
-    to :data:`FULL_SYNC_UP_TO` members, then ``c·log2(n)/n`` (the same at that size)."""
+    to :data:`FULL_SYNC_UP_TO` members, then ``c·log2(n)/n`` (the same at that size).
+
+    A whole-store digest is 20 bytes a record, linear in n, so at this rate these exchanges
+    cost O(log n) bytes a round on average; they catch whatever rumours missed (a node that
+    was away, a lost frame)."""
     _check(n)
     if n <= FULL_SYNC_UP_TO:
         return 1.0

@@ -1,22 +1,16 @@
 """A node's gossip (:class:`Gossip`, a part of :class:`peer.node.core.AsyncNode`): push-pull
-rounds, pushes and their relays, and the checks every record passes before it is stored.
+rounds, pushes and their relays.
 
 Every ``gossip_period`` (jittered) a node starts a round with up to ``fanout`` peers (and
-any initial peer not reached yet). Most exchanges are *rumour* exchanges: the node sends
-the digest of its news (records it took in the last few rounds, :mod:`peer.node.cost`);
-the other side answers with the ids it lacks, newer copies of records listed, and the
-digest of its own news that was not listed; the node pushes what was wanted and fetches
-what it lacks. Now and then (always in a small swarm, at bootstrap and for ``get(...,
-latest=True)``) an exchange compares whole stores instead: the digest of every record,
-answered with the records the other side has newer and the ids it wants. So a round costs
-O(log N) bytes on average while a record still reaches every peer in O(log N) rounds, and
-anything a rumour missed is caught by a whole-store comparison.
+any initial peer not reached yet). Most exchanges are *rumour* exchanges over the digest of
+recent news (:mod:`peer.node.cost`): each side sends what the other lacks or holds older.
+Now and then (always in a small swarm, at bootstrap and for ``get(..., latest=True)``) an
+exchange compares whole stores instead. So a round costs O(log N) bytes on average, a record
+reaches every peer in O(log N) rounds, and what a rumour missed is caught later.
 
-A round never waits for its slowest exchange: a peer whose exchange is still under way is
-left out of the next rounds. A store is also pushed at once to a few peers, which relay
-what was news to them. A record is stored only if its signature verifies, its owner is not
-banned and, in certificate mode, holds a valid certificate of the run; a peer that relays
-forged records loses its link.
+A round never waits for its slowest exchange. A store is also pushed at once to a few peers,
+which relay what was news to them. What an exchange brings is checked before it is stored
+(:mod:`peer.node.intake`); a peer that relays forged records loses its link.
 """
 
 from __future__ import annotations
@@ -26,7 +20,6 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any
 
 from peer.exceptions import (
     AuthenticationError,
@@ -41,15 +34,15 @@ from peer.node.config import NodeConfig
 from peer.node.cost import full_sync_chance, news_rounds
 from peer.node.gossip import (
     DIGEST_ENTRY_BYTES,
-    MEMBERS_KEY,
     RECORD_ID_BYTES,
     GossipStore,
     Record,
     RecordError,
     digest_entries,
 )
+from peer.node.intake import Intake
 from peer.node.links import Handler, PeerLink
-from peer.node.membership import Member, decode_member
+from peer.node.membership import Member
 from peer.node.reconnect import Reconnector
 from peer.node.trust import Trust
 from peer.wire import (
@@ -138,7 +131,7 @@ class Gossip:
         link: Callable[[str], Awaitable[PeerLink]],
         connect: Callable[[str, str | None], Awaitable[PeerLink]],
         peer_failed: Callable[[str, str], None],
-        spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
+        spawn: Callable[[Coroutine[object, object, object], str], object],
         initial_peers: Sequence[str] = (),
     ) -> None:
         self.config = config
@@ -148,7 +141,6 @@ class Gossip:
         self.registry = registry
         self.random = rng
         self._reconnect = reconnect
-        self._watchers = watchers
         self._links = links
         self._failed_at = failed_at
         self.now = now
@@ -167,7 +159,7 @@ class Gossip:
         # peers and addresses with a gossip exchange under way: a round skips them, so one
         # that does not answer holds up only its own exchange, never the rounds
         self._exchanging: set[str] = set()
-        self._quota_warned: set[str] = set()  # owners warned about for their store quota
+        self._intake = Intake(trust, watchers)
         self.rounds = 0
         self.exchanges = 0  # exchanges this node started and saw answered
         self.full_exchanges = 0  # ... and those (started or answered) comparing whole stores
@@ -177,9 +169,6 @@ class Gossip:
     @property
     def certificates(self) -> CertificateBook | None:
         return self.trust.certificates
-
-    def _banned(self, public_key: bytes) -> bool:
-        return self.trust.banned(public_key)
 
     def _register(self, register: Callable[[str, Schema, Handler], None]) -> None:
         record_list = ListOf(AnyValue())
@@ -202,9 +191,9 @@ class Gossip:
             self._on_push,
         )
 
-    def records_fields(self, records: list[Record], now: float) -> dict[str, Any]:
+    def records_fields(self, records: list[Record], now: float) -> dict[str, object]:
         """A frame's ``records`` and, in certificate mode, their owners' ``certs``."""
-        fields: dict[str, Any] = {"records": [r.to_wire() for r in records]}
+        fields: dict[str, object] = {"records": [r.to_wire() for r in records]}
         certs = certificates_for(records, self.certificates, now)
         if certs:
             fields["certs"] = certs
@@ -294,7 +283,7 @@ class Gossip:
         if failed is None:
             return True
         failures, at = failed
-        wait = min(self.config.gossip_period * 2 ** max(0, failures - 3), 60.0)
+        wait: float = min(self.config.gossip_period * 2 ** max(0, failures - 3), 60.0)
         return asyncio.get_running_loop().time() - at >= wait
 
     def _gossip_targets(self, exclude: str | None = None) -> list[str]:
@@ -498,76 +487,11 @@ class Gossip:
         return None
 
     def _accept_records(
-        self, items: list[Any], link: PeerLink, certs: Sequence[list[bytes]] = ()
+        self, items: Sequence[object], link: PeerLink, certs: Sequence[list[bytes]] = ()
     ) -> list[Record]:
-        """Verify and store records a peer sent (pushed or pulled); those that were news.
-        In certificate mode, ``certs`` vouch for owners this node does not know yet, and a
-        record whose owner holds no valid certificate of the run is refused."""
-        now = self.now()
-        rejected = 0
-        fresh = []
-        book = self.certificates
-        if book is not None:
-            for owner, certificate in certs:
-                if self._banned(owner):
-                    continue
-                try:
-                    book.offer(owner, certificate, now)
-                except RecordError as exc:
-                    rejected += 1
-                    if rejected == 1:
-                        logger.warning("rejected a certificate sent by %s: %s", link.peer_id, exc)
-        for item in items:
-            try:
-                record = Record.from_wire(item)
-                if self.store_.holds(record, now):
-                    continue  # this very copy is held (checked when it came): not news
-                if self._banned(record.owner):
-                    continue  # a relay may not know of the ban yet: not its fault
-                if book is not None and not book.valid(record.owner, now):
-                    raise RecordError(
-                        f"its owner, peer {record.owner_id}, holds no valid certificate of this run"
-                    )
-                if record.key == MEMBERS_KEY:
-                    decode_member(record)
-                record.verify()
-            except (RecordError, ValueError) as exc:
-                rejected += 1
-                if rejected == 1:
-                    logger.warning("rejected a record relayed by %s: %s", link.peer_id, exc)
-                continue
-            if not self.store_.put(record, now):
-                held = self.store_.current(record, now)
-                over = (
-                    None  # not news: what the slot holds is as new
-                    if held is not None and not record.newer_than(held)
-                    else "its quota in the gossip store"
-                    if self.store_.over_quota(record)
-                    else "its share of the full gossip store"
-                    if self.store_.over_share(record)
-                    else None
-                )
-                if over is not None and record.owner_id not in self._quota_warned:
-                    if len(self._quota_warned) >= 1024:
-                        self._quota_warned.clear()  # bounded, whoever mints keys
-                    self._quota_warned.add(record.owner_id)
-                    logger.warning(
-                        "peer %s is over %s (relayed by %s): its further records are dropped",
-                        record.owner_id,
-                        over,
-                        link.peer_id,
-                    )
-                continue
-            fresh.append(record)
-            for callback in list(self._watchers.get(record.key, ())):
-                try:
-                    callback()
-                except Exception:
-                    logger.exception("a watcher of %r failed", record.key)
-        if rejected:
-            # A peer that relays forged records is either malicious or broken: drop the link.
-            raise ProtocolError(f"{rejected} invalid record(s) relayed")
-        return fresh
+        """Verify and store records ``link``'s peer sent (:class:`~peer.node.intake.Intake`);
+        those that were news."""
+        return self._intake.accept(self.store_, items, link.peer_id, certs, self.now())
 
     async def push_now(
         self, records: list[Record], relays: int = 0, exclude: str | None = None

@@ -1,35 +1,17 @@
 """The replicated key → subkey → (value, expiration) store, without I/O.
 
-Every record is signed by its owner (the peer that stored it). A record's slot is
-``(key, subkey, owner)``: no other peer can overwrite it, and a relaying peer cannot alter
-it without breaking the signature. Within a slot the owner's sequence number decides: each
-record carries one, signed, and strictly larger than any its owner signed before (one
-counter per owner, across all its slots; see :func:`next_sequence`), so an older copy that
-a relay sends again — still live, perhaps with a later expiration — never replaces a newer
-one. Across owners of the same ``(key, subkey)`` a read returns the value with the newest
-expiration — the "latest write wins" semantics that hivemind-style code expects from
-``get``. A subkey that
-is a peer id is that peer's alone: a record another peer wrote there is refused (and the
-relay that forwarded it loses its link), so nobody can be read as someone else.
+Every record is signed by its owner; its slot is ``(key, subkey, owner)``, so no other peer
+can overwrite or alter it. Within a slot the owner's signed sequence number decides
+(:func:`next_sequence`), so a relay resending an older copy never replaces a newer one;
+across owners a read returns the newest expiration ("latest write wins"). A subkey that is a
+peer id is that peer's alone. In certificate mode only owners with a valid run certificate
+may hold records (:mod:`peer.node.certificates`).
 
-In certificate mode only members holding a valid certificate of the run may own records:
-:class:`~peer.node.certificates.CertificateBook` knows which owners do, from handshakes and
-from the certificates that travel beside the records of every gossip frame (so a peer can
-check the owner of a relayed record it never linked to). A record whose owner it cannot
-vouch for is refused.
-
-Anti-entropy (push-pull, Demers et al., 1987): the initiator sends a digest of
-``(record id, sequence number)`` pairs; the responder answers with the records the initiator
-lacks or holds older copies of, and the ids it wants in return; the initiator pushes those.
-This module computes digests and differences; :mod:`peer.node.core` moves the bytes.
-
-Clock skew: expirations are absolute wall-clock times set by the owner. A record is
-refused if it has already expired by the receiver's clock or expires more than
-``max_ttl`` seconds in the future. A peer whose clock runs ``s`` seconds ahead therefore
-makes its records live ``s`` seconds longer in others' eyes; one ``s`` seconds behind
-makes them vanish ``s`` seconds early and, if ``s`` exceeds a record's time to live, never
-accepted at all. With the default membership TTL (30 s) a few seconds of skew only shifts
-when a dead peer disappears.
+Anti-entropy is push-pull (Demers et al., 1987): this module computes digests of ``(record
+id, sequence number)`` and their differences; :mod:`peer.node.exchange` moves the bytes.
+Expirations are the owner's wall-clock times: a record already expired, or expiring more
+than ``max_ttl`` ahead, by the receiver's clock is refused, so clock skew only shifts when a
+record vanishes.
 """
 
 from __future__ import annotations
@@ -39,16 +21,17 @@ import hashlib
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 import msgpack
 
-from peer.identity import (
+from peer.formats.identity import (
     Identity,
     is_peer_id,
     peer_id_from_public_key,
     verify_signature,
 )
+from peer.formats.open_types import UserMetadata
 
 RECORD_CONTEXT = b"swarmgrad/record/v2\x00"
 RECORD_ID_BYTES = 12
@@ -75,17 +58,18 @@ class RecordError(ValueError):
     """A record is invalid: bad signature, bad fields, reserved key misuse."""
 
 
-def pack_value(value: Any) -> bytes:
+def pack_value(value: object) -> bytes:
     """msgpack-encode a user value; raises TypeError for values msgpack cannot carry."""
     try:
-        return msgpack.packb(value, use_bin_type=True)
+        packed: bytes = msgpack.packb(value, use_bin_type=True)
+        return packed
     except (TypeError, ValueError, OverflowError) as exc:
         raise TypeError(
             f"gossip values must be msgpack-serialisable (dict, list, str, bytes, int, float, bool, None): {exc}"
         ) from None
 
 
-def unpack_value(data: bytes) -> Any:
+def unpack_value(data: bytes) -> UserMetadata:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
@@ -118,7 +102,7 @@ class Record:
         return peer_id_from_public_key(self.owner)
 
     def signed_bytes(self) -> bytes:
-        body = msgpack.packb(
+        body: bytes = msgpack.packb(
             [self.key, self.subkey, self.value, float(self.expiration), self.seq, self.owner],
             use_bin_type=True,
         )
@@ -130,7 +114,7 @@ class Record:
         identity: Identity,
         key: str,
         subkey: Subkey,
-        value: Any,
+        value: object,
         expiration: float,
         *,
         seq: int,
@@ -163,7 +147,7 @@ class Record:
                 f"peer {self.owner_id} wrote {self.key!r} under another peer's id {self.subkey!s}"
             )
 
-    def to_wire(self) -> list[Any]:
+    def to_wire(self) -> list[object]:
         return [
             self.key,
             self.subkey,
@@ -175,7 +159,7 @@ class Record:
         ]
 
     @classmethod
-    def from_wire(cls, item: Any) -> Record:
+    def from_wire(cls, item: object) -> Record:
         if not isinstance(item, list | tuple) or len(item) != 7:
             raise RecordError("a record is a list of 7 items")
         key, subkey, value, expiration, seq, owner, signature = item
@@ -375,7 +359,7 @@ class GossipStore:
             self._usage.pop(record.owner, None)
             self._cost.pop(record.owner, None)
 
-    def get(self, key: str, now: float) -> ValueWithExpiration[Any] | None:
+    def get(self, key: str, now: float) -> ValueWithExpiration[UserMetadata] | None:
         live = [
             r
             for r in (self._records[rid] for rid in self._by_key.get(key, ()))
@@ -387,7 +371,7 @@ class GossipStore:
         if not with_subkeys:
             best = max(live, key=lambda r: (r.expiration, r.signature))
             return ValueWithExpiration(unpack_value(best.value), best.expiration)
-        by_subkey: dict[Any, Record] = {}
+        by_subkey: dict[Subkey, Record] = {}
         for record in with_subkeys:  # one record per slot: these are different owners
             current = by_subkey.get(record.subkey)
             if current is None or (record.expiration, record.signature) > (

@@ -1,37 +1,12 @@
 """Authenticated links between two nodes: the handshake, then request/response and one-way
 messages multiplexed over one transport connection.
 
-Handshake (both sides run the same steps, so it does not matter who dialed)::
-
-    → hello {public_key, nonce, mode, credential, addresses, client_mode, encrypt, kx}
-    ← hello {...}
-    → auth  {signature, proof}
-    ← auth  {...}
-    → ready {}
-    ← ready {}
-
-Each side's ``auth`` signs ``context ‖ H(own hello) ‖ H(their hello)`` with its Ed25519
-key; the other side's fresh nonce inside ``their hello`` makes the signature useless for
-replay. In swarm-key mode ``proof`` is an HMAC of the same transcript under the shared key;
-in certificate mode ``credential`` is a run certificate checked with the pluggable verifier
-before anything else is accepted. Modes must match exactly; a mismatch is refused, never
-downgraded. Until both ``auth`` messages are verified, any other frame closes the
-connection: an unauthenticated peer cannot send a gossip record or a tensor.
-
-Pre-authentication limits: until the other side's ``auth`` has verified (its signature,
-and in swarm-key mode its proof of the swarm key), the transport refuses any message over
-:data:`~peer.transport.base.PRE_AUTH_MESSAGE_BYTES`, whatever certificate the hello
-showed (a certificate is public: any member's hello shows one). Each side raises the
-limit once the other's ``auth`` verifies and then says ``ready``; neither sends anything
-but handshake messages before it has read the other's ``ready``, so a large frame never
-meets the small limit.
-
-Encryption: ``kx`` is a fresh X25519 public key, signed with the rest of the hello, and the
-link's keys derive from the two (:mod:`peer.transport.secure`): every message after the
-handshake is sealed, so whoever relays a handshake can neither read the link nor inject a
-frame into it. ``encrypt`` says whether a peer seals its links (``False`` only on a trusted
-network, :attr:`~peer.node.core.NodeConfig.encryption`); both sides must agree, and a
-mismatch is refused like a mode mismatch.
+:func:`handshake` authenticates both ends of a transport connection (swarm key, run
+certificate or open mode, which must match, never downgraded) and agrees on the keys that
+seal the link (:mod:`peer.transport.secure`); its docstring gives the messages and what each
+proves. :class:`PeerLink` then carries frames: ``send`` for one-way messages, ``request``
+for a reply; each frame received goes to the node's handler for its type. Until both ends
+are authenticated no other frame is accepted.
 """
 
 from __future__ import annotations
@@ -57,7 +32,7 @@ from peer.exceptions import (
     SwarmgradError,
     TransportError,
 )
-from peer.identity import (
+from peer.formats.identity import (
     PUBLIC_KEY_SIZE,
     Authenticator,
     CertificateAuth,
@@ -136,7 +111,7 @@ class RemotePeer:
     public_key: bytes
     addresses: tuple[str, ...]
     client_mode: bool
-    credential: Any = None  # what the certificate verifier returned, in certificate mode
+    credential: object = None  # what the certificate verifier returned, in certificate mode
     certificate: bytes = b""  # the certificate itself (certificate mode), to vouch for it
 
 
@@ -166,7 +141,40 @@ async def handshake(
     ``refuse_key(public_key)``, if given, names a reason to refuse the key the other side's
     hello shows (a ban), before anything else is done for it. Raises AuthenticationError
     (after telling the other side why) or ProtocolError/TransportError; the caller closes
-    the connection on failure."""
+    the connection on failure.
+
+    Handshake (both sides run the same steps, so it does not matter who dialed)::
+
+        → hello {public_key, nonce, mode, credential, addresses, client_mode, encrypt, kx}
+        ← hello {...}
+        → auth  {signature, proof}
+        ← auth  {...}
+        → ready {}
+        ← ready {}
+
+    Each side's ``auth`` signs ``context ‖ H(own hello) ‖ H(their hello)`` with its Ed25519
+    key; the other side's fresh nonce inside ``their hello`` makes the signature useless for
+    replay. In swarm-key mode ``proof`` is an HMAC of the same transcript under the shared key;
+    in certificate mode ``credential`` is a run certificate checked with the pluggable verifier
+    before anything else is accepted. Modes must match exactly; a mismatch is refused, never
+    downgraded. Until both ``auth`` messages are verified, any other frame closes the
+    connection: an unauthenticated peer cannot send a gossip record or a tensor.
+
+    Pre-authentication limits: until the other side's ``auth`` has verified (its signature,
+    and in swarm-key mode its proof of the swarm key), the transport refuses any message over
+    :data:`~peer.transport.base.PRE_AUTH_MESSAGE_BYTES`, whatever certificate the hello
+    showed (a certificate is public: any member's hello shows one). Each side raises the
+    limit once the other's ``auth`` verifies and then says ``ready``; neither sends anything
+    but handshake messages before it has read the other's ``ready``, so a large frame never
+    meets the small limit.
+
+    Encryption: ``kx`` is a fresh X25519 public key, signed with the rest of the hello, and the
+    link's keys derive from the two (:mod:`peer.transport.secure`): every message after the
+    handshake is sealed, so whoever relays a handshake can neither read the link nor inject a
+    frame into it. ``encrypt`` says whether a peer seals its links (``False`` only on a trusted
+    network, :attr:`~peer.node.core.NodeConfig.encryption`); both sides must agree, and a
+    mismatch is refused like a mode mismatch.
+    """
     try:
         async with asyncio.timeout(timeout):
             return await _handshake(
@@ -251,7 +259,7 @@ async def _handshake(
             "of a swarm must agree on it)",
             limits,
         )
-    verified: Any = None
+    verified: object = None
     if isinstance(auth, CertificateAuth):
         try:
             verified = auth.verify(fields["credential"], their_key)
@@ -359,6 +367,9 @@ class PeerLink:
         self._pending: dict[int, asyncio.Future[Frame]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closing = False
+        self._sending = 0  # one-way sends (and replies) under way on this link
+        self._sends_through = asyncio.Event()  # set while none is
+        self._sends_through.set()
         self.last_used = asyncio.get_running_loop().time()
         self._reader = asyncio.get_running_loop().create_task(
             self._read_loop(), name=f"link-{remote.peer_id[:8]}"
@@ -391,7 +402,14 @@ class PeerLink:
                 f"{frame.type}: header over the limit of {self._limits.max_header_bytes} bytes"
             )
         self.last_used = asyncio.get_running_loop().time()
-        await self.conn.send([header, payload] if payload.nbytes else header)
+        self._sending += 1
+        self._sends_through.clear()
+        try:
+            await self.conn.send([header, payload] if payload.nbytes else header)
+        finally:
+            self._sending -= 1
+            if not self._sending:
+                self._sends_through.set()
         if self._on_sent is not None:
             self._on_sent(len(header) + payload.nbytes)
 
@@ -493,7 +511,19 @@ class PeerLink:
         while self._pending or self._tasks:
             await asyncio.wait([*self._pending.values(), *self._tasks])
 
-    async def wait_closed(self, timeout: float) -> None:
+    @property
+    def sending(self) -> bool:
+        """A send of this side is under way on this link (a large frame on a slow link
+        takes a while; the other side cannot tell, it sees only complete frames)."""
+        return self._sending > 0
+
+    async def sends_through(self) -> None:
+        """Return once no send of this side is under way on this link (each send is
+        bounded by its caller's timeout)."""
+        while self._sending:
+            await self._sends_through.wait()
+
+    async def wait_closed(self, timeout: float | None) -> None:
         """Wait until the other side closes this link, or ``timeout`` seconds; what arrives
         meanwhile is read and served as always."""
         await asyncio.wait([self._reader], timeout=timeout)

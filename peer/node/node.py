@@ -11,18 +11,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Literal, ParamSpec, TypeVar, overload
 
 from peer.exceptions import NodeShutdown
-from peer.identity import Authenticator, Identity, OpenAuth
+from peer.formats.identity import Authenticator, Identity, OpenAuth
+from peer.formats.open_types import UserMetadata
 from peer.node.core import AsyncNode, Member, NodeConfig, check_open_mode
 from peer.node.gossip import Subkey, ValueWithExpiration
+from peer.node.punching import PunchOutcome
 from peer.transport.base import Transport
+from peer.transport.punch import PunchEndpoint, PunchPort
+from peer.transport.relay import RelayTransport
 from peer.transport.websocket import WebSocketTransport
 from peer.wire import Limits
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class LoopThread:
@@ -40,7 +45,7 @@ class LoopThread:
         self.loop.call_soon(self._ready.set)
         self.loop.run_forever()
 
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+    def submit(self, coro: Coroutine[object, object, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self) -> None:
@@ -81,6 +86,16 @@ class Node:
     where nobody can read or alter traffic (a private cluster); every peer of the swarm must
     pass the same, and a peer that does not is refused at the handshake.
 
+    Relays: a node dials ``relay://host:port/<peer id>`` addresses through that relay; given
+    ``relays=["relay://host:port"]`` it also registers with each (certificate mode only) and
+    its addresses include ``relay://host:port/<its peer id>``, so peers that cannot dial it
+    directly reach it through the relay (:mod:`peer.transport.relay`).
+
+    Hole punching: given ``punch_port`` (0: any free port), a node behind a NAT punches
+    links toward the peers :meth:`introduce` names (the coordinator's rendezvous list) and
+    dials ``punch://`` addresses that way (:mod:`peer.node.punching`); announced at its own
+    ``punch://`` address, it is a full member of the swarm though it cannot be dialed.
+
     Use as a context manager, or call :meth:`shutdown` when done.
     """
 
@@ -106,6 +121,8 @@ class Node:
         bulk_lanes: bool = True,
         bulk_port: int = 0,
         encryption: bool = True,
+        relays: Sequence[str] = (),
+        punch_port: int | None = None,
     ) -> None:
         if isinstance(initial_peers, str):
             raise TypeError('initial_peers is a list of addresses, e.g. ["ws://127.0.0.1:4000"]')
@@ -125,12 +142,23 @@ class Node:
             encryption=encryption,
         )
         check_open_mode(auth, self.config)  # before anything starts (AsyncNode checks too)
-        self._transport = transport or WebSocketTransport(
-            max_message_bytes=self.config.limits.max_frame_bytes
-        )
         self._identity = identity or Identity()
         self._auth = auth
+        if relays and (transport is not None or client_mode):
+            raise ValueError(
+                "relays= registers a listening node with relays: it needs the default "
+                "transport and client_mode=False"
+            )
+        self._transport = transport or RelayTransport(
+            WebSocketTransport(max_message_bytes=self.config.limits.max_frame_bytes),
+            identity=self._identity,
+            auth=lambda: self._auth if self._auth is not None else OpenAuth(),
+            relays=relays,
+        )
         self._initial_peers = list(initial_peers or ())
+        if punch_port is not None and (transport is not None or not 0 <= punch_port <= 65535):
+            raise ValueError("punch_port is a port (0: any) and needs the default transport")
+        self._punch_port = punch_port
         self._owns_loop = loop_thread is None
         self._loop_thread = loop_thread
         self._core: AsyncNode | None = None
@@ -155,6 +183,12 @@ class Node:
                 auth=self._auth,
                 config=self.config,
             )
+            if self._punch_port is not None:
+                # every local address: the coordinator names the endpoint its requests come
+                # from (the system's choice of source address, whatever host the node
+                # listens on), and a punch from a narrower bind would leave from another
+                wildcard = "::" if ":" in self.config.host else "0.0.0.0"
+                core.start_punching(PunchPort(self._punch_port, host=wildcard))
             await core.start()
             return core
 
@@ -219,7 +253,21 @@ class Node:
 
     # API -------------------------------------------------------------------------------------
 
-    def run_coroutine(self, coro: Coroutine[Any, Any, T], *, wait: bool = True) -> Any:
+    @overload
+    def run_coroutine(
+        self, coro: Coroutine[object, object, T], *, wait: Literal[True] = True
+    ) -> T: ...
+    @overload
+    def run_coroutine(
+        self, coro: Coroutine[object, object, T], *, wait: Literal[False]
+    ) -> concurrent.futures.Future[T]: ...
+    @overload
+    def run_coroutine(
+        self, coro: Coroutine[object, object, T], *, wait: bool = True
+    ) -> T | concurrent.futures.Future[T]: ...
+    def run_coroutine(
+        self, coro: Coroutine[object, object, T], *, wait: bool = True
+    ) -> T | concurrent.futures.Future[T]:
         """Run ``coro`` on the node's event loop; returns its result, or a
         ``concurrent.futures.Future`` with ``wait=False``."""
         if self._shutdown or self._loop_thread is None:
@@ -233,7 +281,7 @@ class Node:
         future = self._loop_thread.submit(coro)
         return future.result() if wait else future
 
-    def store(self, key: str, value: Any, expiration_time: float, subkey: Subkey = None) -> bool:
+    def store(self, key: str, value: object, expiration_time: float, subkey: Subkey = None) -> bool:
         """Store ``value`` (any msgpack-serialisable object) under ``key`` and, optionally,
         ``subkey`` until ``expiration_time`` (wall-clock seconds, e.g. ``get_time() + 30``).
 
@@ -241,7 +289,7 @@ class Node:
         expiration. The record spreads to every peer by gossip within a few rounds."""
         return self.run_coroutine(self.core.store(key, value, expiration_time, subkey))
 
-    def get(self, key: str, latest: bool = False) -> ValueWithExpiration[Any] | None:
+    def get(self, key: str, latest: bool = False) -> ValueWithExpiration[UserMetadata] | None:
         """``(value, expiration_time)`` for ``key``, or None if nothing live is known. For a
         key stored with subkeys, ``value`` is a dict subkey → ``(value, expiration_time)``."""
         return self.run_coroutine(self.core.get(key, latest))
@@ -297,6 +345,43 @@ class Node:
         core = self.core
         self.run_coroutine(_call(core.announce, addresses))
 
+    @property
+    def punch_port(self) -> int | None:
+        """The port this node punches from (None: it does not punch)."""
+        puncher = self.core.puncher
+        return None if puncher is None else puncher.port.port
+
+    def introduce(
+        self,
+        endpoints: Sequence[PunchEndpoint],
+        fallbacks: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
+        """The peers behind NATs to keep punched links with, as the coordinator saw them
+        (replaces an earlier list), and the addresses to dial each at when the punch misses
+        (its relay addresses). ``ValueError`` for a node without ``punch_port``."""
+        puncher = self.core.puncher
+        if puncher is None:
+            raise ValueError("this node does not punch: give it punch_port")
+        self.run_coroutine(_call(puncher.introduce, list(endpoints), dict(fallbacks or {})))
+
+    def link_kinds(self) -> dict[str, int]:
+        """Open links by how they go: ``direct`` (dialed or accepted), ``punched`` (through
+        NATs) and ``relayed``."""
+
+        async def count() -> dict[str, int]:
+            kinds = {"direct": 0, "punched": 0, "relayed": 0}
+            for link in self.core.pool.open_links():
+                scheme = link.conn.remote_address.split("://", 1)[0]
+                kinds[{"punch": "punched", "relay": "relayed"}.get(scheme, "direct")] += 1
+            return kinds
+
+        return dict(self.run_coroutine(count()))
+
+    def punch_outcomes(self) -> dict[str, PunchOutcome]:
+        """How the last punch toward each introduced peer ended."""
+        puncher = self.core.puncher
+        return {} if puncher is None else dict(puncher.outcomes())
+
     def get_time(self) -> float:
         """The wall-clock time that expirations are measured against."""
         return self.core.now()
@@ -306,8 +391,8 @@ class Node:
         return f"Node(peer_id={self.peer_id!r}, {state})"
 
 
-async def _call(fn: Any, *args: Any) -> Any:
-    return fn(*args)
+async def _call(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    return fn(*args, **kwargs)
 
 
 def get_time() -> float:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 
 from peer.exceptions import (
     AuthenticationError,
@@ -20,13 +19,14 @@ from peer.exceptions import (
     SwarmgradError,
     TransportError,
 )
-from peer.identity import Identity, peer_id_from_public_key
+from peer.formats.identity import Identity, peer_id_from_public_key
 from peer.node.config import NodeConfig
 from peer.node.links import Handler, PeerLink, RemotePeer, handshake
 from peer.node.membership import Member
 from peer.node.reconnect import Reconnector
 from peer.node.trust import LINK_REVOCATIONS, Trust, send_quietly
 from peer.transport.base import Connection, Transport, source_of
+from peer.transport.punch import is_punch_address
 from peer.wire import Frame, MessageRegistry
 
 logger = logging.getLogger("peer.node")
@@ -36,6 +36,9 @@ IDLE_CLOSE = "idle"
 #: one-way, over a link: "I send nothing more on this link; close it once your requests on
 #: it are answered" (what a node says of the idle links it closes beyond ``max_links``)
 LINK_RETIRE = "link.retire"
+#: how long either side of a retired link waits for the other's sends under way on it (a
+#: send is bounded by its caller's timeout; this only bounds a peer that never closes)
+RETIRE_WAIT = 120.0
 
 
 class LinkPool:
@@ -56,7 +59,7 @@ class LinkPool:
         addresses: Callable[[], list[str]],
         members: Callable[[], dict[str, Member]],
         stopping: Callable[[], bool],
-        spawn: Callable[[Any, str], asyncio.Task[Any]],
+        spawn: Callable[[Coroutine[object, object, object], str], object],
         on_sent: Callable[[int], None],
     ) -> None:
         self.config = config
@@ -71,10 +74,14 @@ class LinkPool:
         self.stopping = stopping
         self.spawn = spawn
         self.on_sent = on_sent
+        #: dials a ``punch://`` address (:meth:`peer.node.punching.Puncher.connect`); None
+        #: for a node that does not punch
+        self.punch: Callable[[str, str | None], Awaitable[PeerLink]] | None = None
         self.by_peer: dict[str, PeerLink] = {}
         self.all: set[PeerLink] = set()
         self.failed_at: dict[str, float] = {}
         self._dialing: dict[str, asyncio.Future[PeerLink]] = {}
+        self._retired: set[PeerLink] = set()  # retired by the other side, closing
         self._lost_warned: set[str] = set()
         self._handshaking = 0  # inbound connections in their handshake
         self._handshaking_from: dict[str, int] = {}  # ... by source (source_of)
@@ -88,6 +95,15 @@ class LinkPool:
 
     def open_links(self) -> list[PeerLink]:
         return [link for link in self.by_peer.values() if not link.closed]
+
+    @property
+    def dialing(self) -> frozenset[str]:
+        """The peers a dial is under way to."""
+        return frozenset(self._dialing)
+
+    def open_links_to(self, peer_id: str) -> list[PeerLink]:
+        """Every open link to ``peer_id``, the one in use and any on their way out."""
+        return [link for link in self.all if link.peer_id == peer_id and not link.closed]
 
     # reaching a peer -------------------------------------------------------------------------
 
@@ -124,6 +140,9 @@ class LinkPool:
                 except (TransportError, ProtocolError, AuthenticationError) as exc:
                     errors.append(f"{address}: {exc}")
                     continue
+                in_use = self.by_peer.get(link.peer_id)
+                if in_use is not None and not in_use.closed:
+                    link = in_use  # a direct link came meanwhile (see _adopt)
                 if not result.done():
                     result.set_result(link)
                 return
@@ -142,15 +161,32 @@ class LinkPool:
                 del self._dialing[peer_id]
 
     async def connect(self, address: str, expected_peer_id: str | None) -> PeerLink:
-        """Dial ``address`` and shake hands (with ``expected_peer_id`` if known): a new link."""
+        """Dial ``address`` and shake hands (with ``expected_peer_id`` if known): a new link.
+        A ``punch://`` address goes to :attr:`punch` (a node that punches through NATs)."""
+        if is_punch_address(address):
+            if self.punch is None:
+                raise TransportError(f"{address}: this node does not punch through NATs")
+            return await self.punch(address, expected_peer_id)
         conn = await self.transport.connect(address, timeout=self.config.request_timeout)
+        return await self.adopt(conn, expected_peer_id, inbound=False)
+
+    async def adopt(
+        self, conn: Connection, expected_peer_id: str | None, *, inbound: bool
+    ) -> PeerLink:
+        """Shake hands over ``conn``, a connection this node opened or chose to take (a
+        punched one), and keep the link; the connection is closed if the handshake fails."""
         try:
             remote, conn = await self._handshake(conn, expected_peer_id)
         except BaseException:
             with contextlib.suppress(Exception):
                 await conn.close("handshake failed")
             raise
-        return self._adopt(conn, remote, inbound=False)
+        return self._adopt(conn, remote, inbound=inbound)
+
+    async def serve(self, link: PeerLink) -> None:
+        """Wait until ``link`` closes (what a handler serving an adopted link returns on)."""
+        with contextlib.suppress(asyncio.CancelledError):
+            await link._reader
 
     async def _handshake(
         self, conn: Connection, expected_peer_id: str | None
@@ -247,7 +283,14 @@ class LinkPool:
             on_sent=self.on_sent,
         )
         self.all.add(link)
-        self.by_peer[remote.peer_id] = link
+        in_use = self.by_peer.get(remote.peer_id)
+        if in_use is not None and not in_use.closed and via_relay(link) and not via_relay(in_use):
+            # a direct link to the peer stands: it stays in use and this one is retired (a
+            # relay carries only the pairs that cannot link directly)
+            self.all.discard(link)
+            self.spawn(self._retire(link), "retire")
+        else:
+            self.by_peer[remote.peer_id] = link
         self.trust.learn_certificate(remote)
         revocations = self.trust.revocations
         if revocations is not None and revocations.current is not None:
@@ -305,34 +348,60 @@ class LinkPool:
                 del self.by_peer[link.peer_id]
             self.spawn(self._retire(link), "retire")
 
+    def retire(self, link: PeerLink) -> None:
+        """Close ``link``, which another link to its peer replaced, without losing what
+        crosses it (:meth:`_retire`)."""
+        if link not in self.all:
+            return
+        self.all.discard(link)
+        if self.by_peer.get(link.peer_id) is link:
+            del self.by_peer[link.peer_id]
+        self.spawn(self._retire(link), "retire")
+
     async def _retire(self, link: PeerLink) -> None:
-        """Close a link this node no longer needs without losing what is crossing it: the
-        other side is told, stops sending on it and closes it once its requests on it are
-        answered; until then this side still reads and serves it (a one-way message sent
-        just before the notice arrived there is still handled). Closed after
-        ``request_timeout`` if the other side does not."""
+        """Close a link this node no longer needs without losing what is crossing it, as
+        both sides agree: this side asks (the notice goes out after its own sends under
+        way, whole); the other stops sending on it and closes it once its requests on it
+        are answered and its own sends under way are through. Only that side can tell (a
+        frame partly in is invisible here), so this side waits for its close, reading and
+        serving the link meanwhile, and closes it itself only after
+        :data:`RETIRE_WAIT` (a peer that never closes) or once its own sends are through."""
         try:
             with contextlib.suppress(SwarmgradError):
                 await link.send(Frame(LINK_RETIRE))
-            await link.wait_closed(self.config.request_timeout)
+            await link.wait_closed(max(RETIRE_WAIT, self.config.request_timeout))
         finally:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RETIRE_WAIT):
+                    await link.sends_through()
             await link.close(IDLE_CLOSE)
 
     async def on_retire(self, link: PeerLink, frame: Frame) -> None:
-        """The handler of :data:`LINK_RETIRE`: the other side retires ``link``."""
+        """The handler of :data:`LINK_RETIRE`: the other side retires ``link``. Once per
+        link: a repeated notice (a flood of them) starts no second close."""
+        if link in self._retired:
+            return
         if self.by_peer.get(link.peer_id) is link:
             del self.by_peer[link.peer_id]  # what this node sends next goes over a new link
         self.all.discard(link)
+        self._retired.add(link)
         self.spawn(self._close_retired(link), "retired")
 
     async def _close_retired(self, link: PeerLink) -> None:
+        """Close a link the other side retires once this side's requests on it are
+        answered (up to ``request_timeout``) and its sends under way on it are through (up
+        to :data:`RETIRE_WAIT`): the other side waits for this close, so nothing this side
+        sent is cut."""
         try:
-            async with asyncio.timeout(self.config.request_timeout):
-                await link.drained()
-        except TimeoutError:
-            pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.request_timeout):
+                    await link.drained()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(RETIRE_WAIT):
+                    await link.sends_through()
         finally:
             await link.close(IDLE_CLOSE)
+            self._retired.discard(link)
 
     async def close(self) -> None:
         """Cancel the dials under way and close every link (the node is shutting down)."""
@@ -344,3 +413,8 @@ class LinkPool:
         )
         self.by_peer.clear()
         self.all.clear()
+
+
+def via_relay(link: PeerLink) -> bool:
+    """Whether ``link`` goes through a relay (its connection's address is a relay's)."""
+    return link.conn.remote_address.startswith("relay://")

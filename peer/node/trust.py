@@ -14,16 +14,15 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Coroutine, Iterable
-from typing import Any
 
 from peer.exceptions import AuthenticationError, ProtocolError, SwarmgradError
-from peer.identity import Authenticator, CertificateAuth, Identity
+from peer.formats.identity import Authenticator, Certificate, CertificateAuth, Identity
+from peer.formats.revocation import MAX_LIST_BYTES, RevocationBook
 from peer.node.certificates import CertificateBook
 from peer.node.gossip import (
     GossipStore,
 )
 from peer.node.links import Handler, PeerLink, RemotePeer
-from peer.revocation import MAX_LIST_BYTES, RevocationBook
 from peer.wire import Frame, Scalar, Schema
 
 logger = logging.getLogger("peer.node")
@@ -59,7 +58,7 @@ class Trust:
         identity: Identity,
         store: GossipStore,
         now: Callable[[], float],
-        spawn: Callable[[Coroutine[Any, Any, Any], str], Any],
+        spawn: Callable[[Coroutine[object, object, object], str], object],
         links: Callable[[], Iterable[PeerLink]],
         running: Callable[[], bool],
         register: Callable[[str, Schema, Handler], None],
@@ -189,11 +188,29 @@ class Trust:
 
     def certified_volunteer(self, peer_id: str) -> str | None:
         """The volunteer (person) ``peer_id``'s certificate names (certificate mode, once
-        this node has seen that certificate); None otherwise. Several keys of one person
-        name the same volunteer."""
+        this node has seen that certificate, or this node's own); None otherwise. Several
+        keys of one person name the same volunteer."""
         if self.certificates is None:
             return None
-        return self.certificates.volunteer(peer_id)
+        own = self._own_certificate(peer_id)
+        return own.volunteer if own is not None else self.certificates.volunteer(peer_id)
+
+    def certified_invite(self, peer_id: str) -> str | None:
+        """The invite that admitted ``peer_id``'s volunteer, as its certificate names it
+        (certificate mode, once this node has seen that certificate, or this node's own);
+        None otherwise."""
+        if self.certificates is None:
+            return None
+        own = self._own_certificate(peer_id)
+        return own.invite if own is not None else self.certificates.invite(peer_id)
+
+    def _own_certificate(self, peer_id: str) -> Certificate | None:
+        if peer_id != self.identity.peer_id or not isinstance(self.auth, CertificateAuth):
+            return None
+        try:
+            return Certificate.from_bytes(self.auth.certificate)
+        except (ValueError, TypeError):
+            return None
 
     def banned(self, public_key: bytes) -> bool:
         book = self.revocations
@@ -210,7 +227,7 @@ class Trust:
         the list is passed on to every other linked peer. Returns whether it was news (an
         older or known list changes nothing). :class:`AuthenticationError` for a list the
         run's authority did not sign; ``ValueError`` when this node cannot check one (it
-        is not in certificate mode with a :class:`~peer.identity.CertificateVerifier`)."""
+        is not in certificate mode with a :class:`~peer.formats.identity.CertificateVerifier`)."""
         if self.revocations is None:
             raise ValueError(
                 "this node cannot check a revocation list: it is not in certificate mode "

@@ -1,49 +1,31 @@
 """Catching up with the swarm: one policy for every optimizer that counts swarm epochs.
 
 A peer behind the swarm's epoch — a newcomer, or one that fell behind (a slow state
-download, a laptop lid, a partition healed) — brings itself to the swarm's epoch here. The
-policy, the same for :class:`peer.Optimizer`, :class:`peer.optim.DecentralizedOptimizer`
-and DiLoCo:
-
-* **settle first**: background work of the optimizer's is stopped and applied (the state
-  replaces it; :attr:`CatchUpHost.settle`);
-* **from whom**: the donor with the newest state, never one past the swarm's epoch (as it
-  stands now, pulled fresh) by more than the epoch it is finishing: donors declare their
-  state's epoch as their ``state_sharing_priority``, so newer states come first and a
-  donor claiming an epoch nobody reports is not asked, and a state whose epoch says more
-  is dropped;
-* **how to apply it**: a state older than this peer's is ignored; otherwise the optimizer
-  loads it and moves to its epoch (:attr:`CatchUpHost.adopt`; ``ValueError``: it did
-  not fit, and is ignored);
-* **when to stop**: once this peer is at the swarm's epoch (as it stood when catching up
-  began, or lower if the swarm's reports went away meanwhile); at once when only
-  client-mode peers (nobody can dial them, so they serve no state) are ahead — then it
-  moves to their epoch with its own state (:attr:`CatchUpHost.move_to`); when no
-  donor has offered a state newer than this peer's for a declaration period, the claims
-  ahead are backed by nothing and are discounted (:mod:`peer.optim.claims`);
-* **when nothing came in time** (:class:`CatchUpPolicy`): a collaborative peer retries
-  with backoff within its window, then discounts the claims ahead and goes on at its own
-  epoch (its gradient rounds need the others' parameters, not just their epoch); a
-  decentralized peer tries once per call and, if a newer state was offered, moves to the
-  swarm's epoch with its own state (background averaging pulls it towards the others).
+download, a laptop lid, a partition healed) — brings itself to the swarm's epoch with
+:class:`CatchUp`, the same for :class:`peer.Optimizer`,
+:class:`peer.optim.DecentralizedOptimizer` and DiLoCo. The optimizer says what catching up
+needs of it with a :class:`CatchUpHost` and how long to try with a :class:`CatchUpPolicy`;
+:meth:`CatchUp.run` downloads the newest state and adopts it (the policy, step by step, is
+:class:`CatchUp`'s docstring).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from peer.optim.claims import StateOffers, claims_ahead, discount_claims_ahead
+from peer.optim.optimizer_state import StateSharingAverager
 from peer.optim.progress import ProgressReport, ProgressTracker
 from peer.optim.seam import SwarmNode
-from peer.optim.state import StateSharingAverager
 
 __all__ = ["CatchUp", "CatchUpHost", "CatchUpPolicy"]
 
@@ -96,26 +78,68 @@ class CatchUpHost:
     * ``report()`` — this peer's progress report as it stands;
     * ``adopt(epoch, metadata, tensors)`` — load a downloaded state and move to its epoch
       (not older than this peer's); ``ValueError`` if it does not fit (nothing changed);
-    * ``move_to(epoch)`` — move to the swarm's ``epoch`` keeping this peer's own state.
+    * ``move_to(epoch)`` — move to the swarm's ``epoch`` keeping this peer's own state;
+    * ``holds_state()`` — whether this peer holds a state of its own worth keeping (it took
+      part in the run: a sync, an epoch, a state loaded); such a peer replaces it only with
+      a newer state another volunteer confirms. Default: never (a newcomer every time);
+    * ``round_mates(epoch)`` — the peers that began the round ending ``epoch`` with this
+      peer (its last try), when this peer did not finish it: their state of the next epoch
+      is that round's result, an extension of this peer's own, and needs no other witness
+      (unless two others agree on another state). Default: none.
     """
 
     local_epoch: Callable[[], int]
     settle: Callable[[], object]
     report: Callable[[], ProgressReport]
-    adopt: Callable[[int, Any, Sequence[torch.Tensor]], None]
+    adopt: Callable[[int, object, Sequence[torch.Tensor]], None]
     move_to: Callable[[int], None]
+    holds_state: Callable[[], bool] = lambda: False
+    round_mates: Callable[[int], frozenset[str]] = lambda epoch: frozenset()
 
 
-def _epoch_beyond(metadata: Any, *, limit: int) -> str | None:
-    """Why a downloaded state's epoch cannot be believed, or None."""
+def _epoch_refused(metadata: object, *, limit: int, floor: int | None) -> str | None:
+    """Why a downloaded state's epoch cannot be used, or None: past ``limit``, or (for a
+    peer that holds a state of its own) under ``floor``."""
     epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
     if isinstance(epoch, int) and epoch > limit:
         return f"its epoch {epoch} is past the swarm's {limit - 1} by more than one"
+    if floor is not None and (
+        not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < floor
+    ):
+        return f"its epoch {epoch!r} is not newer than this peer's {floor - 1}"
     return None
 
 
 class CatchUp:
-    """Brings ``host`` to the swarm's epoch (see the module docstring); one per optimizer.
+    """Brings ``host`` to the swarm's epoch; one per optimizer. The policy:
+
+    * **settle first**: background work of the optimizer's is stopped and applied (the state
+      replaces it; :attr:`CatchUpHost.settle`);
+    * **from whom**: the donor with the newest state, never one past the swarm's epoch (as it
+      stands now, pulled fresh) by more than the epoch it is finishing: donors declare their
+      state's epoch as their ``state_sharing_priority``, so newer states come first and a
+      donor claiming an epoch nobody reports is not asked, and a state whose epoch says more
+      is dropped;
+    * **whom to believe**: a peer that holds a state of its own (:attr:`CatchUpHost.holds_state`:
+      it took part in the run) replaces it only with a newer one that another volunteer
+      confirms (:mod:`peer.averaging.witnesses`); a newcomer takes a single donor's state unless
+      other volunteers outvote it. A donor whose state was dropped is not downloaded from again
+      at that priority (outvoted: not at all), and its claims ahead are discounted at once, so
+      one volunteer's claim costs this peer at most one download and resets nothing;
+    * **how to apply it**: a state older than this peer's is ignored (for a peer that holds
+      one, a state not newer than its own); otherwise the optimizer loads it and moves to its
+      epoch (:attr:`CatchUpHost.adopt`; ``ValueError``: it did not fit, and is ignored);
+    * **when to stop**: once this peer is at the swarm's epoch (as it stood when catching up
+      began, or lower if the swarm's reports went away meanwhile); at once when only
+      client-mode peers (nobody can dial them, so they serve no state) are ahead — then it
+      moves to their epoch with its own state (:attr:`CatchUpHost.move_to`); when no
+      donor has offered a state newer than this peer's for a declaration period, the claims
+      ahead are backed by nothing and are discounted (:mod:`peer.optim.claims`);
+    * **when nothing came in time** (:class:`CatchUpPolicy`): a collaborative peer retries
+      with backoff within its window, then discounts the claims ahead and goes on at its own
+      epoch (its gradient rounds need the others' parameters, not just their epoch); a
+      decentralized peer tries once per call and, if a newer state was offered, moves to the
+      swarm's epoch with its own state (background averaging pulls it towards the others).
 
     ``node``, ``tracker`` and ``averager`` are the optimizer's: the swarm's reports, and the
     averager that downloads state (its donors' declarations are its ``prefix``'s).
@@ -163,13 +187,22 @@ class CatchUp:
         while True:
             # no honest donor is past the swarm's epoch by more than the epoch it is finishing
             limit = self.swarm_epoch() + 1
+            holding = self.host.holds_state()
+            # a peer's own state is replaced by a newer one only: one at its own epoch would
+            # reset its progress for nothing
+            local = self.host.local_epoch()
+            floor = local + 1 if holding else None
             found = self.averager.load_state_from_peers(
                 timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
                 max_priority=limit,
-                check=functools.partial(_epoch_beyond, limit=limit),
+                min_priority=-math.inf if floor is None else floor,
+                check=functools.partial(_epoch_refused, limit=limit, floor=floor),
+                holding=holding,
+                partners=self.host.round_mates(local) if holding else frozenset(),
             )
             if isinstance(found, tuple) and self._adopt(*found):
                 loaded = True
+            self._discount_refused()
             if not chase:
                 return loaded
             # never chase a swarm that moves on meanwhile; but stop waiting for an epoch
@@ -207,6 +240,25 @@ class CatchUp:
                 return loaded
             backoff = min(2 * backoff, MAX_BACKOFF_S)
 
+    def _discount_refused(self) -> None:
+        """Discount the claims ahead of donors whose states this peer dropped: what they
+        claim is backed by nothing this peer can use, and must not send it back to them."""
+        refused = self.averager.refused_state_donors()
+        if not refused:
+            return
+        local = self.host.local_epoch()
+        for report in claims_ahead(self.tracker, local):
+            if report.peer_id in refused:
+                logger.warning(
+                    "peer %s reports epoch %d, but this peer dropped its state: its reports "
+                    "past epoch %d are ignored for %g s",
+                    report.peer_id,
+                    report.epoch,
+                    local,
+                    self.policy.discount_s,
+                )
+                self.tracker.discount(report.peer_id, local + 1, self.policy.discount_s)
+
     def _no_state_in_time(self, target: int, window: float | None, *, offered: bool) -> None:
         local = self.host.local_epoch()
         if self.policy.on_timeout == "discount":
@@ -229,7 +281,7 @@ class CatchUp:
         # else: a donor could serve, yet none offers a newer state; once none has for a
         # declaration period, the claims ahead are discounted (a later call)
 
-    def _adopt(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> bool:
+    def _adopt(self, metadata: object, tensors: Sequence[torch.Tensor]) -> bool:
         """Adopt a downloaded ``(metadata, tensors)`` unless it is older than this peer's."""
         epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < self.host.local_epoch():

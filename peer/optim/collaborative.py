@@ -1,62 +1,18 @@
 """``peer.Optimizer``: collaborative training with a global batch size.
 
 Peers accumulate gradients, weighted by the samples they processed, until the swarm together
-has processed ``target_batch_size`` samples; then they average the accumulated gradients in
-groups (weight = samples, so the result is the gradient of the mean loss over every sample
-the swarm saw) and each takes the same optimizer step. That is one epoch. With exact
-(uncompressed) averaging in one group, every peer ends each epoch with the parameters that
-one process would have after a step on the concatenated batches.
+has processed ``target_batch_size`` samples (counted through :mod:`peer.optim.progress`);
+then they average the accumulated gradients in groups (weight = samples: the result is the
+gradient of the mean loss over every sample the swarm saw) and each takes the same optimizer
+step. That is one epoch. With exact averaging in one group, every peer ends each epoch with
+the parameters one process would have after a step on the concatenated batches.
 
-Progress is shared through gossip with :mod:`peer.optim.progress`, counting samples: the
-swarm's epoch is ready when the samples reported at it reach ``target_batch_size``.
-
-The pieces, one idea each: :mod:`peer.optim.options` resolves and checks the options;
-:mod:`peer.optim.epochs` plans the phases that end an epoch (pure);
-:mod:`peer.optim.live_state` holds the tensors the wrapped optimizer steps and its state;
-:mod:`peer.optim.state` serves that state to newcomers; :mod:`peer.optim.catchup` brings a
-peer that is behind to the swarm's epoch; :mod:`peer.optim.accumulation` sums gradients
-between rounds; :mod:`peer.optim.rounds` runs one round and calls it off when nobody can
-join; :mod:`peer.optim.pending` holds the background epoch. This module runs them.
-
-Rules that keep the swarm moving:
-
-* a peer whose ``local_epoch`` is behind the swarm's loads state (parameters, optimizer
-  state, epoch) from a peer instead of stepping; a newcomer does so on start — the newest
-  state, retried within ``load_state_timeout`` (:mod:`peer.optim.catchup`);
-* a peer that has nothing accumulated when the swarm is ready joins the round with weight 0
-  (it receives the average and steps in sync) rather than stalling the others;
-* the gradient round's group key carries the epoch, so peers at different epochs never
-  average together; a new epoch is announced only once the epoch's rounds have ended (in
-  the background too), so a peer slow to notice the target still finds the others there;
-* if the gradient round fails (a peer died mid-round, a timeout), the peer logs it and steps
-  with the gradients it has — the round's partial average or its own — and periodic state
-  averaging (``average_state_every`` epochs) pulls diverged parameters back together;
-* a lone peer skips the rounds, and a round nobody can join any more is called off: the
-  peer left behind loads the others' state at its next step rather than step alone
-  (:mod:`peer.optim.rounds`).
-
-Each epoch runs three phases (:class:`peer.optim.epochs.Phase`): the gradient round, the
-optimizer step (with the scheduler step), the state round (every ``average_state_every``
-epochs). ``delay_grad_averaging``,
-``delay_optimizer_step`` and ``delay_state_averaging`` move a phase — and so every phase
-after it — to one background thread, and ``step()`` returns at once; the next epoch's
-gradients accumulate meanwhile (in a second host-memory buffer when the gradient round is
-delayed). A finished background epoch is applied to the model at the start of the next
-``step()`` call; :meth:`Optimizer.wait_for_pending` waits for it and applies it (e.g. after
-the last step, before evaluating or saving).
-
-Delayed results are **one step stale** by design (delayed parameter updates,
-arXiv:2101.06840): the gradients of epoch ``k`` are computed on parameters that do not yet
-include the update of epoch ``k - 1``. In a loop that computes one batch per epoch, that is
-exactly ``θ[k+1] = step(θ[k], ∇L_k(θ[k-1]))`` with ``θ[-1] = θ[0]``.
-
-Locking: the model's parameters are read by forward and backward passes in the training
-thread, so only the training thread writes them (copying the optimizer's parameters in at a
-``step()`` call). A delayed optimizer step therefore needs ``offload_optimizer``: the wrapped
-optimizer steps host-memory copies of the parameters, each with its own ``.grad``. Those
-copies and the optimizer state — the *live state* — are written and read under one lock,
-the state averager's (``state_averager.get_tensors()``), which also guards the snapshot
-served to newcomers, so nobody reads them half-updated.
+This module runs the pieces, one idea each: the options (:mod:`~peer.optim.options`), the
+phases that end an epoch (:mod:`~peer.optim.epochs`, :mod:`~peer.optim.phases`,
+:mod:`~peer.optim.rounds`), the gradients between rounds (:mod:`~peer.optim.accumulation`),
+the live state averaged and served to newcomers (:mod:`~peer.optim.live_state`,
+:mod:`~peer.optim.optimizer_state`), catching up (:mod:`~peer.optim.live_catchup`) and the background
+epoch (:mod:`~peer.optim.pending`). See :class:`Optimizer` for the loop and the options.
 """
 
 from __future__ import annotations
@@ -64,35 +20,41 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import TypeVar, cast
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.robust import check_aggregator
 from peer.compression import Compression, NoCompression
+from peer.formats.open_types import StateDict
 from peer.optim.accumulation import GradientAccumulator
-from peer.optim.catchup import CatchUp, CatchUpHost, CatchUpPolicy
+from peer.optim.averager_options import SharedAveragerOptions
+from peer.optim.buffers import ModelBuffers
 from peer.optim.epochs import EpochRun, plan_epoch
+from peer.optim.live_catchup import LiveCatchUp
 from peer.optim.live_state import LiveState, OptimizerFactory
+from peer.optim.optimizer_state import SharedLiveState
 from peer.optim.options import resolve_options
 from peer.optim.pending import Pending
 from peer.optim.phases import EpochPhases
-from peer.optim.progress import PerformanceEMA, ProgressReport, ProgressTracker, SwarmProgress
+from peer.optim.progress import PerformanceEMA, ProgressTracker
 from peer.optim.rounds import RoundRunner
+from peer.optim.scheduler import Scheduler, SchedulerFactory
 from peer.optim.seam import SwarmNode
-from peer.optim.state import SharedLiveState
 
 logger = logging.getLogger("peer.optim.collaborative")
 
 __all__ = ["Optimizer"]
 
+#: what a closure given to :meth:`Optimizer.step` returns (the loss)
+LossT = TypeVar("LossT")
 
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
-
-class Optimizer:
+class Optimizer(LiveCatchUp[EpochRun]):
     """Collaborative optimizer with a global batch size (see the module docstring).
 
     Typical loop::
@@ -128,6 +90,10 @@ class Optimizer:
       never call ``zero_grad``). ``use_local_updates`` — step on every call with local
       gradients; average parameters and optimizer state every epoch.
 
+    ``buffers`` — the model's buffers to share (``peer.optim.model_buffers(model)``; none by
+    default): each state round averages their values with the parameters (integer ones
+    rounded back, see :mod:`peer.optim.buffers`), and newcomers download them with the state.
+
     Against bad peers in open runs (not in hivemind; see ``docs/averaging.md``):
 
     * ``aggregator`` — ``"mean"`` (default), ``"trimmed_mean"`` or ``"centered_clip"``: how
@@ -137,6 +103,28 @@ class Optimizer:
 
     Combinations that cannot work raise ``ValueError`` naming the reason (see
     :func:`resolve_options`). Call :meth:`shutdown` when done (the node is not shut down).
+
+    How the swarm keeps moving: a peer whose ``local_epoch`` is behind the swarm's loads the
+    state (parameters, optimizer state, epoch) instead of stepping, and a newcomer does so
+    on start (:mod:`peer.optim.catchup`); a peer with nothing accumulated when the swarm is
+    ready joins the round with weight 0; the gradient round's group key carries the epoch,
+    and a new epoch is announced only once the epoch's rounds ended, so a slow peer still
+    finds the others there; a failed round leaves each peer stepping with what it has (the
+    partial average or its own), and state rounds (every ``average_state_every`` epochs)
+    pull diverged parameters back together; a lone peer skips the rounds, and one left
+    behind in a round nobody can join loads the others' state (:mod:`peer.optim.rounds`).
+
+    An epoch runs three phases: the gradient round, the optimizer step (with the scheduler
+    step), the state round. A ``delay_*`` option moves a phase, and every phase after it, to
+    a background thread; ``step()`` returns at once and the next epoch accumulates
+    meanwhile. The finished epoch is applied at the start of a later ``step()``, or by
+    :meth:`wait_for_pending`. Delayed results are one step stale by design (delayed
+    parameter updates, arXiv:2101.06840): ``θ[k+1] = step(θ[k], ∇L_k(θ[k-1]))``.
+
+    Locking: only the training thread writes the model's parameters (forward and backward
+    passes read them), so a delayed optimizer step needs ``offload_optimizer``. The
+    offloaded parameters and the optimizer state (the *live state*) are read and written
+    under the state averager's lock, which also guards the snapshot served to newcomers.
     """
 
     def __init__(
@@ -147,8 +135,9 @@ class Optimizer:
         target_batch_size: int,
         batch_size_per_step: int | None = None,
         optimizer: torch.optim.Optimizer | OptimizerFactory,
-        params: Iterable[Any] | None = None,
-        scheduler: Any | SchedulerFactory | None = None,
+        params: ParamsT | None = None,
+        buffers: Iterable[torch.Tensor] | None = None,
+        scheduler: Scheduler | SchedulerFactory | None = None,
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 30.0,
         load_state_timeout: float = 600.0,
@@ -165,7 +154,7 @@ class Optimizer:
         auxiliary: bool = False,
         aggregator: str = "mean",
         relative_weight_bound: float | None = None,
-        averager_opts: Mapping[str, Any] | None = None,
+        averager_opts: SharedAveragerOptions | None = None,
         verbose: bool = False,
     ) -> None:
         if not run_id or not isinstance(run_id, str):
@@ -194,18 +183,23 @@ class Optimizer:
             client_mode = bool(node.client_mode)
         if auxiliary and client_mode:
             raise ValueError("an auxiliary peer reduces for others, so it cannot be in client mode")
-        self.live = LiveState(optimizer, params, offload=self.options.offload_optimizer)
+        self.live = LiveState(
+            optimizer,
+            params,
+            offload=self.options.offload_optimizer,
+            buffers=ModelBuffers(buffers),
+        )
         self.opt, self.params = self.live.opt, self.live.model_params
         if any(p.device.type != "cpu" for p in self.params) and not self.options.offload_optimizer:
             raise ValueError(
                 "parameters off the CPU need offload_optimizer=True (averaging runs on host memory)"
             )
         # A scheduler instance has step(); anything else callable is a factory of one.
-        self.scheduler: Any = (
-            scheduler(self.opt)
-            if callable(scheduler) and not hasattr(scheduler, "step")
-            else scheduler
-        )
+        self.scheduler: Scheduler | None
+        if callable(scheduler) and not hasattr(scheduler, "step"):
+            self.scheduler = scheduler(self.opt)
+        else:
+            self.scheduler = cast(Scheduler | None, scheduler)  # (it has step(), or is None)
         self.node = node
         self.run_id = run_id
         self.target_batch_size = target_batch_size
@@ -225,7 +219,7 @@ class Optimizer:
         # the gradient averager's tensors (host memory) and the accumulators
         self.grads = GradientAccumulator(self.params, self.options, batch_size_per_step)
 
-        opts = dict(averager_opts or {})
+        opts: SharedAveragerOptions = {**(averager_opts or {})}
         opts.setdefault("aggregator", check_aggregator(aggregator))
         opts.setdefault("relative_weight_bound", relative_weight_bound)
         opts.setdefault("min_matchmaking_time", matchmaking_time)
@@ -281,57 +275,12 @@ class Optimizer:
             epoch_in_group_bits=epoch_in_group_bits,
             verbose=verbose,
         )
-        self.catch_up = CatchUp(
-            CatchUpHost(
-                local_epoch=lambda: self.local_epoch,
-                settle=lambda: self._settle_pending(cancel=True),
-                report=self._local_report,
-                adopt=self._adopt_state,
-                move_to=self._move_to_epoch,
-            ),
-            node=node,
-            tracker=self.tracker,
-            averager=self.state_averager,
-            # the gradient rounds need the swarm's parameters, not just its epoch: retry
-            # within load_state_timeout, then go on at this peer's own epoch
-            policy=CatchUpPolicy(
-                timeout=load_state_timeout,
-                retry=True,
-                on_timeout="discount",
-                discount_s=load_state_timeout,
-            ),
-            closing=self._closing,
-        )
+        self._wire_catch_up(load_state_timeout)
         self._report()
         if not auxiliary:
             self.load_state_from_peers()
 
     # ------------------------------------------------------------- catching up
-
-    def load_state_from_peers(self) -> bool:
-        """Download parameters, optimizer state and epoch from the peer with the newest state;
-        True if a state was loaded. A background epoch still in progress is abandoned first
-        (the state replaces it). While this peer is still behind the swarm's epoch as it
-        stood when the download began, the download is retried with backoff for
-        ``load_state_timeout`` seconds in all: a newcomer joining a running swarm starts from
-        the swarm's state, not from scratch. The policy — from whom, when to give up, what
-        then — is :mod:`peer.optim.catchup`'s."""
-        return self.catch_up.run()
-
-    def _adopt_state(self, epoch: int, metadata: Any, tensors: Sequence[torch.Tensor]) -> None:
-        """A downloaded state, at ``epoch``, replaces this peer's (``ValueError``: it does not
-        fit, nothing changed)."""
-        with self.shared.lock():
-            self.live.load(tensors)
-            self.shared.move_to(epoch, self._step_scheduler)
-        self._start_epoch_at(epoch)
-
-    def _move_to_epoch(self, epoch: int) -> None:
-        """Move to the swarm's ``epoch`` keeping this peer's parameters (nobody can give
-        theirs); what was accumulated for an older epoch is dropped, as after a download."""
-        with self.shared.lock():
-            self.shared.move_to(epoch, self._step_scheduler)
-        self._start_epoch_at(epoch)
 
     def _step_scheduler(self) -> None:
         """One swarm epoch passed: the scheduler (if any) steps once."""
@@ -339,21 +288,12 @@ class Optimizer:
             self.scheduler.step()
 
     def _start_epoch_at(self, epoch: int) -> None:
+        """What was accumulated for an older epoch is dropped."""
         self.grads.reset()
         self.local_epoch = epoch
         self._report()
 
     # ----------------------------------------------------------------------- API
-
-    @property
-    def global_progress(self) -> SwarmProgress:
-        """The swarm's progress towards the next epoch, in samples."""
-        return self.tracker.progress(self._local_report())
-
-    @property
-    def pending_update(self) -> bool:
-        """True while a background epoch (round, optimizer step) has not been applied yet."""
-        return self._pending.run is not None
 
     # outcomes of the gradient and state rounds, for progress reports
     @property
@@ -374,13 +314,13 @@ class Optimizer:
         return self.rounds.last_failure
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[StateDict]:
         """The wrapped optimizer's parameter groups (learning rates and the like; with
         ``offload_optimizer`` their tensors are the host-memory copies)."""
         return self.opt.param_groups
 
     @property
-    def state(self) -> Any:
+    def state(self) -> defaultdict[torch.Tensor, StateDict]:
         """The wrapped optimizer's per-parameter state."""
         return self.opt.state
 
@@ -401,10 +341,10 @@ class Optimizer:
 
     def step(
         self,
-        closure: Callable[[], Any] | None = None,
+        closure: Callable[[], LossT] | None = None,
         batch_size: int | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
-    ) -> Any:
+    ) -> LossT | None:
         """Account for this call's gradients; when the swarm has processed
         ``target_batch_size`` samples, average and take one optimizer step.
 
@@ -483,27 +423,12 @@ class Optimizer:
         ):
             self._settle_pending()
 
-    def _local_report(self) -> ProgressReport:
+    def _progress(self) -> tuple[int, int, int]:
         pending = self._pending.run
         if pending is not None and pending.plan.holds_announcement:
             # the epoch's rounds still run: keep inviting slower peers into them
-            epoch, samples = pending.plan.epoch, pending.plan.samples
-        else:
-            epoch, samples = self.local_epoch, self.grads.samples
-        return ProgressReport(
-            self.node.peer_id,
-            epoch,
-            samples,
-            self.grads.samples_total,
-            self.node.get_time(),
-            self.performance.samples_per_second,
-            self.client_mode,
-        )
-
-    def _report(self, new_samples: int = 0) -> None:
-        if new_samples:
-            self.performance.update(new_samples)
-        self.tracker.report(self._local_report())
+            return pending.plan.epoch, pending.plan.samples, self.grads.samples_total
+        return self.local_epoch, self.grads.samples, self.grads.samples_total
 
     def _local_step(self) -> None:
         """use_local_updates: step with this call's gradients."""
@@ -530,6 +455,8 @@ class Optimizer:
             auxiliary=self.auxiliary,
         )
         run = EpochRun(plan)
+        with self.shared.lock():
+            self.live.buffers.read()  # the state round averages the buffers' values now
         if not self.use_local_updates:
             with self.grad_averager.get_tensors() as grads:
                 self.grads.load_round(grads, float(self.grads.samples))
@@ -549,12 +476,6 @@ class Optimizer:
         # averaging, and leave the others waiting for it.
         self._report()
 
-    def _settle_pending(self, *, cancel: bool = False, timeout: float | None = None) -> bool:
-        """Wait for the background epoch and apply what it finished (with ``cancel``, it
-        stops at the next phase and a round in matchmaking is called off). False if it is
-        still running after ``timeout``."""
-        return self._pending.settle(self._land, cancel=cancel, timeout=timeout)
-
     def _land(self, run: EpochRun) -> None:
         self.phases.apply(run)  # even a cancelled one: its optimizer step may have run
         if run.plan.holds_announcement:
@@ -565,14 +486,7 @@ class Optimizer:
         signal handler's). The step running it goes on as after a failed round."""
         self._pending.interrupt()
 
-    def wait_for_pending(self, timeout: float | None = None) -> bool:
-        """Wait until background work (a delayed round or optimizer step) has finished, and
-        apply its result to the model's parameters — e.g. after the last ``step()``, before
-        evaluating or saving. Returns False if it still runs after ``timeout`` seconds.
-        Without ``delay_*`` options there is never anything pending."""
-        return self._settle_pending(timeout=timeout)
-
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Optimizer, scheduler and epoch; waits for pending background work first, so the
         state is the newest."""
         self.wait_for_pending()
@@ -582,7 +496,17 @@ class Optimizer:
             "local_epoch": self.local_epoch,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def synchronised_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` on the CPU with the buffers given to this optimizer at
+        their shared values (those of the last state round, integer ones rounded): the
+        model the swarm agrees on, to checkpoint or evaluate, as ``peer.DiLoCo``'s method
+        of the same name. Parameters are the model's own, the swarm's between epochs
+        (unless ``use_local_updates``). Training thread."""
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        self._with_shared_buffers(model, state)
+        return state
+
+    def load_state_dict(self, state: StateDict) -> None:
         self._settle_pending(cancel=True)
         with self.shared.lock():
             self.opt.load_state_dict(state["optimizer"])
@@ -593,24 +517,5 @@ class Optimizer:
             self.shared.set_epoch(self.local_epoch)
         self._report()
 
-    def shutdown(self) -> None:
-        """Stop background work at once (a round in flight is cancelled, a pending update is
-        dropped: call :meth:`wait_for_pending` first to keep it), then both averagers; the
-        progress report is retracted. The node is not shut down. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._closing.set()
-        self._pending.call_off()
-        self.tracker.shutdown()
-        self.grad_averager.shutdown()  # cancels its steps: a background round ends now
-        self.state_averager.shutdown()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-        self._pending.run = None
-
-    def __enter__(self) -> Optimizer:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
+    def _round_averagers(self) -> list[DecentralizedAverager]:
+        return [self.grad_averager]

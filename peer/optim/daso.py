@@ -2,40 +2,25 @@
 
 :class:`DASO` has the signature and semantics of Heat's ``heat.optim.dp_optimizer.DASO``
 (Distributed Asynchronous and Selective Optimization), with the global level moved from MPI
-to Swarmgrad's peer-to-peer averaging:
-
-* the *local* level is the machine's ``torch.distributed`` group (``comm``; default the
-  whole world, or this process alone). Its gradients are synchronised every ``local_skip``
-  batches — by ``DistributedDataParallel`` when the model (see :meth:`DASO.set_model`) is
-  one, by an all-reduce of the gradients before the local step otherwise;
-* the *global* level is the swarm: every ``global_skip`` batches the machine's leader
-  (local rank 0, which holds the ``node``) casts the parameters to ``downcast_type``, sends
-  them in chunks of at most ``sending_chunk_size`` elements, and training goes on; the
-  average is applied ``batches_to_wait`` batches later, merged with the parameters as the
-  original merges it — ``(2·w·local + n·average) / (n + 2·w)`` for a group of ``n``
-  machines and ``w`` batches waited — then broadcast to the local ranks. On an epoch's last
-  batch, and during warm-up and cool-down, the global sync blocks and the average replaces
-  the parameters. The schedule is :mod:`peer.optim.daso_schedule`.
-
-Differences from the original, all forced by the swarm: the global level tolerates
-machines joining and leaving (a round that finds no group in ``averaging_timeout`` is
-skipped and counted in :attr:`DASO.global_rounds_skipped`); machines may have different
-process counts (each is weighted by its count), so the leader always sends instead of the
-local ranks taking turns; ``use_mpi_groups`` is accepted and has no effect; ``scheduler``
-is an LR scheduler *instance*, stepped after every local optimizer step.
+to Swarmgrad's peer-to-peer averaging: the *local* level is the machine's
+``torch.distributed`` group, the *global* level the swarm (see the class for both, and for
+what differs from the original). :class:`DataParallelOptimizer` is Heat's one-level
+counterpart. The schedule is :mod:`peer.optim.daso_schedule`, the levels
+:mod:`peer.optim.levels`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
+from typing import IO, TypedDict, Unpack
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from peer.averaging.control import StepControl
-from peer.optim.daso_schedule import LocalSync, SkipSchedule, plan_batch
+from peer.optim.averager_options import AveragerOptions
+from peer.optim.daso_schedule import LocalSync, Plateau, SkipSchedule, plan_batch
 from peer.optim.levels import LocalWorld, SwarmLevel, flatten_into, unflatten_from
 from peer.optim.seam import SwarmNode
 
@@ -46,7 +31,16 @@ __all__ = ["DASO", "DataParallelOptimizer"]
 _DOWNCAST_TYPES = (torch.bfloat16, torch.half, torch.float)
 
 
-def _check_int(name: str, value: Any) -> None:
+class _PrintOptions(TypedDict, total=False):
+    """``print``'s keyword arguments."""
+
+    sep: str | None
+    end: str | None
+    file: IO[str] | None
+    flush: bool
+
+
+def _check_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, currently {type(value)}")
 
@@ -57,6 +51,23 @@ class DASO:
     Use as Heat's: build it around the local optimizer, ``set_model(model)``, set
     ``last_batch`` to the index of each epoch's last batch (``len(loader) - 1``), call
     ``step()`` after every backward pass and ``epoch_loss_logic(loss)`` after every epoch.
+
+    The *local* level is ``comm`` (default the whole world, or this process alone): its
+    gradients are synchronised every ``local_skip`` batches, by ``DistributedDataParallel``
+    when the model is one, by an all-reduce before the local step otherwise. The *global*
+    level is the swarm: every ``global_skip`` batches the machine's leader (local rank 0,
+    which holds the ``node``) casts the parameters to ``downcast_type``, sends them in chunks
+    of at most ``sending_chunk_size`` elements, and training goes on; the average is applied
+    ``batches_to_wait`` batches later, merged as the original does —
+    ``(2·w·local + n·average) / (n + 2·w)`` for ``n`` machines and ``w`` batches waited —
+    then broadcast to the local ranks. On an epoch's last batch, and in warm-up and
+    cool-down, the global sync blocks and the average replaces the parameters.
+
+    What the swarm changes: machines join and leave (a round that finds no group in
+    ``averaging_timeout`` is skipped, counted in :attr:`global_rounds_skipped`); machines
+    may have different process counts (each weighted by its count), so the leader always
+    sends; ``use_mpi_groups`` has no effect; ``scheduler`` is an LR scheduler *instance*,
+    stepped after every local optimizer step.
 
     Swarm options (keyword-only): ``node`` (the :class:`peer.Node`, on the local rank 0;
     without it the global level is the local world alone), ``prefix`` (the key shared by
@@ -69,10 +80,10 @@ class DASO:
         self,
         local_optimizer: torch.optim.Optimizer,
         total_epochs: int,
-        comm: Any = None,
+        comm: dist.ProcessGroup | None = None,
         warmup_epochs: int = 4,
         cooldown_epochs: int = 4,
-        scheduler: Any = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         stability_level: float = 0.05,
         max_global_skips: int = 8,
         sending_chunk_size: int = 10_000_000,
@@ -87,7 +98,7 @@ class DASO:
         target_group_size: int | None = None,
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 30.0,
-        averager_opts: Mapping[str, Any] | None = None,
+        averager_opts: AveragerOptions | None = None,
     ) -> None:
         if not isinstance(local_optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -164,26 +175,31 @@ class DASO:
         self.last_batch: int | None = None
         self.epoch = 0
         self.amp = False
-        self.scaler: Any = None
+        self.scaler: torch.amp.GradScaler | None = None
         self.node = node if self.local.is_leader else None
         self._global: SwarmLevel | None = None
         self._loss_level: SwarmLevel | None = None
         if self.node is not None:
-            common = dict(
+            self._global = SwarmLevel(
+                self.node,
+                f"{prefix}.params",
+                target_group_size,
+                matchmaking_time=matchmaking_time,
+                averaging_timeout=averaging_timeout,
+                weight=self.local.size,
+                dtype=downcast_type,
+                chunk_numel=sending_chunk_size,
+                averager_opts=averager_opts,
+            )
+            self._loss_level = SwarmLevel(
+                self.node,
+                f"{prefix}.loss",
+                None,
                 matchmaking_time=matchmaking_time,
                 averaging_timeout=averaging_timeout,
                 weight=self.local.size,
                 averager_opts=averager_opts,
             )
-            self._global = SwarmLevel(
-                self.node,
-                f"{prefix}.params",
-                target_group_size,
-                dtype=downcast_type,
-                chunk_numel=sending_chunk_size,
-                **common,  # type: ignore[arg-type]
-            )
-            self._loss_level = SwarmLevel(self.node, f"{prefix}.loss", None, **common)  # type: ignore[arg-type]
         # the global round in flight: its control and the batches it waits
         self._pending: tuple[StepControl, int] | None = None
         self._local_sync = True  # synchronise the next backward's gradients locally
@@ -218,10 +234,10 @@ class DASO:
         self.schedule.batches_to_wait = value
 
     @property
-    def stability(self) -> Any:
+    def stability(self) -> Plateau:
         return self.schedule.plateau
 
-    def add_scaler(self, scaler: Any) -> None:
+    def add_scaler(self, scaler: torch.amp.GradScaler) -> None:
         """Use ``scaler`` (a ``torch.amp.GradScaler``) for the local steps."""
         self.scaler = scaler
         self.amp = True
@@ -231,7 +247,7 @@ class DASO:
         module lets DDP do the local gradient synchronisation)."""
         self.module = model
 
-    def print0(self, *args: Any, **kwargs: Any) -> None:
+    def print0(self, *args: object, **kwargs: Unpack[_PrintOptions]) -> None:
         """Print on the local rank 0 when ``verbose``."""
         if self.verbose and self.local.is_leader:
             print(*args, **kwargs)
@@ -285,6 +301,8 @@ class DASO:
         if self._local_sync and not self._is_ddp():
             self._average_local_gradients()
         if self.amp:
+            if self.scaler is None:
+                raise ValueError("amp is on but there is no scaler: call add_scaler(scaler)")
             self.scaler.step(self.local_optimizer)
             self.scaler.update()
         else:
@@ -324,8 +342,8 @@ class DASO:
 
     def _set_local_sync(self, on: bool) -> None:
         self._local_sync = on
-        if self._is_ddp():
-            self.module.require_backward_grad_sync = on  # type: ignore[union-attr]
+        if isinstance(self.module, torch.nn.parallel.DistributedDataParallel):
+            self.module.require_backward_grad_sync = on
 
     @torch.no_grad()
     def _average_local_gradients(self) -> None:
@@ -386,8 +404,8 @@ class DASO:
             return
         control, waited = self._pending
         self._pending = None
-        assert self._global is not None
-        average = torch.empty(self._global.buffer.numel(), dtype=self.cast_dtype)  # type: ignore[union-attr]
+        assert self._global is not None and self._global.buffer is not None  # (a round began)
+        average = torch.empty(self._global.buffer.numel(), dtype=self.cast_dtype)
         n = self._global.finish(control, out=average)
         if n == 0:
             self.global_rounds_skipped += 1
@@ -430,13 +448,13 @@ class DataParallelOptimizer:
         torch_optimizer: torch.optim.Optimizer,
         blocking: bool = False,
         *,
-        comm: Any = None,
+        comm: dist.ProcessGroup | None = None,
         node: SwarmNode | None = None,
         prefix: str = "data-parallel",
         target_group_size: int | None = None,
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 30.0,
-        averager_opts: Mapping[str, Any] | None = None,
+        averager_opts: AveragerOptions | None = None,
     ) -> None:
         if not isinstance(blocking, bool):
             raise TypeError(f"blocking parameter must be a boolean, currently {type(blocking)}")
@@ -464,7 +482,7 @@ class DataParallelOptimizer:
         self._grads: list[torch.Tensor] = []
         self._flat: torch.Tensor | None = None
         self._control: StepControl | None = None
-        self._hook: Any = None
+        self._hook: RemovableHandle | None = None
 
     def set_model(self, model: torch.nn.Module) -> None:
         """Apply a non-blocking update just before ``model``'s next forward pass."""

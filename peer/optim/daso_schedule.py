@@ -1,20 +1,9 @@
 """DASO's schedule, free of I/O: when to synchronise, and how the skips change with the loss.
 
-Two pure pieces that :class:`~peer.optim.daso.DASO` drives:
-
-* :class:`SkipSchedule` — after every epoch, from the epoch's (globally averaged) loss:
-  warm-up (the first ``warmup_epochs``: a blocking global sync after every batch, skips 0);
-  the cycling phase (it starts with ``global_skip=4, local_skip=1, batches_to_wait=1``;
-  each time the loss is *stable* — no relative improvement of ``stability_level`` over its
-  best for more than two epochs — ``global_skip`` and ``local_skip`` are divided by
-  ``skip_reduction_factor`` and ``batches_to_wait`` drops by one (each kept at least 1
-  while ``global_skip`` is positive); stable at ``global_skip == 1`` resets them to
-  ``max_global_skips``, ``max_global_skips // local_skip_factor`` and the same); and
-  cool-down (the last ``cooldown_epochs``: blocking after every batch again).
-* :func:`plan_batch` — for one batch: a global sync (every ``global_skip`` batches and on
-  the epoch's last batch; its average is applied ``batches_to_wait`` batches later, cut so
-  that it lands within the epoch), the receive of the pending one, and whether the local
-  level synchronises the next batch's gradients.
+Two pure pieces that :class:`~peer.optim.daso.DASO` drives: :class:`SkipSchedule` sets
+``global_skip``, ``local_skip`` and ``batches_to_wait`` after every epoch from the epoch's
+loss (warm-up, cycling, cool-down), and :func:`plan_batch` says what one batch does: a
+global sync, the receive of the pending one, local synchronisation on or off.
 """
 
 from __future__ import annotations
@@ -74,7 +63,17 @@ class Plateau:
 
 @dataclass
 class SkipSchedule:
-    """``global_skip``, ``local_skip`` and ``batches_to_wait``, updated once per epoch."""
+    """``global_skip``, ``local_skip`` and ``batches_to_wait``, updated once per epoch from
+    the epoch's (globally averaged) loss.
+
+    Warm-up (the first ``warmup_epochs``): a blocking global sync after every batch, skips 0.
+    Cycling: it starts with ``global_skip=4, local_skip=1, batches_to_wait=1``; each time the
+    loss is *stable* (no relative improvement of ``stability_level`` over its best for more
+    than two epochs) ``global_skip`` and ``local_skip`` are divided by
+    ``skip_reduction_factor`` and ``batches_to_wait`` drops by one (each kept at least 1
+    while ``global_skip`` is positive); stable at ``global_skip == 1`` resets them to
+    ``max_global_skips``, ``max_global_skips // local_skip_factor`` and the same. Cool-down
+    (the last ``cooldown_epochs``): blocking after every batch again."""
 
     total_epochs: int
     warmup_epochs: int = 4
@@ -146,7 +145,10 @@ def plan_batch(
     batch: int, last_batch: int, global_skip: int, local_skip: int, batches_to_wait: int
 ) -> BatchPlan:
     """The plan of batch ``batch`` (0-based) of an epoch whose last batch is
-    ``last_batch``."""
+    ``last_batch``: a global sync every ``global_skip`` batches and on the last batch (its
+    average applied ``batches_to_wait`` batches later, cut so that it lands within the
+    epoch), the receive of the pending one, and whether the local level synchronises the
+    next batch's gradients."""
     gs, ls = global_skip, local_skip
     gmod = batch % gs if gs > 0 else 0
     lmod = batch % ls if ls > 0 else 0

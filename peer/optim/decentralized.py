@@ -3,61 +3,42 @@
 
 Signatures and meanings follow hivemind's decentralized optimizers (pass a
 :class:`peer.Node` where hivemind took a ``DHT``). Each peer steps its own optimizer on its
-own batches; a background thread averages parameters (and/or gradients, and named optimizer
-statistics) with other peers through a :class:`~peer.averaging.DecentralizedAverager`; epochs
-are counted across the swarm through progress reports (:mod:`peer.optim.progress`).
-
-Locking — one lock, the averager's (``averager.get_tensors()``):
-
-* the averager (``concurrent_updates=True``) holds it while it copies the averaged tensors
-  into its flat buffer at the start of a round and while it adds ``average - copy`` back at
-  the end (see :mod:`peer.averaging.averager`); a state donor holds it while it snapshots;
-* ``step()`` holds it while the wrapped optimizer updates parameters and statistics in place,
-  and while a downloaded state is copied in; ``zero_grad()`` while it applies a round's
-  result to the parameters (below).
-
-So a round never reads half-updated tensors and ``step()`` waits at most for one copy or one
-in-place add of the averaged tensors.
-
-Parameters are read by the forward and backward passes, which run *outside* the lock: a
-round that wrote into them mid-pass would corrupt the gradient (autograd rejects it). So
-rounds average a buffer, not the parameters: after every local step (lock held) the buffer
-receives a copy of the parameters, and the round's result ``average - (buffer when the round
-began)`` is added to the parameters at the next safe point — the next ``step()`` or
-``zero_grad()``, between two passes. Local steps taken while a round runs are kept, as in
-hivemind. Optimizer statistics (``average_opt_statistics``) are only touched by the
-optimizer's own step, under the lock, so rounds average them in place.
-
-Gradient averaging (``average_gradients=True``) works the same way: the buffer receives the
-latest local gradients at each ``step()``, and the round's correction (``average - local``
-at the round's start) is added to ``.grad`` once, at the next ``step()`` after the round
-finished (a delayed correction; exact only if gradients change slowly).
+own batches; a background thread (:mod:`peer.optim.averaging_thread`) averages copies of the
+parameters (and/or gradients, and named optimizer statistics) with other peers, which reach
+the model between two passes (:mod:`peer.optim.averaged_copies`); epochs are counted across the
+swarm through progress reports (:mod:`peer.optim.progress`), and newcomers download the
+state laid out by :mod:`peer.optim.state_layout`. See :class:`DecentralizedOptimizer`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Unpack
 
 import torch
+from torch.optim.optimizer import ParamsT
 
-from peer.averaging.control import StepControl
-from peer.averaging.exceptions import StepFailed
+from peer.formats.open_types import StateDict
+from peer.optim.averaged_copies import AveragedCopies
+from peer.optim.averager_options import PeerAveragerOptions
+from peer.optim.averaging_thread import AveragingThread
 from peer.optim.catchup import CatchUp, CatchUpHost, CatchUpPolicy
 from peer.optim.claims import DISCOUNT_S
+from peer.optim.optimizer_state import StateSharingAverager, initialize_optimizer_state
 from peer.optim.progress import (
     PerformanceEMA,
     ProgressReport,
     ProgressTracker,
     SwarmProgress,
 )
+from peer.optim.scheduler import SchedulerFactory
 from peer.optim.seam import SwarmNode
-from peer.optim.state import StateSharingAverager, initialize_optimizer_state
+from peer.optim.state_layout import check_state, load_state, pack_state
 
 logger = logging.getLogger("peer.optim")
 
@@ -67,8 +48,6 @@ __all__ = [
     "DecentralizedOptimizer",
     "DecentralizedSGD",
 ]
-
-_SCALAR_TYPES = (int, float, bool, type(None))
 
 
 @dataclass(frozen=True)
@@ -109,6 +88,27 @@ class DecentralizedConfig:
             raise ValueError("timeout must be positive")
 
 
+class WrapperOptions(PeerAveragerOptions, total=False):
+    """The keyword arguments :class:`DecentralizedAdam` passes on to
+    :class:`DecentralizedOptimizer` (the averager's among them)."""
+
+    max_allowed_epoch_difference: int
+    total_steps_in_epoch: int
+    scheduler_cls: SchedulerFactory | None
+    averaging_time_period: float
+    report_progress_expiration: float
+    timeout: float | None
+    verbose: bool
+
+
+class SGDWrapperOptions(WrapperOptions, total=False):
+    """The keyword arguments :class:`DecentralizedSGD` passes on to
+    :class:`DecentralizedOptimizer`."""
+
+    average_opt_statistics: Sequence[str]
+    averaging_steps_period: int
+
+
 class DecentralizedOptimizer(torch.optim.Optimizer):
     """Wrap ``opt``: local steps, averaging with peers in the background, swarm epochs.
 
@@ -133,6 +133,14 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     referenced in place: do not replace those tensors through ``opt`` itself (e.g.
     ``opt.load_state_dict``) after construction. Call :meth:`shutdown` when done (or use as a
     context manager); the node is not shut down.
+
+    Locking: one lock, the averager's (``averager.get_tensors()``). The averager
+    (``concurrent_updates=True``) holds it while it copies the averaged tensors into its
+    buffer at a round's start and adds ``average - copy`` back at its end, and a state donor
+    while it snapshots; ``step()`` holds it while the wrapped optimizer updates parameters
+    and statistics in place and while a downloaded state is copied in, ``zero_grad()``
+    while it applies a round's result to the parameters. So a round never reads
+    half-updated tensors, and ``step()`` waits at most for one copy or one in-place add.
     """
 
     def __init__(
@@ -147,13 +155,13 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         max_allowed_epoch_difference: int = 1,
         total_steps_in_epoch: int = 1000,
         average_opt_statistics: Sequence[str] = (),
-        scheduler_cls: Callable[[torch.optim.Optimizer], Any] | None = None,
+        scheduler_cls: SchedulerFactory | None = None,
         averaging_steps_period: int = 1,
         averaging_time_period: float = 0,
         report_progress_expiration: float = 30,
         timeout: float | None = None,
         verbose: bool = False,
-        **averager_kwargs: Any,
+        **averager_kwargs: Unpack[PeerAveragerOptions],
     ) -> None:
         if isinstance(average_opt_statistics, str):
             raise TypeError('average_opt_statistics is a sequence of names, e.g. ("exp_avg_sq",)')
@@ -177,9 +185,16 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             raise ValueError("the optimizer has no parameters")
         if self.config.average_opt_statistics:
             initialize_optimizer_state(self.opt)
-        tensors = self._averaged_tensors()
+        # copies, not the parameters themselves (peer.optim.averaged_copies)
+        self.copies = AveragedCopies(
+            self.params,
+            self.opt,
+            parameters=self.config.average_parameters,
+            gradients=self.config.average_gradients,
+            statistics=self.config.average_opt_statistics,
+        )
         self.averager = StateSharingAverager(
-            tensors,
+            self.copies.tensors,
             node,
             self._current_state,
             start=True,
@@ -219,55 +234,24 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.local_epoch = 0
         self.local_step = 0  # steps taken by this peer, all epochs
         self.steps_at_epoch = 0  # steps taken by this peer at local_epoch
-        self.averaging_rounds = 0  # rounds that finished (tensors averaged)
-        self.failed_rounds = 0
-        self.last_group: tuple[str, ...] = ()  # peer ids of the last successful round
         self.last_progress: SwarmProgress | None = None
-        self._rounds_changed = threading.Condition()
-        self._want_round = threading.Event()
-        self._current_round: Any = None
         self._shut = False
         self._report()
-        self._thread = threading.Thread(
-            target=self._averaging_loop, name=f"swarmgrad-avg-{prefix}", daemon=True
+        self.rounds = AveragingThread(
+            self.averager,
+            name=f"swarmgrad-avg-{prefix}",
+            period=self.config.averaging_time_period,
+            timeout=self.config.timeout,
+            gather=lambda: {"epoch": self.local_epoch},
+            verbose=self.config.verbose,
         )
-        self._thread.start()
-
-    # ------------------------------------------------------------------ construction
-
-    def _averaged_tensors(self) -> list[torch.Tensor]:
-        tensors: list[torch.Tensor] = []
-        # buffers, not the parameters themselves: see "Locking" in the module docstring
-        self._param_buffers: list[torch.Tensor] = []
-        self._param_written: list[torch.Tensor] = []
-        if self.config.average_parameters:
-            self._param_buffers = [p.detach().clone() for p in self.params]
-            self._param_written = [b.clone() for b in self._param_buffers]
-            tensors += self._param_buffers
-        self._grad_buffers: list[torch.Tensor] = []
-        self._grad_written: list[torch.Tensor] = []
-        if self.config.average_gradients:
-            self._grad_buffers = [
-                torch.zeros_like(p, memory_format=torch.contiguous_format) for p in self.params
-            ]
-            self._grad_written = [torch.zeros_like(b) for b in self._grad_buffers]
-            tensors += self._grad_buffers
-        for name in self.config.average_opt_statistics:
-            for p in self.params:
-                value = self.opt.state[p].get(name)
-                if not isinstance(value, torch.Tensor):
-                    raise ValueError(
-                        f"optimizer statistic {name!r} is not a tensor in the state of "
-                        f"{type(self.opt).__name__} (found {type(value).__name__})"
-                    )
-                tensors.append(value)
-        return tensors
+        self.rounds.start()
 
     # ------------------------------------------------------------------------ step
 
-    def step(
-        self, closure: Callable[[], Any] | None = None, *, batch_size: int | None = None
-    ) -> Any:
+    def step(  # type: ignore[override]  # None when behind, even with a closure
+        self, closure: Callable[[], float] | None = None, *, batch_size: int | None = None
+    ) -> float | None:
         """One local step, unless this peer is too far behind the swarm (then it loads the
         state from peers and returns None without stepping).
 
@@ -290,9 +274,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             return None
         self._advance_to(progress.target_epoch)
         with self.averager.get_tensors():
-            self._apply_gradient_correction()
+            self.copies.apply_gradient_correction()
             loss = self.opt.step(closure) if closure is not None else self.opt.step()
-            self._exchange_parameters()
+            self.copies.exchange_parameters()
         self.local_step += 1
         self.steps_at_epoch += 1
         if batch_size is not None:
@@ -302,7 +286,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.last_progress = self._swarm_progress(reports)
         self._report()
         if self.local_step % self.config.averaging_steps_period == 0:
-            self._want_round.set()
+            self.rounds.request()
         if self.config.verbose:
             logger.info("step %d, epoch %d: %s", self.local_step, self.local_epoch, progress)
         return loss
@@ -317,37 +301,23 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         """Zero the gradients and apply a finished round's result to the parameters (a safe
         point: call it between a ``step()`` and the next forward pass, as usual)."""
         with self.averager.get_tensors():
-            self._exchange_parameters()
+            self.copies.exchange_parameters()
         self.opt.zero_grad(set_to_none=set_to_none)
-
-    def _exchange_parameters(self) -> None:
-        """Add what finished rounds did to the buffer since the last exchange (``buffer -
-        written``: zero if no round finished) to the parameters, then put the parameters in
-        the buffer for the next round. Lock held."""
-        if not self._param_buffers:
-            return
-        params = [p.detach() for p in self.params]
-        with torch.no_grad():
-            # foreach: one call per operation instead of a Python loop over tensors
-            torch._foreach_add_(params, self._param_buffers)
-            torch._foreach_sub_(params, self._param_written)
-            torch._foreach_copy_(self._param_buffers, params)
-            torch._foreach_copy_(self._param_written, params)
 
     # torch's Optimizer has these three as attributes; here they are the wrapped optimizer's
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[StateDict]:  # type: ignore[override]
         return self.opt.param_groups
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> defaultdict[torch.Tensor, StateDict]:  # type: ignore[override]
         return self.opt.state
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> StateDict:  # type: ignore[override]
         return self.opt.defaults
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
+    def add_param_group(self, param_group: StateDict) -> None:
         """Refused, as by hivemind's optimizers: the averaged tensors are fixed when the
         optimizer is built; give every parameter group then."""
         raise ValueError(
@@ -356,7 +326,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             "optimizer before wrapping it"
         )
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """The wrapped optimizer's ``state_dict()``, the scheduler's and this peer's epoch and
         steps (for :meth:`load_state_dict`, e.g. from a checkpoint)."""
         with self.averager.get_tensors():
@@ -368,7 +338,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 "steps_at_epoch": self.steps_at_epoch,
             }
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: StateDict) -> None:
         """Restore what :meth:`state_dict` returned; the statistics the rounds average are
         copied into the tensors the averager holds (torch's own ``load_state_dict`` would
         replace them). ``ValueError`` for a state of another optimizer or shape."""
@@ -441,93 +411,36 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             for _ in range(times):
                 self.scheduler.step()
 
-    def _apply_gradient_correction(self) -> None:
-        """With ``average_gradients``: add the last round's correction to ``.grad`` and put
-        the latest local gradients where the next round will average them. Lock held."""
-        if not self._grad_buffers:
-            return
-        with torch.no_grad():
-            for p, buffer, written in zip(
-                self.params, self._grad_buffers, self._grad_written, strict=True
-            ):
-                if p.grad is None:
-                    continue
-                correction = buffer - written  # zero unless a round finished since
-                written.copy_(p.grad)
-                buffer.copy_(p.grad)
-                p.grad.add_(correction)
-
     # ----------------------------------------------------------- background rounds
 
-    def _averaging_loop(self) -> None:
-        period = self.config.averaging_time_period
-        last_start = time.monotonic()
-        while not self._stop.is_set():
-            wait = None if period <= 0 else max(0.0, last_start + period - time.monotonic())
-            self._want_round.wait(wait)
-            if self._stop.is_set():
-                return
-            self._want_round.clear()
-            last_start = time.monotonic()
-            self._average_once()
+    @property
+    def averaging_rounds(self) -> int:
+        """Background rounds that finished (tensors averaged)."""
+        return self.rounds.rounds_done
 
-    def _average_once(self) -> None:
-        try:
-            control = self.averager.step(
-                wait=False, timeout=self.config.timeout, gather={"epoch": self.local_epoch}
-            )
-            assert isinstance(control, StepControl)  # wait=False always returns one
-            self._current_round = control
-            gathered = control.result()
-        except StepFailed as exc:
-            with self._rounds_changed:
-                self.failed_rounds += 1
-                self._rounds_changed.notify_all()
-            if not self._stop.is_set():
-                logger.log(
-                    logging.INFO if self.config.verbose else logging.DEBUG,
-                    "averaging round failed: %s",
-                    exc,
-                )
-            return
-        finally:
-            self._current_round = None
-        with self._rounds_changed:
-            self.averaging_rounds += 1
-            self.last_group = tuple(sorted(gathered))
-            self._rounds_changed.notify_all()
-        if self.config.verbose:
-            logger.info("averaged with %d peers", len(gathered))
+    @property
+    def failed_rounds(self) -> int:
+        return self.rounds.rounds_failed
+
+    @property
+    def last_group(self) -> tuple[str, ...]:
+        """The peer ids of the last successful round."""
+        return self.rounds.last_group
 
     def average_now(self) -> None:
         """Ask the background thread for a round now (e.g. after the last step)."""
-        self._want_round.set()
+        self.rounds.request()
 
     def wait_for_rounds(self, count: int, timeout: float | None = None) -> bool:
         """Wait until ``averaging_rounds >= count``; False on timeout."""
-        with self._rounds_changed:
-            return self._rounds_changed.wait_for(
-                lambda: self.averaging_rounds >= count or self._shut, timeout
-            ) and (self.averaging_rounds >= count)
+        return self.rounds.wait_for(count, timeout)
 
     # ------------------------------------------------------------------ state
 
-    def _current_state(self) -> tuple[Any, list[torch.Tensor]]:
+    def _current_state(self) -> tuple[StateDict, list[torch.Tensor]]:
         """Parameters and the whole optimizer state, for a newcomer. Called by the averager
         on the node's loop with the lock held (so nothing here changes meanwhile)."""
-        tensors = [p.detach() for p in self.params]
-        layout = []
-        for p in self.params:
-            entries = []
-            for key, value in sorted(self.opt.state[p].items()):
-                if isinstance(value, torch.Tensor):
-                    entries.append([key, True, None])
-                    tensors.append(value.detach())
-                elif isinstance(value, _SCALAR_TYPES):
-                    entries.append([key, False, value])
-            layout.append(entries)
-        metadata = {"epoch": self.local_epoch, "step": self.local_step, "state": layout}
-        return metadata, tensors
+        return pack_state(self.params, self.opt, epoch=self.local_epoch, step=self.local_step)
 
     def load_state_from_peers(
         self, timeout: float | None = None, *, fallback_epoch: int | None = None
@@ -548,42 +461,13 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     #: hivemind's older name (its DecentralizedOptimizer's), for scripts ported from it
     load_states_from_peers = load_state_from_peers
 
-    def _adopt_state(self, epoch: int, metadata: Any, tensors: Sequence[torch.Tensor]) -> None:
+    def _adopt_state(self, epoch: int, metadata: object, tensors: Sequence[torch.Tensor]) -> None:
         """A downloaded state replaces this peer's parameters and optimizer state, and it
         moves to the state's ``epoch``; ``ValueError`` if it does not fit (nothing changed)."""
-        try:
-            layout = metadata["state"]
-            if len(layout) != len(self.params) or epoch < 0:
-                raise ValueError("a different number of parameters")
-            n_tensors = len(self.params) + sum(1 for e in layout for entry in e if entry[1])
-            if len(tensors) != n_tensors:
-                raise ValueError("tensor count does not match the layout")
-            for p, t in zip(self.params, tensors, strict=False):
-                if t.shape != p.shape:
-                    raise ValueError(f"shape {tuple(t.shape)} where {tuple(p.shape)} expected")
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"malformed state ({type(exc).__name__}: {exc})") from exc
-        incoming = iter(tensors[len(self.params) :])
+        layout = check_state(self.params, epoch, metadata, tensors)
         with self.averager.get_tensors(), torch.no_grad():
-            for p, t in zip(self.params, tensors, strict=False):
-                p.copy_(t.to(p.dtype))
-            for p, buffer, written in zip(
-                self.params, self._param_buffers, self._param_written, strict=True
-            ):
-                buffer.copy_(p)  # the next round starts from the downloaded parameters
-                written.copy_(p)
-            for p, entries in zip(self.params, layout, strict=True):
-                state = self.opt.state[p]
-                for key, is_tensor, value in entries:
-                    if not is_tensor:
-                        state[key] = value
-                        continue
-                    t = next(incoming)
-                    current = state.get(key)
-                    if isinstance(current, torch.Tensor) and current.shape == t.shape:
-                        current.copy_(t.to(current.dtype))  # in place: the averager holds it
-                    else:
-                        state[key] = t.clone()
+            load_state(self.params, self.opt, layout, tensors)
+            self.copies.restart_from_parameters()
         self._move_to_epoch(epoch)
 
     def _move_to_epoch(self, epoch: int) -> None:
@@ -599,15 +483,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             return
         self._shut = True
         self._stop.set()
-        self._want_round.set()
-        control = self._current_round
-        if control is not None:
-            control.cancel()
+        self.rounds.stop()
         self.averager.shutdown()  # cancels a round already streaming
-        self._thread.join(timeout=self.averager.config.shutdown_timeout + 1.0)
+        self.rounds.join(self.averager.config.shutdown_timeout + 1.0)
         self.tracker.shutdown()
-        with self._rounds_changed:
-            self._rounds_changed.notify_all()
 
     def __enter__(self) -> DecentralizedOptimizer:
         return self
@@ -629,7 +508,7 @@ class DecentralizedSGD(DecentralizedOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float,
         *,
         node: SwarmNode,
@@ -639,7 +518,9 @@ class DecentralizedSGD(DecentralizedOptimizer):
         dampening: float = 0,
         weight_decay: float = 0,
         nesterov: bool = False,
-        **kwargs: Any,
+        average_parameters: bool = True,
+        average_gradients: bool = False,
+        **kwargs: Unpack[SGDWrapperOptions],
     ) -> None:
         opt = torch.optim.SGD(
             params,
@@ -649,9 +530,15 @@ class DecentralizedSGD(DecentralizedOptimizer):
             weight_decay=weight_decay,
             nesterov=nesterov,
         )
-        kwargs.setdefault("average_parameters", True)
-        kwargs.setdefault("average_gradients", False)
-        super().__init__(opt, node, prefix=prefix, target_group_size=target_group_size, **kwargs)
+        super().__init__(
+            opt,
+            node,
+            prefix=prefix,
+            target_group_size=target_group_size,
+            average_parameters=average_parameters,
+            average_gradients=average_gradients,
+            **kwargs,
+        )
 
 
 class DecentralizedAdam(DecentralizedOptimizer):
@@ -662,7 +549,7 @@ class DecentralizedAdam(DecentralizedOptimizer):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float,
         *,
         node: SwarmNode,
@@ -673,19 +560,21 @@ class DecentralizedAdam(DecentralizedOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0,
         amsgrad: bool = False,
-        **kwargs: Any,
+        average_parameters: bool = True,
+        average_gradients: bool = False,
+        **kwargs: Unpack[WrapperOptions],
     ) -> None:
         opt = torch.optim.Adam(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad
         )
-        kwargs.setdefault("average_parameters", True)
-        kwargs.setdefault("average_gradients", False)
         stat = "max_exp_avg_sq" if amsgrad else "exp_avg_sq"
         super().__init__(
             opt,
             node,
             prefix=prefix,
             target_group_size=target_group_size,
+            average_parameters=average_parameters,
+            average_gradients=average_gradients,
             averaging_steps_period=averaging_steps_period,
             average_opt_statistics=(stat,),
             **kwargs,

@@ -2,64 +2,16 @@
 
 DiLoCo (Douillard et al., arXiv:2311.08105): each peer takes ``inner_steps`` (H) steps of
 its *inner* optimizer on its own data; then the peers average their *pseudo-gradients*
-(the parameters at the round's start minus the parameters now) and each applies its
-*outer* optimizer (by default SGD, lr 0.7, Nesterov momentum 0.9) to the round's starting
-parameters with that average as the gradient. Every peer ends the round with the same
-outer parameters; the inner optimizer's state stays local. Communication is one average
-per H steps instead of one per step.
+(the parameters at the round's start minus the parameters now, weighted by the samples
+behind them) and each applies its *outer* optimizer (default SGD, lr 0.7, Nesterov
+momentum 0.9) to the round's starting parameters with that average as the gradient. Every
+peer ends the round with the same outer parameters; the inner optimizer's state stays
+local. With one group of every peer and no compression, the outer step is exactly the one
+a single process would take on the weighted mean pseudo-gradient.
 
-Averaging goes through :class:`~peer.averaging.DecentralizedAverager` (elastic groups;
-Moshpit groups with ``target_group_size`` smaller than the swarm), each peer weighted by
-the samples it processed since the fragment's last round, so with one group of every peer
-and no compression the outer step is exactly the one a single process would take on the
-weighted mean pseudo-gradient.
-
-Streaming DiLoCo (Douillard et al., arXiv:2501.18512) with ``fragments=F``: the parameters
-are cut into F fragments of whole tensors (:func:`peer.optim.diloco_schedule.split_fragments`)
-and the run's *syncs* are numbered: sync ``k`` averages fragment ``k % F`` after about
-``H / F`` inner steps since sync ``k - 1`` (:func:`~peer.optim.diloco_schedule.steps_before_sync`),
-so each fragment still syncs every H steps but only 1/F of the model is in flight at a
-time. :attr:`DiLoCo.outer_step` counts syncs (with ``F = 1``, outer rounds).
-
-``overlap=True`` runs each sync's round on a background thread while inner steps go on.
-The outer update lands at a later ``step()`` call — at the latest when the next sync is
-due, about H / F inner steps later (then that call waits for it) — and is merged with the
-local progress made meanwhile: the fragment's parameters become ``outer_result + (current -
-snapshot)``, where ``snapshot`` is the fragment's parameters when the round began. That
-progress is part of the fragment's next pseudo-gradient (its start is ``outer_result``).
-
-Compression of pseudo-gradients (``compression``): any :class:`peer.compression.Compression`
-or a name of :func:`peer.compression.compression_from_name` (``"float16"``, ``"bfloat16"``,
-``"int8"``: blockwise 8-bit, ``"int4"``: blockwise 4-bit). With ``error_feedback=True`` the
-part of a pseudo-gradient that compression loses (estimated by compressing this peer's
-fragment locally) is added to the fragment's next pseudo-gradient.
-
-Elasticity and faults:
-
-* the *outer state* (outer parameters, outer optimizer state, sync number) is served to
-  newcomers through a :class:`~peer.optim.state.StateSharingAverager`, priority = the sync
-  number; a peer joining mid-run or found behind downloads the newest
-  (:class:`~peer.optim.catchup.CatchUp`, the same policy as the collaborative
-  ``Optimizer``'s), its model takes the outer parameters and it starts at the next sync;
-* progress reports (:mod:`peer.optim.progress`, epoch = the sync a peer works towards,
-  progress = its inner steps) tell a peer that finished its inner steps whom to wait for:
-  peers at that sync not done yet, or one sync behind, whose reports are fresh
-  (:func:`~peer.optim.diloco_schedule.stragglers`) — at most as long as its own inner steps
-  took. A peer killed mid-round stops reporting and is not waited for; the all-reduce
-  excludes it and the survivors retry among themselves;
-* a round's timeout follows the swarm's measured round times
-  (:class:`~peer.optim.diloco_schedule.RoundTimer`; ``averaging_timeout`` is only the first
-  round's and the ceiling);
-* a round that fails while other peers are about changes nothing: the next ``step()``
-  loads the others' state if they moved on, else retries the round (the pseudo-gradient
-  then includes the steps taken meanwhile). A peer alone in the run applies its own
-  pseudo-gradient.
-
-Locking: the model's parameters are written only by the training thread (inner steps,
-applying an outer update). The outer parameters and the outer optimizer's state (the *live
-state*) are written and read under the state averager's lock, which also guards the
-snapshot served to newcomers. A fragment's averaging buffer is only touched by its round
-(background thread with ``overlap``) and by the training thread while no round of it runs.
+See :class:`DiLoCo` for the loop and the options (streamed fragments, overlap,
+compression) and for how it copes with peers joining, leaving and failing; the schedule is
+:mod:`peer.optim.diloco_schedule`, one sync's round :mod:`peer.optim.diloco_rounds`.
 """
 
 from __future__ import annotations
@@ -69,16 +21,19 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.partition import zeros_back_to_back
 from peer.averaging.robust import check_aggregator
 from peer.compression import Compression, NoCompression, compression_from_name
-from peer.optim.catchup import CatchUp, CatchUpHost, CatchUpPolicy
+from peer.formats.open_types import StateDict
+from peer.optim.averager_options import RoundOptions, SharedAveragerOptions
+from peer.optim.buffers import ModelBuffers
 from peer.optim.diloco_rounds import SyncRounds, SyncRun
 from peer.optim.diloco_schedule import (
     RoundTimer,
@@ -87,11 +42,12 @@ from peer.optim.diloco_schedule import (
     steps_before_sync,
 )
 from peer.optim.error_feedback import ErrorFeedback
+from peer.optim.live_catchup import LiveCatchUp
 from peer.optim.live_state import LiveState, OptimizerFactory
+from peer.optim.optimizer_state import SharedLiveState
 from peer.optim.pending import Pending
-from peer.optim.progress import PerformanceEMA, ProgressReport, ProgressTracker, SwarmProgress
+from peer.optim.progress import PerformanceEMA, ProgressTracker
 from peer.optim.seam import SwarmNode
-from peer.optim.state import SharedLiveState
 
 logger = logging.getLogger("peer.optim.diloco")
 
@@ -102,13 +58,16 @@ __all__ = ["DiLoCo"]
 # a pause, loads the outer state within this long).
 SWARM_CHECK_S = 0.5
 
+#: what a closure given to :meth:`DiLoCo.step` returns (the loss)
+LossT = TypeVar("LossT")
 
-def default_outer_optimizer(params: Any) -> torch.optim.Optimizer:
+
+def default_outer_optimizer(params: ParamsT) -> torch.optim.Optimizer:
     """DiLoCo's outer optimizer: SGD, lr 0.7, Nesterov momentum 0.9."""
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
-class DiLoCo(SyncRounds):
+class DiLoCo(SyncRounds, LiveCatchUp[SyncRun]):
     """DiLoCo across the swarm (see the module docstring).
 
     Typical loop::
@@ -131,9 +90,42 @@ class DiLoCo(SyncRounds):
     * ``straggler_silence`` — a peer whose progress report is older than this (or four of
       this peer's step times, if longer) is presumed gone and not waited for;
     * ``load_state_timeout`` — how long a newcomer tries to download the outer state;
+    * ``buffers`` — the model's buffers to share (``peer.optim.model_buffers(model)``;
+      none by default): their *outer values* travel with the outer state to newcomers and
+      into :meth:`synchronised_state_dict`; each round of the last fragment averages their
+      change since those values (weighted like the pseudo-gradients) and adds it, so every
+      peer leaves an outer round with the same buffers (integer ones rounded back);
     * ``aggregator``, ``relative_weight_bound``, ``averager_opts`` — as for
       :class:`peer.Optimizer` (``target_group_size`` in ``averager_opts`` gives Moshpit
       groups in a swarm larger than a group).
+
+    Streaming DiLoCo (arXiv:2501.18512) with ``fragments=F``: the parameters are cut into F
+    fragments of whole tensors and sync ``k`` averages fragment ``k % F`` after about
+    ``H / F`` inner steps, so each fragment syncs every H steps but only 1/F of the model is
+    in flight at a time; :attr:`outer_step` counts syncs. ``overlap=True`` runs each sync's
+    round on a background thread while inner steps go on; the outer update lands at a later
+    ``step()`` (at the latest when the next sync is due) and keeps the local progress made
+    meanwhile: the fragment becomes ``outer_result + (current - snapshot)``. ``compression``
+    is a :class:`peer.compression.Compression` or its name (``"float16"``, ``"bfloat16"``,
+    ``"int8"``, ``"int4"``); with ``error_feedback=True`` what compression loses of a
+    pseudo-gradient is added to the fragment's next one.
+
+    Elasticity and faults: the *outer state* (outer parameters and optimizer state, sync
+    number) is served to newcomers, priority = the sync number; a peer joining mid-run or
+    found behind downloads the newest (:mod:`peer.optim.catchup`) and starts at the next
+    sync. A peer that finished its inner steps waits, at most as long as those took, for
+    the peers at its sync (or one behind) whose progress reports are fresh; a peer killed
+    mid-round stops reporting and is not waited for. Round timeouts follow the swarm's
+    measured round times (``averaging_timeout`` is the first and the ceiling). A round that
+    fails while others are about changes nothing: the next ``step()`` loads their state if
+    they moved on, else retries (the pseudo-gradient then includes the steps taken
+    meanwhile). A peer alone in the run applies its own pseudo-gradient.
+
+    Locking: only the training thread writes the model's parameters; the outer parameters
+    and the outer optimizer's state (the *live state*) are read and written under the state
+    averager's lock, which also guards the snapshot served to newcomers. A fragment's
+    averaging buffer is touched only by its round, and by the training thread while no
+    round of it runs.
 
     Call :meth:`shutdown` when done (the node is not shut down).
     """
@@ -143,8 +135,9 @@ class DiLoCo(SyncRounds):
         *,
         node: SwarmNode,
         run_id: str,
-        params: Iterable[Any],
+        params: ParamsT,
         inner_optimizer: OptimizerFactory,
+        buffers: Iterable[torch.Tensor] | None = None,
         inner_steps: int,
         outer_optimizer: OptimizerFactory = default_outer_optimizer,
         fragments: int = 1,
@@ -159,7 +152,7 @@ class DiLoCo(SyncRounds):
         client_mode: bool | None = None,
         aggregator: str = "mean",
         relative_weight_bound: float | None = None,
-        averager_opts: Mapping[str, Any] | None = None,
+        averager_opts: SharedAveragerOptions | None = None,
         verbose: bool = False,
     ) -> None:
         if not run_id or not isinstance(run_id, str):
@@ -190,10 +183,11 @@ class DiLoCo(SyncRounds):
         if client_mode is None:
             client_mode = bool(node.client_mode)
 
-        self.params: list[torch.nn.Parameter] = list(params)
-        if not self.params:
+        given = list(params)
+        if not given:
             raise ValueError("params is empty")
-        if any(not isinstance(p, torch.Tensor) for p in self.params):
+        self.params = [p for p in given if isinstance(p, torch.Tensor)]
+        if len(self.params) != len(given):
             raise TypeError("params must be tensors (pass model.parameters())")
         self.inner_optimizer = inner_optimizer(self.params)
         inner_params = [p for g in self.inner_optimizer.param_groups for p in g["params"]]
@@ -203,7 +197,10 @@ class DiLoCo(SyncRounds):
         outer = [
             torch.nn.Parameter(p.detach().to("cpu", torch.float32, copy=True)) for p in self.params
         ]
-        self.live = LiveState(outer_optimizer, outer, offload=False)
+        # the model's buffers (running statistics): their outer values travel with the outer
+        # state, and each outer round of the last fragment averages their change
+        self.model_buffers = ModelBuffers(buffers)
+        self.live = LiveState(outer_optimizer, outer, offload=False, buffers=self.model_buffers)
         if [id(p) for p in self.live.opt_params] != [id(p) for p in outer]:
             raise ValueError(
                 "the outer optimizer factory must keep the parameters it is given, in order"
@@ -233,7 +230,6 @@ class DiLoCo(SyncRounds):
         self._steps = 0  # inner steps towards it
         self._samples = 0  # samples since the last sync
         self._samples_total = 0
-        self._steps_total = 0
         self._fragment_samples = [0] * len(self.fragments)
         self._phase_started = time.monotonic()  # when the inner steps towards the sync began
         self._phase_seconds: float | None = None  # how long the last ones took
@@ -254,10 +250,11 @@ class DiLoCo(SyncRounds):
         self.straggler_wait_seconds = 0.0  # of which waiting for peers still on their way
         self.last_group_size: int | None = None
         self.last_failure: str | None = None
+        self._round_mates: tuple[int, frozenset[str]] = (-1, frozenset())
         self._closed = False
         self._closing = threading.Event()
 
-        opts = dict(averager_opts or {})
+        opts: SharedAveragerOptions = {**(averager_opts or {})}
         opts.setdefault("aggregator", check_aggregator(aggregator))
         opts.setdefault("relative_weight_bound", relative_weight_bound)
         opts.setdefault("min_matchmaking_time", float(matchmaking_time))
@@ -268,7 +265,10 @@ class DiLoCo(SyncRounds):
         self.averagers: list[DecentralizedAverager] = []
         try:
             for f, indices in enumerate(self.fragments):
-                buffers = zeros_back_to_back([self.outer_params[i] for i in indices])
+                values = [self.outer_params[i] for i in indices]
+                if f == len(self.fragments) - 1:
+                    values += self.model_buffers.shared
+                buffers = zeros_back_to_back(values)
                 self.averagers.append(
                     DecentralizedAverager(
                         buffers,
@@ -281,9 +281,11 @@ class DiLoCo(SyncRounds):
                         **opts,
                     )
                 )
-            state_opts = {
-                k: v for k, v in opts.items() if k in ("declare_state_period", "request_timeout")
-            }
+            state_opts: RoundOptions = {}
+            if "declare_state_period" in opts:
+                state_opts["declare_state_period"] = opts["declare_state_period"]
+            if "request_timeout" in opts:
+                state_opts["request_timeout"] = opts["request_timeout"]
             # the outer state, served to newcomers (the averager's lock guards it)
             self.shared = SharedLiveState(
                 self.live,
@@ -306,46 +308,16 @@ class DiLoCo(SyncRounds):
             else None
         )
         self.tracker = ProgressTracker(node, run_id, steps_before_sync(0, inner_steps, fragments))
-        self.catch_up = CatchUp(
-            CatchUpHost(
-                local_epoch=lambda: self.local_epoch,
-                settle=lambda: self._settle_pending(cancel=True),
-                report=self._local_report,
-                adopt=self._adopt_state,
-                move_to=self._move_to_epoch,
-            ),
-            node=node,
-            tracker=self.tracker,
-            averager=self.state_averager,
-            policy=CatchUpPolicy(
-                timeout=self.load_state_timeout,
-                retry=True,
-                on_timeout="discount",
-                discount_s=self.load_state_timeout,
-            ),
-            closing=self._closing,
-        )
+        self._wire_catch_up(self.load_state_timeout, round_mates=self._mates_at)
         self._report()
         self.load_state_from_peers()
 
     # ------------------------------------------------------------------------ state
 
-    def load_state_from_peers(self) -> bool:
-        """Download the newest outer state and catch up with the swarm (the policy is
-        :mod:`peer.optim.catchup`'s, retried within ``load_state_timeout``); True if a state
-        was loaded."""
-        return self.catch_up.run()
-
-    def _adopt_state(self, epoch: int, metadata: Any, tensors: Sequence[torch.Tensor]) -> None:
-        with self.shared.lock():
-            self.live.load(tensors)
-            self.shared.set_epoch(epoch)
-        self._start_epoch_at(epoch)
-
-    def _move_to_epoch(self, epoch: int) -> None:
-        with self.shared.lock():
-            self.shared.set_epoch(epoch)
-        self._start_epoch_at(epoch)
+    def _mates_at(self, epoch: int) -> frozenset[str]:
+        """The peers that began sync ``epoch``'s all-reduce with this peer (its last try)."""
+        sync, mates = self._round_mates
+        return mates if sync == epoch else frozenset()
 
     def _start_epoch_at(self, epoch: int) -> None:
         """After a download (or a catch-up): the model takes the outer parameters and the
@@ -375,16 +347,7 @@ class DiLoCo(SyncRounds):
         return self._samples_total
 
     @property
-    def global_progress(self) -> SwarmProgress:
-        return self.tracker.progress(self._local_report())
-
-    @property
-    def pending_update(self) -> bool:
-        """True while a background round (``overlap=True``) has not been applied yet."""
-        return self._pending.run is not None
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[StateDict]:
         """The inner optimizer's parameter groups (e.g. for a learning-rate scheduler)."""
         return self.inner_optimizer.param_groups
 
@@ -392,7 +355,9 @@ class DiLoCo(SyncRounds):
         """Zero the model's gradients."""
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None) -> Any:
+    def step(
+        self, closure: Callable[[], LossT] | None = None, batch_size: int | None = None
+    ) -> LossT | None:
         """One inner step on the current ``.grad``; when the next sync is due, its round
         (inline, or started in the background with ``overlap``). First applies a
         background round that landed; a peer behind the swarm loads the outer state
@@ -423,7 +388,6 @@ class DiLoCo(SyncRounds):
         self.inner_optimizer.step()
         self.inner_step_seconds += time.perf_counter() - started
         self._steps += 1
-        self._steps_total += 1
         self._samples += batch_size
         self._samples_total += batch_size
         for f in range(len(self.fragments)):
@@ -447,12 +411,7 @@ class DiLoCo(SyncRounds):
         self._swarm_checked_at = at
         return self.global_progress.epoch > self.local_epoch
 
-    def wait_for_pending(self, timeout: float | None = None) -> bool:
-        """Wait for a background round and apply it (e.g. before evaluating or saving);
-        False if it still runs after ``timeout`` seconds."""
-        return self._settle_pending(timeout=timeout)
-
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """Inner and outer optimizers, outer parameters, sync number and inner steps
         towards it (after waiting for a background round)."""
         self.wait_for_pending()
@@ -461,6 +420,7 @@ class DiLoCo(SyncRounds):
                 "inner_optimizer": self.inner_optimizer.state_dict(),
                 "outer_optimizer": self.outer_optimizer.state_dict(),
                 "outer_params": [p.detach().clone() for p in self.outer_params],
+                "outer_buffers": [b.clone() for b in self.model_buffers.shared],
                 "sync": self.local_epoch,
                 "steps": self._steps,
             }
@@ -469,9 +429,10 @@ class DiLoCo(SyncRounds):
         """``model.state_dict()`` on the CPU with the parameters this optimizer steps at
         their outer values, each in its own dtype: the model every peer of the run agrees
         on, to checkpoint or evaluate (the model's own parameters hold this peer's inner
-        steps since the last sync). Buffers (e.g. batch-norm statistics) are the model's
-        own. Waits for no background round: call :meth:`wait_for_pending` first to include
-        it. ``ValueError`` if ``model`` holds none of this optimizer's parameters."""
+        steps since the last sync). The buffers given to this optimizer (e.g. batch-norm
+        statistics) are at their outer values too, integer ones rounded; others are the
+        model's own. Waits for no background round: call :meth:`wait_for_pending` first to
+        include it. ``ValueError`` if ``model`` holds none of this optimizer's parameters."""
         where = {id(p): i for i, p in enumerate(self.params)}
         state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         found = 0
@@ -483,15 +444,22 @@ class DiLoCo(SyncRounds):
                     found += 1
         if not found:
             raise ValueError("the model holds none of the parameters this optimizer steps")
+        self._with_shared_buffers(model, state)
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore what :meth:`state_dict` returned; ``ValueError`` if it does not fit."""
         outer = list(state["outer_params"])
         if len(outer) != len(self.outer_params) or any(
             a.shape != b.shape for a, b in zip(outer, self.outer_params, strict=True)
         ):
             raise ValueError("the state's outer parameters do not match this model")
+        # (a state saved without buffers keeps this peer's)
+        buffers = list(state.get("outer_buffers", self.model_buffers.shared))
+        if len(buffers) != len(self.model_buffers) or any(
+            a.shape != b.shape for a, b in zip(buffers, self.model_buffers.shared, strict=True)
+        ):
+            raise ValueError("the state's outer buffers do not match this model")
         sync, steps = int(state["sync"]), int(state["steps"])
         if sync < 0 or steps < 0:
             raise ValueError("the state's sync and steps must be non-negative")
@@ -501,34 +469,17 @@ class DiLoCo(SyncRounds):
             self.outer_optimizer.load_state_dict(state["outer_optimizer"])
             for p, value in zip(self.outer_params, outer, strict=True):
                 p.copy_(value)
+            for b, value in zip(self.model_buffers.shared, buffers, strict=True):
+                b.copy_(value)
+            self.model_buffers.write()
             self.live.version += 1
             self.shared.set_epoch(sync)
         self.local_epoch = sync
         self._steps = steps
         self._report()
 
-    def shutdown(self) -> None:
-        """Stop: a round in flight is cancelled and a pending update dropped (call
-        :meth:`wait_for_pending` first to keep it); the progress report is retracted and
-        the averagers stop. The node is not shut down. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._closing.set()
-        self._pending.call_off()
-        self.tracker.shutdown()
-        for averager in self.averagers:
-            averager.shutdown()
-        self.state_averager.shutdown()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-        self._pending.run = None
-
-    def __enter__(self) -> DiLoCo:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
+    def _round_averagers(self) -> list[DecentralizedAverager]:
+        return self.averagers
 
     # ------------------------------------------------------------------------ syncs
 
@@ -549,10 +500,16 @@ class DiLoCo(SyncRounds):
         self._retry = False
         indices = self.fragments[f]
         with self.averagers[f].get_tensors() as buffers, torch.no_grad():
-            for b, i in zip(buffers, indices, strict=True):
+            for b, i in zip(buffers, indices, strict=False):
                 b.copy_(self.outer_params[i]).sub_(self.params[i].detach().to("cpu", torch.float32))
             if self._feedback is not None:
-                self._feedback[f].apply(buffers)
+                self._feedback[f].apply(buffers[: len(indices)])
+            if len(buffers) > len(indices):
+                # the model's buffers' change since the outer values: averaged, it moves them
+                changes = list(buffers[len(indices) :])
+                self.model_buffers.read(into=changes)
+                with self.shared.lock():
+                    torch._foreach_sub_(changes, self.model_buffers.shared)
         if self.overlap:
             assert self._executor is not None
             run.snapshot = [self.params[i].detach().clone() for i in indices]
@@ -562,7 +519,7 @@ class DiLoCo(SyncRounds):
             self._report()
         else:
             self._run_round(run)
-            self._apply(run)
+            self._land(run)
 
     def _advance(self, sync: int) -> None:
         """The inner steps now count towards sync ``sync + 1``."""
@@ -570,7 +527,7 @@ class DiLoCo(SyncRounds):
         self._steps = 0
         self._phase_started = time.monotonic()
 
-    def _apply(self, run: SyncRun) -> None:
+    def _land(self, run: SyncRun) -> None:
         """Bring a finished round to the model: the outer step on the averaged
         pseudo-gradient, the fragment's parameters from its result. Training thread."""
         if run.cancelled or self._behind:
@@ -584,7 +541,13 @@ class DiLoCo(SyncRounds):
         with self.averagers[run.fragment].get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]
         with self.shared.lock(), torch.no_grad():
-            for i, delta in zip(indices, averaged, strict=True):
+            if len(averaged) > len(indices):
+                # the buffers' outer values move by the averaged change, and the model takes
+                # them (with overlap, statistics gathered while the round ran are dropped:
+                # they are running averages, refreshed by the next batches)
+                torch._foreach_add_(self.model_buffers.shared, averaged[len(indices) :])
+                self.model_buffers.write()
+            for i, delta in zip(indices, averaged, strict=False):
                 self.outer_params[i].grad = delta
             try:
                 self.outer_optimizer.step()
@@ -605,32 +568,12 @@ class DiLoCo(SyncRounds):
             self._advance(run.sync)
         self._report()
 
-    def _settle_pending(self, *, cancel: bool = False, timeout: float | None = None) -> bool:
-        """Wait for the background round and apply it (``cancel``: call it off and drop it).
-        False if it still runs after ``timeout``."""
-        return self._pending.settle(self._apply, cancel=cancel, timeout=timeout)
-
     # --------------------------------------------------------------------- progress
 
-    def _local_report(self) -> ProgressReport:
+    def _progress(self) -> tuple[int, int, int]:
         pending = self._pending.run
         if pending is not None:
             # its round still runs: keep inviting slower peers into it
-            epoch = pending.sync
             done = steps_before_sync(pending.sync, self.inner_steps, len(self.fragments))
-        else:
-            epoch, done = self.local_epoch, self._steps
-        return ProgressReport(
-            self.node.peer_id,
-            epoch,
-            done,
-            self._steps_total,
-            self.node.get_time(),
-            self.performance.samples_per_second,
-            self.client_mode,
-        )
-
-    def _report(self, new_samples: int = 0) -> None:
-        if new_samples:
-            self.performance.update(new_samples)
-        self.tracker.report(self._local_report())
+            return pending.sync, done, self._samples_total
+        return self.local_epoch, self._steps, self._samples_total

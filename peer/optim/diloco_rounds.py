@@ -18,13 +18,14 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 import torch
 
 from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.control import StepControl
 from peer.averaging.exceptions import AllreduceTimeout, MatchmakingFailed, StepFailed
+from peer.formats.open_types import UserMetadata
 from peer.optim.diloco_schedule import RoundTimer, steps_before_sync, stragglers
 from peer.optim.pending import Pending
 from peer.optim.progress import PerformanceEMA, ProgressTracker
@@ -71,6 +72,7 @@ class SyncRounds:
     straggler_wait_seconds: float
     last_group_size: int | None
     last_failure: str | None
+    _round_mates: tuple[int, frozenset[str]]
     _sync_in_group_bits: bool
     _phase_seconds: float | None
     _step_seconds: PerformanceEMA
@@ -104,6 +106,7 @@ class SyncRounds:
         if self._sync_in_group_bits:
             averager.set_group_bits(format(run.sync % (1 << 16), "016b"))
         started = time.monotonic()
+        averager.last_group = frozenset()  # (no all-reduce begun: nobody holds a result)
         try:
             control = averager.step(
                 weight=float(run.samples),
@@ -113,7 +116,7 @@ class SyncRounds:
             )
             assert isinstance(control, StepControl)  # wait=False always returns one
             self._pending.round = control
-            group = cast(dict[str, Any], self._await_round(control, run.sync))
+            group = self._await_round(control, run.sync)
         except StepFailed as exc:
             if self._closed:
                 run.cancelled = True
@@ -136,6 +139,9 @@ class SyncRounds:
             raise
         finally:
             self._pending.round = None
+            # whoever began this sync's all-reduce with this peer may hold its result when
+            # this peer does not: a state of the next sync from them extends this peer's own
+            self._round_mates = (run.sync, averager.last_group - {self.node.peer_id})
         self.timer.succeeded(time.monotonic() - started)
         left = averager.last_round_left
         if left:
@@ -196,7 +202,7 @@ class SyncRounds:
         step_time = 1.0 / rate if rate > 0 else 0.0
         return max(self.straggler_silence, 4.0 * step_time)
 
-    def _await_round(self, control: StepControl, sync: int) -> Any:
+    def _await_round(self, control: StepControl, sync: int) -> dict[str, UserMetadata]:
         """The round's result. While it looks for a group it is called off when nobody can
         join any more: no other peer reports, or every other one reports a later sync (it
         ended this sync's round without this peer, which is then behind and loads their
@@ -204,11 +210,13 @@ class SyncRounds:
         this very group, assembled a moment before this peer learns of it."""
         while True:
             try:
-                return control.result(timeout=ROUND_RECHECK_S)
+                result: dict[str, UserMetadata] = control.result(timeout=ROUND_RECHECK_S)
+                return result
             except TimeoutError:
                 pass
             if control.began_allreduce:
-                return control.result()
+                result = control.result()
+                return result
             self._report()
             others = [r for r in self.tracker.fetch() if r.peer_id != self.node.peer_id]
             if all(r.epoch > sync for r in others) and control.cancel():
@@ -218,4 +226,5 @@ class SyncRounds:
                         "sync %d: the other peers averaged without this one; loading their state",
                         sync,
                     )
-                return control.result()
+                result = control.result()
+                return result

@@ -1,19 +1,12 @@
 """DiLoCo's schedule, without I/O: fragments, when each syncs, whom to wait for, timeouts.
 
-Pure pieces of :class:`peer.DiLoCo` (:mod:`peer.optim.diloco`), tested without a swarm:
-
-* :func:`split_fragments` — the parameters cut into ``F`` fragments of whole tensors, of
-  about equal size (Streaming DiLoCo, arXiv:2501.18512);
-* :func:`steps_before_sync` / :func:`fragment_of` — *syncs* are numbered ``0, 1, 2, ...``
-  across the run; sync ``k`` averages fragment ``k % F`` after ``steps_before_sync(k)``
-  inner steps since sync ``k - 1``. Every fragment therefore syncs once every ``H`` inner
-  steps, and the fragments' syncs are spread evenly across those ``H`` steps, so only
-  ``1/F`` of the model is in flight at a time. With ``F = 1`` sync ``k`` is outer round ``k``
-  after every ``H`` inner steps (DiLoCo, arXiv:2311.08105);
-* :func:`stragglers` — the peers a peer that finished its inner steps still waits for
-  before the round: those at the same sync, not done yet, whose reports are fresh (a
-  peer killed mid-round stops reporting and is not waited for);
-* :class:`RoundTimer` — round timeouts from this swarm's measured round times.
+Pure pieces of :class:`peer.DiLoCo` (:mod:`peer.optim.diloco`), tested without a swarm.
+*Syncs* are numbered ``0, 1, 2, ...`` across the run: sync ``k`` averages fragment
+``k % F`` (:func:`fragment_of`) after :func:`steps_before_sync` inner steps, so every
+fragment syncs once every ``H`` inner steps and only ``1/F`` of the model is in flight at a
+time (Streaming DiLoCo, arXiv:2501.18512; with ``F = 1``, DiLoCo, arXiv:2311.08105).
+:func:`split_fragments` cuts the parameters into fragments, :func:`stragglers` names the
+peers still worth waiting for before a round, :class:`RoundTimer` sets round timeouts.
 """
 
 from __future__ import annotations

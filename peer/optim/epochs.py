@@ -14,9 +14,12 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from peer.optim.options import CollaborativeOptions
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["EpochPlan", "EpochRun", "Phase", "plan_epoch"]
 
@@ -94,6 +97,6 @@ class EpochRun:
     cancelled: bool = False  # stop at the next phase (a state download replaces this run)
     stepped: bool = False  # the optimizer's parameters changed (copy them to the model)
     state_version: int = -1  # the live state's version when the state round took its copy
-    state_snapshot: list[Any] | None = None  # that copy (use_local_updates: steps go on)
-    state_averaged: list[Any] | None = None  # the state round's result
+    state_snapshot: list[torch.Tensor] | None = None  # that copy (use_local_updates: steps go on)
+    state_averaged: list[torch.Tensor] | None = None  # the state round's result
     future: concurrent.futures.Future[None] | None = field(default=None, repr=False)

@@ -1,26 +1,10 @@
 """``HierarchicalModelAverager``: hierarchical SGD over a machine's processes and the swarm.
 
-Same signature and semantics as ``torch.distributed.algorithms.model_averaging.
-hierarchical_model_averager.HierarchicalModelAverager`` — an ordered map *period → group
-size*, ``average_parameters(params)`` after every optimizer step, nothing averaged during
-``warmup_steps``, and at a step divisible by several periods only the largest period's level
-averages — with one more kind of level. Group sizes count processes:
-
-* a level whose groups fit in the local ``torch.distributed`` world (``size <= world``)
-  averages in subgroups of it (``new_subgroups``), exactly like the original;
-* a level larger than the local world averages across the swarm: the local world first
-  averages as a whole, then its leader (rank 0, which holds the :class:`peer.Node`) averages
-  with ``size / world`` machines of the swarm — one
-  :class:`~peer.averaging.DecentralizedAverager` per level, under its own key
-  (``{prefix}.p{period}``), weighted by the machine's process count — and gives the result
-  back to its local world. Groups form among whoever is online: peers may join and leave.
-
-The top level's size is the swarm's expected size in processes, or ``None`` for "everyone
-online". Only the local world's rank 0 needs the ``node`` (the others may pass one; it is
-not used). Without a ``node`` every level must fit in the local world, and the last size must
-be the world's size, as in the original. A swarm round that cannot form a group in time is
-skipped for that step (logged, counted in :attr:`HierarchicalModelAverager.skipped`): each
-machine keeps its local average and training goes on after at most ``averaging_timeout``.
+Same signature and semantics as ``torch.distributed``'s ``HierarchicalModelAverager`` (an
+ordered map *period → group size* in processes; ``average_parameters(params)`` after every
+optimizer step; nothing averaged during ``warmup_steps``; at a step several periods divide,
+only the largest period's level averages), with one more kind of level: one larger than the
+local ``torch.distributed`` world averages across the swarm (see the class).
 """
 
 from __future__ import annotations
@@ -28,12 +12,13 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 
+from peer.formats.open_types import StateDict
+from peer.optim.averager_options import AveragerOptions
 from peer.optim.levels import (
     LocalWorld,
     SwarmLevel,
@@ -44,6 +29,16 @@ from peer.optim.levels import (
 from peer.optim.seam import SwarmNode
 
 logger = logging.getLogger("peer.optim.hierarchical")
+
+
+def _new_subgroups(size: int, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """This rank's subgroup when ``group`` is cut into subgroups of ``size`` ranks."""
+    # torch leaves new_subgroups unannotated: (this rank's subgroup, every subgroup)
+    new_subgroups: Callable[..., tuple[dist.ProcessGroup, list[dist.ProcessGroup]]] = (
+        dist.new_subgroups
+    )
+    return new_subgroups(group_size=size, group=group)[0]
+
 
 __all__ = ["HierarchicalModelAverager", "period_for_step"]
 
@@ -63,6 +58,18 @@ class HierarchicalModelAverager:
     """Average parameters at several levels, each with its own period (see the module
     docstring). Call :meth:`average_parameters` after every ``optimizer.step()``.
 
+    A level whose groups fit in the local world (``size <= world``) averages in subgroups of
+    it (``new_subgroups``), exactly like the original. A larger one averages across the
+    swarm: the local world first averages as a whole, then its leader (rank 0, which holds
+    the node) averages with ``size / world`` machines of the swarm — one averager per level,
+    under its own key (``{prefix}.p{period}``), weighted by the machine's process count — and
+    gives the result back to its local world. The top level's size is the swarm's expected
+    size in processes, or ``None`` for everyone online. Without a ``node`` every level must
+    fit in the local world, and the last size must be the world's, as in the original. A
+    swarm round that forms no group in time is skipped for that step (logged, counted in
+    :attr:`skipped`): each machine keeps its local average, and training goes on after at
+    most ``averaging_timeout``.
+
     Swarm options (keyword-only): ``node`` (the :class:`peer.Node`; needed on the local
     world's rank 0 when a level is larger than the local world), ``prefix`` (the key that
     the swarm's averagers share), ``matchmaking_time`` (how long a swarm round gathers its
@@ -74,13 +81,13 @@ class HierarchicalModelAverager:
         self,
         period_group_size_dict: Mapping[int, int | None] | None = None,
         warmup_steps: int = 0,
-        process_group: Any = None,
+        process_group: dist.ProcessGroup | None = None,
         *,
         node: SwarmNode | None = None,
         prefix: str = "hierarchical",
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 30.0,
-        averager_opts: Mapping[str, Any] | None = None,
+        averager_opts: AveragerOptions | None = None,
     ) -> None:
         if not period_group_size_dict:
             raise ValueError("Arg ``period_group_size_dict`` must not be empty.")
@@ -121,7 +128,7 @@ class HierarchicalModelAverager:
         self.skipped: dict[int, int] = {}
         #: period → swarm rounds done
         self.rounds: dict[int, int] = {}
-        self.period_process_group_dict: OrderedDict[int, Any] = OrderedDict()
+        self.period_process_group_dict: OrderedDict[int, dist.ProcessGroup | None] = OrderedDict()
         self._swarm: dict[int, SwarmLevel | None] = {}
         logger.info("Model averaging hierarchy:")
         for period, size in period_group_size_dict.items():
@@ -135,8 +142,8 @@ class HierarchicalModelAverager:
                 if size == world:
                     self.period_process_group_dict[period] = self.process_group
                 else:
-                    self.period_process_group_dict[period], _ = dist.new_subgroups(
-                        group_size=size, group=self.process_group
+                    self.period_process_group_dict[period] = _new_subgroups(
+                        size, self.process_group
                     )
                 continue
             if not swarm:
@@ -174,7 +181,7 @@ class HierarchicalModelAverager:
         return period_for_step(self.step, self._periods, self.warmup_steps)
 
     @torch.no_grad()
-    def average_parameters(self, params: Iterable[Any]) -> None:
+    def average_parameters(self, params: Iterable[torch.Tensor | StateDict]) -> None:
         """Average a model's parameters or an optimizer's ``param_groups`` if this step's
         level says so; then count the step."""
         period = self._find_period()
@@ -192,7 +199,7 @@ class HierarchicalModelAverager:
         flatten_into(flat, tensors)
         if period not in self._swarm:
             group = self.period_process_group_dict[period]
-            if group is not None and dist._rank_not_in_group(group):
+            if group is not None and dist.get_rank(group) < 0:  # this rank is not in it
                 return
             if torch.accelerator.is_available():
                 torch.accelerator.synchronize()

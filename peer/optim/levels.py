@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +26,8 @@ import torch.distributed as dist
 from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.control import StepControl
 from peer.averaging.exceptions import StepFailed
+from peer.formats.open_types import StateDict
+from peer.optim.averager_options import AveragerOptions
 from peer.optim.seam import SwarmNode
 
 logger = logging.getLogger("peer.optim.levels")
@@ -34,7 +35,7 @@ logger = logging.getLogger("peer.optim.levels")
 __all__ = ["LocalWorld", "SwarmLevel", "flatten_into", "params_to_average", "unflatten_from"]
 
 
-def params_to_average(params: Iterable[Any]) -> list[torch.Tensor]:
+def params_to_average(params: Iterable[torch.Tensor | StateDict]) -> list[torch.Tensor]:
     """The tensors to average from a model's parameters or an optimizer's ``param_groups``:
     those that have a gradient (as ``torch.distributed``'s model averagers choose them)."""
     chosen: list[torch.Tensor] = []
@@ -76,27 +77,29 @@ class LocalWorld:
     """The processes of one machine (or cluster): a ``torch.distributed`` group, or this
     process alone when ``torch.distributed`` is not initialised."""
 
-    def __init__(self, process_group: Any = None) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         initialised = dist.is_available() and dist.is_initialized()
         if not initialised:
             if process_group is not None:
                 raise ValueError("a process_group needs torch.distributed to be initialised")
-            self.group: Any = None
+            self.group: dist.ProcessGroup | None = None
             self.size = 1
             self.rank = 0
             self.leader = 0
             return
-        self.group = process_group if process_group is not None else dist.group.WORLD
-        self.size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
+        group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None  # (the default group exists once torch.distributed is up)
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         # the global rank of the group's rank 0, for broadcast
-        self.leader = dist.get_global_rank(self.group, 0) if self.size > 1 else dist.get_rank()
+        self.leader = dist.get_global_rank(group, 0) if self.size > 1 else dist.get_rank()
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
-    def average_(self, flat: torch.Tensor, group: Any = None) -> None:
+    def average_(self, flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
         """Average ``flat`` in place over ``group`` (default: the whole local world)."""
         group = self.group if group is None else group
         size = 1 if group is None else dist.get_world_size(group)
@@ -152,7 +155,7 @@ class SwarmLevel:
         weight: float = 1.0,
         dtype: torch.dtype = torch.float32,
         chunk_numel: int | None = None,
-        averager_opts: Mapping[str, Any] | None = None,
+        averager_opts: AveragerOptions | None = None,
     ) -> None:
         if matchmaking_time <= 0 or averaging_timeout <= 0:
             raise ValueError("matchmaking_time and averaging_timeout must be positive")
@@ -164,7 +167,7 @@ class SwarmLevel:
         self.weight = float(weight)
         self.dtype = dtype
         self.chunk_numel = chunk_numel
-        self.averager_opts = dict(averager_opts or {})
+        self.averager_opts: AveragerOptions = {**(averager_opts or {})}
         self.averager: DecentralizedAverager | None = None
         self.buffer: torch.Tensor | None = None
         self.rounds_done = 0
@@ -181,7 +184,7 @@ class SwarmLevel:
         buffer = torch.zeros(numel, dtype=self.dtype)
         step = self.chunk_numel or max(numel, 1)
         chunks = [buffer[i : i + step] for i in range(0, numel, step)] or [buffer]
-        opts: dict[str, Any] = {
+        opts: AveragerOptions = {
             "target_group_size": self.target_group_size,
             "min_group_size": 2,
             "min_matchmaking_time": self.matchmaking_time,

@@ -8,27 +8,34 @@ averager's lock (see "Locking" in :mod:`peer.optim.collaborative`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
+from torch.optim.optimizer import ParamsT
 
-from peer.optim.state import initialize_optimizer_state
+from peer.formats.open_types import StateDict
+from peer.optim.buffers import ModelBuffers
+from peer.optim.optimizer_state import initialize_optimizer_state
 
 __all__ = ["LiveState", "OptimizerFactory"]
 
-OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+#: builds the wrapped optimizer on the parameters (or parameter groups) it is given
+OptimizerFactory = Callable[[ParamsT], torch.optim.Optimizer]
 
 
 class LiveState:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer | OptimizerFactory,
-        params: Iterable[Any] | None,
+        params: ParamsT | None,
         *,
         offload: bool,
+        buffers: ModelBuffers | None = None,
     ) -> None:
         self.offload = offload
+        # the model's buffers, whose shared values travel after the optimizer's tensors
+        self.buffers = buffers if buffers is not None else ModelBuffers(None)
         self.opt, self.model_params = self._build(optimizer, params)
         if not self.model_params:
             raise ValueError("the optimizer has no parameters")
@@ -41,7 +48,7 @@ class LiveState:
         initialize_optimizer_state(self.opt)
 
     def _build(
-        self, optimizer: torch.optim.Optimizer | OptimizerFactory, params: Iterable[Any] | None
+        self, optimizer: torch.optim.Optimizer | OptimizerFactory, params: ParamsT | None
     ) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
         """The wrapped optimizer and the model's parameters, in the optimizer's order."""
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -54,10 +61,13 @@ class LiveState:
             raise ValueError("pass params= when optimizer is a factory")
         given = list(params)
         if not self.offload:
-            opt = optimizer(given)
+            # (mypy joins the list's items to object: they are params' own)
+            opt = optimizer(cast(ParamsT, given))
             return opt, [p for g in opt.param_groups for p in g["params"]]
-        if all(isinstance(g, dict) for g in given):
-            groups = [dict(g, params=list(g["params"])) for g in given]
+        dicts = [g for g in given if isinstance(g, dict)]
+        groups: list[StateDict]
+        if len(dicts) == len(given):
+            groups = [dict(g, params=list(g["params"])) for g in dicts]
         else:
             groups = [{"params": given}]
         model = [p for g in groups for p in g["params"]]
@@ -73,7 +83,8 @@ class LiveState:
 
     def tensors(self) -> list[torch.Tensor]:
         """The optimizer's parameters, then every optimizer state tensor in a fixed order
-        (integer ones, e.g. a step count, as float copies)."""
+        (integer ones, e.g. a step count, as float copies), then the shared values of the
+        model's buffers (:mod:`peer.optim.buffers`)."""
         tensors: list[torch.Tensor] = [p.data for p in self.opt_params]
         for p in self.opt_params:
             state = self.opt.state.get(p, {})
@@ -81,11 +92,13 @@ class LiveState:
                 value = state[key]
                 if isinstance(value, torch.Tensor):
                     tensors.append(value if value.is_floating_point() else value.float())
+        tensors += self.buffers.shared
         return tensors
 
     def load(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Write ``tensors`` (as :meth:`tensors` lists them), then the model's parameters;
-        ``ValueError`` if they do not fit this model and optimizer."""
+        """Write ``tensors`` (as :meth:`tensors` lists them), then the model's parameters and
+        buffers; ``ValueError`` if they do not fit this model and optimizer. Training
+        thread."""
         own = self.tensors()
         if len(own) != len(tensors) or any(
             a.shape != b.shape for a, b in zip(own, tensors, strict=True)
@@ -102,7 +115,10 @@ class LiveState:
                     if isinstance(value, torch.Tensor):
                         value.copy_(tensors[i].to(value.dtype))
                         i += 1
+            for b, t in zip(self.buffers.shared, tensors[i:], strict=True):
+                b.copy_(t)
         self.version += 1
+        self.buffers.write()  # (training thread: forward passes write the buffers)
         self.copy_to_model()
 
     def copy_to_model(self) -> None:

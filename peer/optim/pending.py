@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from peer.averaging.control import StepControl
 
@@ -23,7 +23,7 @@ class BackgroundRun(Protocol):
     the future of the thread running it."""
 
     cancelled: bool
-    future: concurrent.futures.Future[Any] | None
+    future: concurrent.futures.Future[None] | None
 
 
 RunT = TypeVar("RunT", bound=BackgroundRun)

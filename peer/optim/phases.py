@@ -6,7 +6,7 @@ with the scheduler's, the state round) and which of them run in the background;
 :meth:`EpochPhases.apply` brings a finished run to the model on the training thread.
 
 The live state is read and written under its lock
-(:meth:`peer.optim.state.SharedLiveState.lock`, the state averager's), which also guards the
+(:meth:`peer.optim.optimizer_state.SharedLiveState.lock`, the state averager's), which also guards the
 snapshot served to newcomers; see "Locking" in :mod:`peer.optim.collaborative`.
 """
 
@@ -19,8 +19,8 @@ import torch
 
 from peer.averaging.averager import DecentralizedAverager
 from peer.optim.epochs import EpochRun, Phase
+from peer.optim.optimizer_state import SharedLiveState
 from peer.optim.rounds import RoundRunner
-from peer.optim.state import SharedLiveState
 
 __all__ = ["EpochPhases"]
 

@@ -1,35 +1,15 @@
 """Swarm progress: what each peer reports, and the swarm's epoch computed from the reports.
 
-Both training loops count epochs across the swarm the same way; only the unit differs.
-:class:`peer.DecentralizedOptimizer` counts local *steps* (an epoch is
-``total_steps_in_epoch`` of them), :class:`peer.Optimizer` counts *samples* (an epoch is
-``target_batch_size`` of them). Every peer stores one record under :func:`progress_key`
-with its peer id as the subkey (so no peer can overwrite another's: gossip records are
-signed by their owner)::
+Every training loop counts epochs across the swarm the same way; only the unit differs
+(steps for :class:`peer.DecentralizedOptimizer`, samples for :class:`peer.Optimizer`). Each
+peer stores one record under :func:`progress_key`, with its peer id as the subkey (gossip
+records are signed by their owner, so no peer overwrites another's)::
 
     [epoch, done_at_epoch, done_in_total, time, samples_per_second, client_mode]
 
-expiring ``expiration`` seconds after ``time``; a peer that stops reporting drops out of the
-count on its own, and one that shuts down retracts its record at once. Two layers:
-
-* :func:`compute_swarm_progress` — pure: reports in, :class:`SwarmProgress` out. No I/O, no
-  clock: the caller passes its own fresh report, which replaces whatever gossip last carried
-  for it. Tested directly.
-* :class:`ProgressTracker` — the I/O around it: publishes this peer's reports (coalesced, so
-  a fast training loop never queues stores) and reads the others' from the node's local
-  replica of the gossip store (at most every ``refresh_interval``).
-
-Epoch rule: the swarm's epoch is the largest epoch any live peer reports, leaving out the
-claims this peer found no one could back: a peer behind the swarm's epoch downloads the
-newest state, and when no donor offers a state at the epoch claimed, the claimers ahead are
-*discounted* (:meth:`ProgressTracker.discount`) for a while — their reports at or past that
-epoch no longer count, so one peer claiming an epoch far ahead (a bug or a hostile
-volunteer) costs each other peer one download attempt rather than its training. The epoch
-is complete when what was done *at that epoch*, summed over peers, reaches the target. Work
-reported at older epochs does not count — a peer still at an older epoch has not noticed the advance yet, and
-its next step moves it forward. Gossip lag (a few ``gossip_period``) lets the swarm overshoot
-an epoch by the work done during the lag; nothing depends on the count being exact. Clock
-skew only affects expirations, never the order of epochs.
+:func:`compute_swarm_progress` is the pure rule (reports in, :class:`SwarmProgress` out);
+:class:`ProgressTracker` publishes this peer's reports and reads the others' from the
+node's replica of the gossip store.
 """
 
 from __future__ import annotations
@@ -39,12 +19,12 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeGuard
 
 from peer.exceptions import SwarmgradError
-from peer.identity import is_peer_id
+from peer.formats.identity import is_peer_id
 from peer.optim.seam import SwarmNode
 
 logger = logging.getLogger("peer.optim.progress")
@@ -53,6 +33,7 @@ __all__ = [
     "PerformanceEMA",
     "ProgressReport",
     "ProgressTracker",
+    "SwarmCounter",
     "SwarmProgress",
     "compute_swarm_progress",
     "progress_key",
@@ -63,18 +44,19 @@ def progress_key(prefix: str) -> str:
     return f"{prefix}.progress"
 
 
-def _is_count(value: Any) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _is_finite(value: Any) -> bool:
+def _is_finite(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
 class ProgressReport:
-    """One peer's progress: ``done_at_epoch`` steps or samples since it entered ``epoch``,
-    ``done_in_total`` since it started."""
+    """One peer's progress: ``done_at_epoch`` steps or samples since it entered ``epoch``;
+    ``done_in_total`` samples since it started (steps for
+    :class:`peer.DecentralizedOptimizer`, which counts no samples)."""
 
     peer_id: str
     epoch: int
@@ -84,7 +66,7 @@ class ProgressReport:
     samples_per_second: float = 0.0
     client_mode: bool = False
 
-    def to_wire(self) -> list[Any]:
+    def to_wire(self) -> list[int | float | bool]:
         return [
             self.epoch,
             self.done_at_epoch,
@@ -95,7 +77,7 @@ class ProgressReport:
         ]
 
     @classmethod
-    def from_wire(cls, peer_id: str, value: Any) -> ProgressReport | None:
+    def from_wire(cls, peer_id: str, value: object) -> ProgressReport | None:
         """Parse a gossip value; None for anything malformed (a buggy or hostile peer's
         record is ignored rather than allowed to break every other peer's step)."""
         if not isinstance(value, list | tuple) or len(value) != 6:
@@ -155,8 +137,14 @@ def compute_swarm_progress(
     """The swarm's state from the peers' reports and this peer's own fresh one.
 
     ``local`` replaces any report carrying the same peer id (gossip may still hold an older
-    one). A report of a peer in ``ignore`` at or past the epoch given there is left out (a
-    discounted claim, see the module docstring). Pure: no clock, no I/O.
+    one). The swarm's epoch is the largest epoch any report gives, leaving out a report of a
+    peer in ``ignore`` at or past the epoch given there: a claim this peer found nobody
+    could back is *discounted* (:meth:`ProgressTracker.discount`) for a while, so a peer
+    claiming an epoch far ahead costs the others one download attempt rather than their
+    training. The epoch is complete when what was done *at that epoch*, summed over peers,
+    reaches ``target``; work reported at older epochs does not count (its peer has not
+    noticed the advance yet). Gossip lag lets the swarm overshoot an epoch a little; nothing
+    depends on the count being exact. Pure: no clock, no I/O.
     """
     if target < 1:
         raise ValueError("an epoch's target must be at least 1")
@@ -177,6 +165,32 @@ def compute_swarm_progress(
     )
 
 
+class SwarmCounter:
+    """The swarm's samples counter as one peer sees it in the progress records: the growth of
+    each peer's ``done_in_total`` since this peer first saw it, summed over peers. A count
+    that fell is a peer that started again: all of its new count is growth. A peer whose
+    record is gone is forgotten (seen again, it starts from its count then). Fed to a
+    :class:`~peer.formats.rates.CountedRate` on the observer's clock, it gives the swarm's
+    samples/s the way the coordinator counts a run's: counted, not the sum of the claimed
+    ``samples_per_second``. Pure: no clock, no I/O."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._seen: dict[str, int] = {}
+
+    def observe(self, reports: Iterable[ProgressReport]) -> int:
+        """Take the peers' current records in; the counter now."""
+        seen: dict[str, int] = {}
+        for report in reports:
+            count = report.done_in_total
+            before = self._seen.get(report.peer_id)
+            if before is not None:
+                self.total += count - before if count >= before else count
+            seen[report.peer_id] = count
+        self._seen = seen
+        return self.total
+
+
 class PerformanceEMA:
     """Samples per second, as an exponential moving average over steps.
 
@@ -185,7 +199,7 @@ class PerformanceEMA:
     (a state download) so it is not counted as slowness.
     """
 
-    def __init__(self, alpha: float = 0.1, clock: Any = time.perf_counter) -> None:
+    def __init__(self, alpha: float = 0.1, clock: Callable[[], float] = time.perf_counter) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError("alpha must be in (0, 1]")
         self.alpha = alpha
@@ -217,8 +231,9 @@ class ProgressTracker:
     that a task on the node's event loop stores (a newer report overwrites one that was not
     stored yet, so a fast loop does not queue stores). Within one epoch, stores are at least
     ``refresh_interval`` apart; the latest report is always stored in the end, and a report
-    of a new epoch goes out at once. :meth:`fetch` reads the node's local replica of the
-    gossip store. Thread-safe. Call :meth:`shutdown` when done: it retracts this peer's
+    of a new epoch goes out at once; a record expires ``expiration`` seconds after its
+    ``time``, so a peer that stops reporting drops out of the count on its own.
+    :meth:`fetch` reads the node's local replica of the gossip store. Thread-safe. Call :meth:`shutdown` when done: it retracts this peer's
     report so the swarm stops counting it at once rather than when it expires.
     """
 

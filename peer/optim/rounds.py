@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, cast
 
 from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.control import StepControl
 from peer.averaging.exceptions import StepFailed
+from peer.formats.open_types import UserMetadata
+from peer.optim.epochs import EpochRun
 from peer.optim.pending import Pending
 from peer.optim.progress import ProgressTracker
 
@@ -45,7 +46,7 @@ class RoundRunner:
         tracker: ProgressTracker,
         peer_id: str,
         timeout: float,
-        pending: Pending[Any],
+        pending: Pending[EpochRun],
         closing: threading.Event,
     ) -> None:
         self.tracker = tracker
@@ -66,13 +67,13 @@ class RoundRunner:
         averager: DecentralizedAverager,
         *,
         weight: float,
-        gather: Any,
+        gather: UserMetadata,
         epoch: int,
         what: str,
         fallback: str,
         gradients: bool,
         level: int = logging.WARNING,
-    ) -> dict[str, Any] | None:
+    ) -> dict[str, UserMetadata] | None:
         """One round of ``averager`` (``gradients``: the epoch's gradient round, which others
         may have left this peer behind in); None (logged as ``what``, then ``fallback``) if
         it failed, was cancelled or was skipped, else the gathered group."""
@@ -97,21 +98,22 @@ class RoundRunner:
         finally:
             self.pending.round = None
         self.rounds_done += 1
-        group = cast(dict[str, Any], result)
-        self.last_group_size = len(group)
-        return group
+        self.last_group_size = len(result)
+        return result
 
     def _await(
         self, averager: DecentralizedAverager, control: StepControl, epoch: int, *, gradients: bool
-    ) -> Any:
-        """The round's result; called off once nobody can join it (module docstring)."""
+    ) -> dict[str, UserMetadata]:
+        """The round's result (peer id → what it gathered); called off once nobody can join it (module docstring)."""
         while True:
             try:
-                return control.result(timeout=ROUND_RECHECK_S)
+                result: dict[str, UserMetadata] = control.result(timeout=ROUND_RECHECK_S)
+                return result
             except TimeoutError:
                 pass
             if control.began_allreduce:
-                return control.result()
+                result = control.result()
+                return result
             others = [r for r in self.tracker.fetch() if r.peer_id != self.peer_id]
             withdrawn = averager.withdrawn_peers()
             if all(r.epoch > epoch or r.peer_id in withdrawn for r in others) and control.cancel():
@@ -124,4 +126,5 @@ class RoundRunner:
                     )
                 else:
                     logger.info("epoch %d: the other peers moved on; calling its round off", epoch)
-                return control.result()
+                result = control.result()
+                return result

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from peer.averaging.seam import NodeHandle
-from peer.node.gossip import ValueWithExpiration
+from peer.node.gossip import Subkey, ValueWithExpiration
 
 __all__ = ["SwarmNode"]
 
@@ -25,7 +25,7 @@ class SwarmNode(NodeHandle, Protocol):
         """The record under ``key`` in this node's replica (None: none)."""
         ...
 
-    def store(self, key: str, value: Any, expiration_time: float, subkey: Any = None) -> bool:
+    def store(self, key: str, value: object, expiration_time: float, subkey: Subkey = None) -> bool:
         """Store ``value`` under ``key`` (and ``subkey``) until ``expiration_time``."""
         ...
 

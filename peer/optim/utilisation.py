@@ -1,22 +1,12 @@
 """Compute utilisation: the share of a training loop's time spent computing, not waiting.
 
-A loop alternates forward/backward passes and ``opt.step()`` calls. A call of a swarm
-optimizer does its own local work (accumulating gradients, an optimizer step) and may also
-wait for the network (an averaging round that has not finished). The meter counts a call's
-time beyond the local work as waiting, so::
+A loop alternates forward/backward passes and ``opt.step()`` calls; a call's time beyond
+its local work (accumulating gradients, an optimizer step) is waiting for the network::
 
     utilisation = (forward/backward + calls - waiting) / (forward/backward + calls)
 
-The local work of a call is what the optimizer timed of it when it times its own inner step
-(``local`` in :meth:`ComputeMeter.add`: DiLoCo's ``inner_step_seconds``, taken under the
-same load as the rest of the call), else ``reference`` seconds when the caller measured it
-(the cost of the wrapped optimizer's step on this model, as ``bench/wan.py`` does), else the
-tenth percentile of the calls: most calls of DiLoCo are inner steps and most calls of the
-collaborative Optimizer accumulate gradients (with a batch or less per peer per epoch, every
-call averages and only a measured ``reference`` tells the waiting apart).
-
-Pure bookkeeping (no clock of its own): the caller times its loop and adds the figures.
-Used by ``swarmgrad join``'s progress reports and by ``bench/wan.py``.
+:class:`ComputeMeter` is pure bookkeeping (no clock of its own): the caller times its loop
+and adds the figures. Used by ``swarmgrad join``'s progress reports and ``bench/wan.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +18,15 @@ __all__ = ["ComputeMeter"]
 
 class ComputeMeter:
     """Forward/backward seconds and step() call durations since the last :meth:`take`;
-    ``reference``: the seconds of a call's local work, if measured."""
+    ``reference``: the seconds of a call's local work, if measured.
+
+    A call's local work is what the optimizer timed of it when it times its own inner step
+    (``local`` in :meth:`add`: DiLoCo's ``inner_step_seconds``, taken under the same load as
+    the rest of the call), else ``reference`` when the caller measured it (the wrapped
+    optimizer's step on this model, as ``bench/wan.py`` does), else the tenth percentile of
+    the calls: most calls of DiLoCo are inner steps and most calls of the collaborative
+    Optimizer accumulate gradients (with a batch or less per peer per epoch, every call
+    averages and only a measured ``reference`` tells the waiting apart)."""
 
     def __init__(self, reference: float | None = None) -> None:
         if reference is not None and not (math.isfinite(reference) and reference >= 0):

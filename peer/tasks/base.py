@@ -1,16 +1,14 @@
 """What a run trains: a :class:`Task`, and the :class:`TrainingConfig` its peers share.
 
 A run names its task (``"digits"``, ``"charlm"`` or ``"package.module:function"``, see
-:mod:`peer.tasks.registry`) and carries a config dict of hyper-parameters. Every peer builds
-the same :class:`TrainingConfig` from them with :meth:`TrainingConfig.from_run_config`: the
-run's values over the task's :attr:`Task.defaults` over :data:`BASE_DEFAULTS`, checked.
-
-A volunteer then trains roughly like this (``peer/volunteer.py`` does it for real)::
+:mod:`peer.tasks.registry`) and carries a config dict of hyper-parameters; every peer builds
+the same :class:`TrainingConfig` from them with :meth:`TrainingConfig.from_run_config` (the
+run's values over :attr:`Task.defaults` over :data:`BASE_DEFAULTS`, checked). A volunteer
+then trains roughly so (``peer/volunteer.py`` does it for real)::
 
     config = TrainingConfig.from_run_config(task, run_config)
     model = task.build_model(config)
-    opt = peer.Optimizer(node=node, run_id=run_id, params=model.parameters(),
-                         **config.optimizer_options())
+    opt = config.make_swarm_optimizer(node, run_id, model.parameters())
     for batch in task.train_batches(config, peer_id):
         task.loss(model, batch).backward()
         opt.step(batch_size=task.batch_size(batch))
@@ -24,17 +22,34 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Generic, TypedDict
+
+from typing_extensions import TypeVar
 
 from peer.exceptions import SwarmgradError
+from peer.formats.open_types import ConfigValues
+from peer.formats.run_config import (
+    ALGORITHMS,
+    BASE_DEFAULTS,
+    FIELD_CHECKS,
+    OPTIMIZERS,
+    AlgorithmName,
+    LRScheduleName,
+    OptimizerName,
+    PrecisionName,
+    check_like,
+    check_together,
+)
 
 if TYPE_CHECKING:
     import torch
+    from torch.optim.optimizer import ParamsT
 
+    from peer.optim.collaborative import Optimizer
+    from peer.optim.diloco import DiLoCo
     from peer.optim.seam import SwarmNode
 
 __all__ = [
@@ -48,14 +63,39 @@ __all__ = [
     "peer_seed",
 ]
 
-OptimizerName = Literal["sgd", "adam", "adamw"]
-OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
-# how peers combine their work: "collaborative" (peer.Optimizer: a global batch, averaged
-# gradients every epoch) or "diloco" (peer.DiLoCo: inner_steps local steps, then an outer
-# step on the averaged pseudo-gradient; the choice for home links)
-AlgorithmName = Literal["collaborative", "diloco"]
-ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
-OptimizerFactory = Callable[[Iterable[Any]], "torch.optim.Optimizer"]
+OptimizerFactory = Callable[["ParamsT"], "torch.optim.Optimizer"]
+
+# What a task's batches are (a tensor, a tuple of them, ...): each Task subclass's own. A
+# subclass that does not name it (``class MyTask(Task)``) leaves it unchecked, as before.
+BatchT = TypeVar("BatchT", default=Any)
+
+
+class OptimizerOptions(TypedDict):
+    """:meth:`TrainingConfig.optimizer_options`: keyword arguments of ``peer.Optimizer``."""
+
+    target_batch_size: int
+    batch_size_per_step: int
+    optimizer: OptimizerFactory
+    matchmaking_time: float
+    averaging_timeout: float
+    aggregator: str
+    relative_weight_bound: float | None
+
+
+class DiLoCoOptions(TypedDict):
+    """:meth:`TrainingConfig.diloco_options`: keyword arguments of ``peer.DiLoCo``."""
+
+    inner_optimizer: OptimizerFactory
+    inner_steps: int
+    outer_optimizer: OptimizerFactory
+    fragments: int
+    compression: str
+    overlap: bool
+    batch_size_per_step: int
+    matchmaking_time: float
+    averaging_timeout: float
+    aggregator: str
+    relative_weight_bound: float | None
 
 
 class TaskError(SwarmgradError):
@@ -63,10 +103,11 @@ class TaskError(SwarmgradError):
     return a :class:`Task`. ``str(exc)`` is one line for a human."""
 
 
-class Task(ABC):
+class Task(ABC, Generic[BatchT]):
     """What a run trains: the model, each peer's data, the loss and the held-out metric.
 
-    Subclasses set the four class attributes and implement the methods. Every method must
+    Subclasses set the four class attributes and implement the methods; ``Task[B]`` is a
+    task whose batches are of type ``B`` (``Task[torch.Tensor]``, say). Every method must
     give the same answer on every peer for the same config: the swarm averages models that
     :meth:`build_model` made alike, and compares :meth:`evaluate` figures across peers.
     Load data lazily (on the first call that needs it), not in ``__init__``: naming a task
@@ -78,24 +119,24 @@ class Task(ABC):
     higher_is_better: bool
     # Values for TrainingConfig fields, and the task's own parameters (every other key;
     # the run's config may override them with a value of the same type).
-    defaults: Mapping[str, Any] = MappingProxyType({})
+    defaults: ConfigValues = MappingProxyType({})
 
     @abstractmethod
     def build_model(self, config: TrainingConfig) -> torch.nn.Module:
         """A fresh model on the CPU whose initial weights depend only on ``config.seed``."""
 
     @abstractmethod
-    def train_batches(self, config: TrainingConfig, peer_id: str) -> Iterator[Any]:
+    def train_batches(self, config: TrainingConfig, peer_id: str) -> Iterator[BatchT]:
         """An endless stream of training batches of ``config.batch_size`` samples (on the
         CPU), in an order fixed by ``(config.seed, peer_id)``: peers see different orders."""
 
     @abstractmethod
-    def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    def loss(self, model: torch.nn.Module, batch: BatchT) -> torch.Tensor:
         """The mean loss over ``batch`` (moved to the model's device here), ready for
         ``backward()``."""
 
     @abstractmethod
-    def batch_size(self, batch: Any) -> int:
+    def batch_size(self, batch: BatchT) -> int:
         """How many samples ``batch`` holds (the weight of its gradient in the swarm)."""
 
     @abstractmethod
@@ -103,7 +144,7 @@ class Task(ABC):
         """The task's metric (:attr:`metric_name`) on held-out data. Leaves the model's
         train/eval mode as it found it and builds no autograd graph."""
 
-    def check_params(self, params: Mapping[str, Any]) -> None:
+    def check_params(self, params: ConfigValues) -> None:
         """Raise ``ValueError`` naming the key if a task parameter is out of range. Types are
         already checked against :attr:`defaults`. The default accepts everything."""
         return None
@@ -117,34 +158,6 @@ def peer_seed(seed: int, peer_id: str) -> int:
     same on every call, different across peers (``torch.Generator().manual_seed(...)``)."""
     digest = hashlib.blake2b(f"{seed}/{peer_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 1
-
-
-# The values a TrainingConfig field takes when neither the run nor the task sets it.
-BASE_DEFAULTS: Mapping[str, Any] = MappingProxyType(
-    {
-        "target_batch_size": 256,
-        "batch_size": 32,
-        "optimizer": "adam",
-        "lr": 1e-3,
-        "momentum": 0.9,
-        "weight_decay": 0.0,
-        "epochs": None,
-        "checkpoint_every": 10,
-        "seed": 0,
-        "matchmaking_time": 5.0,
-        "averaging_timeout": 30.0,
-        "max_machines": 8,
-        "aggregator": "centered_clip",
-        "relative_weight_bound": 16.0,
-        "algorithm": "collaborative",
-        "inner_steps": 100,
-        "outer_lr": 0.7,
-        "outer_momentum": 0.9,
-        "fragments": 1,
-        "compression": "none",
-        "overlap": False,
-    }
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,26 +201,42 @@ class TrainingConfig:
     fragments: int = 1
     compression: str = "none"
     overlap: bool = False
-    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # the task's own
+    # the model's float buffers (batch-norm running statistics) stay each volunteer's own
+    # instead of being averaged with the parameters and handed to newcomers
+    local_buffers: bool = False
+    # batches over which the batch-norm statistics of the model a volunteer evaluates and
+    # uploads are recomputed at its parameters (the same batches on every volunteer); 0: the
+    # swarm's averaged statistics as they are
+    recompute_statistics: int = 0
+    # micro-batches of batch_size per optimizer step: a step's samples (its weight in the
+    # swarm) are accumulation times batch_size, its gradient their mean
+    accumulation: int = 1
+    # the forward pass's dtype: "fp32" or "bf16" (torch.autocast on CPU and CUDA; parameters,
+    # gradients, the optimizer's state and averaging stay float32)
+    precision: PrecisionName = "fp32"
+    # each step's gradient (the mean over its micro-batches) is clipped to this total norm
+    # before it reaches the swarm optimizer (DiLoCo: each inner step); None: no clipping
+    max_grad_norm: float | None = None
+    # the learning rate at each swarm epoch (lr_at): warmup_epochs of linear warm-up, then
+    # "constant", or "linear"/"cosine" decay to 0 at epochs
+    lr_schedule: LRScheduleName = "constant"
+    warmup_epochs: int = 0
+    params: ConfigValues = dataclasses.field(default_factory=dict)  # the task's own
 
     def __post_init__(self) -> None:
-        for name, check in _FIELD_CHECKS.items():
+        for name, check in FIELD_CHECKS.items():
             object.__setattr__(self, name, check(name, getattr(self, name)))
-        if self.fragments > self.inner_steps:
-            raise ValueError(
-                f"fragments: at most inner_steps ({self.inner_steps}), each fragment syncs "
-                f"after an inner step of its own; got {self.fragments}"
-            )
+        check_together({name: getattr(self, name) for name in FIELD_CHECKS})
         if not isinstance(self.params, Mapping):
-            raise ValueError(f"params: expected a mapping, got {_kind(self.params)}")
+            raise ValueError(f"params: expected a mapping, got {type(self.params).__name__}")
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Callable[[ConfigValues], TrainingConfig], tuple[ConfigValues]]:
         # MappingProxyType does not pickle; spawned worker processes receive configs.
         return (_rebuild, (self.to_run_config(),))
 
     @classmethod
-    def from_run_config(cls, task: Task, config: Mapping[str, Any] | None) -> TrainingConfig:
+    def from_run_config(cls, task: Task, config: ConfigValues | None) -> TrainingConfig:
         """The run's ``config`` over ``task.defaults`` over :data:`BASE_DEFAULTS`, checked.
 
         A key that is neither a field nor one of the task's parameters, a value of the wrong
@@ -216,7 +245,9 @@ class TrainingConfig:
         if config is None:
             config = {}
         if not isinstance(config, Mapping):
-            raise ValueError(f"a run's config is a mapping of settings, not {_kind(config)}")
+            raise ValueError(
+                f"a run's config is a mapping of settings, not {type(config).__name__}"
+            )
         fields = {f.name for f in dataclasses.fields(cls)} - {"params"}
         task_defaults = dict(task.defaults)
         param_defaults = {k: v for k, v in task_defaults.items() if k not in fields}
@@ -226,25 +257,45 @@ class TrainingConfig:
                 raise ValueError(f"{key}: not a setting of the task {task.name!r} (known: {known})")
         values = {**BASE_DEFAULTS, **task_defaults, **config}
         params = {
-            key: _check_like(key, values[key], default) for key, default in param_defaults.items()
+            key: check_like(key, values[key], default) for key, default in param_defaults.items()
         }
         task.check_params(params)
         return cls(**{key: values[key] for key in fields}, params=params)
 
-    def to_run_config(self) -> dict[str, Any]:
+    def to_run_config(self) -> ConfigValues:
         """The flat dict :meth:`from_run_config` turns back into this config (for any task
         with these parameters)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values.update(values.pop("params"))
         return values
 
-    def optimizer_options(self) -> dict[str, Any]:
+    @property
+    def samples_per_step(self) -> int:
+        """Samples behind one optimizer step: ``accumulation`` micro-batches of
+        ``batch_size``."""
+        return self.batch_size * self.accumulation
+
+    def lr_at(self, epoch: int) -> float:
+        """The learning rate of the swarm's ``epoch`` under ``lr_schedule`` and
+        ``warmup_epochs`` (:func:`peer.tasks.schedule.lr_factor`); the volunteer sets it on
+        the optimizer before each step, so a newcomer steps at the swarm's rate."""
+        from peer.tasks.schedule import lr_factor
+
+        factor = lr_factor(
+            epoch,
+            schedule=self.lr_schedule,
+            warmup_epochs=self.warmup_epochs,
+            epochs=self.epochs,
+        )
+        return self.lr * factor
+
+    def optimizer_options(self) -> OptimizerOptions:
         """The keyword arguments of ``peer.Optimizer`` that this config sets:
         ``Optimizer(node=node, run_id=run_id, params=model.parameters(),
         **config.optimizer_options())``."""
         return {
             "target_batch_size": self.target_batch_size,
-            "batch_size_per_step": self.batch_size,
+            "batch_size_per_step": self.samples_per_step,
             "optimizer": self.make_optimizer(),
             "matchmaking_time": self.matchmaking_time,
             "averaging_timeout": self.averaging_timeout,
@@ -252,7 +303,7 @@ class TrainingConfig:
             "relative_weight_bound": self.relative_weight_bound,
         }
 
-    def diloco_options(self) -> dict[str, Any]:
+    def diloco_options(self) -> DiLoCoOptions:
         """The keyword arguments of ``peer.DiLoCo`` that this config sets:
         ``DiLoCo(node=node, run_id=run_id, params=model.parameters(),
         **config.diloco_options())``; the inner optimizer is :meth:`make_optimizer`'s."""
@@ -263,7 +314,7 @@ class TrainingConfig:
             "fragments": self.fragments,
             "compression": self.compression,
             "overlap": self.overlap,
-            "batch_size_per_step": self.batch_size,
+            "batch_size_per_step": self.samples_per_step,
             "matchmaking_time": self.matchmaking_time,
             "averaging_timeout": self.averaging_timeout,
             "aggregator": self.aggregator,
@@ -283,19 +334,41 @@ class TrainingConfig:
         )
 
     def make_swarm_optimizer(
-        self, node: SwarmNode, run_id: str, params: Iterable[Any], **extra: Any
-    ) -> Any:
+        self,
+        node: SwarmNode,
+        run_id: str,
+        params: Iterable[torch.Tensor],
+        buffers: Iterable[torch.Tensor] | None = None,
+        **extra: Any,  # more of the optimizer's keyword arguments, whichever it is
+    ) -> Optimizer | DiLoCo:
         """The run's swarm optimizer over ``params``: a ``peer.Optimizer`` or, with
         ``algorithm: diloco``, a ``peer.DiLoCo``, configured by this config; ``extra``
-        keyword arguments go to it as well (``client_mode``, say)."""
+        keyword arguments go to it as well (``client_mode``, say).
+
+        ``buffers`` are the model's buffers to share (``peer.optim.model_buffers(model)``):
+        averaged as values with the parameters and handed to newcomers with the state,
+        unless ``local_buffers`` keeps them each peer's own."""
+        shared = None if self.local_buffers else buffers
         if self.algorithm == "diloco":
             from peer.optim.diloco import DiLoCo
 
-            return DiLoCo(node=node, run_id=run_id, params=params, **self.diloco_options(), **extra)
+            return DiLoCo(
+                node=node,
+                run_id=run_id,
+                params=params,
+                buffers=shared,
+                **self.diloco_options(),
+                **extra,
+            )
         from peer.optim.collaborative import Optimizer
 
         return Optimizer(
-            node=node, run_id=run_id, params=params, **self.optimizer_options(), **extra
+            node=node,
+            run_id=run_id,
+            params=params,
+            buffers=shared,
+            **self.optimizer_options(),
+            **extra,
         )
 
     def make_optimizer(self) -> OptimizerFactory:
@@ -311,152 +384,7 @@ class TrainingConfig:
         return functools.partial(cls, lr=self.lr, weight_decay=self.weight_decay)
 
 
-def _rebuild(values: dict[str, Any]) -> TrainingConfig:
+def _rebuild(values: ConfigValues) -> TrainingConfig:
     fields = {f.name for f in dataclasses.fields(TrainingConfig)}
     params = {k: v for k, v in values.items() if k not in fields}
     return TrainingConfig(**{k: v for k, v in values.items() if k in fields}, params=params)
-
-
-# --------------------------------------------------------------------------- value checks
-
-
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _integer(
-    key: str, value: Any, *, minimum: int | None = None, maximum: int | None = None
-) -> int:
-    # JSON has one number type: 1000.0 or 1e3 is taken as 1000, 0.5 is refused.
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{key}: expected an integer, got {_kind(value)} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{key}: must be at least {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{key}: must be at most {maximum}, got {value}")
-    return value
-
-
-def _number(key: str, value: Any) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise ValueError(f"{key}: expected a number, got {_kind(value)} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{key}: must be finite, got {value}")
-    return float(value)
-
-
-def _positive(key: str, value: Any) -> float:
-    number = _number(key, value)
-    if number <= 0:
-        raise ValueError(f"{key}: must be positive, got {value}")
-    return number
-
-
-def _fraction(key: str, value: Any) -> float:
-    number = _number(key, value)
-    if not 0.0 <= number < 1.0:
-        raise ValueError(f"{key}: must be in [0, 1), got {value}")
-    return number
-
-
-def _non_negative(key: str, value: Any) -> float:
-    number = _number(key, value)
-    if number < 0:
-        raise ValueError(f"{key}: must not be negative, got {value}")
-    return number
-
-
-def _optimizer(key: str, value: Any) -> str:
-    if value not in OPTIMIZERS or not isinstance(value, str):
-        raise ValueError(f"{key}: expected one of {', '.join(OPTIMIZERS)}, got {value!r}")
-    return value
-
-
-def _algorithm(key: str, value: Any) -> str:
-    if value not in ALGORITHMS or not isinstance(value, str):
-        raise ValueError(f"{key}: expected one of {', '.join(ALGORITHMS)}, got {value!r}")
-    return value
-
-
-def _compression(key: str, value: Any) -> str:
-    from peer.compression import compression_from_name
-
-    try:
-        compression_from_name(value)
-    except ValueError as exc:
-        raise ValueError(f"{key}: {exc}") from None
-    return str(value)
-
-
-def _flag(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{key}: expected true or false, got {_kind(value)} {value!r}")
-    return value
-
-
-def _epochs(key: str, value: Any) -> int | None:
-    return None if value is None else _integer(key, value, minimum=1)
-
-
-def _aggregator(key: str, value: Any) -> str:
-    from peer.averaging.robust import AGGREGATORS
-
-    if not isinstance(value, str) or value not in AGGREGATORS:
-        raise ValueError(f"{key}: expected one of {', '.join(AGGREGATORS)}, got {value!r}")
-    return value
-
-
-def _weight_bound(key: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    number = _number(key, value)
-    if number < 1:
-        raise ValueError(f"{key}: a factor of the group's median weight, at least 1; got {value}")
-    return number
-
-
-_FIELD_CHECKS: dict[str, Callable[[str, Any], Any]] = {
-    "target_batch_size": functools.partial(_integer, minimum=1),
-    "batch_size": functools.partial(_integer, minimum=1),
-    "optimizer": _optimizer,
-    "lr": _positive,
-    "momentum": _fraction,
-    "weight_decay": _non_negative,
-    "epochs": _epochs,
-    "checkpoint_every": functools.partial(_integer, minimum=0),
-    "seed": functools.partial(_integer, minimum=0, maximum=2**63 - 1),
-    "matchmaking_time": _positive,
-    "averaging_timeout": _positive,
-    "max_machines": functools.partial(_integer, minimum=1, maximum=10_000),
-    "aggregator": _aggregator,
-    "relative_weight_bound": _weight_bound,
-    "algorithm": _algorithm,
-    "inner_steps": functools.partial(_integer, minimum=1, maximum=1_000_000),
-    "outer_lr": _positive,
-    "outer_momentum": _fraction,
-    "fragments": functools.partial(_integer, minimum=1, maximum=1024),
-    "compression": _compression,
-    "overlap": _flag,
-}
-
-
-def _check_like(key: str, value: Any, default: Any) -> Any:
-    """A task parameter must have its default's type (an int where a float is expected is
-    taken; a default of None accepts anything)."""
-    if default is None or value is default:
-        return value
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ValueError(f"{key}: expected true or false, got {_kind(value)} {value!r}")
-        return value
-    if isinstance(default, int):
-        return _integer(key, value)
-    if isinstance(default, float):
-        return _number(key, value)
-    if isinstance(default, str):
-        if not isinstance(value, str):
-            raise ValueError(f"{key}: expected a string, got {_kind(value)} {value!r}")
-        return value
-    return value

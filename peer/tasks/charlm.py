@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from peer.formats.open_types import ConfigValues
 from peer.tasks.base import Task, TaskError, TrainingConfig, peer_seed
 
 __all__ = ["CharLM", "CharLMTask", "load_text"]
@@ -67,7 +67,8 @@ class CausalSelfAttention(nn.Module):
         scores = scores.masked_fill(~self.mask[:t, :t], float("-inf"))
         y = scores.softmax(dim=-1) @ v  # [b, h, t, d/h]
         y = y.transpose(1, 2).reshape(b, t, d)  # heads side by side again: [b, t, d]
-        return self.proj(y)  # [b, t, d]
+        out: torch.Tensor = self.proj(y)  # [b, t, d] (a module's call is untyped)
+        return out
 
 
 class Block(nn.Module):
@@ -84,7 +85,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, t, d] -> [b, t, d]
         x = x + self.attention(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))  # (a module's call is untyped)
+        return out
 
 
 class CharLM(nn.Module):
@@ -115,7 +117,8 @@ class CharLM(nn.Module):
         x = self.embed(tokens) + self.position(positions)  # [b, t, d]
         for block in self.blocks:
             x = block(x)  # [b, t, d]
-        return self.head(self.norm(x))  # [b, t, 256]
+        logits: torch.Tensor = self.head(self.norm(x))  # [b, t, 256]
+        return logits
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -127,7 +130,7 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.normal_(module.weight, std=0.02)
 
 
-class CharLMTask(Task):
+class CharLMTask(Task[torch.Tensor]):
     """Next-byte prediction on ``pydoc_data/topics.py``; metric: held-out loss in nats.
 
     A batch is a tensor [batch_size, context + 1] of byte windows taken at random offsets
@@ -146,7 +149,7 @@ class CharLMTask(Task):
     name = "charlm"
     metric_name = "held-out loss"
     higher_is_better = False
-    defaults: Mapping[str, Any] = MappingProxyType(
+    defaults: ConfigValues = MappingProxyType(
         {
             "target_batch_size": 256,
             "batch_size": 32,
@@ -170,7 +173,7 @@ class CharLMTask(Task):
     def __init__(self) -> None:
         self._tokens: torch.Tensor | None = None
 
-    def check_params(self, params: Mapping[str, Any]) -> None:
+    def check_params(self, params: ConfigValues) -> None:
         for key in ("d_model", "n_layers", "n_heads", "context", "eval_windows"):
             if params[key] < 1:
                 raise ValueError(f"{key}: must be at least 1, got {params[key]}")
@@ -246,7 +249,7 @@ class CharLMTask(Task):
         total = 0.0
         try:
             with torch.no_grad():
-                for chunk in windows.split(64):
+                for chunk in torch.split(windows, 64):  # typed, unlike Tensor.split
                     total += float(self.loss(model, chunk)) * len(chunk)
         finally:
             model.train(was_training)

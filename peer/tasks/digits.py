@@ -1,36 +1,41 @@
 """The built-in task: scikit-learn's bundled digits (8x8 images, 10 classes), a small MLP.
 
-Needs no download: ``sklearn.datasets.load_digits`` ships with scikit-learn. Everything is
-deterministic given a seed: the train/test split, the model's initial weights, each peer's
-shard and the order of its batches — so a swarm and a single process can be compared on the
-same data.
-
-:class:`DigitsTask` is what a run with ``--task digits`` trains with the collaborative
-``peer.Optimizer``: every peer draws batches from the whole training set in its own order.
-
-Two benchmark trainers share one recipe (:class:`DigitsConfig`):
-
-* :func:`train_single` — one process over the whole training set;
-* :func:`train_peer` — one peer of a swarm over its shard with
-  :class:`~peer.optim.DecentralizedSGD`: local steps, parameters averaged in the background.
-
-Both process ``epochs * len(train set)`` samples in total (a peer ``1/num_peers`` of that),
-so their accuracies compare at equal sample budgets.
+Needs no download (``sklearn.datasets.load_digits``), and everything is deterministic given
+a seed: the split, the initial weights, each peer's shard and batch order.
+:class:`DigitsTask` is what a run with ``--task digits`` trains. Two benchmark trainers
+share one recipe (:class:`DigitsConfig`) and the same sample budget, so their accuracies
+compare: :func:`train_single` (one process, the whole training set) and :func:`train_peer`
+(one peer of a swarm on its shard, with :class:`~peer.optim.DecentralizedSGD`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Unpack
 
 import numpy as np
 import torch
 
+from peer.formats.open_types import ConfigValues
 from peer.optim.seam import SwarmNode
 from peer.tasks.base import Task, TrainingConfig, peer_seed
+
+if TYPE_CHECKING:
+    from peer.optim.decentralized import SGDWrapperOptions
+
+    class PeerOptions(SGDWrapperOptions, total=False):
+        """:func:`train_peer`'s keyword arguments of ``DecentralizedSGD``."""
+
+        target_group_size: int | None
+        dampening: float
+        weight_decay: float
+        nesterov: bool
+        average_parameters: bool
+        average_gradients: bool
+
 
 __all__ = [
     "DigitsConfig",
@@ -169,7 +174,7 @@ def train_single(config: DigitsConfig, data: DigitsData | None = None) -> TrainR
     for epoch in range(config.epochs):
         for xb, yb in batches(data.x_train, data.y_train, config.batch_size, config.seed + epoch):
             opt.zero_grad()
-            _loss(model, xb, yb).backward()
+            torch.autograd.backward(_loss(model, xb, yb))  # typed, unlike Tensor.backward
             opt.step()
             samples += len(yb)
             steps += 1
@@ -187,7 +192,7 @@ def train_peer(
     data: DigitsData | None = None,
     start_timeout: float = 60.0,
     finish_timeout: float = 60.0,
-    **optimizer_kwargs: Any,
+    **optimizer_kwargs: Unpack[PeerOptions],
 ) -> TrainResult:
     """Train peer ``index`` of ``num_peers`` on its shard with ``DecentralizedSGD``.
 
@@ -205,18 +210,23 @@ def train_peer(
     x, y = data.x_train[shard], data.y_train[shard]
     model = make_model(config.seed, config.hidden)
     steps_per_epoch = -(-len(data.y_train) // config.batch_size)  # of the whole swarm
-    kwargs: dict[str, Any] = dict(
-        target_group_size=num_peers,
-        max_allowed_epoch_difference=1,
-        total_steps_in_epoch=steps_per_epoch,
-        averaging_steps_period=1,
-        min_matchmaking_time=0.2,
-        request_timeout=1.0,
-        timeout=30.0,
-    )
+    kwargs: PeerOptions = {
+        "target_group_size": num_peers,
+        "max_allowed_epoch_difference": 1,
+        "total_steps_in_epoch": steps_per_epoch,
+        "averaging_steps_period": 1,
+        "min_matchmaking_time": 0.2,
+        "request_timeout": 1.0,
+        "timeout": 30.0,
+    }
     kwargs.update(optimizer_kwargs)
     opt = DecentralizedSGD(
-        model.parameters(), config.lr, node=node, prefix=prefix, momentum=config.momentum, **kwargs
+        model.parameters(),
+        config.lr,
+        node=node,
+        prefix=prefix,
+        momentum=config.momentum,
+        **kwargs,
     )
     try:
         _wait(lambda: len(opt.tracker.fetch()) >= num_peers, start_timeout)
@@ -225,7 +235,7 @@ def train_peer(
         for epoch in range(config.epochs):
             for xb, yb in batches(x, y, config.batch_size, config.seed + 1000 * index + epoch):
                 opt.zero_grad()
-                _loss(model, xb, yb).backward()
+                torch.autograd.backward(_loss(model, xb, yb))  # typed, unlike Tensor.backward
                 opt.step(batch_size=len(yb))
                 samples += len(yb)
                 steps += 1
@@ -239,7 +249,7 @@ def train_peer(
 
         _wait(everyone_done, finish_timeout)
         # a round that starts after everyone finished: the evaluated models agree
-        rounds = opt.averaging_rounds + (1 if opt._current_round is not None else 0)
+        rounds = opt.averaging_rounds + (1 if opt.rounds.current is not None else 0)
         opt.average_now()
         opt.wait_for_rounds(rounds + 1, timeout=finish_timeout)
         opt.zero_grad()  # the safe point where the last round reaches the parameters
@@ -255,7 +265,7 @@ def train_peer(
         opt.shutdown()
 
 
-def _wait(predicate: Any, timeout: float) -> bool:
+def _wait(predicate: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() >= deadline:
@@ -264,7 +274,7 @@ def _wait(predicate: Any, timeout: float) -> bool:
     return True
 
 
-class DigitsTask(Task):
+class DigitsTask(Task[tuple[torch.Tensor, torch.Tensor]]):
     """Digits with the collaborative optimizer: the MLP of :func:`make_model`, test accuracy.
 
     Every peer sees the whole training set (peers cannot know how many others there are, so
@@ -283,7 +293,7 @@ class DigitsTask(Task):
     name = "digits"
     metric_name = "accuracy"
     higher_is_better = True
-    defaults: Mapping[str, Any] = MappingProxyType(
+    defaults: ConfigValues = MappingProxyType(
         {
             "target_batch_size": 256,
             "batch_size": 32,
@@ -302,7 +312,7 @@ class DigitsTask(Task):
     def __init__(self) -> None:
         self._data: dict[tuple[int, float], DigitsData] = {}
 
-    def check_params(self, params: Mapping[str, Any]) -> None:
+    def check_params(self, params: ConfigValues) -> None:
         if params["hidden"] < 1:
             raise ValueError(f"hidden: must be at least 1, got {params['hidden']}")
         if not 0.0 < params["test_fraction"] < 1.0:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Mapping
+from types import ModuleType
 
 from peer.tasks.base import Task, TaskError
 
-__all__ = ["BUILTIN", "load_task"]
+__all__ = ["BUILTIN", "load_task", "task_from_module"]
 
 # name → "module:class"; the class is called with no arguments
 BUILTIN: dict[str, str] = {
@@ -47,6 +48,13 @@ def load_task(name: str) -> Task:
         module = importlib.import_module(module_name)
     except Exception as exc:  # the module is someone else's code: any error means "cannot"
         raise TaskError(f"cannot import task {name!r}: {_one_line(exc)}") from exc
+    return task_from_module(name, module, function_name)
+
+
+def task_from_module(name: str, module: ModuleType, function_name: str) -> Task:
+    """The Task ``module.function_name()`` returns, checked; ``name`` is what errors call
+    it."""
+    module_name = module.__name__
     try:
         factory = getattr(module, function_name)
     except AttributeError as exc:

@@ -22,11 +22,19 @@ and a tensor view can go out without being concatenated first)."""
 PRE_AUTH_MESSAGE_BYTES = 64 * 1024
 
 
+#: An IPv6 source is its whole network of this prefix length: one subscriber commonly holds
+#: a /56 or a /48 (a /64 is one LAN of it), and could otherwise pass as hundreds of sources.
+IPV6_SOURCE_PREFIX = 56
+
+
 def source_of(address: str) -> str:
     """Who a connection from ``address`` (a URL like ``ws://198.51.100.7:50312``, or a bare
-    host) counts as, for limits per source: its IP address, or for IPv6 its /64 network
-    (what one host is usually given); the host part as it is when it is not an IP
-    address."""
+    host) counts as, for limits per source: its IP address, or for IPv6 its network of
+    :data:`IPV6_SOURCE_PREFIX` bits; the host part as it is when it is not an IP address.
+    A connection through a relay (``relay://host:port/<peer id>``) counts as its dialer,
+    whom the relay authenticated: the relay's own address stands for many peers."""
+    if address.startswith("relay://"):
+        return address
     host = urllib.parse.urlsplit(address).hostname if "//" in address else address
     if not host:
         return address
@@ -35,7 +43,7 @@ def source_of(address: str) -> str:
     except ValueError:
         return host
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is None:
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+        return str(ipaddress.IPv6Network((ip, IPV6_SOURCE_PREFIX), strict=False))
     return str(ip.ipv4_mapped or ip) if isinstance(ip, ipaddress.IPv6Address) else str(ip)
 
 

@@ -1,31 +1,13 @@
 """Encrypted sessions: the keys a handshake agrees on, sealed link messages and sealed
 bulk-lane streams.
 
-Keys. Each side of a handshake (:mod:`peer.node.links`) puts a fresh X25519 public key in
-its ``hello``; both hellos are covered by both sides' Ed25519 signatures, so whoever relays
-the handshake cannot substitute keys of its own. Once the signatures verify,
-:func:`derive_session` runs HKDF-SHA256 over the X25519 shared secret (salted with the
-hashes of both hellos) and yields one AES-256-GCM key per direction and a secret from
-which bulk lanes derive theirs. The ephemeral private keys never leave the handshake:
-a recorded session cannot be decrypted later with the peers' identity keys (forward
-secrecy).
-
-Links (:class:`SecureConnection`). Every message is ``counter (8 bytes) ‖ AES-GCM
-ciphertext ‖ tag (16 bytes)``; the nonce is the counter, which starts at 1 and grows by one
-per message in each direction. The receiver accepts only counters above the last one it
-accepted: a replayed or reordered message, like a tampered or injected one, raises
-:class:`~peer.exceptions.TamperedFrame` and the link closes. (A message lost on the way
-is tolerated, as it was before encryption: a transport that drops messages loses only
-those.)
-
-Lanes (:class:`LaneSealer`, :class:`LaneOpener`). A lane is a TCP byte stream, so nonces
-are implicit: both ends count records from 0. A frame is one *header record* (a 4-byte
-length in clear, authenticated as associated data, then the sealed frame header) followed
-by the payload in sealed records of :data:`CHUNK` bytes (the last one shorter; their sizes
-follow from the header, so they carry no length). Lane keys come from the link's lane
-secret and the lane's ticket (:meth:`SessionKeys.lane`): a ticket seen by an eavesdropper
-opens nothing, and the dialer proves it holds the secret before the listener reads a
-frame.
+Each side of a handshake (:mod:`peer.node.links`) puts a fresh :class:`KeyExchange` key in
+its signed ``hello``; :func:`derive_session` turns the shared secret into one AES-256-GCM key
+per direction and a secret for bulk lanes. A link's messages are then sealed by
+:class:`SecureConnection` (:class:`LinkCipher`), a lane's stream by :class:`LaneSealer` and
+opened by :class:`LaneOpener`, keyed by :meth:`SessionKeys.lane`. A tampered, replayed,
+reordered or injected message raises :class:`~peer.exceptions.TamperedFrame` and the
+link or lane closes.
 
 AES-256-GCM rather than ChaCha20-Poly1305: with AES-NI it ran at about 2.7 GB/s against
 1.8 GB/s on the machines this project is measured on (``python -m bench.allreduce``
@@ -119,7 +101,13 @@ def derive_session(
 ) -> SessionKeys:
     """Both sides' keys from the X25519 secret and the two hellos (each side's Ed25519
     public key orders them, so both ends compute the same keys; a side's send key is the
-    other's receive key)."""
+    other's receive key).
+
+    Both hellos are covered by both sides' Ed25519 signatures, so whoever relays the
+    handshake cannot substitute keys of its own. HKDF-SHA256 runs over the shared secret,
+    salted with the hashes of both hellos. The ephemeral private keys never leave the
+    handshake: a recorded session cannot be decrypted later with the peers' identity keys
+    (forward secrecy)."""
     mine_first = my_public_key < their_public_key
     first, second = (my_hello, their_hello) if mine_first else (their_hello, my_hello)
     salt = hashlib.sha256(first).digest() + hashlib.sha256(second).digest()
@@ -130,7 +118,14 @@ def derive_session(
 
 
 class LinkCipher:
-    """Sealing and opening of link messages (no I/O): explicit counters, strictly growing."""
+    """Sealing and opening of link messages (no I/O): explicit counters, strictly growing.
+
+    Every message is ``counter (8 bytes) ‖ AES-GCM ciphertext ‖ tag (16 bytes)``; the nonce
+    is the counter, which starts at 1 and grows by one per message in each direction. The
+    receiver accepts only counters above the last one it accepted: a replayed or reordered
+    message, like a tampered or injected one, raises
+    :class:`~peer.exceptions.TamperedFrame`. A message lost on the way is tolerated: a
+    transport that drops messages loses only those."""
 
     def __init__(self, keys: SessionKeys, remote_address: str) -> None:
         self._sealer = AESGCM(keys.send)
@@ -215,7 +210,15 @@ class SecureConnection(Connection):
 
 
 class LaneSealer:
-    """Seals frames for one direction of a lane (no I/O)."""
+    """Seals frames for one direction of a lane (no I/O).
+
+    A lane is a TCP byte stream, so nonces are implicit: both ends count records from 0. A
+    frame is one *header record* (a 4-byte length in clear, authenticated as associated
+    data, then the sealed frame header) followed by the payload in sealed records of
+    :data:`CHUNK` bytes (the last one shorter; their sizes follow from the header, so they
+    carry no length). Lane keys come from the link's lane secret and the lane's ticket
+    (:meth:`SessionKeys.lane`): a ticket seen by an eavesdropper opens nothing, and the
+    dialer proves it holds the secret before the listener reads a frame."""
 
     def __init__(self, key: bytes) -> None:
         self._aead = AESGCM(key)
@@ -296,6 +299,7 @@ class LaneOpener:
             return min(CHUNK, len(self._payload) - self._got) + TAG
         if self._have - self._pos < _LENGTH.size:
             return 0
+        size: int
         (size,) = _LENGTH.unpack_from(self._staging, self._pos)
         if size < TAG or size > self._limits.max_header_bytes + _LENGTH.size + TAG:
             raise MalformedFrame(f"a header record of {size} bytes is over the limit")

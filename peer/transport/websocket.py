@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+import socket
+from collections.abc import Awaitable, Callable
 
 from websockets.asyncio.client import connect as ws_connect
-from websockets.asyncio.server import ServerConnection
+from websockets.asyncio.connection import Connection as WsConnection
+from websockets.asyncio.server import Server, ServerConnection
 from websockets.asyncio.server import serve as ws_serve
 from websockets.exceptions import ConnectionClosed as WsConnectionClosed
 from websockets.exceptions import InvalidHandshake, InvalidURI
+from websockets.http11 import SERVER, Request, Response
 from websockets.protocol import State
+from websockets.server import ServerProtocol
 
 from peer.exceptions import ConnectionClosed, MalformedFrame, TransportError
 from peer.transport.base import (
@@ -37,7 +41,7 @@ _PRE_AUTH_QUEUE = 2  # ... and before: a handshake reads one message at a time
 
 
 class WebSocketConnection(Connection):
-    def __init__(self, ws, remote_address: str) -> None:
+    def __init__(self, ws: WsConnection, remote_address: str) -> None:
         self._ws = ws
         self.remote_address = remote_address
 
@@ -149,9 +153,20 @@ def _guarded_connection(openings: _Openings) -> type[ServerConnection]:
                 self._opening = False
                 openings.release(self._source)
 
-        async def handshake(self, *args: Any, **kwargs: Any) -> None:
+        async def handshake(
+            self,
+            process_request: Callable[
+                [ServerConnection, Request], Awaitable[Response | None] | Response | None
+            ]
+            | None = None,
+            process_response: Callable[
+                [ServerConnection, Request, Response], Awaitable[Response | None] | Response | None
+            ]
+            | None = None,
+            server_header: str | None = SERVER,
+        ) -> None:
             try:
-                await super().handshake(*args, **kwargs)
+                await super().handshake(process_request, process_response, server_header)
             finally:
                 self._opened()
 
@@ -162,8 +177,20 @@ def _guarded_connection(openings: _Openings) -> type[ServerConnection]:
     return GuardedConnection
 
 
+async def _no_listener() -> asyncio.Server:
+    raise RuntimeError("a connection served alone has no listener")
+
+
+class _OneConnection(Server):
+    """The ``websockets`` server of one connection that no listener accepted (a relay's
+    circuit, :meth:`WebSocketTransport.serve_socket`): serving while it lasts."""
+
+    def is_serving(self) -> bool:
+        return True
+
+
 class _WebSocketListener(Listener):
-    def __init__(self, server, addresses: list[str]) -> None:
+    def __init__(self, server: Server, addresses: list[str]) -> None:
         self._server = server
         self.addresses = addresses
 
@@ -188,10 +215,29 @@ class WebSocketTransport(Transport):
         return self._max
 
     async def connect(self, address: str, *, timeout: float) -> Connection:
+        return await self._connect(address, address, timeout, sock=None)
+
+    async def connect_socket(
+        self, sock: socket.socket, address: str, *, timeout: float
+    ) -> Connection:
+        """Open a WebSocket connection over ``sock``, a TCP stream already connected to the
+        other side (a relay's circuit, :mod:`peer.transport.relay`); ``address`` is what the
+        connection reports as its remote address. The socket is the connection's from now
+        on, closed with it (or here, on failure)."""
+        try:
+            return await self._connect("ws://relayed/", address, timeout, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+
+    async def _connect(
+        self, uri: str, address: str, timeout: float, *, sock: socket.socket | None
+    ) -> Connection:
         try:
             ws = await asyncio.wait_for(
                 ws_connect(
-                    address,
+                    uri,
+                    sock=sock,
                     max_size=self._max,
                     compression=None,
                     ping_interval=20,
@@ -209,6 +255,61 @@ class WebSocketTransport(Transport):
         connection = WebSocketConnection(ws, address)
         connection.limit_incoming(min(self._max, PRE_AUTH_MESSAGE_BYTES))
         return connection
+
+    async def serve_socket(
+        self, sock: socket.socket, remote_address: str, handler: Handler
+    ) -> None:
+        """Serve one WebSocket connection whose TCP stream is already open on ``sock`` (the
+        dialed side of a relay's circuit) with ``handler``, as :meth:`listen` serves each
+        connection it accepts; returns once the handler has and the connection is closed.
+        ``remote_address`` is what the connection reports as its remote address."""
+        loop = asyncio.get_running_loop()
+        served: asyncio.Future[None] = loop.create_future()
+
+        async def run(ws: ServerConnection) -> None:
+            try:
+                async with asyncio.timeout(self._open_timeout):
+                    await ws.handshake()
+                if ws.protocol.state is not State.OPEN:
+                    ws.transport.abort()
+                    return
+                ws.start_keepalive()
+                async with ws:
+                    connection = WebSocketConnection(ws, remote_address)
+                    connection.limit_incoming(min(self._max, PRE_AUTH_MESSAGE_BYTES))
+                    await handler(connection)
+            except Exception as exc:  # as websockets' own server: log, never leak the socket
+                logger.debug("relayed connection from %s failed: %s", remote_address, exc)
+                ws.transport.abort()
+            finally:
+                if not served.done():
+                    served.set_result(None)
+
+        server = _OneConnection(_no_listener, run)
+
+        def connection() -> ServerConnection:
+            return ServerConnection(
+                ServerProtocol(max_size=self._max),
+                server,
+                ping_interval=20,
+                ping_timeout=20,
+                close_timeout=2,
+                max_queue=_QUEUE,
+            )
+
+        try:
+            await loop.connect_accepted_socket(connection, sock)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            await asyncio.shield(served)
+        except asyncio.CancelledError:
+            tasks = list(server.handler_tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
 
     def _openings(self) -> _Openings:
         return _Openings(MAX_OPENING, MAX_OPENING_PER_SOURCE)

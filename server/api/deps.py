@@ -34,7 +34,8 @@ _bearer = HTTPBearer(auto_error=False, description="A token issued by this coord
 
 
 async def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+    settings: Settings = request.app.state.settings
+    return settings
 
 
 async def get_session(request: Request) -> AsyncIterator[Session]:
@@ -52,23 +53,27 @@ async def get_session(request: Request) -> AsyncIterator[Session]:
 
 
 async def get_keybox(request: Request) -> KeyBox:
-    return request.app.state.keybox
+    keybox: KeyBox = request.app.state.keybox
+    return keybox
 
 
 async def get_join_challenges(request: Request) -> JoinChallenges:
-    return request.app.state.join_challenges
+    join_challenges: JoinChallenges = request.app.state.join_challenges
+    return join_challenges
 
 
 async def get_checkpoint_store(request: Request) -> CheckpointStore:
-    return request.app.state.checkpoint_store
+    checkpoint_store: CheckpointStore = request.app.state.checkpoint_store
+    return checkpoint_store
 
 
 async def get_report_guard(request: Request) -> ReportGuard:
-    return request.app.state.report_guard
+    report_guard: ReportGuard = request.app.state.report_guard
+    return report_guard
 
 
 async def get_report_buffer(request: Request) -> ReportBuffer:
-    buffer = getattr(request.app.state, "report_buffer", None)
+    buffer: ReportBuffer | None = getattr(request.app.state, "report_buffer", None)
     if buffer is None:  # the ASGI server did not run the app's lifespan
         raise RuntimeError("the report buffer is not running; serve the app with lifespan on")
     return buffer
@@ -162,10 +167,21 @@ async def get_run_reader(principal: CurrentPrincipal, run_id: RunIdPath) -> Prin
     )
 
 
+async def get_task_reader(principal: JoinPrincipal, run_id: RunIdPath) -> Principal:
+    """An organizer, or an invitee or a peer of this run: who may read the task it ships
+    (an invitee reads it before joining, so a task it cannot run spends no invite)."""
+    if principal.scope is TokenScope.organizer:
+        return principal
+    if principal.run_id != run_id:
+        raise Forbidden(f"this {principal.scope.value} token belongs to another run")
+    return principal
+
+
 CurrentJoiner = Annotated[Principal, Depends(get_joiner)]
 CurrentInvitee = Annotated[Principal, Depends(get_invitee)]
 CurrentPeer = Annotated[Principal, Depends(get_peer)]
 CurrentRunReader = Annotated[Principal, Depends(get_run_reader)]
+TaskReader = Annotated[Principal, Depends(get_task_reader)]
 
 
 def get_run(session: SessionDep, run_id: RunIdPath) -> Run:

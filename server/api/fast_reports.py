@@ -4,7 +4,8 @@ FastAPI's routing and dependency resolution cost more CPU than everything the re
 does. This middleware answers the common case — JSON body, a peer token this worker verified
 within ``peer_auth_cache_ttl_s`` for this very run, a body that validates and passes the
 plausibility bounds with what the worker already knows — directly, with the same schema
-(:class:`~server.schemas.ReportCreate`), guard, buffer and answer as the route.
+(:class:`~peer.formats.requests.ReportCreate`) and answer as the route, through the same
+function (:func:`~server.services.report_guard.take_report`).
 Everything else (cache misses, invalid bodies, other content types, errors of any kind) is
 passed on untouched to the FastAPI route, which stays the reference implementation and
 produces every error message; so the fast path can only ever take requests the route would
@@ -20,16 +21,16 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api import API_PREFIX
-from server.exceptions import Unavailable
 from server.models import TokenScope
-from server.schemas import ReportCreate
+from server.schemas import ReportAccepted, ReportCreate
 from server.security import parse_token
+from server.services.report_guard import take_report
 from server.services.tokens import Principal
 
 _PATH = re.compile(rf"^{re.escape(API_PREFIX)}/runs/([^/]{{1,32}})/reports$")
 _ROUTE = SimpleNamespace(path=f"{API_PREFIX}/runs/{{run_id}}/reports")  # the metrics label
 _MAX_FAST_BODY = 4096
-_ACCEPTED_BODY = b'{"status":"accepted"}'
+_ACCEPTED_BODY = ReportAccepted().model_dump_json().encode()
 _ACCEPTED_HEADERS = [
     (b"content-type", b"application/json"),
     (b"content-length", str(len(_ACCEPTED_BODY)).encode()),
@@ -61,7 +62,7 @@ class ReportFastPath:
             if len(body) > _MAX_FAST_BODY or not message.get("more_body", False):
                 break
         buffer = getattr(scope["app"].state, "report_buffer", None)
-        report = pending = None
+        report = None
         if (
             buffer is not None
             and messages[-1]["type"] == "http.request"
@@ -71,16 +72,14 @@ class ReportFastPath:
                 report = ReportCreate.model_validate_json(body)
             except ValidationError:
                 report = None
-        if report is not None:
+        taken = False
+        if report is not None and buffer is not None:
             assert principal.run_id is not None and principal.peer_pk is not None
             guard = scope["app"].state.report_guard
-            pending = guard.admit_known(principal.run_id, principal.peer_pk, report)
-        if pending is None or buffer is None:
-            await self.app(scope, _replay(messages, receive), send)
-            return
-        try:
-            await buffer.add(pending)
-        except Unavailable:  # the route answers it
+            taken = await take_report(
+                guard, buffer, principal.run_id, principal.peer_pk, report, at_hand=True
+            )
+        if not taken:  # the route answers it
             await self.app(scope, _replay(messages, receive), send)
             return
         scope["route"] = _ROUTE

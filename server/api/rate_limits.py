@@ -30,7 +30,6 @@ from server.services.rate_limits import (
     RateLimit,
     RateLimiter,
     Refusal,
-    address_key,
 )
 from server.services.tokens import Principal
 
@@ -43,9 +42,26 @@ _ROUTES: list[tuple[str, re.Pattern[str], Endpoint, str]] = [
      f"{API_PREFIX}/runs/{{run_id}}/reports"),
     ("GET", re.compile(_RUN + "bootstrap$"), Endpoint.BOOTSTRAP,
      f"{API_PREFIX}/runs/{{run_id}}/bootstrap"),
+    # the rendezvous list is asked for beside bootstrap, and counts with it
+    ("GET", re.compile(_RUN + "rendezvous$"), Endpoint.BOOTSTRAP,
+     f"{API_PREFIX}/runs/{{run_id}}/rendezvous"),
     ("POST", re.compile(_RUN + "certificate$"), Endpoint.CERTIFICATE,
      f"{API_PREFIX}/runs/{{run_id}}/certificate"),
     ("POST", re.compile(_RUN + "leave$"), Endpoint.LEAVE, f"{API_PREFIX}/runs/{{run_id}}/leave"),
+    # The dashboard's data and pages: anyone may read them, and a page of the volunteers'
+    # table, a volunteer's page or an HTML page is built for its request.
+    ("GET", re.compile(rf"^{re.escape(API_PREFIX)}/dashboard$"), Endpoint.DASHBOARD,
+     f"{API_PREFIX}/dashboard"),
+    ("GET", re.compile(_RUN + "dashboard$"), Endpoint.DASHBOARD,
+     f"{API_PREFIX}/runs/{{run_id}}/dashboard"),
+    ("GET", re.compile(_RUN + "volunteers$"), Endpoint.DASHBOARD,
+     f"{API_PREFIX}/runs/{{run_id}}/volunteers"),
+    ("GET", re.compile(_RUN + "volunteers/[^/]+$"), Endpoint.DASHBOARD,
+     f"{API_PREFIX}/runs/{{run_id}}/volunteers/{{ref}}"),
+    ("GET", re.compile(r"^/$"), Endpoint.DASHBOARD, "/"),
+    ("GET", re.compile(r"^/runs/([^/]{1,32})$"), Endpoint.DASHBOARD, "/runs/{run_id}"),
+    ("GET", re.compile(r"^/runs/([^/]{1,32})/volunteers/[^/]+$"), Endpoint.DASHBOARD,
+     "/runs/{run_id}/volunteers/{ref}"),
 ]  # fmt: skip
 _WHAT = {
     Endpoint.JOIN_CHALLENGE: "join challenges",
@@ -54,16 +70,18 @@ _WHAT = {
     Endpoint.BOOTSTRAP: "bootstrap requests",
     Endpoint.CERTIFICATE: "certificate renewals",
     Endpoint.LEAVE: "leaves",
+    Endpoint.DASHBOARD: "dashboard requests",
 }
 
 
 def limiter_from_settings(settings: Settings) -> RateLimiter:
-    """The limits ``settings`` configure: joins per address; reports, bootstrap and
-    certificate renewal and leaving per peer token and per address."""
+    """The limits ``settings`` configure: joins and dashboard reads per address; reports,
+    bootstrap and certificate renewal and leaving per peer token and per address."""
     join = RateLimit(settings.rate_limit_join_per_s, settings.rate_limit_join_burst)
     reports = RateLimit(settings.rate_limit_reports_per_s, settings.rate_limit_reports_burst)
     peer = RateLimit(settings.rate_limit_peer_per_s, settings.rate_limit_peer_burst)
     address = RateLimit(settings.rate_limit_address_per_s, settings.rate_limit_address_burst)
+    dashboard = RateLimit(settings.rate_limit_dashboard_per_s, settings.rate_limit_dashboard_burst)
     return RateLimiter(
         per_peer={
             Endpoint.REPORTS: reports,
@@ -78,8 +96,10 @@ def limiter_from_settings(settings: Settings) -> RateLimiter:
             Endpoint.BOOTSTRAP: address,
             Endpoint.CERTIFICATE: address,
             Endpoint.LEAVE: address,
+            Endpoint.DASHBOARD: dashboard,
         },
         max_keys=settings.rate_limit_max_keys,
+        ipv6_prefix=settings.rate_limit_ipv6_prefix,
     )
 
 
@@ -108,7 +128,7 @@ class RateLimitMiddleware:
             return
         endpoint, template, run_id = matched
         client = scope.get("client")
-        address = address_key(client[0] if client else None)
+        address = self.limiter.address(client[0] if client else None)
         if address is None:  # loopback: exempt
             await self.app(scope, receive, send)
             return

@@ -1,21 +1,16 @@
-"""Who may set a run's checkpoint: an upload is taken at an epoch the swarm has reached, from
-the peer the run designates for that epoch, or once two volunteers agree on its digest.
+"""Who may set a run's checkpoint: an upload is taken at an epoch the other volunteers have
+reached, from the peer the run designates for that epoch, or once volunteers of two
+invites agree on its digest.
 
-* **Reached.** The epoch may be no further past the swarm's epoch than a progress report of
-  the uploader's volunteer could be: the report guard's own judgement
-  (:meth:`server.services.report_guard.ReportGuard.swarm_epoch` plus
-  ``report_max_epoch_lead``). A checkpoint "of epoch 2^53" is refused, and logged naming
-  the volunteer, before its body is read.
-* **Designated.** Peers pick the uploader of an epoch without a lock: the lowest peer id
-  among the peers at that epoch or the one before (``peer.volunteer``). The coordinator
-  applies the same rule to the peers it knows: online (seen within ``peer_online_ttl_s``),
-  reported at that epoch or the one before, not banned. Its view of the epochs lags the
-  gossip by a report or so, which only lets more uploaders through, never fewer.
-* **Agreed.** An upload from anyone else is hashed and its digest kept as a proposal (the
-  file is not): when a peer of a *different* volunteer uploads the same digest for the same
-  epoch, that upload is taken. Two keys of one credential are one volunteer and never agree
-  with each other. Each volunteer holds one proposal, its newest, so proposals take a row
-  per volunteer at most.
+* **Possible.** The epoch is at most the report guard's swarm epoch plus
+  ``report_max_epoch_lead``; anything further is refused and logged.
+* **Reached.** An upload more than one epoch past what the *other* volunteers reached
+  (:func:`reached`: per invite the median, the run's figure the second highest invite's) is
+  kept as a proposal (202): its digest only, never served.
+* **Designated.** The uploader of an epoch is the lowest peer id among the online, unbanned
+  peers at that epoch or the one before (the rule peers apply themselves).
+* **Agreed.** Anyone else's upload is kept as a proposal; it is taken once a volunteer of a
+  *different* invite uploads the same digest for the same epoch. One proposal per volunteer.
 """
 
 from __future__ import annotations
@@ -28,10 +23,14 @@ from sqlalchemy.orm import Session
 
 from server.clock import now_ms
 from server.exceptions import Conflict, InvalidContent
-from server.models import Checkpoint, CheckpointProposal, Peer, Volunteer
+from server.models import Checkpoint, CheckpointProposal, Peer, ProgressReport, Volunteer
 from server.services import presence
 
 logger = logging.getLogger(__name__)
+
+# A volunteer counts as having reached its reported epoch plus what it advanced over this many
+# report intervals before its latest report (its next report is up to an interval away).
+PACE_WINDOWS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +39,8 @@ class Uploader:
     volunteer_id: int
     display_name: str
     designated: bool
+    # The invite the volunteer came through (None: the organizer added it; it is its own).
+    invite_id: str | None = None
 
     def named(self) -> str:
         return f"volunteer {self.volunteer_id} ({self.display_name!r}, peer {self.peer_id})"
@@ -55,8 +56,8 @@ def uploader(
         raise Conflict(
             f"run {run_id} already has a checkpoint of epoch {latest}; upload only newer epochs"
         )
-    peer_id, volunteer_id, name = session.execute(
-        select(Peer.peer_id, Peer.volunteer_id, Volunteer.display_name)
+    peer_id, volunteer_id, name, invite_id = session.execute(
+        select(Peer.peer_id, Peer.volunteer_id, Volunteer.display_name, Volunteer.join_token_id)
         .join(Volunteer, Peer.volunteer_id == Volunteer.id)
         .where(Peer.id == peer_pk)
     ).one()
@@ -77,7 +78,96 @@ def uploader(
     )
     # Give the connection back to the pool while the body streams in.
     session.commit()
-    return Uploader(str(peer_id), int(volunteer_id), str(name), designated=not lower)
+    return Uploader(
+        str(peer_id),
+        int(volunteer_id),
+        str(name),
+        designated=not lower,
+        invite_id=None if invite_id is None else str(invite_id),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """One volunteer's epoch as the coordinator saw it: ``epoch`` in its latest report, and
+    how far it advanced over the pace window before that."""
+
+    volunteer_id: int
+    epoch: int
+    advanced: int
+    # The invite the volunteer came through (None: the organizer added it).
+    invite_id: str | None = None
+
+    @property
+    def reached(self) -> int:
+        return self.epoch + max(0, self.advanced)
+
+    @property
+    def witness(self) -> str:
+        """What counts once: its invite (a shared invite mints a volunteer per key)."""
+        return f"volunteer {self.volunteer_id}" if self.invite_id is None else self.invite_id
+
+
+def reached(progress: list[Progress], volunteer_id: int) -> int | None:
+    """The epoch the volunteers other than ``volunteer_id`` have reached, None with none (a
+    volunteer alone online is the swarm). Pure.
+
+    Volunteers are cheap where invites are not: the others' :attr:`Progress.reached` count
+    per invite as their upper median (the volunteers one invite minted must be mostly
+    liars to move it), and the run's figure is the second highest of the invites' (the
+    only one with a single invite): no one invite raises it alone."""
+    by_invite: dict[str, list[int]] = {}
+    for p in progress:
+        if p.volunteer_id != volunteer_id:
+            by_invite.setdefault(p.witness, []).append(p.reached)
+    per_invite = sorted((sorted(v)[len(v) // 2] for v in by_invite.values()), reverse=True)
+    return per_invite[min(1, len(per_invite) - 1)] if per_invite else None
+
+
+def held_ahead(epoch: int, reached_epoch: int | None) -> bool:
+    """Whether an upload of ``epoch`` is more than one epoch past ``reached_epoch`` (None:
+    nobody else is online, and no upload is)."""
+    return reached_epoch is not None and epoch > reached_epoch + 1
+
+
+def progress(
+    session: Session, run_id: str, *, online_ttl_s: float, window_s: float
+) -> list[Progress]:
+    """Each volunteer's :class:`Progress`, for the volunteers with a peer online that are
+    not banned: their peers' highest reported epoch, and how far it rose over the
+    ``window_s`` before their latest report (from the run's raw reports)."""
+    now = now_ms()
+    since = now - int(online_ttl_s * 1000)
+    current: dict[int, tuple[int, str | None]] = {
+        int(v): (int(e), None if invite is None else str(invite))
+        for v, invite, e in session.execute(
+            select(Peer.volunteer_id, Volunteer.join_token_id, func.max(Peer.epoch))
+            .join(Volunteer, Peer.volunteer_id == Volunteer.id)
+            .where(
+                Peer.run_id == run_id,
+                presence.online(since),
+                Peer.last_report_ms.is_not(None),
+                Volunteer.banned_at.is_(None),
+            )
+            .group_by(Peer.volunteer_id, Volunteer.join_token_id)
+        )
+    }
+    window_start = now - int((window_s + online_ttl_s) * 1000)
+    earliest: dict[int, int] = {
+        int(v): int(e)
+        for v, e in session.execute(
+            select(Peer.volunteer_id, func.min(ProgressReport.epoch))
+            .join(Peer, ProgressReport.peer_id == Peer.id)
+            .where(
+                ProgressReport.run_id == run_id,
+                ProgressReport.reported_ms >= window_start,
+                ProgressReport.reported_ms >= Peer.last_report_ms - int(window_s * 1000),
+                Peer.volunteer_id.in_(list(current)),
+            )
+            .group_by(Peer.volunteer_id)
+        )
+    }
+    return [Progress(v, e, e - earliest.get(v, e), invite) for v, (e, invite) in current.items()]
 
 
 def refuse_unreached(
@@ -101,17 +191,28 @@ def refuse_unreached(
     )
 
 
-def propose(session: Session, run_id: str, who: Uploader, epoch: int, sha256: str) -> bool:
-    """Record ``who``'s digest for ``epoch``; True when another volunteer proposed the same
-    (the upload is then taken, and the epoch's proposals are spent)."""
-    agreed = session.scalar(
+def propose(
+    session: Session, run_id: str, who: Uploader, epoch: int, sha256: str, *, may_agree: bool
+) -> bool:
+    """Record ``who``'s digest for ``epoch``; True when ``may_agree`` and a volunteer of
+    another invite proposed the same (the upload is then taken, and the epoch's proposals
+    are spent)."""
+    other_invite = (
+        Volunteer.join_token_id.is_(None)
+        if who.invite_id is None
+        else Volunteer.join_token_id.is_(None) | (Volunteer.join_token_id != who.invite_id)
+    )
+    agreed = may_agree and session.scalar(
         select(func.count())
         .select_from(CheckpointProposal)
+        .join(Volunteer, CheckpointProposal.volunteer_id == Volunteer.id)
         .where(
             CheckpointProposal.run_id == run_id,
             CheckpointProposal.epoch == epoch,
             CheckpointProposal.sha256 == sha256,
             CheckpointProposal.volunteer_id != who.volunteer_id,
+            Volunteer.banned_at.is_(None),
+            other_invite,
         )
     )
     session.execute(

@@ -1,28 +1,17 @@
 """Checkpoints peers upload, so that a volunteer who joins later starts from the run's
 newest weights rather than from scratch, and the organizer can download the model.
 
-A file is what ``torch.save`` writes: a zip archive. The coordinator never unpickles it; it
-checks the zip signature, hashes it, and hands it out again. Uploads are streamed to a
-temporary file in the run's directory while being hashed, flushed to disk (``fsync``) and
-renamed into place, so a crash never leaves a half-written checkpoint under a real name;
-only then is the row inserted. The newest ``checkpoint_keep`` per run are kept, and the one
-the organizer pinned: that one is served (downloads, joins) instead of the newest until it
-is unpinned or deleted. Who may upload which epoch is :mod:`server.services.checkpoint_admission`'s
-judgement.
+A checkpoint is what ``torch.save`` writes (a zip archive); the coordinator checks the zip
+signature and hashes it, never unpickles it. An upload is streamed to a temporary file,
+fsynced and renamed into place before its row is inserted. The newest ``checkpoint_keep``
+per run are kept, and the pinned one, which is served instead of the newest while pinned.
+Who may upload which epoch: :mod:`server.services.checkpoint_admission`.
 
-With ``checkpoint_dir_max_bytes``, the checkpoints of all runs together stay under that
-many bytes (the sizes recorded in the rows; uploads still streaming are not counted): a new
-checkpoint that takes the total over it removes the oldest checkpoints first, whatever
-their run, but never the newest of a run, so every run can still be resumed. An upload
-alone over the bound is refused (413) before anything is written; one that fits alone but
-not beside the other runs' newest checkpoints is refused (507) and nothing is removed.
-
-Several workers: files live in ``checkpoint_dir`` (shared by the workers; on several
-machines it must be a shared volume), and the rows decide. Inserting a checkpoint locks the
-run's row (PostgreSQL) or takes SQLite's write lock before it checks for a newer epoch, so
-of two concurrent uploads the older is refused, whatever the order. Under the directory
-bound, uploads of all runs are serialised the same way, on the ``housekeeping`` row
-:data:`DIRECTORY_LOCK`.
+With ``checkpoint_dir_max_bytes`` all runs' checkpoints together stay under that bound: the
+oldest are removed first but never a run's newest; an upload alone over it is refused (413),
+one that cannot fit beside the runs' newest is refused (507). Files live in the shared
+``checkpoint_dir``; the rows decide, under a lock on the run's row (or
+:data:`DIRECTORY_LOCK` under the bound), so of two concurrent uploads the older is refused.
 """
 
 from __future__ import annotations
@@ -30,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import secrets
 import tempfile
@@ -52,6 +42,8 @@ from server.models import Checkpoint, Housekeeping, Run, utcnow
 from server.schemas import CheckpointPublic
 from server.services import checkpoint_admission as admission
 from server.services.report_guard import ReportGuard
+
+logger = logging.getLogger(__name__)
 
 ZIP_MAGIC = b"PK\x03\x04"
 # Received chunks are gathered into blocks of this size before a thread writes them.
@@ -200,10 +192,12 @@ async def upload(
     *,
     guard: ReportGuard,
     online_ttl_s: float,
+    report_interval_s: float,
 ) -> Uploaded:
     """Store the checkpoint of ``epoch`` streamed in ``body`` if the run takes it from this
-    peer (:mod:`~server.services.checkpoint_admission`; otherwise only its digest is kept,
-    as a proposal), and keep the newest ``store.keep`` (and the directory under
+    peer at this epoch (:mod:`~server.services.checkpoint_admission`; otherwise only its
+    digest is kept, as a proposal: held when the epoch is more than one past what the other
+    volunteers reached), and keep the newest ``store.keep`` (and the directory under
     ``store.dir_max_bytes``): 409 when the run has one of the same or a newer epoch (checked
     before and after receiving), 413 over ``store.upload_limit``, 422 for an epoch the swarm
     has not reached or a body that is not a zip archive, 507 when the disk refuses the file
@@ -219,17 +213,22 @@ async def upload(
     lead = guard.limits.max_epoch_lead
     swarm = await guard.swarm_epoch(run.id, who.volunteer_id, at_least=epoch - lead)
     admission.refuse_unreached(run.id, who, epoch, swarm, lead)
+    progress = await asyncio.to_thread(
+        admission.progress,
+        session,
+        run.id,
+        online_ttl_s=online_ttl_s,
+        window_s=admission.PACE_WINDOWS * report_interval_s,
+    )
+    reached = admission.reached(progress, who.volunteer_id)
+    ahead = admission.held_ahead(epoch, reached)
     stored = await _receive(store, run.id, epoch, body)
     try:
-        if not who.designated and not await asyncio.to_thread(
-            admission.propose, session, run.id, who, epoch, stored.sha256
+        if (ahead or not who.designated) and not await asyncio.to_thread(
+            admission.propose, session, run.id, who, epoch, stored.sha256, may_agree=not ahead
         ):
             _discard(stored.path)
-            return Uploaded(
-                None,
-                f"another peer is this epoch's uploader; the digest is kept, and the "
-                f"checkpoint of epoch {epoch} is taken once a second volunteer uploads it",
-            )
+            return Uploaded(None, _held_detail(run.id, who, epoch, reached, ahead=ahead))
         checkpoint, pruned = await asyncio.to_thread(
             _record, session, store, run.id, epoch, who.peer_id, stored
         )
@@ -238,6 +237,28 @@ async def upload(
         raise
     _discard(*pruned)
     return Uploaded(checkpoint, f"checkpoint of epoch {epoch} stored")
+
+
+def _held_detail(
+    run_id: str, who: admission.Uploader, epoch: int, reached: int | None, *, ahead: bool
+) -> str:
+    if not ahead:
+        return (
+            "another peer is this epoch's uploader; the digest is kept, and the checkpoint "
+            f"of epoch {epoch} is taken once a volunteer of another invite uploads it"
+        )
+    logger.warning(
+        "held a checkpoint of epoch %d in run %s from %s: the other volunteers reached %s",
+        epoch,
+        run_id,
+        who.named(),
+        "no epoch" if reached is None else f"epoch {reached}",
+    )
+    return (
+        f"epoch {epoch} is more than one past what the other volunteers reached "
+        f"({'none' if reached is None else reached}); the digest is kept, and nothing is "
+        "served from it"
+    )
 
 
 def _too_large(store: CheckpointStore) -> PayloadTooLarge:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,11 +42,11 @@ from server.schemas_dashboard import (
     VolunteerRow,
     VolunteerSummary,
 )
+from server.services import averaging_health, presence, rollups, volunteer_table
 from server.services import checkpoints as checkpoint_service
-from server.services import presence, rollups, volunteer_table
 from server.services import runs as run_service
 from server.services.progress import history
-from server.services.reports import RATE_WINDOW_MS, float_sum, run_totals, saturated
+from server.services.run_totals import RATE_WINDOW_MS, float_sum, run_totals, saturated
 from server.services.volunteer_table import Row, View
 
 DEFAULT_VIEW = View()
@@ -180,6 +181,7 @@ def _table_rows(rows: list[Row], total_samples: int) -> list[VolunteerRow]:
             last_seen=None if v.last_seen_ms is None else ms_to_datetime(v.last_seen_ms),
             online=v.online,
             reachable=v.reachable_peers > 0,
+            behind_nat=v.punching_peers > 0,
             peers=v.peers,
             banned=v.banned,
         )
@@ -194,10 +196,10 @@ def _share(samples: int, total: int) -> float:
 def _version(document: RunDashboard | RunsOverview) -> str:
     # What changes with the data, not with the clock: ``now`` and the checkpoint's age are
     # left out, so an idle run's version stays put and live clients get nothing new.
-    exclude: dict[str, object] = {"version": True, "now": True}
+    exclude: dict[str, bool | dict[str, set[str]]] = {"version": True, "now": True}
     if isinstance(document, RunDashboard):
         exclude["headline"] = {"checkpoint": {"age_s"}}
-    data = document.model_dump_json(exclude=exclude)  # type: ignore[arg-type]
+    data = document.model_dump_json(exclude=exclude)
     return hashlib.blake2b(data.encode(), digest_size=8).hexdigest()
 
 
@@ -207,8 +209,20 @@ def _training_rate(run: Run, rate: float) -> float:
 
 
 def target_epochs(run: Run) -> int | None:
-    value = (run.config or {}).get("epochs")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return run_service.last_epoch(run.config)
+
+
+def _status_detail(session: Session, runs: Sequence[Run], online_ttl_s: float) -> dict[str, str]:
+    """Why each of ``runs`` is in its status, where there is more to say than the status
+    (:func:`server.services.runs.status_detail`); one count for the runs that wait."""
+    online = run_service.volunteers_online(
+        session,
+        [r.id for r in runs if run_service.waiting(r)],
+        online_ttl_s=online_ttl_s,
+        ready=True,
+    )
+    found = {r.id: run_service.status_detail(r, online.get(r.id, 0)) for r in runs}
+    return {run_id: text for run_id, text in found.items() if text}
 
 
 def run_algorithm(run: Run) -> str:
@@ -227,6 +241,7 @@ def run_dashboard(
 ) -> RunDashboard:
     """Headline, alerts, charts and one page of the volunteers' table (``view``)."""
     now = now_ms()
+    detail = _status_detail(session, [run], online_ttl_s)
     online_ttl_s = presence_s(online_ttl_s)
     totals = run_totals(session, run.id, now, online_ttl_s)
     since = now - int(online_ttl_s * 1000)
@@ -313,6 +328,11 @@ def run_dashboard(
             else (now - int(last_report_ms)) / 1000,
         )
     )
+    if run.status.value == "running" and run.archived_at is None:
+        found += averaging_health.alerts(
+            session, run.id, now=now, since=since, online=totals.peers_online
+        )
+        found.sort(key=lambda a: a.severity != "critical")
     volunteers, info = volunteer_table.page(session, run.id, since, view)
     document = RunDashboard(
         run=RunHeader(
@@ -320,6 +340,7 @@ def run_dashboard(
             name=run.name,
             task=run.task,
             status=run.status,
+            status_detail=detail.get(run.id),
             created_at=run.created_at,
             target_epochs=target,
             algorithm=run_algorithm(run),
@@ -357,11 +378,28 @@ def volunteers_page(
     )
 
 
+def with_page(document: bytes | str, page: VolunteerPage) -> str:
+    """A run's dashboard document (JSON, as :func:`run_dashboard` made it for the default
+    view) with ``page`` of the volunteers' table in place of its own; its ``version`` covers
+    the page too. The run-wide part is not rebuilt, so a reader who asks for many views
+    costs one table query each."""
+    data = json.loads(document)
+    table = page.model_dump(mode="json", include={"volunteers_page", "volunteers"})
+    data.update(table)
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(str(data["version"]).encode())
+    digest.update(json.dumps(table, sort_keys=True).encode())
+    data["version"] = digest.hexdigest()
+    return json.dumps(data, separators=(",", ":"))
+
+
 def runs_overview(session: Session, *, online_ttl_s: float) -> RunsOverview:
     now = now_ms()
+    runs = run_service.list_runs(session, include_archived=False)
+    details = _status_detail(session, runs, online_ttl_s)
     online_ttl_s = presence_s(online_ttl_s)
     rows = []
-    for run in run_service.list_runs(session, include_archived=False):
+    for run in runs:
         totals = run_totals(session, run.id, now, online_ttl_s)
         trend = session.scalars(
             select(ProgressSnapshot.samples_per_second)
@@ -374,6 +412,7 @@ def runs_overview(session: Session, *, online_ttl_s: float) -> RunsOverview:
                 id=run.id,
                 name=run.name,
                 status=run.status,
+                status_detail=details.get(run.id),
                 task=run.task,
                 epoch=totals.epoch,
                 samples=totals.samples,
@@ -469,7 +508,8 @@ def volunteer_detail(
             MachineRow(
                 peer_id=p.peer_id,
                 addresses=list(p.addresses or []),
-                reachable=not p.client_mode,
+                reachable=not p.client_mode and not _punching(p.addresses),
+                behind_nat=not p.client_mode and _punching(p.addresses),
                 client_mode=p.client_mode,
                 epoch=p.epoch,
                 samples=p.samples_base + p.samples,
@@ -483,3 +523,8 @@ def volunteer_detail(
             for p in peers
         ],
     )
+
+
+def _punching(addresses: list[str] | None) -> bool:
+    """Behind a NAT, reached by hole punching (the rendezvous's punch:// address)."""
+    return any(address.startswith("punch://") for address in addresses or ())

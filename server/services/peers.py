@@ -15,6 +15,7 @@ announces) and take over that peer's row, token and addresses.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,11 +31,11 @@ from peer.formats.identity import (
     verify_signature,
 )
 from server.clock import ms_to_datetime, now_ms
-from server.exceptions import Conflict, Forbidden
+from server.exceptions import Conflict, Forbidden, InvalidContent
 from server.models import Peer, Run, RunStatus, Volunteer, utcnow
 from server.schemas import JoinRequest, decode_public_key, decode_signature
 from server.security import ChallengeRefused, JoinChallenge, JoinChallenges, KeyBox
-from server.services import presence
+from server.services import display_names, presence
 from server.services import runs as run_service
 from server.services import tokens as token_service
 from server.services import volunteers as volunteer_service
@@ -77,8 +78,19 @@ def issue_certificate(
         role="client" if peer.client_mode else "peer",
         expires_at=expires_ms / 1000,
         volunteer=str(peer.volunteer_id),
+        invite=invite_tag(run, peer.volunteer.join_token_id),
     )
     return certificate, ms_to_datetime(expires_ms)
+
+
+def invite_tag(run: Run, join_token_id: str | None) -> str | None:
+    """What a certificate names as the invite that admitted a volunteer: a digest of the
+    invite's id (peers compare tags; the id itself stays with the coordinator). A shared
+    invite admits a new volunteer per redemption, and peers counting witnesses count the
+    volunteers of one invite as one."""
+    if join_token_id is None:
+        return None
+    return hashlib.blake2b(f"{run.id}\0{join_token_id}".encode(), digest_size=12).hexdigest()
 
 
 def max_machines(run: Run) -> int:
@@ -168,6 +180,10 @@ def join(
     before the proof is checked.
     """
     ensure_accepting(run, "join")
+    try:
+        name = display_names.clean(data.display_name) if data.display_name else None
+    except display_names.DisplayNameError as exc:
+        raise InvalidContent(str(exc)) from None
     public_key = check_join_proof(challenges, run.id, join_token_id, data)
     peer_id = peer_id_from_public_key(public_key)
     now = now_ms()
@@ -177,13 +193,14 @@ def join(
     personal = volunteer_service.personal_volunteer(session, join_token_id)
     if peer is not None:
         volunteer_service.ensure_not_banned(peer.volunteer)
-    if personal is None and data.display_name and data.display_name != DEFAULT_DISPLAY_NAME:
-        # A name is one volunteer's: a new volunteer, or a rename, may not take another's.
+    if personal is None and name and name != DEFAULT_DISPLAY_NAME:
+        # A name is one volunteer's: a new volunteer, or a rename, may not take another's
+        # (nor one that reads the same).
         try:
             volunteer_service.ensure_name_free(
                 session,
                 run.id,
-                data.display_name,
+                name,
                 exclude=None if peer is None else peer.volunteer_id,
             )
         except volunteer_service.NameTaken as exc:
@@ -200,7 +217,7 @@ def join(
             if volunteer is None:
                 volunteer = Volunteer(
                     run_id=run.id,
-                    display_name=data.display_name or DEFAULT_DISPLAY_NAME,
+                    display_name=name or DEFAULT_DISPLAY_NAME,
                     join_token_id=join_token_id,
                     created_at=utcnow(),
                 )
@@ -237,8 +254,8 @@ def join(
             peer.last_seen_ms = max(peer.last_seen_ms, now)
             if personal is not None and peer.volunteer_id != personal.id:
                 raise Conflict("this key already joined the run as another volunteer")
-            if data.display_name and personal is None:
-                peer.volunteer.display_name = data.display_name
+            if name and personal is None:
+                peer.volunteer.display_name = name
             session.flush()
     except IntegrityError as exc:
         raise Conflict(
@@ -249,6 +266,8 @@ def join(
     bootstrap = sample_live_peers(
         session, run.id, exclude=peer.id, online_ttl_s=online_ttl_s, limit=bootstrap_size
     )
+    # A run waiting for its volunteers may start with this one (its answer says so).
+    run_service.start_if_ready(session, run.id, online_ttl_s=online_ttl_s)
     return Joined(peer, peer_token, certificate, expires_at, bootstrap)
 
 
@@ -292,7 +311,12 @@ def sample_live_peers(
         .order_by(func.random())
         .limit(limit)
     )
-    return [peer for peer in session.scalars(query) if peer.addresses]
+    # a peer behind a NAT (a punch:// address) is met through the rendezvous, not dialed
+    return [
+        peer
+        for peer in session.scalars(query)
+        if any(not address.startswith("punch://") for address in peer.addresses)
+    ]
 
 
 def list_peers(session: Session, run_id: str) -> list[Peer]:

@@ -10,7 +10,7 @@ from server.clock import ms_to_datetime, now_ms
 from server.models import EpochSummary, ProgressReport, ProgressSnapshot, Run
 from server.schemas import EpochPublic, HistoryPoint, ProgressPublic
 from server.services import checkpoints as checkpoint_service
-from server.services.reports import run_totals
+from server.services.run_totals import run_totals
 
 RECENT_GROUP_SIZES = 20
 RECENT_EPOCHS = 20

@@ -1,18 +1,13 @@
 """Rate limits as token buckets: pure bookkeeping, no clock, no socket.
 
-Each limit is a :class:`RateLimit` — ``per_s`` requests per second sustained, ``burst`` at
-once — and :class:`TokenBuckets` keeps one bucket per client key for it: a bucket holds up
-to ``burst`` tokens, refills at ``per_s`` and a request takes one. Time is passed in
-(seconds on any monotonic clock), so tests drive it by hand.
+A :class:`RateLimit` allows ``per_s`` requests per second sustained and ``burst`` at once;
+:class:`TokenBuckets` keeps one bucket per client key for it, with time passed in (seconds
+on any monotonic clock). A bucket that is full again is forgotten, and beyond ``max_keys``
+the least recently used goes, so memory stays bounded.
 
-Memory stays bounded: a bucket untouched for ``burst / per_s`` seconds is full again, the
-same as no bucket, so it is forgotten (exactly: nothing is lost); and beyond ``max_keys``
-buckets the least recently used goes even if not full, which can only make the limit looser
-for that client.
-
-:class:`RateLimiter` combines them for the coordinator's endpoints: per peer token (where the
-endpoint takes one) and per client address (see :func:`address_key`: IPv6 counted per /64,
-loopback exempt). The ASGI layer around it lives in :mod:`server.api.rate_limits`.
+:class:`RateLimiter` combines them for the coordinator's endpoints: per peer token and per
+client address (:func:`address_key`: IPv6 per /56 by default, loopback exempt). The ASGI
+layer around it is :mod:`server.api.rate_limits`.
 """
 
 from __future__ import annotations
@@ -29,6 +24,10 @@ from typing import Literal
 # to this length, so a hostile header cannot make a key large.
 MAX_KEY_CHARS = 64
 
+#: An IPv6 client counts with its whole network of this prefix length: what one subscriber
+#: is commonly given (RIPE-690 recommends a /56 or a /48 per customer; a /64 is one LAN).
+DEFAULT_IPV6_PREFIX = 56
+
 
 class Endpoint(StrEnum):
     """The rate-limited endpoints; the value names them in refusals and metrics."""
@@ -39,6 +38,7 @@ class Endpoint(StrEnum):
     BOOTSTRAP = "bootstrap"
     CERTIFICATE = "certificate"
     LEAVE = "leave"
+    DASHBOARD = "dashboard"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,9 +128,17 @@ class RateLimiter:
         per_address: Mapping[Endpoint, RateLimit],
         *,
         max_keys: int = 50_000,
+        ipv6_prefix: int = DEFAULT_IPV6_PREFIX,
     ) -> None:
+        if not 1 <= ipv6_prefix <= 128:
+            raise ValueError("ipv6_prefix is a prefix length, 1 to 128")
+        self.ipv6_prefix = ipv6_prefix
         self._per_peer = {e: TokenBuckets(limit, max_keys) for e, limit in per_peer.items()}
         self._per_address = {e: TokenBuckets(limit, max_keys) for e, limit in per_address.items()}
+
+    def address(self, host: str | None) -> str | None:
+        """:func:`address_key` of ``host``, with this limiter's IPv6 prefix."""
+        return address_key(host, self.ipv6_prefix)
 
     def limits_peers(self, endpoint: Endpoint) -> bool:
         return endpoint in self._per_peer
@@ -159,13 +167,14 @@ class RateLimiter:
         return sum(len(b) for b in (*self._per_peer.values(), *self._per_address.values()))
 
 
-def address_key(host: str | None) -> str | None:
+def address_key(host: str | None, ipv6_prefix: int = DEFAULT_IPV6_PREFIX) -> str | None:
     """The key a client address is counted under, or None for a loopback client (exempt:
     the local demo and tests run whole swarms on loopback).
 
-    An IPv4 address counts on its own, an IPv6 address with its /64 (one subscriber usually
-    holds a whole /64, so counting addresses would let it multiply its limit at will); an
-    IPv4-mapped IPv6 address as its IPv4 address. Anything else (a Unix socket's peer, no
+    An IPv4 address counts on its own, an IPv6 address with its network of ``ipv6_prefix``
+    bits (a /56 by default: one subscriber commonly holds a /56 or a /48, so counting
+    addresses, or /64s, would let it multiply its limit at will); an IPv4-mapped IPv6
+    address as its IPv4 address. Anything else (a Unix socket's peer, no
     address at all) is counted as what it is, cut to :data:`MAX_KEY_CHARS`."""
     if not host:
         return "unknown"
@@ -178,5 +187,5 @@ def address_key(host: str | None) -> str | None:
     if ip.is_loopback:
         return None
     if isinstance(ip, ipaddress.IPv6Address):
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+        return str(ipaddress.IPv6Network((ip, ipv6_prefix), strict=False))
     return str(ip)

@@ -1,15 +1,15 @@
 """Can other peers connect to this one? The coordinator tries, from the outside.
 
-A volunteer behind a NAT or a firewall cannot tell by itself whether its listening ports are
-reachable. After joining, it asks the coordinator, which opens TCP connections to the address
-it sees the request come from (the client address; behind a reverse proxy, the one uvicorn
-takes from the proxy headers) on the peer's ports, concurrently and with a short timeout.
-The peer's announced addresses follow the answer: ``ws://host:port`` when every port
-answered; none, and client mode, otherwise. Bootstrap hands out only reachable peers.
+After joining, a volunteer asks; the coordinator opens TCP connections, concurrently and
+with a short timeout, to the peer's ports at the address the request came from. The peer's
+announced addresses follow: ``ws://host:port`` when every port answered; otherwise, for a
+peer that punches through its NAT, ``punch://host:port/<peer id>``, with the coordinator as
+its rendezvous (:func:`rendezvous_peers`); otherwise none, and client mode. Bootstrap hands
+out only dialable addresses.
 
-Probes cost the coordinator a connection attempt each, to a host the caller does not choose,
-so a peer may ask once per ``reachability_interval_s``; the time of the last probe is a
-column of the peer, claimed by a conditional update, so the limit holds across workers.
+The host of a punch is always the one the coordinator saw; only the port is the peer's
+word. A peer may ask once per ``reachability_interval_s`` (claimed by a conditional update
+of the peer's row, so the limit holds across workers).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import ipaddress
 import os
+import urllib.parse
 from dataclasses import dataclass
 
 from sqlalchemy import or_, select, update
@@ -26,6 +27,7 @@ from sqlalchemy.orm import Session
 from server.clock import now_ms
 from server.exceptions import RateLimited
 from server.models import Peer
+from server.services import presence
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,7 @@ class Reachability:
     port: int
     bulk_port: int | None
     detail: str
+    punch_address: str | None = None
 
 
 async def check(
@@ -47,6 +50,7 @@ async def check(
     *,
     interval_s: float,
     timeout_s: float,
+    punch_port: int | None = None,
 ) -> Reachability:
     """Probe the peer's ports from here and record the outcome (see the module's docstring);
     :class:`RateLimited` when the peer was probed less than ``interval_s`` ago."""
@@ -61,7 +65,17 @@ async def check(
             f"port {p} {outcome}" for p, outcome in zip(ports, outcomes, strict=True) if outcome
         ]
     shown = host or "unknown"
-    if failures or ip is None:
+    punch_address = None
+    if (failures or ip is None) and ip is not None and punch_port is not None:
+        peer_id = await asyncio.to_thread(_peer_id, session, peer_pk)
+        punch_address = f"punch://{_host_in_url(ip)}:{punch_port}/{peer_id}"
+        address = None
+        detail = (
+            f"not reachable from outside at {shown}: {'; '.join(failures)}. Other peers "
+            f"behind NATs punch through to it at {ip}:{punch_port}; forwarding the port(s) "
+            "to this machine would let every peer reach it"
+        )
+    elif failures or ip is None:
         address = None
         detail = (
             f"not reachable from outside at {shown}: {'; '.join(failures)}. Forward the "
@@ -72,7 +86,7 @@ async def check(
         detail = f"reachable at {address}" + (
             f" (bulk port {bulk_port} too)" if bulk_port is not None else ""
         )
-    await asyncio.to_thread(_record, session, peer_pk, address)
+    await asyncio.to_thread(_record, session, peer_pk, address or punch_address)
     return Reachability(
         reachable=address is not None,
         address=address,
@@ -80,7 +94,12 @@ async def check(
         port=port,
         bulk_port=bulk_port,
         detail=detail,
+        punch_address=punch_address,
     )
+
+
+def _peer_id(session: Session, peer_pk: int) -> str:
+    return session.scalar(select(Peer.peer_id).where(Peer.id == peer_pk)) or ""
 
 
 def _claim(session: Session, peer_pk: int, interval_s: float) -> None:
@@ -95,6 +114,7 @@ def _claim(session: Session, peer_pk: int, interval_s: float) -> None:
         .values(last_probe_ms=now)
         .execution_options(synchronize_session=False)
     )
+    # Session.execute is typed Result; an UPDATE's is a CursorResult, with rowcount.
     if claimed.rowcount == 1:  # type: ignore[attr-defined]
         session.commit()  # before probing: other workers must see the claim at once
         return
@@ -106,6 +126,46 @@ def _claim(session: Session, peer_pk: int, interval_s: float) -> None:
         f"try again in {max(1, round(wait_s))} s",
         retry_after_s=wait_s,
     )
+
+
+def rendezvous_peers(
+    session: Session, run_id: str, *, exclude: int, online_since_ms: int, limit: int
+) -> list[tuple[str, str, int]]:
+    """The run's peers seen since ``online_since_ms`` that punch through their NATs, as
+    ``(peer id, host, port)``: the host as the coordinator saw it (never the caller, at
+    most ``limit``, the most recently seen first)."""
+    query = (
+        select(Peer)
+        .where(
+            Peer.run_id == run_id,
+            Peer.id != exclude,
+            presence.online(online_since_ms),
+            Peer.client_mode.is_(False),
+        )
+        .order_by(Peer.last_seen_ms.desc())
+        .limit(limit * 4)  # the reachable ones are skipped below
+    )
+    found = []
+    for peer in session.scalars(query):
+        for address in peer.addresses or ():
+            parsed = _parse_punch(address)
+            if parsed is not None and parsed[2] == peer.peer_id:
+                found.append((peer.peer_id, parsed[0], parsed[1]))
+                break
+        if len(found) >= limit:
+            break
+    return found
+
+
+def _parse_punch(address: str) -> tuple[str, int, str] | None:
+    parts = urllib.parse.urlsplit(address)
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme != "punch" or not parts.hostname or port is None:
+        return None
+    return parts.hostname, port, parts.path.lstrip("/")
 
 
 def _record(session: Session, peer_pk: int, address: str | None) -> None:

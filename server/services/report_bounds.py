@@ -1,57 +1,19 @@
 """Plausibility bounds on progress reports: pure rules, no I/O, no clock.
 
-A report is refused (422) when it claims what no honest peer can:
+:func:`check` refuses a report (422) that claims what no honest peer can:
 
-* ``samples_per_second`` above the coordinator's limit (``report_max_samples_per_second``);
-* a samples counter that outruns that limit: everything a peer has contributed (the counts
-  banked at its counter resets plus its current counter) may not exceed the limit times the
-  time since the peer first joined, plus a grace of :data:`SAMPLES_GRACE_S` seconds at the
-  limit (clock differences between workers, counting that began just before the join). A
-  reset is allowed, but it banks only the previous counter, which was itself within the
-  bound — so no sequence of resets can add more than the limit allows;
-* a samples counter that grew, since the peer's previous report (on the coordinator's
-  clock), by more than the limit allows in that time plus the same grace: a peer silent for
-  a day cannot spend the day's allowance at once;
-* more averaging rounds (done plus failed) than :data:`MAX_ROUNDS_PER_SECOND` allows since
-  the peer's previous report, plus :data:`ROUNDS_GRACE` per report (a burst of reports
-  queued while the coordinator was away carries a second's rounds each, the first of them
-  the whole time away);
-* a loss or held-out metric past :data:`MAX_ABS_LOSS` either way: no task's loss or metric
-  is that large, and one such value would flatten every chart of the run;
-* an averaging group larger than the peers that joined the run, or than
-  :data:`MAX_GROUP_SIZE`;
-* an epoch more than ``report_max_epoch_lead`` past the swarm's epoch (:func:`swarm_epoch`).
+* ``samples_per_second`` above ``report_max_samples_per_second``;
+* a samples counter (plus what its resets banked) past that limit times the time since the
+  peer joined, or grown since its previous report by more than the limit allows in that
+  time, each plus :data:`SAMPLES_GRACE_S` (bursts of reports queued during an outage);
+* more averaging rounds than :data:`MAX_ROUNDS_PER_SECOND` allows, plus :data:`ROUNDS_GRACE`
+  per report;
+* a loss or metric past :data:`~peer.formats.requests.MAX_ABS_LOSS`; a group larger than the
+  run's peers or :data:`MAX_GROUP_SIZE`;
+* an epoch more than ``report_max_epoch_lead`` past the swarm's (:func:`swarm_epoch`);
+  :func:`lift_on_refusal` keeps that bound from locking an honest swarm out for good.
 
-So every counter a report adds to the run's sums is bounded by the coordinator's clock, and
-the sums themselves saturate at :data:`~server.schemas.MAX_INT`
-(:mod:`server.services.reports`): no report can make them overflow.
-
-A refused report is never stored, so an epoch bound fed only by stored reports could lock an
-honest swarm out for good: volunteers that trained apart, or through a coordinator outage,
-for more than the lead would never be accepted again. So a refusal by the epoch bound
-counts for something: :func:`lift_on_refusal` records in the worker's view that the
-volunteer reached the bound it broke, at most once per volunteer per view (a view is read
-again at most every ``report_swarm_refresh_s``, and only when a report would be refused).
-The recorded epoch is never written, only carried from view to view, and it is never more
-than the volunteer could have reported and had accepted instead — so it gives a liar nothing
-it could not take anyway, and an honest swarm a way back in. What the bound guarantees:
-
-* with at least two other volunteers online, a volunteer's bound depends only on *their*
-  epochs: one liar can neither climb step by step nor lift itself by being refused. Its
-  refusals do loosen the others' bounds (to the lead past its own), which costs nothing
-  unless a second volunteer lies, and two colluders can climb report by report anyway;
-  counting them is what lets three or more honest volunteers who all ran ahead back in;
-* with fewer there is no majority to tell a liar from a laggard: the bound rises by at most
-  the lead per view (the volunteer's own lift counts for itself from the next view on, like
-  the epochs it reported), two colluders by a few times that. A lone volunteer ``n`` epochs
-  past what the run has stored is accepted again at most ``ceil(n / lead) - 1`` refreshes
-  after its first refusal; two such volunteers, lifting each other, often at once.
-
-Why a lifetime bound as well as one between consecutive reports: peers queue reports while
-the coordinator is unreachable and send them in a burst when it returns, so the time between
-two arrivals says little about the work between them — which is why the bounds between
-reports carry a grace per report (a burst's first report carries the time away, each later
-one a second's work, well within it) — while the time since joining bounds the whole.
+So every counter a report adds is bounded by the coordinator's clock, and no sum overflows.
 """
 
 from __future__ import annotations
@@ -60,6 +22,7 @@ import enum
 import heapq
 from dataclasses import dataclass, field
 
+from peer.formats.requests import MAX_ABS_LOSS
 from server.schemas import MAX_INT
 
 # Seconds of work at the limit a peer may claim beyond the time since it joined.
@@ -68,8 +31,6 @@ SAMPLES_GRACE_S = 60.0
 # and the rounds any one report may carry beyond that.
 MAX_ROUNDS_PER_SECOND = 50.0
 ROUNDS_GRACE = 100
-# The largest loss or held-out metric, either way, a report may carry.
-MAX_ABS_LOSS = 1e6
 # No averaging group is larger, however many peers a run has.
 MAX_GROUP_SIZE = 4096
 
@@ -116,13 +77,15 @@ class ReportLimits:
 @dataclass(frozen=True, slots=True)
 class PeerTrack:
     """What the bounds need to know about one peer: when it joined, whose it is, and its
-    counter as of its latest accepted report (``as_of_ms``; None before any)."""
+    counter as of its latest accepted report (``as_of_ms``; None before any), and what it
+    was credited in all (:mod:`server.services.credit_rates`: the counters as written)."""
 
     first_seen_ms: int
     volunteer_id: int
     banked: int
     samples: int
     as_of_ms: int | None
+    credited: int = 0
 
     @property
     def previous_ms(self) -> int:
@@ -134,9 +97,10 @@ class PeerTrack:
         the previous counter is banked)."""
         return self.banked + (self.samples if samples < self.samples else 0) + samples
 
-    def after(self, samples: int, at_ms: int) -> PeerTrack:
+    def after(self, samples: int, at_ms: int, credited: int | None = None) -> PeerTrack:
         banked = self.banked + (self.samples if samples < self.samples else 0)
-        return PeerTrack(self.first_seen_ms, self.volunteer_id, banked, samples, at_ms)
+        credit = self.credited if credited is None else credited
+        return PeerTrack(self.first_seen_ms, self.volunteer_id, banked, samples, at_ms, credit)
 
 
 @dataclass(slots=True)
@@ -239,7 +203,14 @@ def lift_on_refusal(
 
     So an honest swarm that ran more than the lead ahead of what the coordinator has stored
     is not locked out for good — its bound climbs by the lead per view — while a liar gains
-    at most the lead per view, not per report (see the module's guarantees)."""
+    at most the lead per view, not per report. The recorded epoch is never written, and is
+    never more than the volunteer could have reported and had accepted instead.
+
+    With at least two other volunteers online, a volunteer's bound depends only on *their*
+    epochs: one liar can neither climb step by step nor lift itself by being refused. With
+    fewer, the bound rises by at most the lead per view: a lone volunteer ``n`` epochs past
+    what the run has stored is accepted again at most ``ceil(n / lead) - 1`` refreshes after
+    its first refusal."""
     allowed = swarm_epoch(view, volunteer_id) + limits.max_epoch_lead
     reached = min(epoch, allowed)
     return reached if view.lift(volunteer_id, reached, at_ms) else None

@@ -1,28 +1,16 @@
 """One worker's reports acknowledged but not yet written, and how they get written.
 
-Every ``report_flush_interval_s`` (or sooner when ``report_buffer_max`` reports wait) the
+Every ``report_flush_interval_s`` (sooner when ``report_buffer_max`` reports wait) the
 buffer writes what it holds in one transaction (:func:`~server.services.reports.write_rows`),
-then takes the progress snapshots due, each run in a transaction of its own — so a run whose
-snapshot cannot be taken costs only its snapshot.
+then takes the progress snapshots due, one transaction per run. A batch that cannot be
+written goes to the spill (:mod:`server.services.report_spill`) when the database is
+unavailable, replayed once it answers again; otherwise it is written row by row, and a row
+that still fails is logged and dropped.
 
-When the batch cannot be written:
-
-* if the database is unavailable (it cannot be reached, refuses writes, times out), the
-  batch goes to the spill (:mod:`server.services.report_spill`), durable on disk, and the
-  buffer stops asking the database for a while (backing off up to :data:`MAX_BACKOFF_S`);
-  once it answers again, the spill is replayed before anything new is written;
-* otherwise some row is bad: the batch is written again row by row, each in a transaction of
-  its own, and a row that still fails is logged, naming its peer, and dropped.
-
-So no acknowledged report is lost while the process lives, and none on a restart either:
-a worker replays, besides its own segment, every segment no live worker holds. A clean
-shutdown (uvicorn's lifespan) writes or spills what is waiting; a worker killed outright
-loses at most the last ``report_flush_interval_s`` of acknowledged reports (0 writes or spills
-each report before answering).
-
-The flusher also starts periodic housekeeping (:mod:`server.services.retention`) when it is
-due, in a thread of its own, so it runs whether or not reports arrive and never delays a
-flush.
+No acknowledged report is lost while the process lives, nor on a restart (a worker replays
+every segment no live worker holds); a clean shutdown writes or spills what waits. The
+flusher also starts housekeeping (:mod:`server.services.retention`) when due, in a thread
+of its own.
 """
 
 from __future__ import annotations
@@ -32,13 +20,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol, cast
+from typing import Protocol
 
-from sqlalchemy import Connection, Table, exc, insert, select, update
+from sqlalchemy import Connection, exc, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.exceptions import Unavailable
-from server.models import Peer, SpilledSegment
+from server.models import Peer, SpilledSegment, table_of
+from server.services import runs as run_service
 from server.services.report_spill import ReportSpill
 from server.services.reports import (
     PendingReport,
@@ -290,6 +279,19 @@ class ReportBuffer:
                     )  # fmt: skip
             except Exception as error:
                 logger.warning("cannot take a progress snapshot of run %s: %s", run_id, error)
+        self._advance_runs(reports)
+
+    def _advance_runs(self, reports: Sequence[PendingReport]) -> None:
+        """Start the runs waiting for volunteers that are now online, finish those at their
+        last epoch (:func:`server.services.runs.after_reports`)."""
+        epochs: dict[str, int] = {}
+        for report in reports:
+            epochs[report.run_id] = max(report.epoch, epochs.get(report.run_id, 0))
+        try:
+            with self._session_factory() as session, session.begin():
+                run_service.after_reports(session, epochs, online_ttl_s=self._online_ttl_s)
+        except Exception as error:  # the next batch checks again
+            logger.warning("cannot start or finish runs after reports: %s", error)
 
     def _drop(self, report: PendingReport, error: BaseException) -> None:
         try:
@@ -419,7 +421,7 @@ class ReportBuffer:
         try:
             with self._session_factory() as session, session.begin():
                 session.execute(
-                    SpilledSegment.__table__.delete().where(SpilledSegment.name == name)  # type: ignore[attr-defined]
+                    table_of(SpilledSegment).delete().where(SpilledSegment.name == name)
                 )
         except Exception as error:
             logger.warning("cannot forget spill segment %s: %s", name, error)
@@ -472,7 +474,7 @@ class ReportBuffer:
 
 
 def _claim(connection: Connection, name: str, first: int, lines: int) -> None:
-    table = cast(Table, SpilledSegment.__table__)
+    table = table_of(SpilledSegment)
     claimed = connection.execute(
         update(table)
         .where(table.c.name == name, table.c.lines_done == first)

@@ -1,34 +1,31 @@
 """Admitting progress reports: the plausibility bounds (:mod:`server.services.report_bounds`)
-applied with what one worker knows.
+and the credit bound (:mod:`server.services.credit_rates`) applied with what one worker knows.
 
-Per worker, without a database round trip on the hot path: each peer's :class:`PeerTrack` is
-read when its token is verified (and kept up to date by the reports this worker admits), and
-each run's :class:`SwarmView` is read at most every ``refresh_s`` — and only when a report
-would be refused by the epoch bound, so an honest swarm never waits for it. A report the
-epoch bound refuses lifts its volunteer in the view to that bound, once per view
-(:func:`lift_on_refusal`; while the database does not answer the view is not replaced, so
-no more than once until it does): refused reports are not stored, so without that a swarm
-that ran more than the lead past what the database has would be refused for good.
+Without a database round trip on the hot path: a peer's :class:`PeerTrack` is read when its
+token is verified and kept up to date by the reports admitted; a run's :class:`SwarmView`
+and measured rates are read at most every ``refresh_s``. A report the epoch bound refuses
+lifts its volunteer in the view to that bound (:func:`lift_on_refusal`), so a swarm ahead of
+what the database holds is not refused for good.
 
-With several workers each sees only its share of a peer's reports, so its track may be older
-than the database: that only makes the check looser, and the write clamps every peer's total
-to the same bound (``PendingReport.samples_cap``), so the bound holds whatever the mix.
+With several workers a track may be older than the database: that only loosens the check,
+and the write clamps every peer's total to the same bound (``PendingReport.samples_cap``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import cast
+from dataclasses import replace
 
-from sqlalchemy import Table, case, func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from server.clock import now_ms
-from server.exceptions import ImplausibleReport
-from server.models import Peer, Volunteer
+from server.exceptions import ImplausibleReport, Unavailable
+from server.models import Peer, Volunteer, table_of
 from server.schemas import ReportCreate
 from server.services import presence
+from server.services.credit_rates import CreditLimits, Measured, RunRates
 from server.services.report_bounds import (
     Bound,
     PeerTrack,
@@ -39,6 +36,7 @@ from server.services.report_bounds import (
     lift_on_refusal,
     swarm_epoch,
 )
+from server.services.report_buffer import ReportBuffer
 from server.services.reports import PendingReport, pending_report
 
 logger = logging.getLogger(__name__)
@@ -70,18 +68,50 @@ def load_track(session: Session, peer_pk: int) -> PeerTrack:
         banked=int(row[2]),
         samples=int(row[3]),
         as_of_ms=None if row[4] is None else int(row[4]),
+        credited=int(row[2]) + int(row[3]),
+    )
+
+
+def load_rates(session: Session, run_id: str, now: int, online_ttl_s: float) -> RunRates:
+    """The run's measured volunteer rates as the database has them: one grouped query over
+    the run's peers (volunteers with a peer online, not banned)."""
+    peers = table_of(Peer)
+    volunteers = table_of(Volunteer)
+    online = presence.online(now - int(online_ttl_s * 1000))
+    rows = session.execute(
+        select(
+            peers.c.volunteer_id,
+            func.sum(peers.c.samples_base + peers.c.samples),
+            func.max(peers.c.last_report_ms) - func.min(peers.c.first_seen_ms),
+            volunteers.c.join_token_id,
+        )
+        .join(volunteers, volunteers.c.id == peers.c.volunteer_id)
+        .where(
+            peers.c.run_id == run_id,
+            peers.c.last_report_ms.is_not(None),
+            volunteers.c.banned_at.is_(None),
+        )
+        .group_by(peers.c.volunteer_id, volunteers.c.join_token_id)
+        .having(func.max(case((online, 1), else_=0)) == 1)
+    ).all()
+    return RunRates.of(
+        now,
+        [
+            Measured(int(v), int(n or 0), int(span or 0), "" if invite is None else str(invite))
+            for v, n, span, invite in rows
+        ],
     )
 
 
 def count_peers(session: Session, run_id: str) -> int:
     """How many peers (machines) ever joined the run: no averaging group is larger."""
-    peers = cast(Table, Peer.__table__)
+    peers = table_of(Peer)
     return int(session.execute(select(func.count()).where(peers.c.run_id == run_id)).scalar_one())
 
 
 def load_view(session: Session, run_id: str, now: int, online_ttl_s: float) -> SwarmView:
     """The run's epochs as the database has them: one query over the run's peers."""
-    peers = cast(Table, Peer.__table__)
+    peers = table_of(Peer)
     online = presence.online(now - int(online_ttl_s * 1000))
     rows = session.execute(
         select(
@@ -112,9 +142,14 @@ class ReportGuard:
         *,
         refresh_s: float,
         online_ttl_s: float,
+        credit: CreditLimits | None = None,
     ) -> None:
         self._session_factory = session_factory
         self.limits = limits
+        # None: credit bounded by ``limits`` alone.
+        self.credit = credit
+        self._rates: dict[str, RunRates] = {}
+        self._rates_reading: dict[str, asyncio.Future[RunRates]] = {}
         self._refresh_ms = int(refresh_s * 1000)
         self._online_ttl_s = online_ttl_s
         self._tracks: dict[int, PeerTrack] = {}
@@ -141,6 +176,10 @@ class ReportGuard:
         if track is None or view is None:
             return None
         now = now_ms()
+        if self.credit is not None:
+            rates = self._rates.get(run_id)
+            if rates is None or now - rates.read_ms >= self._refresh_ms:
+                return None
         if self._judge(track, view, body, now) is not None:
             return None
         return self._accept(run_id, peer_pk, track, body, now)
@@ -174,7 +213,43 @@ class ReportGuard:
                 lift_on_refusal(self.limits, view, track.volunteer_id, body.epoch, now)
             await self._log_refusal(run_id, peer_pk, track.volunteer_id, refusal, now)
             raise ImplausibleReport(refusal.bound, refusal.detail)
+        if self.credit is not None:
+            await self._fresh_rates(run_id, now)
         return self._accept(run_id, peer_pk, track, body, now)
+
+    async def _fresh_rates(self, run_id: str, now: int) -> None:
+        """Read the run's measured rates again if this worker's are ``refresh_s`` old, one
+        read per run at a time (the reports arriving meanwhile wait for it: stale rates
+        could judge a forger by the floor). A read that fails keeps the rates at hand for
+        another ``refresh_s`` (none: the floor), so a database outage costs a run's reports
+        one failed read per interval, not one each."""
+        rates = self._rates.get(run_id)
+        if rates is not None and now - rates.read_ms < self._refresh_ms:
+            return
+        reading = self._rates_reading.get(run_id)
+        if reading is None:
+
+            def read() -> RunRates:
+                try:
+                    with self._session_factory() as session:
+                        return load_rates(session, run_id, now, self._online_ttl_s)
+                except Exception:
+                    logger.warning("cannot read the rates of run %s", run_id, exc_info=True)
+                    return replace(rates, read_ms=now) if rates else RunRates(now)
+
+            def keep(done: asyncio.Future[RunRates]) -> None:
+                self._rates_reading.pop(run_id, None)
+                if done.cancelled() or done.exception() is not None:
+                    return
+                self._rates.pop(run_id, None)
+                self._rates[run_id] = done.result()
+                if len(self._rates) > MAX_TRACKS:
+                    del self._rates[next(iter(self._rates))]
+
+            reading = asyncio.ensure_future(asyncio.to_thread(read))
+            self._rates_reading[run_id] = reading
+            reading.add_done_callback(keep)
+        await asyncio.shield(reading)
 
     async def _recount(self, run_id: str, view: SwarmView, now: int) -> bool:
         """Read the run's peers into ``view`` again unless that was done less than
@@ -263,14 +338,16 @@ class ReportGuard:
     def _accept(
         self, run_id: str, peer_pk: int, track: PeerTrack, body: ReportCreate, now: int
     ) -> PendingReport:
+        cap = self.limits.samples_cap(track.first_seen_ms, now)
+        rate: float | None = None
+        if self.credit is not None:
+            rate = self.credit.limit(self._rates.get(run_id), track.volunteer_id)
+            cap = min(cap, self.credit.cap(rate, track.first_seen_ms, now, track.credited))
         report = pending_report(
-            run_id,
-            peer_pk,
-            body,
-            reported_ms=now,
-            samples_cap=self.limits.samples_cap(track.first_seen_ms, now),
+            run_id, peer_pk, body, reported_ms=now, samples_cap=cap, rate_cap=rate
         )
-        self._store(peer_pk, track.after(body.samples, now))
+        credited = min(cap, track.contribution_after(body.samples))
+        self._store(peer_pk, track.after(body.samples, now, credited))
         view = self._views.get(run_id)
         if view is not None:
             view.saw(track.volunteer_id, body.epoch, now)
@@ -303,3 +380,40 @@ class ReportGuard:
             view.carry(older, now - int(self._online_ttl_s * 1000))
         self._views[run_id] = view
         return view
+
+
+async def take_report(
+    guard: ReportGuard,
+    buffer: ReportBuffer,
+    run_id: str,
+    peer_pk: int,
+    body: ReportCreate,
+    *,
+    at_hand: bool = False,
+) -> bool:
+    """The one way a progress report enters the coordinator, for the report route and its
+    fast path (:class:`~server.api.fast_reports.ReportFastPath`): admit ``body`` past the
+    bounds, then queue it for writing; True once queued.
+
+    ``at_hand`` is the fast path's: judge only with what this worker holds
+    (:meth:`ReportGuard.admit_known`), and return False (hand the request to the route)
+    rather than read the database, refuse or answer 503. Otherwise (the route)
+    :class:`~server.exceptions.ImplausibleReport` (422, counted against the peer) or
+    :class:`~server.exceptions.Unavailable` (503)."""
+    if at_hand:
+        report = guard.admit_known(run_id, peer_pk, body)
+        if report is None:
+            return False
+    else:
+        try:
+            report = await guard.admit(run_id, peer_pk, body)
+        except ImplausibleReport as refused:
+            buffer.count_refusal(peer_pk, refused.bound, now_ms())
+            raise
+    try:
+        await buffer.add(report)
+    except Unavailable:
+        if at_hand:
+            return False
+        raise
+    return True

@@ -1,23 +1,14 @@
 """Report retention: raw progress reports older than ``report_retention_s`` are folded into
 per-bucket rollups (:mod:`server.services.rollups`) and deleted.
 
-Three readers use raw reports, and each keeps what it shows:
+The newest reports with a group size (``RECENT_GROUP_SIZES``, ``RECENT_GROUP_REPORTS``) are
+kept whatever their age, flagged ``rolled_up``; a volunteer's chart reads rollups and raw
+rows together, so it is the same before and after the job. Nothing else reads raw reports.
 
-* the recent group sizes of the progress API (the newest ``RECENT_GROUP_SIZES`` reports
-  with a group size) and of the dashboard (the newest ``RECENT_GROUP_REPORTS`` reports):
-  those rows are kept whatever their age, flagged ``rolled_up`` once counted in a rollup;
-* a volunteer's contribution chart and sessions: they read the rollups with the raw rows,
-  and count reports past the retention horizon per bucket whether or not they are folded
-  yet, so the page is the same before and after the job runs.
-
-Run totals, epoch summaries, chart history and metrics never read raw reports.
-
-The job runs from every worker's report flusher; a worker first claims it by moving the
-``housekeeping`` row's due time on with a conditional UPDATE, so however many workers
-there are, one runs it per ``report_retention_interval_s``. It works in batches of
-:data:`BATCH` reports, each one transaction (fold, flag, delete), oldest first, and stops
-after half the interval, leaving the rest for the next run: no statement holds locks on
-more than a batch, and a crash between batches loses nothing.
+:class:`ReportRetention` runs from every worker's report flusher; the worker that moves the
+``housekeeping`` row's due time on (:func:`claim`, a conditional UPDATE) runs it, once per
+``report_retention_interval_s``. It works oldest first in transactions of :data:`BATCH`
+reports (fold, flag, delete) and stops after half the interval.
 """
 
 from __future__ import annotations
@@ -65,6 +56,7 @@ def claim(session_factory: sessionmaker[Session], name: str, now: int, interval_
                 .values(due_ms=now + interval_ms)
                 .execution_options(synchronize_session=False)
             )
+            # Session.execute is typed Result; an UPDATE's is a CursorResult, with rowcount.
             if moved.rowcount == 1:  # type: ignore[attr-defined]
                 return True
             due = session.scalar(select(Housekeeping.due_ms).where(Housekeeping.name == name))

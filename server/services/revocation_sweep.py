@@ -1,22 +1,14 @@
 """What the database revoked, taken out of a worker's cache of verified peer tokens.
 
-The report path reuses a peer token it verified for up to ``peer_auth_cache_ttl_s`` (a
-:class:`~server.security.PrincipalCache` per worker): at 10,000 volunteers reporting every
-10 s, verifying each token in the database every 30 s sent most reports down the slow path.
-So the cache keeps verified tokens long, and every ``peer_auth_recheck_s`` each worker asks
-the database what changed since it last looked — tokens revoked (a volunteer's ban, an
-organizer's revocation) and runs finished or archived — and forgets those tokens. Two
-indexed queries that return nothing most of the time: revocation takes effect on reports
-within ``peer_auth_recheck_s`` (a few seconds) instead of within the cache's lifetime.
+The report path reuses a verified peer token for up to ``peer_auth_cache_ttl_s``
+(:class:`~server.security.PrincipalCache`). Every ``peer_auth_recheck_s`` each worker asks
+the database what changed since it last looked (tokens revoked, runs finished or archived)
+and forgets those tokens, so a revocation takes effect within seconds. Expiry needs no
+sweep: a token is never kept past it.
 
-Expiry needs no sweep: a token is never kept past its own expiry.
-
-A worker that starts (or meets a run for the first time) would verify every token of the
-run one report at a time: 10,000 volunteers, two workers, 20,000 trips to the database,
-each several queries, in the first minute. So the first report of a run that a worker cannot
-answer from its cache also starts :meth:`TokenCache.warm`: one query reads the run's active
-peer tokens (their stored hashes: a request must still present the secret) with their peers'
-tracks for the report bounds, and the fast path takes their reports from then on.
+The first report of a run that a worker cannot answer from its cache starts
+:meth:`TokenCache.warm`: one query reads the run's active peer tokens (stored hashes) with
+their peers' tracks, so a fresh worker does not verify thousands of tokens one by one.
 """
 
 from __future__ import annotations

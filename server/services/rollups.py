@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from peer.formats.rates import rate_between
 from server.models import ProgressReport, ReportRollup
 from server.schemas_dashboard import VolunteerSeries
 
@@ -148,8 +149,9 @@ def machine_rates(
     buckets: Sequence[Bucket], *, now_ms: int, online_ttl_s: float, window_ms: int
 ) -> dict[int, float]:
     """Each peer's samples/s as its counter grew over the coordinator's clock: from its
-    newest report at least ``window_ms`` before its latest (else its first) to its latest;
-    0 for a peer not seen within the online TTL. Counter resets bank, as in
+    newest report at least ``window_ms`` before its latest (else its first) to its latest,
+    by :func:`peer.formats.rates.rate_between`'s rule; 0 for a peer not seen within the
+    online TTL or over less than the minimum span. Counter resets bank, as in
     :func:`contribution`."""
     points: dict[int, list[tuple[int, int]]] = {}
     last: dict[int, int] = {}
@@ -170,8 +172,8 @@ def machine_rates(
             if t > end_ms - window_ms:
                 break
             start_ms, start = t, total
-        online = end_ms >= online_since and end_ms > start_ms
-        rates[pk] = max(0, end - start) * 1000 / (end_ms - start_ms) if online else 0.0
+        rate = rate_between((start_ms / 1000, start), (end_ms / 1000, end))
+        rates[pk] = rate if rate is not None and end_ms >= online_since else 0.0
     return rates
 
 

@@ -275,6 +275,7 @@ def consume_join_token(session: Session, token_id: str) -> None:
         .values(uses=Token.uses + 1)
         .execution_options(synchronize_session=False)
     )
+    # Session.execute is typed Result; an UPDATE's is a CursorResult, with rowcount.
     if result.rowcount != 1:  # type: ignore[attr-defined]
         token = session.get(Token, token_id, populate_existing=True)
         reason = _why_inactive(token, now) if token is not None else None

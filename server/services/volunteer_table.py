@@ -10,18 +10,20 @@ whatever the size of the run.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, cast, get_args
+from typing import Literal, NamedTuple, TypeAlias, cast, get_args
 
-from sqlalchemy import ColumnElement, Select, case, func, select
+from sqlalchemy import ColumnElement, Select, String, case, false, func, select
+from sqlalchemy import Row as SqlRow
+from sqlalchemy import cast as sql_cast
 from sqlalchemy.orm import Session
 
 from server.models import Peer, Volunteer
 from server.schemas import MAX_INT
 from server.schemas_dashboard import VolunteerPageInfo, VolunteerSort
 from server.services import presence
-from server.services.reports import float_sum, saturated
+from server.services.run_totals import float_sum, saturated
 
 DEFAULT_PER_PAGE = 50
 MAX_PER_PAGE = 200
@@ -41,6 +43,7 @@ class Row(NamedTuple):  # a tuple: a frozen dataclass per row costs more than th
     peers: int
     first_seen_ms: int | None
     online: bool
+    punching_peers: int  # behind a NAT, reached by hole punching (a punch:// address)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +79,35 @@ def _online_ms_expression() -> ColumnElement[int]:
     return Peer.online_ms + open_session
 
 
+# The columns of :func:`aggregate`, as SQLAlchemy types them: id, display_name, banned (0 or 1),
+# samples, online_ms, last_seen_ms, reachable_peers, peers, first_seen_ms, present_ms,
+# punching_peers. The sums and maxima are None for a volunteer without peers.
+Aggregate: TypeAlias = tuple[
+    int, str, int, float | None, int, int | None, int, int, int | None, int | None, int
+]
+
+
 def _name_filter(q: str) -> ColumnElement[bool] | None:
     q = q.strip()
     if not q:
         return None
+    if "\x00" in q:  # no name holds one (PostgreSQL text cannot): nothing matches
+        return false()
     return func.lower(Volunteer.display_name).contains(q.lower(), autoescape=True)
 
 
-def aggregate(run_id: str, q: str = "") -> Select[tuple[object, ...]]:
+def _punching() -> ColumnElement[bool]:
+    """SQL: a peer behind a NAT that others reach by hole punching (its address is the
+    rendezvous's punch://, server.services.reachability)."""
+    return Peer.client_mode.is_(False) & sql_cast(Peer.addresses, String).like("%punch://%")
+
+
+def _dialable() -> ColumnElement[bool]:
+    """SQL: a peer the coordinator reached (any peer may dial it)."""
+    return Peer.client_mode.is_(False) & ~sql_cast(Peer.addresses, String).like("%punch://%")
+
+
+def aggregate(run_id: str, q: str = "") -> Select[*Aggregate]:
     """One row per volunteer of the run (matching ``q``): its peers summed."""
     statement = (
         select(
@@ -94,12 +118,11 @@ def aggregate(run_id: str, q: str = "") -> Select[tuple[object, ...]]:
             float_sum(Peer.samples_base + Peer.samples).label("samples"),
             func.coalesce(func.sum(_online_ms_expression()), 0).label("online_ms"),
             func.max(Peer.last_seen_ms).label("last_seen_ms"),
-            func.coalesce(func.sum(case((Peer.client_mode.is_(False), 1), else_=0)), 0).label(
-                "reachable_peers"
-            ),
+            func.coalesce(func.sum(case((_dialable(), 1), else_=0)), 0).label("reachable_peers"),
             func.count(Peer.id).label("peers"),
             func.min(Peer.first_seen_ms).label("first_seen_ms"),
             func.max(presence.present_seen_ms()).label("present_ms"),
+            func.coalesce(func.sum(case((_punching(), 1), else_=0)), 0).label("punching_peers"),
         )
         .join(Peer, Peer.volunteer_id == Volunteer.id, isouter=True)
         .where(Volunteer.run_id == run_id)
@@ -109,7 +132,7 @@ def aggregate(run_id: str, q: str = "") -> Select[tuple[object, ...]]:
     return statement if condition is None else statement.where(condition)
 
 
-def to_row(values: Sequence[Any], since: int) -> Row:
+def to_row(values: SqlRow[*Aggregate], since: int) -> Row:
     last_seen = values[5]
     return Row(
         id=int(values[0]),
@@ -122,6 +145,7 @@ def to_row(values: Sequence[Any], since: int) -> Row:
         peers=int(values[7]),
         first_seen_ms=None if values[8] is None else int(values[8]),
         online=values[9] is not None and int(values[9]) >= since,
+        punching_peers=int(values[10]),
     )
 
 

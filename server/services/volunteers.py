@@ -24,9 +24,8 @@ from sqlalchemy.orm import Session
 from server.exceptions import Forbidden, NotFound
 from server.models import Peer, Run, RunStatus, Token, TokenScope, Volunteer, utcnow
 from server.security import mint_token, parse_token, secret_matches
+from server.services import display_names
 from server.services import runs as run_service
-
-MAX_DISPLAY_NAME = 64
 
 
 class InviteUnusable(Exception):
@@ -40,7 +39,8 @@ class InviteUnusable(Exception):
 
 
 class NameTaken(ValueError):
-    """Another volunteer of the run already has this display name (compared case-folded)."""
+    """Another volunteer of the run already has this display name, or one a reader could
+    take for it (:func:`server.services.display_names.comparison_key`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +94,7 @@ def redeem_invite(
 
     The use is counted by a conditional UPDATE, so two people racing for an invite's last use
     cannot both get a credential."""
-    name = display_name.strip()
-    if not name or len(name) > MAX_DISPLAY_NAME or "\x00" in name:
-        raise ValueError(f"a display name has 1 to {MAX_DISPLAY_NAME} characters")
+    name = display_names.clean(display_name)
     found = inspect_invite(session, invite)
     ensure_name_free(session, found.run.id, name)
     now = utcnow()
@@ -111,6 +109,7 @@ def redeem_invite(
         .values(uses=Token.uses + 1)
         .execution_options(synchronize_session=False)
     )
+    # Session.execute is typed Result; an UPDATE's is a CursorResult, with rowcount.
     if claimed.rowcount != 1:  # type: ignore[attr-defined]
         session.refresh(found.token)
         _check_usable(found.token)
@@ -141,17 +140,24 @@ def redeem_invite(
 def ensure_name_free(
     session: Session, run_id: str, name: str, *, exclude: int | None = None
 ) -> None:
-    """:class:`NameTaken` if a volunteer of the run (other than ``exclude``) has ``name`` up
-    to case (Unicode case-folding, so "ADA" and "ada" are one name, as are "Straße" and
-    "STRASSE")."""
-    wanted = name.strip().casefold()
-    rows = session.execute(
-        select(Volunteer.id, Volunteer.display_name).where(Volunteer.run_id == run_id)
+    """:class:`NameTaken` if a volunteer of the run (other than ``exclude``) has ``name`` as
+    people read it: the same after NFKC and case folding ("ADA" and "ada", "Straße" and
+    "STRASSE"), or with the same UTS #39 confusable skeleton ("honest" and "h\u043enest" with
+    a Cyrillic o). ``name`` is as :func:`server.services.display_names.clean` left it."""
+    query = select(Volunteer.display_name).where(
+        Volunteer.run_id == run_id, Volunteer.name_key == display_names.comparison_key(name)
     )
-    if any(i != exclude and existing.strip().casefold() == wanted for i, existing in rows):
-        raise NameTaken(
-            f"The display name “{name.strip()}” is already taken in this run; choose another."
-        )
+    if exclude is not None:
+        query = query.where(Volunteer.id != exclude)
+    existing = session.scalars(query.limit(1)).first()
+    if existing is None:
+        return
+    if existing.casefold() == name.casefold():
+        raise NameTaken(f"The display name “{name}” is already taken in this run; choose another.")
+    raise NameTaken(
+        f"The display name “{name}” looks like “{existing}”, which is already taken in this "
+        "run; choose another."
+    )
 
 
 def get_volunteer(session: Session, run: Run, volunteer_id: int) -> Volunteer:

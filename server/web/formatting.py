@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from datetime import UTC, datetime
+from typing import SupportsFloat, SupportsIndex
 
 from jinja2 import Environment
 
@@ -18,10 +19,10 @@ DASH = "\u2013"  # an en dash: no value
 
 
 def _finite(value: object) -> float | None:
-    if value is None or isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, SupportsFloat | SupportsIndex | str):
         return None
     try:
-        x = float(value)  # type: ignore[arg-type]
+        x = float(value)
     except (TypeError, ValueError):
         return None
     return x if math.isfinite(x) else None

@@ -1,13 +1,14 @@
-"""The organizer's forms: pause, resume and finish a run (finishing asks first), create and
-revoke invites, ban a volunteer (then offer to revoke the invites it came through), pin,
-unpin and delete checkpoints, and download the one served. Each needs a signed-in organizer
+"""The organizer's forms: pause, resume and finish a run (finishing asks first), hold it until
+enough volunteers are online, create and revoke invites, ban a volunteer (then offer to
+revoke the invites it came through), pin, unpin and delete checkpoints, and download the one
+served. Each needs a signed-in organizer
 and the form's CSRF token, and answers with a redirect back to the page (POST/redirect/GET),
 carrying what happened in the query string only when it is no secret."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Form, Request
@@ -15,7 +16,7 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 
 from server.api.deps import SessionDep, SettingsDep
 from server.exceptions import CoordinatorError, NotFound
-from server.models import RunStatus, Volunteer
+from server.models import Run, RunStatus, Token, Volunteer
 from server.schemas import RunUpdate, TokenCreate
 from server.services import checkpoints as checkpoint_service
 from server.services import dashboard as dashboard_service
@@ -89,6 +90,30 @@ def run_action(
         return RedirectResponse(f"/runs/{run.id}/finish", status_code=303)
     try:
         run_service.update_run(session, run, RunUpdate(status=ACTIONS[action].status))
+    except CoordinatorError as exc:
+        raise PageError(exc.status_code, exc.detail) from None
+    session.commit()
+    return RedirectResponse(f"/runs/{run.id}", status_code=303)
+
+
+@router.post("/runs/{run_id}/wait")
+def wait_for_volunteers(
+    run_id: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    organizer: OrganizerForm,
+    min_volunteers: Annotated[str, Form()] = "",
+) -> Response:
+    """Hold the run until this many volunteers are online (it starts at once if they are)."""
+    run = find_run(session, run_id)
+    try:
+        body = RunUpdate(min_volunteers=int(min_volunteers))
+    except ValueError:
+        raise PageError(
+            422, "The number of volunteers must be a whole number of at least 1."
+        ) from None
+    try:
+        run_service.update_run(session, run, body, online_ttl_s=settings.peer_online_ttl_s)
     except CoordinatorError as exc:
         raise PageError(exc.status_code, exc.detail) from None
     session.commit()
@@ -169,10 +194,10 @@ def ban_volunteer(
 @dataclass(frozen=True)
 class BanOffer:
     volunteer: Volunteer
-    invites: list[Any]  # the unrevoked invites it came through
+    invites: list[Token]  # the unrevoked invites it came through
 
 
-def ban_offer_for(session: SessionDep, run: Any, banned: str) -> BanOffer | None:
+def ban_offer_for(session: SessionDep, run: Run, banned: str) -> BanOffer | None:
     """After a ban (``banned``, from the query string): the banned volunteer and the invites
     it came through that are still valid, for the run page to offer revoking."""
     if not banned.isdigit() or not 1 <= int(banned) <= dashboard_service.MAX_ID:

@@ -14,9 +14,11 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from server.api.deps import SessionDep, SettingsDep
+from server.api.routes.dashboard import cached_run_dashboard, cached_runs_overview
 from server.config import Settings
 from server.exceptions import NotFound, Unauthenticated
 from server.models import TokenScope, Volunteer
+from server.schemas_dashboard import RunDashboard, RunsOverview
 from server.security import parse_token
 from server.services import checkpoints as checkpoint_service
 from server.services import dashboard as dashboard_service
@@ -50,7 +52,11 @@ router = APIRouter(include_in_schema=False)
 def runs_page(
     request: Request, session: SessionDep, settings: SettingsDep, organizer: Organizer
 ) -> HTMLResponse:
-    overview = dashboard_service.runs_overview(session, online_ttl_s=settings.peer_online_ttl_s)
+    if organizer is None:  # anyone: the worker's cached document, as the API serves it
+        cached = cached_runs_overview(request, settings)
+        overview = RunsOverview.model_validate_json(bytes(cached.body))
+    else:  # the organizer sees at once what it just did
+        overview = dashboard_service.runs_overview(session, online_ttl_s=settings.peer_online_ttl_s)
     return render(request, "runs.html", {"overview": overview}, organizer=organizer)
 
 
@@ -63,13 +69,20 @@ def run_page(
     organizer: Organizer,
 ) -> HTMLResponse:
     run = find_run(session, run_id)
-    document = dashboard_service.run_dashboard(
-        session,
-        run,
-        online_ttl_s=settings.peer_online_ttl_s,
-        history_points=settings.history_points,
-        view=volunteer_table.view_from_query(request.query_params),
-    )
+    view = volunteer_table.view_from_query(request.query_params)
+    if organizer is None:
+        # Anyone: the run's cached document with the table's page read now, as the API
+        # serves it, so that varied queries cost no build.
+        cached = cached_run_dashboard(request, session, settings, run, view)
+        document = RunDashboard.model_validate_json(bytes(cached.body))
+    else:  # the organizer sees at once what it just did
+        document = dashboard_service.run_dashboard(
+            session,
+            run,
+            online_ttl_s=settings.peer_online_ttl_s,
+            history_points=settings.history_points,
+            view=view,
+        )
     invites = []
     checkpoints: list[Any] = []
     ban_offer = None

@@ -4,9 +4,10 @@ look-up of the run a page is about."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Form, Request
 from fastapi.exception_handlers import http_exception_handler
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from server.api.deps import SessionDep, SettingsDep
 from server.config import Settings
 from server.exceptions import NotFound, Unauthenticated
-from server.models import TokenScope
+from server.models import Run, TokenScope
 from server.services import runs as run_service
 from server.services import tokens as token_service
 from server.web import formatting
@@ -89,7 +90,7 @@ def secure_cookies(settings: Settings) -> bool:
 def render(
     request: Request,
     name: str,
-    context: dict[str, Any],
+    context: Mapping[str, object],
     *,
     status: int = 200,
     organizer: str | None = None,
@@ -142,7 +143,7 @@ def require_organizer(organizer: str | None) -> str:
 CsrfField = Annotated[str | None, Form(alias=CSRF_FIELD)]
 
 
-def find_run(session: SessionDep, run_id: str) -> Any:
+def find_run(session: SessionDep, run_id: str) -> Run:
     """The run ``run_id`` names, or the error page that says there is none."""
     try:
         return run_service.get_run(session, run_id[:32])

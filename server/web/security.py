@@ -1,21 +1,14 @@
 """What keeps the pages safe: security headers, the organizer's sign-in cookie, CSRF tokens,
 and invite tokens kept out of the access log.
 
-- **Headers.** Every page answer carries a Content-Security-Policy that allows scripts,
-  styles, images and connections from this origin only (no inline script or style: the
-  templates have none), and refuses framing, plus ``nosniff``, ``no-referrer`` (an invite
-  link in the address bar must not leak through ``Referer``) and ``Cache-Control:
-  no-store`` (pages may show credentials).
-- **Organizer cookie.** Signing in stores the organizer token itself in an HttpOnly,
-  SameSite=Strict cookie (Secure when the public URL is https); each request checks it again
-  against the database, so a revoked token signs the browser out.
-- **CSRF.** Every form carries a hidden ``csrf`` field: an HMAC, with the coordinator's
-  secret key, of the browser's session — the organizer cookie once signed in, else a random
-  value in an HttpOnly, SameSite=Strict cookie (``__Host-`` prefixed when the public URL is
-  https, so a sibling subdomain cannot set it). A POST whose field is not the HMAC of the
-  session it arrives with is refused. So a cookie and a field both chosen by an attacker do
-  not pass (it cannot compute the HMAC of a session it chose, nor know the organizer's);
-  SameSite=Strict already keeps other sites' forms from carrying the cookies.
+- **Headers.** A Content-Security-Policy allowing this origin only (no inline script or
+  style), no framing, ``nosniff``, ``no-referrer`` and ``Cache-Control: no-store``.
+- **Organizer cookie.** The organizer token itself, HttpOnly, SameSite=Strict (Secure over
+  https), checked against the database on each request.
+- **CSRF.** Every form carries a ``csrf`` field: an HMAC, with the secret key, of the
+  browser's session (the organizer cookie, else a random value in an HttpOnly,
+  SameSite=Strict cookie, ``__Host-`` prefixed over https). A POST whose field is not the
+  HMAC of the session it arrives with is refused.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from peer.identity import Identity
+from peer.formats.identity import Identity
 from swarmgrad.local import LocalCoordinator
 from tests.server.conftest import BACKENDS, bearer, fresh_database, join_proof
 

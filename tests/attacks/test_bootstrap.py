@@ -10,8 +10,8 @@ import logging
 import pytest
 
 from peer.node.core import AsyncNode, NodeConfig
-from peer.testing import wait_until_async
 from peer.transport.websocket import WebSocketTransport
+from swarmlab.node_process import wait_until_async
 from tests.attacks.conftest import Attack
 from tests.conftest import scaled
 
@@ -45,15 +45,17 @@ async def test_a_poisoned_bootstrap_address_is_dialed_a_bounded_number_of_times(
         with caplog.at_level(logging.WARNING, logger="peer.node"):
             await newcomer.start()
             await newcomer.add_initial_peers([address, *honest.visible_addresses])
-            assert await wait_until_async(lambda: address not in newcomer.initial_peers, scaled(20))
+            assert await wait_until_async(
+                lambda: address not in newcomer.gossip.initial_peers, scaled(20)
+            )
             assert any(
                 m.startswith(f"initial peer {address} did not answer 4 times")
                 for m in (r.getMessage() for r in caplog.records)
             )
         assert dials == 4
-        rounds = newcomer.rounds
+        rounds = newcomer.gossip.rounds
         # many more rounds, with the newcomer alone now and then: no dial of it again
-        assert await wait_until_async(lambda: newcomer.rounds >= rounds + 40, scaled(20))
+        assert await wait_until_async(lambda: newcomer.gossip.rounds >= rounds + 40, scaled(20))
         assert dials == 4
         attack.outcome(f"dialed {dials} times (the bound), then dropped and named in the log")
         assert honest.peer_id in newcomer.members()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from peer.identity import Identity
-from peer.testing import wait_until
+from peer.formats.identity import Identity
+from swarmlab.node_process import wait_until
 from tests.attacks.conftest import Attack, Coordinator
 from tests.attacks.test_identities import personal_credential
 from tests.conftest import scaled

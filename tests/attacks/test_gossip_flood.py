@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
+from peer.formats.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.gossip import MEMBERS_KEY, GossipStore, Record
-from peer.testing import wait_until_async
 from peer.transport.websocket import WebSocketTransport
+from swarmlab.node_process import wait_until_async
 from tests.attacks.conftest import Attack
 from tests.conftest import scaled
 
@@ -71,12 +71,12 @@ async def test_many_certified_identities_cannot_fill_the_store(
         # 16 identities, each within the per-owner quota: 64 records of 4 KiB, 4 MiB in all
         mallory = node(victim.visible_addresses, Identity())
         mallory.store_ = GossipStore(max_bytes=64 << 20)
-        assert mallory.certificates is not None
+        assert mallory.trust.certificates is not None
         now = time.time()
         for _ in range(16):
             sybil = Identity()
             certificate = certify(sybil)
-            mallory.certificates.learn(
+            mallory.trust.certificates.learn(
                 sybil.public_key, certificate, verifier(certificate, sybil.public_key), now
             )
             for i in range(64):

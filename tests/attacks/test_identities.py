@@ -7,7 +7,7 @@ import re
 import httpx
 import pytest
 
-from peer.identity import Certificate
+from peer.formats.identity import Certificate
 from tests.attacks.conftest import Attack, Coordinator
 
 pytestmark = pytest.mark.slow

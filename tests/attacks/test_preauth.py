@@ -21,7 +21,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed as WsClosed
 from websockets.protocol import State as WsState
 
-from peer.identity import (
+from peer.formats.identity import (
     Authenticator,
     Certificate,
     CertificateAuth,
@@ -31,9 +31,9 @@ from peer.identity import (
 )
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.links import HELLO
-from peer.testing import NodeProcess, wait_until, wait_until_async
 from peer.transport.websocket import WebSocketTransport
 from peer.wire import Frame, Schema, encode_frame
+from swarmlab.node_process import NodeProcess, wait_until, wait_until_async
 from tests.attacks.conftest import Attack
 from tests.conftest import scaled
 
@@ -324,7 +324,7 @@ def _collect(into: list[Frame]) -> Any:
 async def test_no_construction_path_starts_an_open_node_beyond_loopback(attack: Attack) -> None:
     """Start a node with no authentication on 0.0.0.0 through AsyncNode or Node(transport=)"""
     from peer import Node
-    from peer.identity import OpenAuth
+    from peer.formats.identity import OpenAuth
 
     config = NodeConfig(host="0.0.0.0")
     with pytest.raises(ValueError, match="no authentication"):

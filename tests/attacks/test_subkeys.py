@@ -12,7 +12,7 @@ import pytest
 from peer import Node
 from peer.averaging.state import list_donors, state_key
 from peer.optim.progress import ProgressReport, ProgressTracker, progress_key
-from peer.testing import wait_until
+from swarmlab.node_process import wait_until
 from tests.attacks.conftest import Attack
 from tests.conftest import scaled
 

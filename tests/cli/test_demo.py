@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.testing import wait_until
+from swarmlab.node_process import wait_until
 from tests.cli.conftest import child_env
 from tests.conftest import MARKER_VARIABLE, marked_processes, scaled
 

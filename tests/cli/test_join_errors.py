@@ -45,6 +45,14 @@ def test_bad_device_value(tmp_path: Path) -> None:
     result.assert_one_error_line(code=2)
 
 
+def test_save_final_into_a_missing_directory(tmp_path: Path) -> None:
+    where = tmp_path / "nowhere" / "final.pt"
+    result = join(
+        "http://127.0.0.1:9", "--token", "t", "--save-final", str(where), data_dir=tmp_path
+    )
+    assert "nowhere" in result.assert_one_error_line(code=2)
+
+
 def test_unreachable_coordinator(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     join(url, "--token", "t", data_dir=tmp_path).assert_one_error_line(code=1)
@@ -86,7 +94,7 @@ def test_revoked_token(coordinator: Coordinator, tmp_path: Path) -> None:
 
 
 def test_used_up_token(coordinator: Coordinator, tmp_path: Path) -> None:
-    from peer.identity import Identity
+    from peer.formats.identity import Identity
 
     _, invite = new_run(coordinator, max_uses=1)
     with coordinator.client() as client:  # someone else joined with it

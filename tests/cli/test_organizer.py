@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 
+from peer.formats.requests import ReportCreate
+from swarmlab.node_process import wait_until
 from tests.cli.conftest import Coordinator, Result
-from tests.conftest import free_port
+from tests.conftest import free_port, scaled
 from tests.peer.coordinator.answers import progress_body, run_body
 
 
@@ -129,7 +131,7 @@ def test_url_and_token_options_override_the_environment(
 def test_checkpoint_downloads_the_newest(
     organizer: Any, coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    from peer.identity import Identity
+    from peer.formats.identity import Identity
 
     run = as_json(organizer("runs", "create", "r", "--task", "digits", "--json"))
     missing = organizer("runs", "checkpoint", run["id"], "-o", str(tmp_path / "none.pt"))
@@ -154,7 +156,7 @@ def test_checkpoint_downloads_the_newest(
 
 
 def test_checkpoints_list_pin_and_delete(organizer: Any, coordinator: Coordinator) -> None:
-    from peer.identity import Identity
+    from peer.formats.identity import Identity
 
     run = as_json(organizer("runs", "create", "r", "--task", "digits", "--json"))
     invite = as_json(organizer("invite", run["id"], "--json"))
@@ -320,7 +322,8 @@ def test_a_config_no_volunteer_could_train_creates_no_run(
     line = organizer(*mine, "--config", "hidden=wide").assert_one_error_line(code=2)
     assert "hidden" in line
     run = as_json(organizer(*mine, "--config", "hidden=16", "--json"))
-    assert run["config"] == {"hidden": 16}
+    # the task's last epoch written down: the coordinator finishes the run there
+    assert run["config"] == {"hidden": 16, "epochs": 40}
     assert len(as_json(organizer("runs", "list", "--json"))) == 2
 
 
@@ -330,7 +333,7 @@ def test_rejected_values_are_one_line(organizer: Any) -> None:
 
 
 def test_unwritable_output(organizer: Any, coordinator: Coordinator, tmp_path: Path) -> None:
-    from peer.identity import Identity
+    from peer.formats.identity import Identity
 
     run = as_json(organizer("runs", "create", "r", "--task", "digits", "--json"))
     invite = as_json(organizer("invite", run["id"], "--json"))
@@ -360,3 +363,63 @@ def test_organizer_tokens_through_the_api(organizer: Any, cli: Any) -> None:
     organizer("tokens", "revoke", "0" * 16).assert_one_error_line(code=1)
     line = organizer("tokens", "create", "--expires", "soon").assert_one_error_line(code=2)
     assert "30m" in line
+
+
+def test_the_coordinator_refuses_a_bad_shared_setting_the_cli_did_not_check(
+    organizer: Any,
+) -> None:
+    """``--no-check`` skips loading the task here; the coordinator still checks the settings
+    every peer shares, and its reason reaches the organizer as one line."""
+    create = ["runs", "create", "r", "--task", "digits", "--config", "aggregator=bogus"]
+    line = organizer(*create).assert_one_error_line(code=2)  # checked here, with the task
+    assert "'--config': aggregator: expected one of" in line and "bogus" in line, line
+    line = organizer(*create, "--no-check").assert_one_error_line(code=1)  # by the coordinator
+    assert "config: aggregator: expected one of" in line and "bogus" in line, line
+    assert as_json(organizer("runs", "list", "--json")) == []
+
+
+# ------------------------------------------------------------------- waiting for volunteers
+
+
+def test_a_run_created_with_min_volunteers_waits_and_starts_by_itself(
+    organizer: Any, coordinator: Coordinator
+) -> None:
+    from peer.formats.identity import Identity
+
+    created = organizer("runs", "create", "r", "--task", "digits", "--min-volunteers", "2")
+    assert created.code == 0, created.err
+    assert "paused: waiting for 2 volunteers (0 online)" in created.out
+    assert "starts by itself once 2 volunteers are online" in created.out
+    run = as_json(organizer("runs", "list", "--json"))[0]
+    assert run["min_volunteers"] == 2
+    assert run["config"]["epochs"] == 40  # the task's own last epoch, written down
+
+    with coordinator.client() as client:
+        for _ in range(2):
+            invite = as_json(organizer("invite", run["id"], "--json"))["token"]
+            answer = client.join(invite, client.join_challenge(invite), Identity())
+            # ready: its task and model loaded, a waiting volunteer reports
+            client.report(
+                answer.peer_token,
+                run["id"],
+                ReportCreate(epoch=0, samples=0, samples_per_second=0.0),
+            )
+
+    def started() -> bool:
+        shown = organizer("runs", "show", run["id"])
+        assert shown.code == 0, shown.err
+        return "running" in shown.out and "waiting" not in shown.out
+
+    assert wait_until(started, scaled(20))
+
+    held = organizer("runs", "pause", run["id"], "--min-volunteers", "5")
+    assert held.code == 0 and "paused: waiting for 5 volunteers (2 online)" in held.out
+    listed = as_json(organizer("runs", "list", "--json"))
+    assert listed[0]["status_detail"] == "waiting for 5 volunteers (2 online)"
+    assert as_json(organizer("runs", "resume", run["id"], "--json"))["status"] == "running"
+    finished = as_json(organizer("runs", "finish", run["id"], "--json"))
+    assert finished["status"] == "finished" and finished["status_detail"] is None
+    for bad in ("0", "many"):
+        organizer("runs", "create", "r", "--task", "digits", "--min-volunteers", bad)
+        line = organizer("runs", "pause", run["id"], "--min-volunteers", bad)
+        assert "--min-volunteers" in line.assert_one_error_line(code=2)

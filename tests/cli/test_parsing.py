@@ -74,7 +74,7 @@ def test_epoch_line_has_epoch_then_samples() -> None:
     )
     bare = epoch_line(status(epoch=0, samples=1, coordinator_reachable=False))
     assert bare == (
-        "epoch 0 | samples 1 | 0.0 samples/s (swarm 0.0) | loss - | peers 0 | group - | "
+        "epoch 0 | samples 1 | - samples/s (swarm -) | loss - | peers 0 | group - | "
         "coordinator unreachable"
     )
 

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from peer.testing import wait_until
 from swarmgrad.local import LocalCoordinator, start_volunteer
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 
 pytestmark = pytest.mark.slow
@@ -176,6 +176,24 @@ def test_two_volunteers_train_and_obey_pause_resume_finish(
         assert "Traceback" not in volunteer.output()
 
 
+def test_a_run_waits_for_its_volunteers_then_starts_by_itself(
+    coordinator: LocalCoordinator, tmp_path: Path, volunteers: list[Volunteer]
+) -> None:
+    run_id, token = new_run(coordinator, "--min-volunteers", "2")
+    first = Volunteer(coordinator, token, tmp_path / "v0")
+    volunteers.append(first)
+    waiting = "the run is waiting for 2 volunteers (1 online)"
+    assert wait_until(lambda: waiting in first.lines, scaled(90)), first.output()
+    assert progress(coordinator, run_id)["samples"] == 0, "nobody trains alone"
+
+    volunteers.append(Volunteer(coordinator, token, tmp_path / "v1"))
+    assert wait_until(lambda: progress(coordinator, run_id)["samples"] > 0, scaled(120)), (
+        first.output()
+    )
+    shown = organizer(coordinator, "runs", "show", run_id)["run"]
+    assert shown["status"] == "running" and shown["status_detail"] is None
+
+
 def _flat(coordinator: LocalCoordinator, run_id: str, window: float) -> bool:
     """True if the run's sample count does not move for ``window`` seconds."""
     first = progress(coordinator, run_id)["samples"]
@@ -257,17 +275,19 @@ def test_a_newcomer_after_every_peer_died_starts_from_the_newest_checkpoint(
     assert first >= saved, newcomer.output()
 
 
-def test_an_unreachable_volunteer_falls_back_to_client_mode_and_still_trains(
+def test_an_unreachable_volunteer_says_so_names_its_ports_and_still_trains(
     coordinator: LocalCoordinator, tmp_path: Path, volunteers: list[Volunteer]
 ) -> None:
     """The coordinator dials a volunteer back at the address its request came from
-    (127.0.0.1); one listening on 127.0.0.2 only cannot be reached there."""
+    (127.0.0.1); one listening on 127.0.0.2 only cannot be reached there. It says so, names
+    the ports a forward would open, and averages with the other by the links it dials (or
+    punches) itself."""
     run_id, token = new_run(coordinator)
     volunteers.append(Volunteer(coordinator, token, tmp_path / "open"))
     hidden = Volunteer(coordinator, token, tmp_path / "hidden", "--host", "127.0.0.2")
     volunteers.append(hidden)
-    assert wait_until(lambda: "client mode" in hidden.output(), scaled(60)), hidden.output()
-    assert re.search(r"open TCP ports \d+ and \d+", hidden.output()), hidden.output()
+    assert wait_until(lambda: "behind a NAT" in hidden.output(), scaled(60)), hidden.output()
+    assert re.search(r"forward TCP ports \d+ and \d+", hidden.output()), hidden.output()
 
     def averaging_together() -> bool:
         p = progress(coordinator, run_id)

@@ -15,13 +15,13 @@ from websockets.protocol import State as WsState
 from websockets.sync.client import connect as ws_connect
 
 from peer import Node
-from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
+from peer.formats.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.exchange import GOSSIP_PUSH
 from peer.node.gossip import Record, pack_value
-from peer.testing import wait_until, wait_until_async
 from peer.transport.memory import MemoryNetwork
 from peer.wire import Frame
+from swarmlab.node_process import wait_until, wait_until_async
 from swarmlab.sim import EPOCH, VirtualTimeLoop
 from tests.conftest import scaled
 
@@ -339,7 +339,7 @@ def test_a_relayed_record_is_vouched_for_by_the_certificate_that_travels_with_it
             lambda: carol.store_.get("from.alice", carol.now()) is not None, 30.0, 0.1
         )
         linked = alice.peer_id in carol.pool.by_peer or carol.peer_id in alice.pool.by_peer
-        vouched = alice.identity.public_key in (carol.certificates or ())
+        vouched = alice.identity.public_key in (carol.trust.certificates or ())
         for node in (alice, bob, carol):
             await node.shutdown()
         return got, linked, vouched

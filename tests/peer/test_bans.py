@@ -11,12 +11,12 @@ import msgpack
 import pytest
 
 from peer.exceptions import AuthenticationError, SwarmgradError
-from peer.identity import Identity
+from peer.formats.identity import Identity
+from peer.formats.revocation import RevocationBook, RevocationList
 from peer.node.trust import LINK_REVOCATIONS
-from peer.revocation import RevocationBook, RevocationList
-from peer.testing import wait_until_async
 from peer.transport.memory import MemoryNetwork
 from peer.wire import Frame
+from swarmlab.node_process import wait_until_async
 from swarmlab.sim import VirtualTimeLoop
 from tests.peer.test_attacks_gossip import _certified, vloop  # noqa: F401
 
@@ -110,8 +110,8 @@ def test_a_ban_reaches_every_peer_within_a_gossip_period_and_shuts_the_peer_out(
 
         def shut_out() -> bool:
             return all(
-                n.revocations is not None
-                and n.revocations.serial == 1
+                n.trust.revocations is not None
+                and n.trust.revocations.serial == 1
                 and mallory.peer_id not in n.pool.by_peer
                 and mallory.peer_id not in n.members()
                 and n.store_.get("m.progress", n.now()) is None
@@ -167,8 +167,8 @@ def test_a_forged_ban_is_refused_and_its_sender_dropped(
         link = await mallory.link(carol.peer_id)
         await link.send(Frame(LINK_REVOCATIONS, {"list": forged}))
         closed = await wait_until_async(lambda: link.closed, 5.0, 0.1)
-        kept = alice.peer_id in carol.members() and carol.revocations is not None
-        serial = carol.revocations.serial if carol.revocations is not None else None
+        kept = alice.peer_id in carol.members() and carol.trust.revocations is not None
+        serial = carol.trust.revocations.serial if carol.trust.revocations is not None else None
         for node in (alice, carol, mallory):
             await node.shutdown()
         return closed, kept, serial, mallory.peer_id

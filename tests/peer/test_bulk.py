@@ -18,17 +18,19 @@ import msgpack
 import pytest
 import torch
 
-import peer.transport.bulk as bulk_module
+import peer.transport.lane_protocol as lane_protocol
+import peer.transport.lane_socket as lane_socket
 from peer import Node
 from peer.exceptions import FrameTooLarge, NodeShutdown, RemoteError, TransportError
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.links import PeerLink
-from peer.testing import wait_until, wait_until_async
-from peer.transport.bulk import MAGIC, BulkSender
+from peer.transport.bulk import BulkSender
+from peer.transport.lane_protocol import MAGIC
 from peer.transport.memory import MemoryNetwork
 from peer.transport.secure import LaneSealer
 from peer.transport.websocket import WebSocketTransport
 from peer.wire import BYTES, INT, Frame, Limits, Schema, encode_header
+from swarmlab.node_process import wait_until, wait_until_async
 from tests.conftest import scaled
 from tests.peer.test_node import _open_fds, _shut_down_leaving_nothing
 
@@ -301,7 +303,7 @@ async def test_a_slow_async_handler_holds_the_lane_back(make_peer: MakePeer) -> 
     assert await wait_until_async(
         lambda: not lane._reading, scaled(10), 0.005
     )  # paused, with a bounded backlog
-    assert len(lane._backlog) == bulk_module._BACKLOG_FRAMES
+    assert len(lane._backlog) == lane_socket._BACKLOG_FRAMES
     release.set()
     received = await b.wait_for(40)
     assert [frame.fields["seq"] for _, frame in received] == list(range(40))
@@ -343,14 +345,14 @@ async def test_a_sender_keeps_to_one_lane_when_the_peer_dialed_too(
 
     monkeypatch.setattr(lanes, "_connect", connect_once_the_peer_has)
     carriers: list[int] = []
-    send = bulk_module._Lane.send
+    send = lane_socket.SocketLane.send
 
     async def spy(lane: Any, frame: Frame, idle_timeout: float | None = None) -> None:
         if lane.owner is lanes:
             carriers.append(id(lane))
         await send(lane, frame, idle_timeout)
 
-    monkeypatch.setattr(bulk_module._Lane, "send", spy)
+    monkeypatch.setattr(lane_socket.SocketLane, "send", spy)
     await asyncio.gather(_send_all(a, b, 10), _send_all(b, a, 10))
     got = await b.wait_for(10)
     assert [f.fields["seq"] for _, f in got] == list(range(10))
@@ -370,7 +372,7 @@ async def test_connections_without_a_valid_ticket_are_refused(
     assert b.core.bulk is not None
     port = _lane_port(b)
     valid = await _ticket(a, b)
-    monkeypatch.setattr(bulk_module, "TICKET_TTL", -1.0)
+    monkeypatch.setattr(b.core.bulk.tickets, "_ttl", -1.0)
     expired = await _ticket(a, b)
     monkeypatch.undo()
     forged = bytes(16)
@@ -395,11 +397,11 @@ async def test_one_peer_cannot_take_every_ticket(make_peer: MakePeer) -> None:
     a refusal; another peer still gets one."""
     a, b = await _pair(make_peer)
     c = await make_peer(b.core.visible_addresses)
-    for _ in range(bulk_module.MAX_TICKETS_PER_PEER):
+    for _ in range(lane_protocol.MAX_TICKETS_PER_PEER):
         await _ticket(a, b)
     with pytest.raises(RemoteError, match="outstanding"):
         await _ticket(a, b)
-    assert len(await _ticket(c, b)) == bulk_module.TICKET_BYTES
+    assert len(await _ticket(c, b)) == lane_protocol.TICKET_BYTES
 
 
 @pytest.mark.parametrize("encryption", [True, False])
@@ -560,7 +562,7 @@ async def _lane_between(a: Peer, b: Peer) -> tuple[Any, Any]:
 
 def _read_slowly(lane: Any, monkeypatch: pytest.MonkeyPatch, pause: float) -> None:
     """Make ``lane`` read at most one small chunk, then nothing for ``pause`` seconds."""
-    monkeypatch.setattr(bulk_module, "_READ_BUDGET", SMALL_BUFFER)
+    monkeypatch.setattr(lane_socket, "_READ_BUDGET", SMALL_BUFFER)
     read = lane._on_readable
 
     def then_pause() -> None:

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 from peer.exceptions import ConnectionClosed, TamperedFrame, TransportError
-from peer.identity import Identity
+from peer.formats.identity import Identity
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.exchange import GOSSIP_PUSH
 from peer.node.gossip import Record

@@ -50,10 +50,10 @@ from peer.compression import (
     plain_values,
 )
 from peer.exceptions import AuthenticationError, ProtocolError
-from peer.identity import Certificate, Identity
+from peer.formats.identity import Certificate, Identity
+from peer.formats.revocation import RevocationList
 from peer.node.core import AsyncNode
 from peer.node.gossip import GossipStore, Record
-from peer.revocation import RevocationList
 from peer.transport.memory import MemoryNetwork
 from peer.wire import (
     AnyValue,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from peer.identity import Certificate, CertificateVerifier, Identity
+from peer.formats.identity import Certificate, CertificateVerifier, Identity
 from peer.node.certificates import CertificateBook, certificates_for, sendable, take_within_budget
 from peer.node.gossip import (
     MEMBERS_KEY,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from peer.exceptions import AuthenticationError
-from peer.identity import (
+from peer.formats.identity import (
     Certificate,
     CertificateVerifier,
     Identity,
@@ -47,6 +47,43 @@ def test_certificate_round_trip_and_verification(authority: Identity) -> None:
     assert Certificate.from_base64(cert.to_base64()) == cert
     verify = CertificateVerifier(authority.public_key, "run-1", clock=lambda: 1e9)
     assert verify(cert.to_bytes(), peer.public_key).role == "peer"
+
+
+def test_a_certificates_volunteer_and_invite_are_signed(authority: Identity) -> None:
+    """The volunteer and the invite travel signed: changing either breaks the signature, and
+    a certificate naming only a volunteer signs what it signed before invites existed."""
+    peer = Identity()
+    verify = CertificateVerifier(authority.public_key, "run-1", clock=lambda: 1e9)
+    issue = dict(run_id="run-1", public_key=peer.public_key, expires_at=2e9)
+    cert = Certificate.issue(authority, **issue, volunteer="7", invite="tag-a")
+    checked = verify(Certificate.from_base64(cert.to_base64()).to_bytes(), peer.public_key)
+    assert (checked.volunteer, checked.invite) == ("7", "tag-a")
+    for changed in (
+        Certificate(**{**_fields(cert), "invite": "tag-b"}),
+        Certificate(**{**_fields(cert), "invite": None}),
+        Certificate(**{**_fields(cert), "volunteer": None}),
+    ):
+        with pytest.raises(AuthenticationError):
+            verify(changed.to_bytes(), peer.public_key)
+    only_volunteer = Certificate.issue(authority, **issue, volunteer="7")
+    unsigned = Certificate("run-1", peer.public_key, "peer", 2e9, volunteer="7")
+    assert only_volunteer.signed_payload() == unsigned.signed_payload()
+    assert only_volunteer.invite is None and b"invite" not in only_volunteer.to_bytes()
+
+
+def _fields(cert: Certificate) -> dict[str, object]:
+    return {
+        name: getattr(cert, name)
+        for name in (
+            "run_id",
+            "public_key",
+            "role",
+            "expires_at",
+            "signature",
+            "volunteer",
+            "invite",
+        )
+    }
 
 
 def test_certificate_refusals(authority: Identity) -> None:

@@ -32,7 +32,7 @@ KEY = bytes(range(32))
 Stream = LaneReader | LaneOpener
 
 
-def _check(head: Header) -> None:  # what a lane accepts (see peer.transport.bulk)
+def _check(head: Header) -> None:  # what a lane accepts (see peer.transport.lane_protocol)
     if head.type not in LANE_TYPES or head.request_id or head.reply_to:
         raise ProtocolError(f"{head.type!r} is not accepted on a bulk lane")
 

@@ -11,9 +11,9 @@ import pytest
 from peer.exceptions import ConnectionClosed, TransportError
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.pool import IDLE_CLOSE
-from peer.testing import wait_until_async
 from peer.transport.memory import MemoryNetwork
 from peer.wire import STR, Frame, Schema
+from swarmlab.node_process import wait_until_async
 from swarmlab.sim import EPOCH, VirtualTimeLoop, simulate
 
 
@@ -162,9 +162,9 @@ def test_an_initial_peer_that_answers_is_never_given_up(vloop: VirtualTimeLoop) 
         net.set_link("n1", "n0", drop_rate=1.0)
         first, newcomer = await _chain(net, 2, config)
         address = first.visible_addresses[0]
-        rounds, dials = newcomer.rounds, net.stats.connections
-        assert await wait_until_async(lambda: newcomer.rounds >= rounds + 20, 60.0, 0.1)
-        kept = address in newcomer.initial_peers
+        rounds, dials = newcomer.gossip.rounds, net.stats.connections
+        assert await wait_until_async(lambda: newcomer.gossip.rounds >= rounds + 20, 60.0, 0.1)
+        kept = address in newcomer.gossip.initial_peers
         dialed = net.stats.connections - dials
         net.set_link("n1", "n0", drop_rate=0.0)
         joined = await wait_until_async(
@@ -174,7 +174,7 @@ def test_an_initial_peer_that_answers_is_never_given_up(vloop: VirtualTimeLoop) 
         )
         for node in (first, newcomer):
             await node.shutdown()
-        return kept, dialed, newcomer.rounds - rounds, joined
+        return kept, dialed, newcomer.gossip.rounds - rounds, joined
 
     kept, dialed, rounds, joined = vloop.run_until_complete(main())
     assert kept, "the initial peer was dropped"

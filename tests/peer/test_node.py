@@ -18,7 +18,7 @@ from websockets.sync.client import connect as ws_connect
 
 from peer import Node
 from peer.exceptions import AuthenticationError, TransportError
-from peer.identity import (
+from peer.formats.identity import (
     Certificate,
     CertificateAuth,
     CertificateVerifier,
@@ -28,8 +28,8 @@ from peer.identity import (
 )
 from peer.node.exchange import GOSSIP_PUSH
 from peer.node.gossip import Record
-from peer.testing import wait_until
 from peer.wire import Frame, encode_frame
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 
 FAST = {"gossip_period": 0.2, "request_timeout": 3.0}
@@ -526,9 +526,9 @@ def test_a_node_that_lost_every_link_reconnects_to_addresses_it_is_handed() -> N
             assert wait_until(
                 lambda: a.peer_id in c.members() and c.peer_id in a.members(), scaled(10)
             )
-            assert a.core.initial_peers == c.visible_addresses  # kept for later
+            assert a.core.gossip.initial_peers == c.visible_addresses  # kept for later
             assert a.add_initial_peers(["ws://127.0.0.1:9"]) == 0  # replaces the earlier ones
-            assert a.core.initial_peers == ["ws://127.0.0.1:9"]
+            assert a.core.gossip.initial_peers == ["ws://127.0.0.1:9"]
         with pytest.raises(TypeError, match="list"):
             a.add_initial_peers("ws://127.0.0.1:9")
 
@@ -574,13 +574,14 @@ def test_open_nodes_on_loopback_or_asked_for_or_dialing_out_start() -> None:
 
 def test_sources_are_ip_addresses_or_ipv6_networks() -> None:
     """Limits per source count an IPv4 address (mapped into IPv6 or not) as one source and
-    an IPv6 /64 as one: a host usually gets a whole /64, not one address."""
+    an IPv6 /56 as one: a subscriber commonly gets a whole /56, not one address or /64."""
     from peer.transport.base import source_of
 
     assert source_of("ws://198.51.100.7:50312") == "198.51.100.7"
     assert source_of("ws://[::ffff:198.51.100.7]:1") == "198.51.100.7"
     assert source_of("198.51.100.7") == "198.51.100.7"
-    assert source_of("ws://[2001:db8:1:2:aaaa::1]:9") == "2001:db8:1:2::/64"
+    assert source_of("ws://[2001:db8:1:2:aaaa::1]:9") == "2001:db8:1::/56"
     assert source_of("ws://[2001:db8:1:2:bbbb::9]:9") == source_of("2001:db8:1:2::5")
-    assert source_of("ws://[2001:db8:1:3::1]:9") != source_of("2001:db8:1:2::1")
+    assert source_of("ws://[2001:db8:1:3::1]:9") == source_of("2001:db8:1:2::1")
+    assert source_of("ws://[2001:db8:1:100::1]:9") != source_of("2001:db8:1:2::1")
     assert source_of("mem://alice") == "alice"

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from peer.testing import NodeProcess, wait_until
+from swarmlab.node_process import NodeProcess, wait_until
 from tests.conftest import scaled
 
 pytestmark = pytest.mark.slow

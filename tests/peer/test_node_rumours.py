@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from peer.exceptions import ProtocolError
-from peer.identity import Identity
+from peer.formats.identity import Identity
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.exchange import GOSSIP_FETCH, GOSSIP_NEWS, GOSSIP_REPLY, want_budget
 from peer.node.gossip import RECORD_ID_BYTES, Record

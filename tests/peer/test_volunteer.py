@@ -11,12 +11,12 @@ import pytest
 
 from peer.coordinator import Unauthorized
 from peer.exceptions import SwarmgradError
+from peer.trainer import Trainer
 from peer.volunteer import (
     DeviceError,
     JoinOptions,
     Volunteer,
     VolunteerStatus,
-    _Trainer,
     load_identity,
     resolve_device,
 )
@@ -57,7 +57,7 @@ def test_training_ends_with_one_line_once_the_coordinator_refuses_the_peer_token
     steps: list[object] = []
     task = SimpleNamespace(train_batches=lambda config, peer_id: iter([object()]))
     session = SimpleNamespace(credentials_lost=None, status="running")
-    trainer = _Trainer(
+    trainer = Trainer(
         volunteer, None, SimpleNamespace(peer_id="p"), session, task, None, None, None
     )
     trainer._step = steps.append  # type: ignore[method-assign]

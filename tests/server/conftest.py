@@ -27,7 +27,7 @@ from fastapi import FastAPI
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from peer.identity import Identity, join_proof_payload
+from peer.formats.identity import Identity, join_proof_payload
 from server.app import create_app
 from server.config import Settings
 

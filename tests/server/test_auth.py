@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import select, update
 
-from peer.identity import Identity
+from peer.formats.identity import Identity
 from server.models import Token, TokenScope, utcnow
 from server.security import hash_secret, mint_token, parse_token
 from server.services import tokens as token_service

@@ -14,7 +14,7 @@ import pytest
 
 from peer import Node
 from peer.exceptions import AuthenticationError
-from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
+from peer.formats.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
 from peer.node import get_time
 from tests.server.conftest import Api
 

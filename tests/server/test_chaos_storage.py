@@ -27,9 +27,9 @@ from fastapi import FastAPI
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
-from peer.testing import wait_until, wait_until_async
 from server.app import create_app
 from server.models import Peer, ProgressReport
+from swarmlab.node_process import wait_until, wait_until_async
 from tests.conftest import scaled
 from tests.server.conftest import (
     ORGANIZER,

@@ -1,7 +1,7 @@
 """Checkpoints: peers upload zip archives (what torch.save writes) streamed to disk, at an
-epoch the swarm has reached, from the designated uploader or agreed by two volunteers; the
-newest few are kept, and the directory stays under its byte bound; peers and organizers
-download the pinned one or the newest."""
+epoch the other volunteers have reached, from the designated uploader or agreed by
+volunteers of two invites; the newest few are kept, and the directory stays under its byte
+bound; peers and organizers download the pinned one or the newest."""
 
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import update
 
-from peer.identity import Identity
+from peer.formats.identity import Identity
 from server.app import MAX_BODY_BYTES, create_app
 from server.clock import now_ms
 from server.config import Settings
 from server.models import Peer
+from server.services import checkpoint_admission as admission
 from server.services import checkpoints as checkpoint_service
 from server.services import volunteers as volunteer_service
+from swarmlab.node_process import wait_until_async
 from tests.server.conftest import (
     ORGANIZER,
     Api,
@@ -359,22 +361,27 @@ async def test_an_epoch_the_swarm_has_not_reached_is_refused_and_logged(
     assert (await upload(client, run, peer, 5, archive(5))).status_code == 201
 
 
-async def test_only_the_designated_uploader_or_two_volunteers_set_the_checkpoint(
-    app: FastAPI, api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
+async def test_only_the_designated_uploader_or_two_invites_set_the_checkpoint(
+    app: FastAPI, api: Api, client: httpx.AsyncClient, run: dict[str, Any]
 ) -> None:
+    invites = [
+        (await api.create_join_token(run["id"], label=f"lab {i}"))["token"] for i in range(3)
+    ]
     peers = sorted(
-        [await api.join(run["id"], join_token) for _ in range(3)],
+        [await api.join(run["id"], invite) for invite in invites],
         key=lambda p: p.body["peer_id"],
     )
     low, middle, high = peers
     for p in peers:
         _at_epoch(app, p, 4)
     held = await upload(client, run, high, 5, archive(5))
-    assert held.status_code == 202 and "second volunteer" in held.json()["detail"]
+    assert held.status_code == 202 and "another invite" in held.json()["detail"]
     assert (await client.get(url(run), headers=ORGANIZER)).status_code == 404
     # Another volunteer's upload of the same bytes agrees: taken.
     assert (await upload(client, run, middle, 5, archive(5))).status_code == 201
-    # The designated uploader alone is taken at once.
+    # The designated uploader alone is taken at once (one epoch past the others).
+    for p in peers:
+        _at_epoch(app, p, 5)
     assert (await upload(client, run, low, 6, archive(6))).status_code == 201
     # A different digest from a second volunteer is no agreement.
     for p in peers:
@@ -383,6 +390,131 @@ async def test_only_the_designated_uploader_or_two_volunteers_set_the_checkpoint
     assert (await upload(client, run, middle, 7, archive(8))).status_code == 202
     download = await client.get(url(run), headers=ORGANIZER)
     assert download.headers["X-Checkpoint-Epoch"] == "6"
+
+
+async def test_volunteers_of_one_invite_never_agree(
+    app: FastAPI, api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
+) -> None:
+    """A shared invite mints a volunteer per key: they are one witness, not two."""
+    peers = sorted(
+        [await api.join(run["id"], join_token) for _ in range(3)],
+        key=lambda p: p.body["peer_id"],
+    )
+    for p in peers:
+        _at_epoch(app, p, 4)
+    for p in peers[1:]:
+        assert (await upload(client, run, p, 5, archive(5))).status_code == 202
+    assert (await client.get(url(run), headers=ORGANIZER)).status_code == 404
+    assert (await upload(client, run, peers[0], 5, archive(6))).status_code == 201
+
+
+@pytest.mark.parametrize("ahead", [7, 105])
+async def test_an_epoch_past_what_the_others_reached_is_held_and_blocks_nothing(
+    app: FastAPI,
+    api: Api,
+    client: httpx.AsyncClient,
+    run: dict[str, Any],
+    join_token: str,
+    checkpoint_dir: Path,
+    ahead: int,
+) -> None:
+    peers = sorted(
+        [await api.join(run["id"], join_token) for _ in range(4)],
+        key=lambda p: p.body["peer_id"],
+    )
+    for p in peers:
+        _at_epoch(app, p, 5)
+    # Nobody is at 6, so nobody else is designated for 7: only the epoch gate holds it.
+    held = await upload(client, run, peers[1], ahead, archive(ahead))
+    assert held.status_code == 202 and "more than one past" in held.json()["detail"]
+    assert files(checkpoint_dir) == []
+    assert (await client.get(url(run), headers=ORGANIZER)).status_code == 404
+    # The same bytes from a volunteer of another invite are no agreement either.
+    identity = Identity()
+    while identity.peer_id <= peers[0].body["peer_id"]:  # peers[0] stays the designated one
+        identity = Identity()
+    invite = (await api.create_join_token(run["id"]))["token"]
+    other = await api.join(run["id"], invite, identity)
+    _at_epoch(app, other, 5)
+    assert (await upload(client, run, other, ahead, archive(ahead))).status_code == 202
+    taken = await upload(client, run, peers[0], 6, archive(6))
+    assert taken.status_code == 201, taken.text
+    served = await client.get(url(run), headers=ORGANIZER)
+    assert served.headers["X-Checkpoint-Epoch"] == "6" and served.content == archive(6)
+
+
+async def test_a_swarm_ahead_of_its_reports_uploads_at_its_pace(
+    app: FastAPI, api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
+) -> None:
+    """Reports come an interval apart; a swarm that passes several epochs in one counts as
+    far as it advanced over the last intervals, so its designated upload is taken."""
+    peers = sorted(
+        [await api.join(run["id"], join_token) for _ in range(3)],
+        key=lambda p: p.body["peer_id"],
+    )
+    for epoch in (10, 16):
+        for p in peers:
+            assert (await api.report(run["id"], p, epoch=epoch)).status_code == 202
+
+    def written() -> bool:
+        with app.state.session_factory() as session:
+            return {p.epoch for p in session.query(Peer)} == {16}
+
+    assert await wait_until_async(written, 10)
+    # 16 + 6 (advanced since the previous report) + 1 = 23 is the furthest taken.
+    assert (await upload(client, run, peers[0], 24, archive(24))).status_code == 202
+    assert (await upload(client, run, peers[0], 23, archive(23))).status_code == 201
+
+
+async def test_when_the_designated_uploader_went_silent_the_next_one_is_designated(
+    app: FastAPI, api: Api, client: httpx.AsyncClient, run: dict[str, Any], join_token: str
+) -> None:
+    peers = sorted(
+        [await api.join(run["id"], join_token) for _ in range(3)],
+        key=lambda p: p.body["peer_id"],
+    )
+    for p in peers:
+        _at_epoch(app, p, 5)
+    assert (await upload(client, run, peers[1], 6, archive(6))).status_code == 202
+    silent_since = now_ms() - 3600_000  # far past the online TTL
+    with app.state.session_factory() as session:
+        session.execute(
+            update(Peer)
+            .where(Peer.peer_id == peers[0].body["peer_id"])
+            .values(last_seen_ms=silent_since, last_report_ms=silent_since)
+        )
+        session.commit()
+    taken = await upload(client, run, peers[1], 6, archive(6))
+    assert taken.status_code == 201, taken.text
+    assert (await client.get(url(run), headers=ORGANIZER)).content == archive(6)
+
+
+def test_what_the_others_reached_is_the_second_highest_invite() -> None:
+    progress = [
+        admission.Progress(1, epoch=5, advanced=0, invite_id="a"),
+        admission.Progress(2, epoch=5, advanced=2, invite_id="b"),
+        admission.Progress(3, epoch=104, advanced=0, invite_id="c"),  # one liar's invite
+        admission.Progress(4, epoch=200, advanced=0, invite_id="c"),  # the uploader's own
+    ]
+    assert admission.reached(progress, 4) == 7
+    assert admission.reached(progress[:1] + progress[3:], 4) == 5  # one other: its epoch
+    assert admission.reached(progress[3:], 4) is None  # alone online: the swarm
+    assert admission.held_ahead(9, 7) and not admission.held_ahead(8, 7)
+    assert not admission.held_ahead(10**6, None)
+
+
+def test_the_volunteers_one_invite_minted_count_as_their_median() -> None:
+    def shared(*epochs: int) -> list[admission.Progress]:
+        return [admission.Progress(v, e, 0, "shared") for v, e in enumerate(epochs, start=1)]
+
+    # Two liars among three honest volunteers of one invite, and a third uploading.
+    assert admission.reached(shared(5, 5, 5, 104, 104, 200), 6) == 5
+    # A newcomer still catching up does not hold the others back.
+    assert admission.reached(shared(9, 0, 200), 3) == 9
+    assert admission.reached(shared(9, 9, 0, 200), 4) == 9
+    # Organizer-added volunteers (no invite) count each as their own.
+    alone = [admission.Progress(1, 5, 0), admission.Progress(2, 104, 0), *shared(0, 0, 200)[2:]]
+    assert admission.reached(alone, 3) == 5
 
 
 async def test_two_keys_of_one_volunteer_never_agree(

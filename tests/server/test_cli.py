@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import create_engine, func, select
 from typer.testing import CliRunner
 
-from peer.identity import Identity
+from peer.formats.identity import Identity
 from server.app import create_app
 from server.cli import app as cli
 from server.models import ProgressReport

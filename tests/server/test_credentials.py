@@ -13,8 +13,8 @@ from fastapi import FastAPI
 from sqlalchemy import create_engine, select, update
 from typer.testing import CliRunner
 
-from peer.identity import Identity
-from peer.revocation import RevocationBook
+from peer.formats.identity import Identity
+from peer.formats.revocation import RevocationBook
 from server.app import create_app
 from server.cli import app as cli
 from server.config import Settings

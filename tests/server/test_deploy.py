@@ -24,9 +24,9 @@ import httpx
 import pytest
 import yaml
 
-from peer.identity import Identity
-from peer.testing import wait_until
+from peer.formats.identity import Identity
 from server.config import Settings
+from swarmlab.node_process import wait_until
 from tests.conftest import MARKER_VARIABLE, free_port, marked_processes, scaled
 from tests.server.conftest import REPO_ROOT, bearer, fresh_database, join_proof
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from peer.identity import Identity
+from peer.formats.identity import Identity
 from tests.server.conftest import ADMIN_TOKEN, Api
 
 

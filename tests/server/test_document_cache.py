@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from peer.testing import wait_until
 from server.app import create_app
 from server.document_cache import DocumentCache
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 from tests.server.conftest import Api, client_for, make_settings, running
 
@@ -145,8 +145,12 @@ async def test_the_rest_dashboard_is_served_from_the_cache(database_url: str) ->
         await app.state.report_buffer.flush()
         # Within the cache's age: the same documents, for the run and the runs list.
         assert await read(path) == first and await read("/api/v1/dashboard") == runs
-        # Another view of the table is another document, built now.
+        # Another view of the table is that page, read now, in the cached document: the
+        # run-wide part is not built again for it.
         other = await read(path + "?q=ad")
-        assert other["headline"]["samples"] == 300 and first["headline"]["samples"] == 0
+        assert other["headline"] == first["headline"] and first["headline"]["samples"] == 0
+        assert [v["samples"] for v in other["volunteers"]] == [300]
+        assert other["volunteers_page"]["q"] == "ad" and other["version"] != first["version"]
+        assert (await read(path + "?q=nobody"))["volunteers"] == []
         # An unknown run is still a 404, whatever the cache holds.
         assert (await client.get("/api/v1/runs/nosuchrun/dashboard")).status_code == 404

@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import select
 
-from peer.identity import JOIN_PROOF_CONTEXT, Identity, join_proof_payload
+from peer.formats.identity import JOIN_PROOF_CONTEXT, Identity, join_proof_payload
 from server.clock import now_ms
 from server.models import Peer, Token
 from server.security import JoinChallenges

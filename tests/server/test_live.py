@@ -15,7 +15,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from peer.identity import Identity
+from peer.formats.identity import Identity
 from server.app import create_app
 from tests.conftest import scaled, served
 from tests.server.conftest import ORGANIZER, bearer, fresh_database, join_proof, make_settings

@@ -9,9 +9,9 @@ import httpx
 from fastapi import FastAPI
 from sqlalchemy import select
 
-from peer.testing import wait_until_async
 from server.clock import now_ms
 from server.models import Peer
+from swarmlab.node_process import wait_until_async
 from tests.conftest import scaled
 from tests.server.conftest import ORGANIZER, Api, JoinedPeer, bearer
 

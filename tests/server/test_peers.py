@@ -10,7 +10,12 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import update
 
-from peer.identity import Certificate, CertificateVerifier, Identity, peer_id_from_public_key
+from peer.formats.identity import (
+    Certificate,
+    CertificateVerifier,
+    Identity,
+    peer_id_from_public_key,
+)
 from server.app import create_app
 from server.clock import now_ms
 from server.config import Settings

@@ -14,6 +14,7 @@ import pytest
 from fastapi import FastAPI
 from pydantic import ValidationError
 
+from server.api.rate_limits import limiter_from_settings
 from server.app import create_app
 from server.config import Settings
 from server.services.rate_limits import (
@@ -108,9 +109,9 @@ def test_retry_after_is_whole_seconds_rounded_up() -> None:
     ("host", "key"),
     [
         ("203.0.113.5", "203.0.113.5"),
-        ("2001:db8:1:2::5", "2001:db8:1:2::/64"),
-        ("2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:db8:1:2::/64"),
-        ("2001:db8:1:3::5", "2001:db8:1:3::/64"),
+        ("2001:db8:1:2::5", "2001:db8:1::/56"),
+        ("2001:db8:1:ff:ffff:ffff:ffff:ffff", "2001:db8:1::/56"),
+        ("2001:db8:1:100::5", "2001:db8:1:100::/56"),
         ("::ffff:203.0.113.5", "203.0.113.5"),
         ("127.0.0.1", None),
         ("127.8.9.10", None),
@@ -123,6 +124,16 @@ def test_retry_after_is_whole_seconds_rounded_up() -> None:
 )
 def test_address_keys(host: str | None, key: str | None) -> None:
     assert address_key(host) == key
+
+
+def test_the_ipv6_prefix_is_a_setting() -> None:
+    assert address_key("2001:db8:1:2::5", 64) == "2001:db8:1:2::/64"
+    assert address_key("2001:db8:1:ff00::5", 48) == "2001:db8:1::/48"
+    limiter = limiter_from_settings(make_settings("sqlite://", rate_limit_ipv6_prefix=48))
+    assert limiter.address("2001:db8:1:ff00::5") == "2001:db8:1::/48"
+    assert limiter_from_settings(make_settings("sqlite://")).address("2001:db8:1:ff00::5") == (
+        "2001:db8:1:ff00::/56"
+    )
 
 
 def test_trusted_proxies_come_from_a_comma_separated_variable(
@@ -321,7 +332,7 @@ async def test_peer_endpoints_are_also_limited_per_address(tmp_path: Path) -> No
         assert (await other.get(url, headers=peers[3].headers)).status_code == 200
 
 
-async def test_ipv6_clients_are_counted_per_64(tmp_path: Path) -> None:
+async def test_ipv6_clients_are_counted_per_56(tmp_path: Path) -> None:
     async with coordinator(tmp_path, rate_limit_join_burst=2, rate_limit_join_per_s=0.1) as app:
         _, token = await invite(app)
 
@@ -333,7 +344,8 @@ async def test_ipv6_clients_are_counted_per_64(tmp_path: Path) -> None:
         assert await challenge("2001:db8:1:2::1") == 200
         assert await challenge("2001:db8:1:2:aaaa:bbbb:cccc:dddd") == 200
         assert await challenge("2001:db8:1:2::ffff") == 429  # the same /64
-        assert await challenge("2001:db8:1:3::1") == 200  # another /64
+        assert await challenge("2001:db8:1:3::1") == 429  # another /64 of the same /56
+        assert await challenge("2001:db8:1:100::1") == 200  # another /56
 
 
 async def test_x_forwarded_for_counts_only_from_a_trusted_proxy(tmp_path: Path) -> None:

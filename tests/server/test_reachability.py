@@ -3,6 +3,7 @@ from, and announces the peer (or not) accordingly; once per interval per peer.""
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -82,6 +83,7 @@ async def test_a_listening_peer_is_reachable_and_announced(
             "port": port,
             "bulk_port": bulk_port,
             "detail": f"reachable at ws://127.0.0.1:{port} (bulk port {bulk_port} too)",
+            "punch_address": None,
         }
         mine = await listed(client, run["id"], peer)
         assert mine["addresses"] == [f"ws://127.0.0.1:{port}"] and mine["client_mode"] is False
@@ -168,3 +170,122 @@ async def test_invalid_ports_are_422(app: FastAPI, body: dict[str, Any]) -> None
         run = await api.create_run()
         peer = await api.join(run["id"], (await api.create_join_token(run["id"]))["token"])
         assert (await probe(client, run["id"], peer, **body)).status_code == 422
+
+
+async def rendezvous(client: httpx.AsyncClient, run_id: str, peer: JoinedPeer) -> list[Any]:
+    response = await client.get(f"/api/v1/runs/{run_id}/rendezvous", headers=peer.headers)
+    assert response.status_code == 200, response.text
+    return list(response.json()["peers"])
+
+
+async def test_a_peer_behind_a_nat_that_punches_is_introduced_to_the_others(
+    app: FastAPI, closed_port: int
+) -> None:
+    """Unreachable but punching: a full member (not a client) at punch://host:port/<id>,
+    the host being where its request came from; other peers are introduced to it there,
+    nobody is handed it to dial, and nobody is introduced to itself."""
+    async with client_from(app, "127.0.0.3") as client:
+        api = Api(client)
+        run = await api.create_run()
+        token = (await api.create_join_token(run["id"]))["token"]
+        peer = await api.join(run["id"], token)
+        response = await probe(client, run["id"], peer, port=closed_port, punch_port=40404)
+        body = response.json()
+        own_id = peer.body["peer_id"]
+        assert body["reachable"] is False and body["address"] is None
+        assert body["punch_address"] == f"punch://127.0.0.3:40404/{own_id}"
+        assert "punch through to it at 127.0.0.3:40404" in body["detail"]
+        mine = await listed(client, run["id"], peer)
+        assert mine["addresses"] == [body["punch_address"]] and mine["client_mode"] is False
+        assert await rendezvous(client, run["id"], peer) == []
+        other = await api.join(run["id"], token)
+        assert await rendezvous(client, run["id"], other) == [
+            {"peer_id": own_id, "host": "127.0.0.3", "port": 40404, "relays": []}
+        ]
+        sample = await client.get(f"/api/v1/runs/{run['id']}/bootstrap", headers=other.headers)
+        assert sample.json()["peers"] == [], "a punching peer is not dialed from bootstrap"
+
+
+async def test_a_peer_cannot_name_where_others_punch(app: FastAPI, closed_port: int) -> None:
+    """The host is the coordinator's observation: a join that claims another address, or a
+    body that names one, changes nothing; a privileged port is refused."""
+    async with client_from(app, "127.0.0.4") as client:
+        api = Api(client)
+        run = await api.create_run()
+        token = (await api.create_join_token(run["id"]))["token"]
+        liar = await api.join(run["id"], token, addresses=["punch://192.0.2.7:22/x"])
+        refused = await probe(client, run["id"], liar, port=closed_port, punch_port=22)
+        assert refused.status_code == 422
+        smuggled = await probe(
+            client, run["id"], liar, port=closed_port, punch_port=40405, host="192.0.2.7"
+        )
+        assert smuggled.status_code == 422, "unknown fields are refused"
+        await probe(client, run["id"], liar, port=closed_port, punch_port=40405)
+        other = await api.join(run["id"], token)
+        assert await rendezvous(client, run["id"], other) == [
+            {"peer_id": liar.body["peer_id"], "host": "127.0.0.4", "port": 40405, "relays": []}
+        ]
+
+
+async def test_a_peer_that_does_not_punch_is_not_introduced(app: FastAPI, closed_port: int) -> None:
+    async with client_from(app, "127.0.0.5") as client:
+        api = Api(client)
+        run = await api.create_run()
+        token = (await api.create_join_token(run["id"]))["token"]
+        client_peer = await api.join(run["id"], token)
+        await probe(client, run["id"], client_peer, port=closed_port)
+        other = await api.join(run["id"], token)
+        assert await rendezvous(client, run["id"], other) == []
+
+
+@pytest.fixture
+def relayed_settings(database_url: str) -> Settings:
+    return make_settings(
+        database_url, reachability_interval_s=0, relays=("relay://relay.example:4100",)
+    )
+
+
+async def test_the_coordinators_relays_are_told_at_join_and_named_per_peer(
+    relayed_settings: Settings, closed_port: int
+) -> None:
+    app = create_app(relayed_settings)
+    async with running(app), client_from(app, "127.0.0.6") as client:
+        api = Api(client)
+        run = await api.create_run()
+        token = (await api.create_join_token(run["id"]))["token"]
+        peer = await api.join(run["id"], token)
+        assert peer.body["relays"] == ["relay://relay.example:4100"]
+        await probe(client, run["id"], peer, port=closed_port, punch_port=40406)
+        other = await api.join(run["id"], token)
+        own_id = peer.body["peer_id"]
+        assert await rendezvous(client, run["id"], other) == [
+            {
+                "peer_id": own_id,
+                "host": "127.0.0.6",
+                "port": 40406,
+                "relays": [f"relay://relay.example:4100/{own_id}"],
+            }
+        ]
+
+
+def test_a_relay_setting_that_is_not_a_relay_address_is_refused(database_url: str) -> None:
+    with pytest.raises(ValueError, match=re.escape("SWARMGRAD_RELAYS: 'ws://relay.example:4100'")):
+        make_settings(database_url, relays=("ws://relay.example:4100",))
+
+
+async def test_the_dashboard_shows_a_punching_peer_behind_a_nat_not_reachable(
+    app: FastAPI, closed_port: int
+) -> None:
+    async with client_from(app, "127.0.0.7") as client:
+        api = Api(client)
+        run = await api.create_run()
+        token = (await api.create_join_token(run["id"]))["token"]
+        peer = await api.join(run["id"], token)
+        await probe(client, run["id"], peer, port=closed_port, punch_port=40407)
+        table = (await client.get(f"/api/v1/runs/{run['id']}/volunteers")).json()
+        (row,) = table["volunteers"]
+        assert row["reachable"] is False and row["behind_nat"] is True
+        detail = (await client.get(f"/api/v1/runs/{run['id']}/volunteers/{row['id']}")).json()
+        (machine,) = detail["machines"]
+        assert machine["reachable"] is False and machine["behind_nat"] is True
+        assert machine["client_mode"] is False

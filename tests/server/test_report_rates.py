@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from server.services.reports import counted_rate
 from server.services.rollups import Bucket, machine_rates, single
+from server.services.run_totals import counted_rate
 
 
 def test_the_runs_rate_is_its_counters_growth() -> None:
@@ -46,7 +46,7 @@ async def test_the_runs_rate_runs_to_its_newest_report_not_to_now(app: Any, api:
 
     from server.clock import now_ms
     from server.models import Peer, ProgressSnapshot
-    from server.services.reports import run_totals
+    from server.services.run_totals import run_totals
 
     run = await api.create_run(name="rate")
     invite = (await api.create_join_token(run["id"]))["token"]

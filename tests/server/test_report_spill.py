@@ -15,13 +15,13 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import Engine, event, func, select
 
-from peer.testing import wait_until
 from server.app import create_app
 from server.clock import now_ms
 from server.models import Peer, ProgressReport, SpilledSegment
 from server.services.report_buffer import ReportBuffer
 from server.services.report_spill import ReportSpill
 from server.services.reports import PendingReport
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 from tests.server.conftest import Api, client_for, make_settings, running
 

@@ -15,7 +15,8 @@ from server.clock import now_ms
 from server.models import Peer
 from server.schemas import MAX_INT
 from server.services.report_buffer import database_unavailable
-from server.services.reports import PendingReport, saturated, write_reports
+from server.services.reports import PendingReport, write_reports
+from server.services.run_totals import saturated
 from tests.server.conftest import ORGANIZER, Api
 
 

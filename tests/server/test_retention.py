@@ -16,7 +16,6 @@ from fastapi import FastAPI
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from peer.testing import wait_until
 from server.app import create_app
 from server.clock import now_ms
 from server.config import Settings
@@ -27,6 +26,7 @@ from server.services.report_buffer import ReportBuffer
 from server.services.reports import PendingReport, write_reports
 from server.services.retention import ReportRetention, claim
 from server.services.rollups import combine, contribution, single, summarize
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 from tests.server.conftest import Api, client_for, make_settings, running
 

@@ -14,8 +14,8 @@ from fastapi import FastAPI
 from sqlalchemy import update
 
 from peer.exceptions import AuthenticationError
-from peer.identity import Identity
-from peer.revocation import RevocationBook
+from peer.formats.identity import Identity
+from peer.formats.revocation import RevocationBook
 from server.models import Volunteer, utcnow
 from server.services.volunteers import redeem_invite
 from tests.server.conftest import ORGANIZER, Api

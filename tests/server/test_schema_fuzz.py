@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.python import asgi
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from peer.identity import Identity
+from peer.formats.identity import Identity
 from server.app import create_app
 from server.db import upgrade_database
 from server.models import TokenScope
-from server.schemas import JoinRequest, RunCreate, TokenCreate
+from server.schemas import JoinRequest, RunCreate, TaskFileCreate, TokenCreate
 from server.security import JoinChallenges, KeyBox
 from server.services import peers as peer_service
 from server.services import runs as run_service
@@ -41,7 +41,10 @@ class Credentials:
 
     def fresh(self) -> dict[str, str]:
         with self._factory() as session, session.begin():
-            run = run_service.create_run(session, self._keybox, RunCreate(name="fuzz", task="t"))
+            # a run that ships its task file: its download is one of the operations
+            shipped = TaskFileCreate(filename="t.py", content="ZGVmIHQoKTogcGFzcwo=")
+            body = RunCreate(name="fuzz", task="t:t", task_file=shipped)
+            run = run_service.create_run(session, self._keybox, body)
             _, join = token_service.create_join_token(session, run, TokenCreate(), 3600, 100)
             join_id = join.split("_")[1]
             challenge = self._challenges.issue(run.id, join_id).text
@@ -82,9 +85,11 @@ def fuzzed_app(database_url: str, tmp_path: Path) -> Iterator[object]:
 
 
 def _scope(method: str, path: str) -> TokenScope | None:
-    if path.endswith(("/join", "/join/challenge")):
+    if path.endswith(("/join", "/join/challenge", "/task")):  # the task: read before joining
         return TokenScope.join
-    if path.endswith(("/bootstrap", "/certificate", "/reports", "/reachability", "/leave")):
+    if path.endswith(
+        ("/bootstrap", "/certificate", "/reports", "/reachability", "/leave", "/rendezvous")
+    ):
         return TokenScope.peer
     if path.endswith("/checkpoint"):
         return TokenScope.peer
@@ -125,10 +130,13 @@ def test_api_conforms_to_its_schema(fuzzed_app) -> None:  # type: ignore[no-unty
                 headers["Authorization"] = f"Bearer {ADMIN_TOKEN}"
             elif scope is not None:
                 headers["Authorization"] = f"Bearer {made[scope]}"
-            # A checkpoint is a zip archive, and a report must be plausible (a rate under the
-            # coordinator's limit, an epoch near the swarm's), which the schema cannot say:
-            # generated bodies are refused (422) though they fit the schema.
-            refusable = case.method.upper() == "PUT" or case.path.endswith("/reports")
+            # A checkpoint is a zip archive, a report must be plausible (a rate under the
+            # coordinator's limit, an epoch near the swarm's), and a display name visible (no
+            # invisible or unassigned characters, server.services.display_names), which the
+            # schema cannot say: generated bodies are refused (422) though they fit it. So is a
+            # run whose task does not name its task file's module.
+            refusable = case.method.upper() == "PUT" or case.path.endswith(("/reports", "/join"))
+            refusable |= isinstance(case.body, dict) and "task_file" in case.body
             excluded = [positive_data_acceptance] if refusable else []
             response = case.call_and_validate(headers=headers, excluded_checks=excluded)
             statuses.setdefault(case.operation.label, set()).add(response.status_code)

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from peer.identity import Identity
+from peer.formats.identity import Identity
 from server.app import create_app
 from tests.conftest import served
 from tests.server.conftest import ORGANIZER, bearer, join_proof, make_settings

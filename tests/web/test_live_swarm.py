@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from peer.identity import Identity
-from peer.testing import wait_until
+from peer.formats.identity import Identity
 from swarmgrad.local import LocalCoordinator, start_volunteer, stop_processes
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 from tests.server.conftest import bearer, join_proof
 from tests.web.conftest import expect_network_errors

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from peer.identity import Identity
-from peer.testing import wait_until
+from peer.formats.identity import Identity
 from swarmgrad.local import LocalCoordinator
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 from tests.server.conftest import bearer, fresh_database, join_proof
 

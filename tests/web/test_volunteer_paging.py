@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from peer.testing import wait_until
 from server.app import create_app
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled, served
 from tests.server.conftest import ORGANIZER, bearer, make_settings
 from tests.web.conftest import axe_violations, join

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from peer.testing import wait_until
 from server.web import formatting
+from swarmlab.node_process import wait_until
 from tests.server.conftest import ADMIN_TOKEN, ORGANIZER, bearer
 from tests.web.conftest import (
     ARTIFACTS,

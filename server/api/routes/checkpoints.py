@@ -3,10 +3,12 @@ download the served one (pinned, else newest); the organizer lists, pins and del
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from fastapi import APIRouter, Path, Query, Request, Response, status
 from fastapi.responses import FileResponse, JSONResponse
+from sqlalchemy.orm import Session
 from starlette.types import Scope
 
 from server.api import API_PREFIX
@@ -22,6 +24,7 @@ from server.api.deps import (
 )
 from server.schemas import MAX_INT, CheckpointHeld, CheckpointPublic, CheckpointsPublic, ErrorPublic
 from server.services import checkpoints as checkpoint_service
+from server.services import runs as run_service
 
 router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}", tags=["checkpoints"])
 
@@ -46,8 +49,9 @@ def is_upload(scope: Scope) -> bool:
     responses={
         202: {
             "model": CheckpointHeld,
-            "description": "Not this epoch's uploader: only the "
-            "digest is kept, until a second volunteer uploads the same.",
+            "description": "Not this epoch's uploader, or an epoch more than one past "
+            "what the other volunteers reached: only the digest is kept (never served), "
+            "until a volunteer of another invite uploads the same at a reached epoch.",
         },
         413: {"model": ErrorPublic, "description": "Over checkpoint_max_bytes."},
         422: {
@@ -69,8 +73,10 @@ async def upload_checkpoint(
 ) -> Response:
     """Upload the model at ``epoch``: the raw bytes ``torch.save`` wrote (a zip archive),
     as ``application/octet-stream``. Taken (201) from the peer the run designates for the
-    epoch (the lowest peer id among the peers at it or the one before); from another peer
-    only its digest is kept (202) until a peer of a second volunteer uploads the same.
+    epoch (the lowest peer id among the peers at it or the one before), at most one epoch
+    past what the other volunteers reached; from another peer only its digest is kept
+    (202) until a volunteer of another invite uploads the same, and an epoch further ahead
+    is held likewise (202): never served, and blocking no upload of an earlier epoch.
     409 when the run has a checkpoint of the same or a newer epoch (another peer was first:
     nothing to do); 413 over the size limit; 422 for an epoch the swarm has not reached or
     anything but a zip archive; 507 when the coordinator cannot store it."""
@@ -86,12 +92,20 @@ async def upload_checkpoint(
         int(length) if length.isdigit() else None,
         guard=guard,
         online_ttl_s=settings.peer_online_ttl_s,
+        report_interval_s=settings.report_interval_s,
     )
     if uploaded.checkpoint is None:
         held = CheckpointHeld(epoch=epoch, detail=uploaded.detail)
         return JSONResponse(held.model_dump(mode="json"), status_code=status.HTTP_202_ACCEPTED)
     body = checkpoint_service.public(uploaded.checkpoint)
+    # The checkpoint of the run's last epoch may finish it (when the swarm is there too).
+    await asyncio.to_thread(_finish_if_done, session, run.id, settings.peer_online_ttl_s)
     return JSONResponse(body.model_dump(mode="json"), status_code=status.HTTP_201_CREATED)
+
+
+def _finish_if_done(session: Session, run_id: str, online_ttl_s: float) -> None:
+    if run_service.finish_if_done(session, run_id, online_ttl_s=online_ttl_s):
+        session.commit()
 
 
 @router.get(

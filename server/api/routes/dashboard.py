@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Hashable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import (
     APIRouter,
@@ -26,7 +26,8 @@ from server.api.deps import CurrentOrganizer, RunDep, SessionDep, SettingsDep
 from server.config import Settings
 from server.document_cache import DocumentCache
 from server.exceptions import NotFound
-from server.live import LiveHub
+from server.live import Build, LiveHub
+from server.models import Run
 from server.schemas_dashboard import (
     RunDashboard,
     RunsOverview,
@@ -39,13 +40,49 @@ from server.services import dashboard as dashboard_service
 from server.services import runs as run_service
 from server.services import volunteer_table
 from server.services import volunteers as volunteer_service
-from server.services.dashboard import MAX_ID
+from server.services.dashboard import DEFAULT_VIEW, MAX_ID
 from server.services.volunteer_table import View
 
 router = APIRouter(prefix=API_PREFIX, tags=["dashboard"])
 
 PING_INTERVAL_S = 15.0
 CLOSE_UNKNOWN_RUN = 4404
+
+
+def cached_runs_overview(request: Request, settings: Settings) -> Response:
+    """The runs list as JSON, from the worker's cache (:func:`_cached`)."""
+    ttl = settings.peer_online_ttl_s
+    return _cached(
+        request,
+        ("runs",),
+        lambda session: dashboard_service.runs_overview(session, online_ttl_s=ttl),
+    )
+
+
+def cached_run_dashboard(
+    request: Request, session: Session, settings: Settings, run: Run, view: View
+) -> Response:
+    """A run's dashboard document as JSON: the run's, from the worker's cache (one per run,
+    whatever ``view``), with the page of the volunteers' table ``view`` asks for read now
+    in place of the default one."""
+    run_id = run.id
+
+    def build(session: Session) -> RunDashboard:
+        return dashboard_service.run_dashboard(
+            session,
+            run_service.get_run(session, run_id),
+            online_ttl_s=settings.peer_online_ttl_s,
+            history_points=settings.history_points,
+        )
+
+    cached = _cached(request, ("run", run_id), build)
+    if view == DEFAULT_VIEW:
+        return cached
+    page = dashboard_service.volunteers_page(
+        session, run, online_ttl_s=settings.peer_online_ttl_s, view=view
+    )
+    document = dashboard_service.with_page(bytes(cached.body), page)
+    return Response(document, media_type="application/json")
 
 
 def _cached(request: Request, key: Hashable, build: Callable[[Session], BaseModel]) -> Response:
@@ -67,12 +104,7 @@ def _cached(request: Request, key: Hashable, build: Callable[[Session], BaseMode
 @router.get("/dashboard", response_model=RunsOverview)
 def read_runs_overview(request: Request, settings: SettingsDep) -> Response:
     """Every run that is not archived, with its current numbers and a throughput trend."""
-    ttl = settings.peer_online_ttl_s
-    return _cached(
-        request,
-        ("runs",),
-        lambda session: dashboard_service.runs_overview(session, online_ttl_s=ttl),
-    )
+    return cached_runs_overview(request, settings)
 
 
 def volunteer_view(
@@ -93,23 +125,16 @@ ViewDep = Annotated[View, Depends(volunteer_view)]
 
 @router.get("/runs/{run_id}/dashboard", response_model=RunDashboard)
 def read_run_dashboard(
-    request: Request, settings: SettingsDep, run: RunDep, view: ViewDep
+    request: Request, session: SessionDep, settings: SettingsDep, run: RunDep, view: ViewDep
 ) -> Response:
     """Headline numbers, alerts, chart series, group sizes, and one page of the volunteers'
     table with their counts (the first page by samples unless the query asks for another).
-    Each worker builds it at most every ``dashboard_cache_s`` (1 s by default)."""
-    run_id = run.id
-
-    def build(session: Session) -> RunDashboard:
-        return dashboard_service.run_dashboard(
-            session,
-            run_service.get_run(session, run_id),
-            online_ttl_s=settings.peer_online_ttl_s,
-            history_points=settings.history_points,
-            view=view,
-        )
-
-    return _cached(request, ("run", run_id, view), build)
+    Each worker builds the run's document at most every ``dashboard_cache_s`` (1 s by
+    default), one per run whatever the query: another page, order or filter of the table
+    is that page alone (as ``GET .../volunteers`` answers it) in the cached document, so
+    varied queries cost a table query each, never a build, and push no run out of the
+    cache."""
+    return cached_run_dashboard(request, session, settings, run, view)
 
 
 @router.get("/runs/{run_id}/volunteers", response_model=VolunteerPage)
@@ -168,8 +193,8 @@ def ban_volunteer(
     )
 
 
-def _overview_builder(factory: sessionmaker[Session], settings: Settings) -> Any:
-    def build() -> dict[str, Any]:
+def _overview_builder(factory: sessionmaker[Session], settings: Settings) -> Build:
+    def build() -> dict[str, object]:
         with factory() as session:
             document = dashboard_service.runs_overview(
                 session, online_ttl_s=settings.peer_online_ttl_s
@@ -183,8 +208,8 @@ def _overview_builder(factory: sessionmaker[Session], settings: Settings) -> Any
     return build
 
 
-def _dashboard_builder(factory: sessionmaker[Session], settings: Settings, run_id: str) -> Any:
-    def build() -> dict[str, Any] | None:
+def _dashboard_builder(factory: sessionmaker[Session], settings: Settings, run_id: str) -> Build:
+    def build() -> dict[str, object] | None:
         with factory() as session:
             try:
                 run = run_service.get_run(session, run_id)
@@ -205,7 +230,7 @@ def _dashboard_builder(factory: sessionmaker[Session], settings: Settings, run_i
     return build
 
 
-async def _stream(websocket: WebSocket, key: tuple[str, ...], build: Any) -> None:
+async def _stream(websocket: WebSocket, key: tuple[str, ...], build: Build) -> None:
     hub: LiveHub = websocket.app.state.live_hub
     await websocket.accept()
     async with hub.subscribe(key, build) as queue:

@@ -21,7 +21,6 @@ from server.api.deps import (
     SettingsDep,
 )
 from server.clock import ms_to_datetime, now_ms
-from server.exceptions import ImplausibleReport
 from server.models import Peer
 from server.schemas import (
     BootstrapPeer,
@@ -35,6 +34,8 @@ from server.schemas import (
     PeersPublic,
     ReachabilityPublic,
     ReachabilityRequest,
+    RendezvousPeer,
+    RendezvousPublic,
     ReportAccepted,
     ReportCreate,
     encode_bytes,
@@ -45,6 +46,7 @@ from server.services import presence
 from server.services import reachability as reachability_service
 from server.services import tokens as token_service
 from server.services import volunteers as volunteer_service
+from server.services.report_guard import take_report
 
 router = APIRouter(prefix=f"{API_PREFIX}/runs/{{run_id}}", tags=["peers"])
 join_router = APIRouter(prefix=f"{API_PREFIX}/join", tags=["peers"])
@@ -85,6 +87,7 @@ def list_peers(
                 samples=p.samples_base + p.samples,
                 samples_per_second=p.samples_per_second,
                 loss=p.loss,
+                eval_metric=p.eval_metric,
                 reports_refused=p.reports_refused,
                 last_refusal=p.last_refusal,
                 last_refusal_at=None
@@ -101,7 +104,7 @@ def join_challenge(
     invitee: CurrentInvitee, session: SessionDep, challenges: JoinChallengesDep
 ) -> JoinChallengePublic:
     """A challenge for joining the join token's run, valid for ``join_challenge_ttl_s``.
-    Next: sign ``peer.identity.join_proof_payload(run_id, challenge, public_key)`` with the
+    Next: sign ``peer.formats.identity.join_proof_payload(run_id, challenge, public_key)`` with the
     peer's identity and ``POST /runs/{run_id}/join``. Refused (409) once the run is finished
     or archived; a paused run admits peers, which wait until it resumes."""
     assert invitee.run_id is not None  # join tokens belong to a run
@@ -163,6 +166,7 @@ def join_run(
         bootstrap=[bootstrap_peer(p) for p in joined.bootstrap],
         checkpoint=None if checkpoint is None else checkpoint_service.public(checkpoint),
         report_interval_s=settings.report_interval_s,
+        relays=list(settings.relays),
     )
 
 
@@ -191,6 +195,7 @@ async def check_reachability(
         body.bulk_port,
         interval_s=settings.reachability_interval_s,
         timeout_s=settings.reachability_timeout_s,
+        punch_port=body.punch_port,
     )
     return ReachabilityPublic(
         reachable=result.reachable,
@@ -199,6 +204,37 @@ async def check_reachability(
         port=result.port,
         bulk_port=result.bulk_port,
         detail=result.detail,
+        punch_address=result.punch_address,
+    )
+
+
+@router.get("/rendezvous", response_model=RendezvousPublic, responses=_RATE_LIMITED)
+def rendezvous(
+    peer: CurrentPeer, session: SessionDep, settings: SettingsDep, run: RunDep
+) -> RendezvousPublic:
+    """The run's peers behind NATs that punch (never the caller): each one's public address
+    as the coordinator saw it, the port it punches from, and its addresses at the
+    coordinator's relays. A punching peer keeps a direct link with each
+    (``peer.node.punching``), or one through a relay where the punch does not get through;
+    where a punch goes comes from here, never from what a peer announces."""
+    assert peer.peer_pk is not None
+    peer_service.touch(session, peer.peer_pk)
+    session.commit()
+    since = now_ms() - int(settings.peer_online_ttl_s * 1000)
+    found = reachability_service.rendezvous_peers(
+        session,
+        run.id,
+        exclude=peer.peer_pk,
+        online_since_ms=since,
+        limit=settings.rendezvous_peers,
+    )
+    return RendezvousPublic(
+        peers=[
+            RendezvousPeer(
+                peer_id=p, host=h, port=port, relays=[f"{r}/{p}" for r in settings.relays]
+            )
+            for p, h, port in found
+        ]
     )
 
 
@@ -266,11 +302,6 @@ async def post_report(
     no honest peer could send (see docs/coordinator.md) is refused with 422 and counted
     against the peer. A finished run answers 409: the peer should stop."""
     assert peer.run_id is not None and peer.peer_pk is not None
-    try:
-        report = await guard.admit(peer.run_id, peer.peer_pk, body)
-    except ImplausibleReport as refused:
-        buffer.count_refusal(peer.peer_pk, refused.bound, now_ms())
-        raise
-    await buffer.add(report)
+    await take_report(guard, buffer, peer.run_id, peer.peer_pk, body)
     # Pre-rendered: this route is the hot path, and the answer never changes.
     return Response(_ACCEPTED, status_code=status.HTTP_202_ACCEPTED, media_type="application/json")

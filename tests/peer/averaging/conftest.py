@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from peer import DecentralizedAverager, Node
-from peer.testing import wait_until
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
-    """:func:`peer.testing.wait_until` with ``timeout`` scaled for this machine."""
+    """:func:`swarmlab.node_process.wait_until` with ``timeout`` scaled for this machine."""
     return wait_until(predicate, scaled(timeout), interval)
 
 

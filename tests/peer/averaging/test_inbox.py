@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from peer.averaging.butterfly_recovery import RECOVERY_ID_BYTES
 from peer.averaging.inbox import RoundInbox
 from peer.averaging.matchmaking import MatchState
 from peer.averaging.protocol import ABORT, PART
@@ -90,3 +91,24 @@ async def test_a_group_this_peer_is_not_in_is_told_so_once_per_sender() -> None:
     assert all(f.type == ABORT and f.fields["g"] == b"x" for f in told.values())
     await asyncio.gather(*(asyncio.all_tasks() - {asyncio.current_task()}))  # every notice out
     assert core.sent.empty(), "each sender is told once; an abort is never answered"
+
+
+async def test_a_recovery_of_a_round_goes_to_that_round_and_of_one_over_is_refused() -> None:
+    # a recovery's group id is its round's followed by a digest (butterfly_recovery): the
+    # round's runner sorts it out; once the round ended here, its sender hears "not a member"
+    inbox, core = RoundInbox("p", wire_bytes=1000), _Core()
+    round_id = b"r" * 16
+    recovery = round_id + b"d" * RECOVERY_ID_BYTES
+    runner = _Runner(started=True)
+    inbox.open(round_id, runner)  # type: ignore[arg-type]
+    inbox.route(core, None, "a", _part(recovery))  # type: ignore[arg-type]
+    inbox.route(core, None, "a", _part(recovery + b"e" * RECOVERY_ID_BYTES))  # type: ignore[arg-type]
+    assert [frame.fields["g"] for _, frame in runner.got] == [
+        recovery,
+        recovery + b"e" * RECOVERY_ID_BYTES,
+    ]
+    inbox.close(round_id)
+    inbox.route(core, None, "b", _part(recovery))  # type: ignore[arg-type]
+    peer_id, frame = await asyncio.wait_for(core.sent.get(), scaled(5))
+    assert (peer_id, frame.type, frame.fields["g"]) == ("b", ABORT, recovery)
+    assert len(runner.got) == 2

@@ -26,20 +26,28 @@ from peer.averaging.matchmaking import (
     MatchState,
     Notify,
     Publish,
+    Redirected,
     RefuseReason,
     Reply,
     ResponseStatus,
     Retract,
     SendRequest,
 )
+from peer.averaging.matchmaking_types import Order
 
 KEY = "run.0b01"
 SCHEMA = b"schema-a"
 
 
 def cfg(**kw: object) -> MatchmakingConfig:
+    # the scenarios are told in the order of start times (whoever declares first leads);
+    # the random interleavings below run under both orders
     base: dict[str, object] = dict(
-        target_group_size=4, min_group_size=2, min_matchmaking_time=5.0, request_timeout=1.0
+        target_group_size=4,
+        min_group_size=2,
+        min_matchmaking_time=5.0,
+        request_timeout=1.0,
+        order="start_time",
     )
     base.update(kw)
     return MatchmakingConfig(**base)  # type: ignore[arg-type]
@@ -134,8 +142,9 @@ def test_waiting_peer_redirects_requests_to_its_leader() -> None:
     b.on_declaration(0.1, of(Publish, out_a)[0].declaration)
     assert b.state is MatchState.REQUESTING
     c_decl = Declaration(KEY, "c", 7.0, SCHEMA)
-    (reply,) = b.on_join_request(0.2, JoinRequest(c_decl, "b", b"c"))
-    assert reply.response.status is ResponseStatus.REDIRECT
+    reply, told = b.on_join_request(0.2, JoinRequest(c_decl, "b", b"c"))
+    assert isinstance(reply, Reply) and reply.response.status is ResponseStatus.REDIRECT
+    assert told == Notify("a", Redirected("b", ("c",)))  # a holds its group for c
     assert reply.response.redirect_to == a.declaration
     c, _ = started("c", scheduled_time=7.0)
     out = c.on_declaration(0.2, b.declaration)  # type: ignore[arg-type]
@@ -231,6 +240,79 @@ def test_a_peer_that_waits_passes_on_the_peers_announced_to_it() -> None:
     assert req.request.bringing == ("c", "d")
 
 
+def test_a_peer_redirected_twice_to_a_leader_it_learnt_of_late_is_held_for() -> None:
+    # seen at 100 peers: d knew only c, which was asking b, which followed a; redirected
+    # hop by hop (a request each), d reached a just after a had assembled at its start time,
+    # was refused as busy, and found no group. The peers that redirect d now tell their
+    # leader, and a holds its group for d as for a follower handed over to it.
+    a, out_a = started("a", scheduled_time=5.0)
+    b, out_b = started("b", scheduled_time=5.0)
+    c, out_c = started("c", scheduled_time=5.0)
+    d, _ = started("d", scheduled_time=5.0)
+    machines = {"a": a, "b": b, "c": c, "d": d}
+
+    def notices(origin: str, now: float, commands: list[Command]) -> list[Command]:
+        # deliver every notice at once (a chain of them), keep the rest
+        rest = []
+        for command in commands:
+            if isinstance(command, Notify):
+                rest += notices(
+                    command.to, now, machines[command.to].on_notice(now, origin, command.message)
+                )
+            else:
+                rest.append(command)
+        return rest
+
+    def declared(out: list[Command]) -> Declaration:
+        return of(Publish, out)[0].declaration
+
+    (req_b,) = of(SendRequest, b.on_declaration(0.1, declared(out_a)))
+    (ok_b,) = a.on_join_request(0.2, req_b.request)
+    assert b.on_join_response(0.3, "a", ok_b.response) == [] and b.waiting_on() == "a"
+    (req_c,) = of(SendRequest, c.on_declaration(0.4, declared(out_b)))  # c knows only b
+    (req_d,) = of(SendRequest, d.on_declaration(3.0, declared(out_c)))  # d knows only c
+    (to_d,) = notices("c", 3.1, c.on_join_request(3.1, req_d.request))  # c waits on b
+    assert to_d.response.redirect_to == b.declaration  # type: ignore[union-attr]
+    (to_c,) = notices("b", 3.2, b.on_join_request(3.2, req_c.request))  # b follows a
+    (req_c,) = of(SendRequest, c.on_join_response(3.3, "b", to_c.response))  # type: ignore[union-attr]
+    (ok_c,) = a.on_join_request(3.4, req_c.request)
+    c.on_join_response(3.5, "a", ok_c.response)
+    (req_d,) = of(SendRequest, d.on_join_response(4.0, "c", to_d.response))  # type: ignore[union-attr]
+    assert req_d.to == "b"  # d has still not heard of a
+    (to_d,) = notices("b", 4.6, b.on_join_request(4.6, req_d.request))
+    (req_d,) = of(SendRequest, d.on_join_response(4.7, "b", to_d.response))  # type: ignore[union-attr]
+    assert req_d.to == "a"
+    # a's start time comes while d's request is under way: a holds for d ...
+    assert not of(BeginAllreduce, a.tick(5.0)) and a.next_wakeup() == 6.0
+    out = a.on_join_request(5.2, req_d.request)  # ... which arrives and completes the group
+    (reply,) = of(Reply, out)
+    assert reply.response.status is ResponseStatus.ACCEPTED
+    assert of(BeginAllreduce, out)[0].group.peer_ids == ("a", "b", "c", "d")
+
+
+def test_a_leader_is_told_once_of_each_peer_sent_its_way() -> None:
+    # a waiting peer names the requesters it redirected (and the peers they bring) once, and
+    # its later requests name them too; a client-mode peer never holds for anyone
+    a, out_a = started("a", scheduled_time=5.0)
+    b, _ = started("b", scheduled_time=5.0)
+    b.on_declaration(0.1, of(Publish, out_a)[0].declaration)
+    c = Declaration(KEY, "c", 5.0, SCHEMA)
+    out = b.on_join_request(0.2, JoinRequest(c, "b", bringing=("e", "b", "a")))
+    assert of(Notify, out) == [Notify("a", Redirected("b", ("c", "e")))]
+    assert not of(Notify, b.on_join_request(0.3, JoinRequest(c, "b")))  # told already
+    refused = JoinResponse("a", ResponseStatus.REFUSED, RefuseReason.FULL)
+    z = Declaration(KEY, "0", 1.0, SCHEMA)  # an earlier leader b hears of
+    b.on_declaration(0.35, z)
+    (req,) = of(SendRequest, b.on_join_response(0.4, "a", refused))
+    assert req.to == "0" and req.request.bringing == ("c", "e")
+    client, _ = started("k", client_mode=True)
+    assert client.on_notice(0.5, "b", Redirected("b", ("c",))) == []
+    assert client._attempt.expected == set()  # type: ignore[union-attr]
+    # a notice that names someone else as its sender is ignored
+    assert a.on_notice(0.5, "x", Redirected("b", ("c",))) == []
+    assert a._attempt.expected == set()  # type: ignore[union-attr]
+
+
 def test_follower_of_a_dead_leader_moves_on_and_leads() -> None:
     a_decl = Declaration(KEY, "a", 5.0, SCHEMA)
     b, _ = started("b", scheduled_time=6.0)
@@ -310,10 +392,11 @@ def test_notice_overtaking_the_acceptance_still_groups_and_releases_followers() 
     a_decl = Declaration(KEY, "a", 5.0, SCHEMA)
     out = b.on_declaration(0.0, a_decl)
     assert Notify("c", GroupDisbanded("b", redirect_to=a_decl)) in out
+    # assembled at a's start time, not full: the notice reaches b before a's acceptance
     group = GroupInfo(b"g", KEY, "a", ("a", "b"), (b"", b""), (False, False))
-    out = b.on_notice(0.1, "a", GroupAssembled(group))
+    out = b.on_notice(5.0, "a", GroupAssembled(group))
     assert of(BeginAllreduce, out)[0].group == group and not of(Notify, out)
-    assert b.on_join_response(0.2, "a", JoinResponse("a", ResponseStatus.ACCEPTED)) == []
+    assert b.on_join_response(5.1, "a", JoinResponse("a", ResponseStatus.ACCEPTED)) == []
 
 
 def test_late_acceptance_is_answered_with_leave() -> None:
@@ -464,7 +547,8 @@ class Bus:
                 continue
             me, leader = mm.declaration, self.m[target].declaration
             assert me is not None and leader is not None and not leader.client_mode
-            assert me.client_mode or leader.precedes(me), (p, target)
+            order = mm.config.order
+            assert me.client_mode or leader.precedes(me, order), (p, target)
             edges[p] = target
         for start in edges:
             seen, node = {start}, edges[start]
@@ -501,6 +585,7 @@ class Bus:
     fair=st.booleans(),
     n_crashed=st.integers(0, 2),
     seed=st.integers(0, 2**32 - 1),
+    order=st.sampled_from(["rank", "start_time"]),
 )
 def test_no_deadlock_and_one_group_per_peer_under_random_interleavings(
     n: int,
@@ -511,6 +596,7 @@ def test_no_deadlock_and_one_group_per_peer_under_random_interleavings(
     fair: bool,
     n_crashed: int,
     seed: int,
+    order: Order,
 ) -> None:
     rng = random.Random(seed)
     if target is not None:
@@ -520,6 +606,7 @@ def test_no_deadlock_and_one_group_per_peer_under_random_interleavings(
         min_group_size=min_size,
         min_matchmaking_time=2.0,
         request_timeout=0.5,
+        order=order,
     )
     peers = [f"p{i}" for i in range(n)]
     schema = {p: b"s%d" % rng.randrange(n_schemas) for p in peers}

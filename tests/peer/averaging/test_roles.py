@@ -21,7 +21,7 @@ from peer import DecentralizedAverager, Node
 from peer.averaging.allreduce import AllreduceRunner
 from peer.averaging.butterfly import ButterflyRound
 from peer.averaging.butterfly_send import RoundSending
-from peer.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
+from peer.formats.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
 from peer.wire import Frame
 from tests.peer.averaging.conftest import step_all, wait_for
 

@@ -22,6 +22,10 @@ def run_body(**fields: Any) -> dict[str, Any]:
         "updated_at": WHEN,
         "archived_at": None,
         "public_key": "k",
+        "min_volunteers": None,
+        "volunteers_online": None,
+        "finished_at_epoch": None,
+        "status_detail": None,
         "revocations_serial": None,
     }
     body.update(fields)

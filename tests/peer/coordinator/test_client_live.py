@@ -25,9 +25,10 @@ from peer.coordinator import (
     Unauthorized,
 )
 from peer.exceptions import SwarmgradError
+from peer.formats.identity import Certificate, CertificateVerifier, Identity
 from peer.formats.payloads import CheckpointPublic, RunPublic
-from peer.identity import Certificate, CertificateVerifier, Identity
-from peer.testing import wait_until
+from peer.formats.requests import ReportCreate
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled, served
 
 uvicorn = pytest.importorskip("uvicorn")
@@ -157,23 +158,25 @@ def test_reachability_bootstrap_and_reports(
     client.report(
         first.peer_token,
         run.id,
-        {
-            "epoch": 2,
-            "samples": 640,
-            "samples_per_second": 50.0,
-            "loss": 0.5,
-            "rounds_done": 3,
-            "rounds_failed": 1,
-            "failure": "AllreduceTimeout",
-            "eval_metric": 0.9,
-            "group_size": None,
-        },
+        ReportCreate(
+            epoch=2,
+            samples=640,
+            samples_per_second=50.0,
+            loss=0.5,
+            rounds_done=3,
+            rounds_failed=1,
+            failure="AllreduceTimeout",
+            eval_metric=0.9,
+            group_size=None,
+        ),
     )
     progress = client.progress(run.id)
     assert (progress.rounds_done, progress.rounds_failed) == (3, 1)
     assert progress.eval_metric == 0.9 and progress.epoch == 2
+    # a report the model refuses, built without its checks: the coordinator refuses it too
+    hostile = ReportCreate.model_construct(epoch=-1, samples=0, samples_per_second=0.0)
     with pytest.raises(RequestRejected, match="epoch"):
-        client.report(first.peer_token, run.id, {"epoch": -1, "samples": 0})
+        client.report(first.peer_token, run.id, hostile)
 
 
 def test_checkpoints_round_trip(client: CoordinatorClient, run: RunPublic) -> None:
@@ -238,7 +241,7 @@ def test_a_ban_shuts_the_peer_out_of_the_swarm(
     back."""
     import httpx
 
-    from peer.coordinator.membership import NodeOptions, join_run
+    from peer.coordinator.joining import NodeOptions, join_run
 
     members = {}
     try:
@@ -271,7 +274,7 @@ def test_a_ban_shuts_the_peer_out_of_the_swarm(
             )
 
         assert wait_until(shut_out, scaled(20))
-        assert not any(n.core.revocations is None for n in honest)
+        assert not any(n.core.trust.revocations is None for n in honest)
         address = nodes["ada"].core.visible_addresses
         try:  # her handshake may complete before ada says no: then ada closes the link
             link = nodes["mallory"].run_coroutine(
@@ -287,3 +290,29 @@ def test_a_ban_shuts_the_peer_out_of_the_swarm(
         for membership in members.values():
             membership.session.close()
             membership.node.shutdown()
+
+
+def test_a_volunteer_restarted_at_once_waits_out_the_probe_interval(tmp_path: Path) -> None:
+    """A crash and an automatic restart: the same key joins again before the coordinator
+    would probe its ports again; the join waits the interval out instead of failing."""
+    from peer.coordinator.joining import NodeOptions, join_run
+    from server.app import create_app
+
+    settings = server_fixtures.make_settings(
+        f"sqlite:///{tmp_path / 'coordinator.db'}",
+        checkpoint_dir=tmp_path / "checkpoints",
+        reachability_interval_s=2.0,
+    )
+    identity = Identity()
+    with served(create_app(settings)) as url, CoordinatorClient(url) as client:
+        run = client.create_run(ADMIN, "restart", "digits", {})
+        token = client.create_invite(ADMIN, run.id).token
+        for _ in range(2):
+            membership = join_run(
+                client, token, identity, node_options=NodeOptions(host="127.0.0.1")
+            )
+            try:
+                assert membership.answer.run_id == run.id
+            finally:
+                membership.session.close()
+                membership.node.shutdown()

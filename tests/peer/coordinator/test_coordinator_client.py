@@ -28,8 +28,10 @@ from peer.coordinator import (
     RunNotAccepting,
     Unauthorized,
 )
+from peer.coordinator.reports import clean_report
+from peer.formats.identity import Identity, join_proof_payload, verify_signature
 from peer.formats.payloads import CheckpointPublic, RunPublic, RunStatus
-from peer.identity import Identity, join_proof_payload, verify_signature
+from peer.formats.requests import ReportCreate
 from tests.peer.coordinator.answers import progress_body, run_body
 
 URL = "http://coord.example:8000"
@@ -162,11 +164,16 @@ def test_reachability_bootstrap_renewal_and_reports() -> None:
         assert reach.reachable and reach.address == "ws://1.2.3.4:4000" and reach.bulk_port is None
         assert client.bootstrap("sgp_x", "r1") == ["ws://a:1", "ws://b:2"]
         assert client.renew_certificate("sgp_x", "r1") == ("Y2VydA==", 1893456000.0)
-        client.report("sgp_x", "r1", {"epoch": 1, "samples": 5, "loss": None, "rounds_done": 2})
-        with pytest.raises(ValueError, match="NaN"):
-            client.report("sgp_x", "r1", {"epoch": 1, "loss": float("nan")})
+        fields = {"epoch": 1, "samples": 5, "samples_per_second": 0.5, "loss": None}
+        client.report("sgp_x", "r1", clean_report(fields | {"rounds_done": 2}))
     assert json.loads(requests[0].content) == {"port": 4000, "bulk_port": None}
-    assert json.loads(requests[-1].content) == {"epoch": 1, "samples": 5, "rounds_done": 2}
+    # what the report sets, without what is unset or None
+    assert json.loads(requests[-1].content) == {
+        "epoch": 1,
+        "samples": 5,
+        "samples_per_second": 0.5,
+        "rounds_done": 2,
+    }
     assert requests[-1].headers["Content-Type"] == "application/json"
     assert all(r.headers["Authorization"] == "Bearer sgp_x" for r in requests)
 
@@ -242,7 +249,8 @@ def test_organizer_calls() -> None:
     with client_with(handler) as client:
         created = client.create_run("adm", "mnist", "digits", {"lr": 0.1})
         assert isinstance(created, RunPublic)
-        assert created.model_dump(mode="json") == run_body()  # --json prints what came
+        # --json prints what came, with what the answer left to its default
+        assert created.model_dump(mode="json") == run_body() | {"task_file": None}
         assert client.list_runs() == [RunPublic.model_validate(run_body())]
         client.list_runs(include_archived=True)
         assert client.update_run("adm", "r1", status="paused").status is RunStatus.running
@@ -422,6 +430,16 @@ def test_a_status_that_is_none_of_a_runs_is_refused_before_sending() -> None:
     assert [json.loads(r.content) for r in sent] == [{"name": "m2", "status": "finished"}]
 
 
+def test_a_config_with_nan_is_refused_before_sending_not_sent_as_null() -> None:
+    sent: list[httpx.Request] = []
+    with client_with(lambda request: sent.append(request) or answer(200, run_body())) as client:
+        with pytest.raises(ValueError, match="NaN"):
+            client.create_run("adm", "r", "digits", {"lr": float("nan")})
+        with pytest.raises(ValueError, match="NaN"):
+            client.update_run("adm", "r1", config={"lr": float("inf")})
+    assert sent == []
+
+
 def _challenge() -> JoinChallenge:
     return JoinChallenge("run123", "mnist", "digits", "running", "Ym9keQ.dGFn", 1893456120.0)
 
@@ -433,6 +451,48 @@ def test_the_client_reads_the_answers_into_the_types_the_server_validates_them_w
 
     for name in payloads.__all__:
         assert getattr(server.schemas, name) is getattr(payloads, name), name
+
+
+def test_the_client_sends_the_requests_the_server_validates() -> None:
+    """The requests are the server's own classes (its JoinRequest adds a check of display
+    names), and what each call sends is a body the server's model takes as it was meant."""
+    import server.schemas
+    from peer.formats import requests
+
+    models = [n for n in requests.__all__ if isinstance(getattr(requests, n), type)]
+    assert {"JoinRequest", "RunCreate", "RunUpdate", "TokenCreate", "ReportCreate"} <= set(models)
+    for name in models:
+        served = getattr(server.schemas, name)
+        assert served is getattr(requests, name) or name == "JoinRequest", name
+    assert issubclass(server.schemas.JoinRequest, requests.JoinRequest)
+
+    sent: list[tuple[str, dict[str, Any]]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url.path, json.loads(request.content)))
+        if request.url.path.endswith("/join"):
+            return answer(200, join_body(b"k" * 32))
+        if request.url.path.endswith("/tokens"):
+            invite = {"id": "t1", "token": "sgj_x", "expires_at": None, "max_uses": 3}
+            return answer(201, invite | {"label": "lab"})
+        return answer(200, run_body())
+
+    task_file = {"filename": "my_task.py", "content": b64(b"x = 1\n"), "requirements": ["numpy"]}
+    with client_with(handler) as client:
+        client.create_run(
+            "adm", "r", "my_task:make", {"lr": 0.5}, min_volunteers=2, task_file=task_file
+        )
+        client.update_run("adm", "r1", status="finished", min_volunteers=3)
+        client.create_invite("adm", "r1", max_uses=3, expires_in_s=60.0, label="lab")
+        client.join(TOKEN, _challenge(), Identity(), client_mode=True, display_name="ada")
+    create, update, invite, join = (body for _, body in sent)
+    run = server.schemas.RunCreate.model_validate(create)
+    assert (run.task, run.config, run.min_volunteers) == ("my_task:make", {"lr": 0.5}, 2)
+    assert run.task_file is not None and run.task_file.data() == b"x = 1\n"
+    assert server.schemas.RunUpdate.model_validate(update).status is RunStatus.finished
+    assert server.schemas.TokenCreate.model_validate(invite).expires_in_s == 60.0
+    joined = server.schemas.JoinRequest.model_validate(join)
+    assert joined.display_name == "ada" and joined.client_mode and joined.addresses == []
 
 
 def test_a_gateway_in_front_of_a_stopped_coordinator_means_unreachable() -> None:
@@ -476,7 +536,7 @@ def test_network_failures_are_unreachable_and_name_the_host(
     error: httpx.HTTPError, message: str
 ) -> None:
     with client_with(raising(error)) as client, pytest.raises(CoordinatorUnreachable) as caught:
-        client.report(TOKEN, "r1", {"epoch": 0})
+        client.report(TOKEN, "r1", ReportCreate(epoch=0, samples=0, samples_per_second=0.0))
     assert str(caught.value) == message
     assert caught.value.__cause__ is error
     assert caught.value.status_code is None

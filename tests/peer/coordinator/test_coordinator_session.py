@@ -19,7 +19,7 @@ import pytest
 
 from peer.coordinator import CoordinatorClient, CoordinatorSession, SessionTimings
 from peer.coordinator.session import _Backoff
-from peer.testing import wait_until
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 from tests.peer.coordinator.answers import run_body
 
@@ -37,6 +37,7 @@ class FakeCoordinator:
         self.up = True
         self.failing: set[str] = set()
         self.status = "running"
+        self.status_detail: str | None = None
         self.reports: list[dict[str, Any]] = []
         self.report_answer: dict[int, tuple[int, str]] = {}  # epoch → (status, detail)
         self.calls: dict[str, list[float]] = {}
@@ -60,7 +61,11 @@ class FakeCoordinator:
         if not public and self.token_refused is not None:
             return self.answer(401, {"detail": self.token_refused})
         if route == "status":
-            body = run_body(status=self.status, revocations_serial=self.revocations_serial)
+            body = run_body(
+                status=self.status,
+                status_detail=self.status_detail,
+                revocations_serial=self.revocations_serial,
+            )
             return self.answer(200, body)
         if route == "revocations":
             serial = self.revocations_serial
@@ -310,6 +315,22 @@ def test_status_changes_are_seen_and_reported(
         assert wait_until(lambda: seen == ["paused"], scaled(10))
         fake.status = "running"
         assert wait_until(lambda: seen == ["paused", "running"], scaled(10))
+        assert session.status == "running"
+    finally:
+        session.close()
+
+
+def test_why_the_run_waits_is_seen_while_its_status_stays(
+    fake: FakeCoordinator, client: CoordinatorClient
+) -> None:
+    fake.status, fake.status_detail = "paused", "waiting for 3 volunteers (1 online)"
+    session = session_for(client, status="paused")
+    try:
+        assert wait_until(lambda: session.status_detail == fake.status_detail, scaled(10))
+        fake.status_detail = "waiting for 3 volunteers (2 online)"
+        assert wait_until(lambda: session.status_detail == fake.status_detail, scaled(10))
+        fake.status, fake.status_detail = "running", None
+        assert wait_until(lambda: session.status_detail is None, scaled(10))
         assert session.status == "running"
     finally:
         session.close()

@@ -18,7 +18,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from torch.utils.data import DataLoader
 
 from peer.integrations.lightning import SwarmgradStrategy
-from peer.testing import wait_until
+from swarmlab.node_process import wait_until
 
 
 class Model(BoringModel):

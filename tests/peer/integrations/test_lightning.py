@@ -302,6 +302,7 @@ def test_a_coordinators_invite_joins_its_run_and_reports_progress(tmp_path: Path
     under the run's id and its reports show in the run's progress."""
     server_fixtures = pytest.importorskip("tests.server.conftest")
     from peer.coordinator import CoordinatorClient
+    from peer.data_dir import DataDirInUse, lock_data_dir
     from server.app import create_app
     from tests.conftest import served
 
@@ -324,6 +325,9 @@ def test_a_coordinators_invite_joins_its_run_and_reports_progress(tmp_path: Path
             data_dir=tmp_path / "volunteer",
         )
         assert strategy._run_id == run.id
+        # one process per key, as for swarmgrad join: a second volunteer needs its own
+        with pytest.raises(DataDirInUse, match="--data-dir"):
+            lock_data_dir(tmp_path / "volunteer")
         trainer = L.Trainer(
             strategy=strategy,
             max_steps=12,
@@ -335,6 +339,7 @@ def test_a_coordinators_invite_joins_its_run_and_reports_progress(tmp_path: Path
         )
         trainer.fit(BoringModel())
         assert not strategy.node.is_alive()  # teardown left the run
+        lock_data_dir(tmp_path / "volunteer").release()  # and let the directory go
         progress = client.progress(run.id)
     assert progress.samples == 12  # batches of 1, every one reported by the last flush
     assert progress.epoch == 3  # 12 samples, 4 per swarm epoch

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from peer import Node
-from peer.identity import OpenAuth
+from peer.formats.identity import OpenAuth
 from peer.optim.collaborative import Optimizer
 from peer.optim.progress import ProgressTracker
 

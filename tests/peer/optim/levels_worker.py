@@ -27,8 +27,8 @@ from peer import Node
 from peer.averaging.allreduce import AllreduceRunner
 from peer.averaging.butterfly import ButterflyRound
 from peer.averaging.butterfly_send import RoundSending
-from peer.testing import wait_until
 from peer.wire import Frame
+from swarmlab.node_process import wait_until
 
 DONE_KEY = "levels-test.done"
 

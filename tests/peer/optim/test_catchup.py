@@ -68,9 +68,15 @@ class FakeAverager:
         self.config = SimpleNamespace(prefix=PREFIX, declare_state_period=declare_state_period)
         self.downloads = downloads  # what each attempt returns (then None)
         self.asked: list[float] = []  # the max_priority of each attempt
+        self.calls: list[dict[str, Any]] = []  # each attempt's keyword arguments
+        self.refused: set[str] = set()  # donors whose states were dropped
+
+    def refused_state_donors(self) -> frozenset[str]:
+        return frozenset(self.refused)
 
     def load_state_from_peers(self, timeout: Any = None, **kwargs: Any) -> Any:
         self.asked.append(kwargs["max_priority"])
+        self.calls.append(kwargs)
         result = self.downloads.pop(0) if self.downloads else None
         if result is not None and kwargs["check"](result[0]) is not None:
             return None  # refused, as the averager drops it
@@ -78,9 +84,10 @@ class FakeAverager:
 
 
 class Host:
-    def __init__(self, epoch: int = 0, *, fits: bool = True) -> None:
+    def __init__(self, epoch: int = 0, *, fits: bool = True, holds: bool = False) -> None:
         self.epoch = epoch
         self.fits = fits
+        self.holds = holds
         self.settled = 0
         self.adopted: list[int] = []
         self.moved: list[int] = []
@@ -92,6 +99,7 @@ class Host:
             report=lambda: _report("me", self.epoch),
             adopt=self._adopt,
             move_to=self._move_to,
+            holds_state=lambda: self.holds,
         )
 
     def _settle(self) -> None:
@@ -149,6 +157,35 @@ def test_a_state_past_the_swarms_epoch_plus_one_or_older_than_this_peers_is_not_
     assert catch_up.run(chase=False) is False  # epoch 9: refused by the check
     assert catch_up.run(chase=False) is False  # epoch 2: older than this peer's 3
     assert host.adopted == [] and host.epoch == 3
+
+
+def test_a_peer_holding_a_state_asks_for_a_newer_one_only() -> None:
+    """A peer that holds a state asks donors past its own epoch only, as a holder (another
+    volunteer must confirm), and does not adopt a state at its own epoch: it would reset its
+    progress for nothing."""
+    host = Host(3, holds=True)
+    catch_up, _, averager = _catch_up(host, [_report("a", 5)], [_state(3)], DECENTRALIZED)
+    assert catch_up.run(chase=False) is False
+    assert averager.calls[0]["holding"] is True and averager.calls[0]["min_priority"] == 4
+    assert host.adopted == [] and host.epoch == 3
+    newcomer = Host(0)
+    catch_up, _, averager = _catch_up(newcomer, [_report("a", 5)], [_state(0)], DECENTRALIZED)
+    catch_up.run(chase=False)
+    assert averager.calls[0]["holding"] is False and newcomer.adopted == [0]
+
+
+def test_a_refused_donors_claims_are_discounted_at_once() -> None:
+    """A donor whose state this peer dropped backs its claim with nothing this peer can
+    use: its claim ahead is discounted after the one attempt, with no retries and no
+    waiting for the window to pass."""
+    host = Host(2, holds=True)
+    catch_up, tracker, averager = _catch_up(
+        host, [_report("liar", 3)], [], COLLABORATIVE, offers={"liar": 3}
+    )
+    averager.refused.add("liar")
+    assert catch_up.run() is False
+    assert len(averager.asked) == 1, "retried a refused donor's claim"
+    assert tracker.discounted() == {"liar": 3} and host.epoch == 2
 
 
 def test_a_state_that_does_not_fit_is_ignored(caplog: pytest.LogCaptureFixture) -> None:

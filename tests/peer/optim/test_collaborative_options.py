@@ -19,7 +19,7 @@ from peer import Node
 from peer.optim.collaborative import Optimizer
 from peer.optim.options import resolve_options
 from peer.optim.progress import ProgressReport, ProgressTracker
-from peer.testing import wait_until
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 
 

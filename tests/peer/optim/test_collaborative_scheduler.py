@@ -16,7 +16,7 @@ import torch
 from peer import Node
 from peer.optim.collaborative import Optimizer
 from peer.optim.progress import progress_key
-from peer.testing import wait_until
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 
 LR, GAMMA = 0.1, 0.5

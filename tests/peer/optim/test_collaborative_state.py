@@ -19,8 +19,8 @@ import peer.averaging.state as state_module
 from peer import Node
 from peer.averaging.state import state_key
 from peer.optim.collaborative import Optimizer
+from peer.optim.optimizer_state import StateSharingAverager
 from peer.optim.progress import progress_key
-from peer.optim.state import StateSharingAverager
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import wait_for
 
@@ -108,8 +108,10 @@ def test_newcomer_downloads_the_newest_state_not_a_stragglers(
         assert wait_for(lambda: _declarations(c) == current and _sees_epoch(c, a.peer_id, 5), 15)
         real_list_donors = state_module.list_donors
 
-        async def straggler_wins_ties(core: Any, prefix: str) -> list[tuple[float, str]]:
-            donors = await real_list_donors(core, prefix)
+        async def straggler_wins_ties(
+            core: Any, prefix: str, prefer: frozenset[str] = frozenset()
+        ) -> list[tuple[float, str]]:
+            donors = await real_list_donors(core, prefix, prefer)
             return sorted(donors, key=lambda d: (-d[0], d[1] != b.peer_id))
 
         monkeypatch.setattr(state_module, "list_donors", straggler_wins_ties)

@@ -13,7 +13,7 @@ import torch
 
 from peer import DecentralizedAdam, DecentralizedOptimizer, DecentralizedSGD, Node
 from peer.optim.progress import ProgressReport, progress_key
-from peer.testing import wait_until
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 
 FAST = {"min_matchmaking_time": 1.0, "request_timeout": 1.0}
@@ -272,9 +272,9 @@ def test_shutdown_stops_a_round_in_progress(make_nodes) -> None:
     )
     make_nodes.optimizers.append(opt)
     local_step(opt, net, seed=0)
-    assert wait_until(lambda: opt._current_round is not None, scaled(10))
+    assert wait_until(lambda: opt.rounds.current is not None, scaled(10))
     opt.shutdown()
-    assert not opt._thread.is_alive()
+    assert not opt.rounds.thread.is_alive()
     assert opt.averaging_rounds == 0
     opt.shutdown()
     with pytest.raises(RuntimeError):

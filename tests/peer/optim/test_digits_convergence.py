@@ -24,8 +24,8 @@ from peer.tasks.digits import (
     train_peer,
     train_single,
 )
-from peer.testing import wait_until
 from swarmlab.digits_compare import METHODS, train_peer_with
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 
 

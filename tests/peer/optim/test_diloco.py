@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from peer import DiLoCo, Node
-from peer.testing import wait_until
+from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 
 # The swarm's float32 mean adds the peers' values in the order they arrive and the reference

@@ -88,6 +88,13 @@ def test_json_numbers_are_taken_as_json_gives_them() -> None:
         ("relative_weight_bound", 0.5),
         ("relative_weight_bound", float("inf")),
         ("relative_weight_bound", "4"),
+        ("accumulation", 0),
+        ("accumulation", 2.5),
+        ("precision", "fp16"),
+        ("max_grad_norm", -1.0),
+        ("max_grad_norm", float("inf")),
+        ("lr_schedule", "step"),
+        ("warmup_epochs", -1),
         ("width", "wide"),  # task parameters: the default's type
         ("width", 2.5),
         ("width", 0),  # ... and the task's own range check

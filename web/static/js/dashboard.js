@@ -103,7 +103,14 @@ function renderHeadline(document_) {
   const badge = document.getElementById("run-status");
   badge.textContent = status;
   badge.className = `badge badge-${status}`;
-  renderActions(status);
+  const detail = document_.run.status_detail;
+  const why = document.getElementById("run-status-detail");
+  if (why) {
+    const text = detail ? `${status}: ${detail}` : "";
+    if (why.textContent !== text) why.textContent = text;
+    why.hidden = !detail;
+  }
+  renderActions(status, Boolean(detail));
 }
 
 // The organizer's buttons follow the run's state: Pause while running, Resume while paused,
@@ -111,15 +118,17 @@ function renderHeadline(document_) {
 const HINTS = {
   running: "Pausing lets volunteers wait; finishing stops the run for good (you will be asked to confirm).",
   paused: "The run is paused: volunteers wait until you resume it.",
+  waiting: "The run waits for its volunteers and starts by itself once they are online; Resume starts it now.",
   finished: "The run is finished: nothing more can be done to it.",
 };
 
-function renderActions(status) {
+function renderActions(status, explained) {
   for (const button of document.querySelectorAll("#run-actions [data-enabled-when]")) {
     button.disabled = !button.dataset.enabledWhen.split(" ").includes(status);
   }
   const hint = document.getElementById("actions-hint");
-  if (hint && HINTS[status] && hint.textContent !== HINTS[status]) hint.textContent = HINTS[status];
+  const wanted = HINTS[status === "paused" && explained ? "waiting" : status];
+  if (hint && wanted && hint.textContent !== wanted) hint.textContent = wanted;
 }
 
 function renderAlerts(alerts) {
@@ -128,6 +137,8 @@ function renderAlerts(alerts) {
     ...alerts.map((alert) => {
       const node = element("p", alert.message, `alert alert-${alert.severity}`);
       node.dataset.alert = alert.kind;
+      // what would help (an averaging alert's fix), after the reason
+      if (alert.help) node.append(" ", element("span", alert.help, "alert-help"));
       return node;
     }),
   );
@@ -247,7 +258,10 @@ function renderVolunteers(rows, info) {
         cell("Share", percent(v.share), "num"),
         cell("Time online", duration(v.online_s), "num"),
         seen,
-        cell("Connectivity", !v.peers ? "–" : v.reachable ? "reachable" : "client mode"),
+        cell(
+          "Connectivity",
+          !v.peers ? "–" : v.reachable ? "reachable" : v.behind_nat ? "behind NAT (punched)" : "client mode",
+        ),
       );
       if (organizer) {
         const actionCell = element("td", null, "action");

@@ -41,6 +41,8 @@ function apply(overview) {
       badge.textContent = run.status;
       badge.className = `badge badge-${run.status}`;
     }
+    const detail = row.querySelector('[data-field="status"] .status-detail');
+    if (detail) detail.textContent = run.status_detail || "";
     sparkline(row.querySelector('[data-field="trend"]'), run.trend);
   }
 }

@@ -15,11 +15,13 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Unpack
 
 import torch
 
 from peer.averaging.averager import DecentralizedAverager
+from peer.formats.open_types import JsonObject
+from peer.optim.averager_options import AveragerOptions, StateAveragerOptions
 from peer.optim.seam import SwarmNode
 
 if TYPE_CHECKING:  # (live_state imports this module)
@@ -68,14 +70,21 @@ class StateSharingAverager(DecentralizedAverager):
         self,
         tensors: Sequence[torch.Tensor],
         node: SwarmNode,
-        state_fn: Callable[[], tuple[Any, Sequence[torch.Tensor]]],
-        **kwargs: Any,
+        state_fn: Callable[[], tuple[JsonObject, Sequence[torch.Tensor]]],
+        *,
+        start: bool,
+        prefix: str,
+        **kwargs: Unpack[AveragerOptions],
     ) -> None:
         self._state_fn = state_fn  # set first: start=True may serve state at once
-        super().__init__(tensors, node, **kwargs)
+        super().__init__(tensors, node, start=start, prefix=prefix, **kwargs)
 
-    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor]]:
+    def get_current_state(self) -> tuple[JsonObject, Sequence[torch.Tensor]]:
         return self._state_fn()
+
+    def refused_state_donors(self) -> frozenset[str]:
+        """The donors whose states this peer dropped (:mod:`peer.averaging.witnesses`)."""
+        return self.sharing.refused_donors()
 
 
 class SharedLiveState:
@@ -85,20 +94,30 @@ class SharedLiveState:
     which the averager's snapshots for newcomers also take, so nobody reads it half-updated
     (a round does not hold it while it runs: ``concurrent_updates``)."""
 
-    def __init__(self, live: LiveState, node: SwarmNode, **averager_kwargs: Any) -> None:
+    def __init__(
+        self,
+        live: LiveState,
+        node: SwarmNode,
+        *,
+        start: bool,
+        prefix: str,
+        **averager_kwargs: Unpack[StateAveragerOptions],
+    ) -> None:
         self.live = live
         self.averager = StateSharingAverager(
             [t.detach().clone() for t in live.tensors()],
             node,
             self.snapshot,
+            start=start,
+            prefix=prefix,
             concurrent_updates=True,
             **averager_kwargs,
         )
 
-    def lock(self) -> contextlib.AbstractContextManager[Any]:
+    def lock(self) -> contextlib.AbstractContextManager[Sequence[torch.Tensor]]:
         return self.averager.get_tensors()
 
-    def snapshot(self) -> tuple[Any, list[torch.Tensor]]:
+    def snapshot(self) -> tuple[JsonObject, list[torch.Tensor]]:
         """What a newcomer downloads: the epoch and a copy of the tensors (the averager
         calls it with the lock held)."""
         with torch.no_grad():

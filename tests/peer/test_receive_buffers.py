@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from peer.transport.buffers import BufferPool
+from peer.transport.receive_buffers import BufferPool
 
 
 def _address(buffer: memoryview) -> int:

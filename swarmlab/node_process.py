@@ -1,8 +1,8 @@
 """Run a node in its own OS process and drive it over a line protocol.
 
-Used by the multi-process tests and benchmarks, and handy for users testing their own
-swarms. ``python -m peer.testing [--initial-peer ADDR ...] [--gossip-period S] ...`` starts a
-node, prints one JSON line ``{"peer_id": ..., "addresses": [...]}``, then answers JSON
+Used by the multi-process tests and benchmarks, and handy for testing a swarm from a
+checkout (it is not in the wheel). ``python -m swarmlab.node_process [--initial-peer ADDR ...]
+[--gossip-period S] ...`` starts a node, prints one JSON line ``{"peer_id": ..., "addresses": [...]}``, then answers JSON
 commands on standard input, one per line, with one JSON line each::
 
     {"cmd": "store", "key": "k", "value": 1, "ttl": 30, "subkey": null}  -> {"ok": true}
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s"
     )
-    from peer.identity import SwarmKeyAuth
+    from peer.formats.identity import SwarmKeyAuth
     from peer.node import Node
 
     auth = SwarmKeyAuth(bytes.fromhex(args.swarm_key_hex)) if args.swarm_key_hex else None
@@ -88,7 +88,10 @@ def main(argv: list[str] | None = None) -> None:
                 "store": store,
                 "get": lambda c: _jsonable(node.get(c["key"], latest=bool(c.get("latest", False)))),
                 "members": lambda c: {"members": sorted(node.members())},
-                "stats": lambda c: {"rounds": node.core.rounds, "exchanges": node.core.exchanges},
+                "stats": lambda c: {
+                    "rounds": node.core.gossip.rounds,
+                    "exchanges": node.core.gossip.exchanges,
+                },
             },
         )
     finally:
@@ -185,12 +188,12 @@ class ChildProcess:
 
 
 class NodeProcess(ChildProcess):
-    """A node in a child process (``python -m peer.testing``), driven from the parent."""
+    """A node in a child process (``python -m swarmlab.node_process``), driven from the parent."""
 
     what = "node"
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        super().__init__([sys.executable, "-m", "peer.testing", *args], env)
+        super().__init__([sys.executable, "-m", "swarmlab.node_process", *args], env)
 
     def store(self, key: str, value: Any, ttl: float, subkey: Any = None) -> bool:
         return bool(self.call(cmd="store", key=key, value=value, ttl=ttl, subkey=subkey)["ok"])
@@ -199,7 +202,7 @@ class NodeProcess(ChildProcess):
         return self.call(cmd="get", key=key, latest=latest)
 
     def members(self) -> list[str]:
-        return self.call(cmd="members")["members"]
+        return [str(member) for member in self.call(cmd="members")["members"]]
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.1) -> T:

@@ -1,20 +1,16 @@
 """Receive buffers for large payloads, reused instead of freed.
 
-A bulk lane reads each payload straight from the socket into a buffer of the payload's
-size (:mod:`peer.transport.bulk`); an all-reduce round receives the model's size that way, in
-parts of a few hundred kilobytes to a few megabytes, and keeps some of them (contributions
-not yet reduced) while others arrive. Fresh allocations of that size cost twice: the
-allocator hands out new pages to fault in (the kernel zeroes each one), and it keeps what
-was freed around in fragments, so the process's resident memory grows well beyond what is
-live at any moment. :class:`BufferPool` hands out views of *slabs* (power-of-two sizes)
-that go back to the pool once nothing refers to them any more, so the resident memory is
-the most that was live at once, and its pages are faulted in once.
+A bulk lane reads each payload straight from the socket into a buffer of its size
+(:mod:`peer.transport.bulk`). Fresh allocations of a model's size in parts cost twice: new
+pages to fault in, and freed memory kept in fragments, so resident memory grows well beyond
+what is live. :class:`BufferPool` hands out views of power-of-two *slabs* that go back to
+the pool once nothing refers to them, so resident memory is the most that was live at once.
 
 Lifetime: :meth:`BufferPool.take` returns a ``memoryview`` of a numpy slice of a slab.
-Everything made from it (``memoryview`` copies of it, tensors from ``torch.frombuffer``
-and their views) keeps that slice alive through the buffer protocol; when the last of them
-is gone, a ``weakref.finalize`` on the slice returns the slab. Thread-safe (the last
-reference may go in any thread).
+Everything made from it (``memoryview`` copies, tensors from ``torch.frombuffer`` and their
+views) keeps that slice alive through the buffer protocol; when the last is gone, a
+``weakref.finalize`` on the slice returns the slab. Thread-safe (the last reference may go
+in any thread).
 """
 
 from __future__ import annotations
