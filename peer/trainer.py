@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Generic, cast
 
 from peer.coordinator.joining import path_of
 from peer.exceptions import SwarmgradError
-from peer.formats.payloads import CheckpointHeld
+from peer.formats.open_types import StateDict
+from peer.formats.payloads import CheckpointHeld, CheckpointPublic
 from peer.tasks.base import BatchT
 
 if TYPE_CHECKING:
@@ -370,7 +371,9 @@ class Trainer(Generic[BatchT]):
             self.volunteer._say(f"the run reached its last epoch ({epochs}); saving it")
         if now - self.checked_at >= 1.0:
             self.checked_at = now
-            if _checkpoint_epoch(self.client, self.answer.run_id) >= epochs:
+            final = _newest_checkpoint(self.client, self.answer.run_id)
+            if final is not None and final.epoch >= epochs:
+                self._take_final_checkpoint(final)
                 return f"the run reached its last epoch ({epochs})"
         if now - self.last_epoch_since > FINAL_CHECKPOINT_GRACE_S:
             return (
@@ -380,6 +383,43 @@ class Trainer(Generic[BatchT]):
         self.volunteer._wake.wait(0.2)
         self.volunteer._wake.clear()
         return None
+
+    def _take_final_checkpoint(self, final: CheckpointPublic) -> None:
+        """The run's final model is its checkpoint of the last epoch. A peer whose own model
+        differs from it (the swarm split in a round, and this peer's side averaged apart
+        from the uploader's) takes the checkpoint's model and optimizer state, evaluates
+        and reports it: every volunteer leaves with, and saves, the run's one model. The
+        uploader holds it already; a checkpoint this peer cannot read changes nothing."""
+        import torch
+
+        if final.peer_id == self.answer.peer_id:
+            return
+        try:
+            checkpoint = download_checkpoint(
+                self.client, self.answer.peer_token, self.answer.run_id
+            )
+        except SwarmgradError as exc:
+            logger.warning("the run's final checkpoint could not be downloaded: %s", exc)
+            return
+        if checkpoint is None or int(checkpoint.get("epoch", -1)) < final.epoch:
+            return
+        own, theirs = self._swarm_state(), checkpoint["model"]
+        if own.keys() == theirs.keys() and all(
+            not value.is_floating_point() or torch.equal(value, theirs[name])
+            for name, value in own.items()
+        ):
+            return
+        try:
+            self.optimizer.load_checkpoint(self.model, checkpoint)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            logger.warning("the run's final checkpoint does not fit this model: %s", exc)
+            return
+        self._evaluate(force=True)
+        self._report(0.0, force=True)
+        self.volunteer._say(
+            "this volunteer's model differed from the run's final checkpoint "
+            f"(uploaded by peer {final.peer_id}): took the checkpoint's"
+        )
 
     def _maybe_upload(self) -> None:
         """Upload a checkpoint in the background if this peer is the uploader of its epoch:
@@ -482,10 +522,30 @@ def compute_gradients(
     return (loss_sum / total if total else math.nan), total
 
 
-def _checkpoint_epoch(client: CoordinatorClient, run_id: str) -> int:
-    """The epoch of the coordinator's newest checkpoint of the run; -1 if none or unknown."""
+def _newest_checkpoint(client: CoordinatorClient, run_id: str) -> CheckpointPublic | None:
+    """The coordinator's newest checkpoint of the run; None if none or unknown."""
     try:
-        checkpoint = client.progress(run_id).checkpoint
+        return client.progress(run_id).checkpoint
     except SwarmgradError:
-        return -1
-    return checkpoint.epoch if checkpoint is not None else -1
+        return None
+
+
+def download_checkpoint(client: CoordinatorClient, token: str, run_id: str) -> StateDict | None:
+    """The coordinator's newest checkpoint of the run as ``torch.load`` reads it (weights
+    only); None, with a warning, if there is none or it is unreadable or has no model.
+    :class:`~peer.exceptions.SwarmgradError` if the coordinator cannot be asked."""
+    import torch
+
+    found = client.download_checkpoint(token, run_id)
+    if found is None:
+        return None
+    data, epoch = found
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        logger.warning("the coordinator's checkpoint of epoch %d is unreadable: %s", epoch, exc)
+        return None
+    if not isinstance(state, dict) or "model" not in state:
+        logger.warning("the coordinator's checkpoint of epoch %d has no model", epoch)
+        return None
+    return state

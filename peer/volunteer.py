@@ -18,7 +18,6 @@ volunteer can get wrong is a one-line :class:`~peer.exceptions.SwarmgradError`.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import threading
 from collections.abc import Callable
@@ -28,10 +27,9 @@ from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from peer.data_dir import DataDirInUse, default_data_dir, load_identity, lock_data_dir
 from peer.exceptions import SwarmgradError
-from peer.formats.open_types import StateDict
 from peer.tasks.base import BatchT
 from peer.tasks.shipped import Consent
-from peer.trainer import Trainer
+from peer.trainer import Trainer, download_checkpoint
 
 if TYPE_CHECKING:
     from peer.coordinator.client import CoordinatorClient, JoinAnswer
@@ -289,7 +287,11 @@ class Volunteer:
     ) -> str:
         self._update(state="loading")
         model = task.build_model(config).to(device)
-        checkpoint = _download_checkpoint(client, answer)
+        checkpoint = (
+            None
+            if answer.checkpoint is None
+            else download_checkpoint(client, answer.peer_token, answer.run_id)
+        )
         if checkpoint is not None:
             # before the optimizer exists: with offload_optimizer it copies these weights
             model.load_state_dict(checkpoint["model"])
@@ -325,24 +327,3 @@ class Volunteer:
             self._optimizer = None
             optimizer.shutdown()
             trainer.close()
-
-
-def _download_checkpoint(client: CoordinatorClient, answer: JoinAnswer) -> StateDict | None:
-    """The coordinator's newest checkpoint, if the join answer names one and it loads."""
-    if answer.checkpoint is None:
-        return None
-    import torch
-
-    found = client.download_checkpoint(answer.peer_token, answer.run_id)
-    if found is None:
-        return None
-    data, epoch = found
-    try:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        logger.warning("the coordinator's checkpoint of epoch %d is unreadable: %s", epoch, exc)
-        return None
-    if not isinstance(state, dict) or "model" not in state:
-        logger.warning("the coordinator's checkpoint of epoch %d has no model", epoch)
-        return None
-    return state

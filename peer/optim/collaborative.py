@@ -494,6 +494,8 @@ class Optimizer(LiveCatchUp[EpochRun]):
             "optimizer": self.opt.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "local_epoch": self.local_epoch,
+            # the shared values of the model's buffers, as the last state round left them
+            "buffers": [b.clone() for b in self.live.buffers.shared],
         }
 
     def synchronised_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -507,11 +509,23 @@ class Optimizer(LiveCatchUp[EpochRun]):
         return state
 
     def load_state_dict(self, state: StateDict) -> None:
+        """Restore what :meth:`state_dict` returned (a state saved without buffers keeps
+        this peer's); ``ValueError`` if its buffers do not fit."""
+        shared = self.live.buffers.shared
+        buffers = list(state.get("buffers", shared))
+        if len(buffers) != len(shared) or any(
+            a.shape != b.shape for a, b in zip(buffers, shared, strict=True)
+        ):
+            raise ValueError("the state's buffers do not match this model")
         self._settle_pending(cancel=True)
         with self.shared.lock():
             self.opt.load_state_dict(state["optimizer"])
             if self.scheduler is not None and state.get("scheduler") is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
+            with torch.no_grad():
+                for b, value in zip(shared, buffers, strict=True):
+                    b.copy_(value)
+            self.live.buffers.write()
             self.live.version += 1
             self.local_epoch = int(state["local_epoch"])
             self.shared.set_epoch(self.local_epoch)

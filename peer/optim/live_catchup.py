@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Generic, Self
 import torch
 
 from peer.averaging.averager import DecentralizedAverager
+from peer.formats.open_types import StateDict
 from peer.optim.catchup import CatchUp, CatchUpHost, CatchUpPolicy
 from peer.optim.live_state import LiveState
 from peer.optim.optimizer_state import SharedLiveState, StateSharingAverager
@@ -70,6 +71,10 @@ class LiveCatchUp(Generic[RunT]):
 
         def _round_averagers(self) -> Sequence[DecentralizedAverager]:
             """The averagers of the rounds (the state averager is stopped apart)."""
+            ...
+
+        def load_state_dict(self, state: StateDict) -> None:
+            """Restore what ``state_dict()`` returned."""
             ...
 
     def _step_scheduler(self) -> None:
@@ -120,6 +125,18 @@ class LiveCatchUp(Generic[RunT]):
         The policy — from whom, when to give up, what then — is
         :mod:`peer.optim.catchup`'s."""
         return self.catch_up.run()
+
+    def load_checkpoint(self, model: torch.nn.Module, checkpoint: StateDict) -> None:
+        """Take a volunteer's checkpoint (``{"model": ..., "optimizer": ...}``, as uploaded)
+        as this peer's state: its ``"model"`` into ``model``, its ``"optimizer"`` into this
+        optimizer; ``synchronised_state_dict(model)`` then gives the checkpoint's model.
+        ``ValueError`` or ``RuntimeError`` (``load_state_dict``'s) if it does not fit this
+        model. Training thread."""
+        with torch.no_grad():
+            model.load_state_dict(checkpoint["model"])
+        with self.shared.lock():
+            self.live.copy_from_model()  # (offloaded parameters)
+        self.load_state_dict(checkpoint["optimizer"])
 
     def _adopt_state(self, epoch: int, metadata: object, tensors: Sequence[torch.Tensor]) -> None:
         """A downloaded state, at ``epoch``, replaces this peer's (``ValueError``: it does not

@@ -121,6 +121,16 @@ class LiveState:
         self.buffers.write()  # (training thread: forward passes write the buffers)
         self.copy_to_model()
 
+    def copy_from_model(self) -> None:
+        """Model parameters → offloaded parameters, after the model's were loaded (training
+        thread only)."""
+        if not self.offload:
+            return
+        with torch.no_grad():
+            for p, op in zip(self.model_params, self.opt_params, strict=True):
+                op.copy_(p.detach().to(op.device, op.dtype))
+        self.version += 1
+
     def copy_to_model(self) -> None:
         """Offloaded parameters → model parameters (training thread only)."""
         if not self.offload:
