@@ -4,7 +4,8 @@ leaving (:class:`Trainer`, built by :class:`peer.volunteer.Volunteer`).
 Each step: the task's loss on a batch, backward, the swarm optimizer's step; then, as the
 swarm's epoch moves, held-out evaluation of the model every peer agrees on, a progress report
 for the coordinator, and — by the peer whose turn it is — a checkpoint upload. It follows the
-run's status (paused, finished) and, after the run's last epoch, waits for its checkpoint.
+run's status (paused, finished) and, after the run's last epoch, waits for its checkpoint,
+the run's model, and takes it if its own differs (a split swarm's other side uploaded it).
 """
 
 from __future__ import annotations

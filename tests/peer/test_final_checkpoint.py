@@ -101,7 +101,9 @@ class Peer:
             evaluate=lambda m, c: float(m[0].weight.detach().sum() + m[1].running_mean.sum()),
         )
         config = SimpleNamespace(checkpoint_every=1, recompute_statistics=0)
-        self.trainer = Trainer(volunteer, client, answer, session, task, config, self.model, self.opt)
+        self.trainer = Trainer(
+            volunteer, client, answer, session, task, config, self.model, self.opt
+        )
         g = torch.Generator().manual_seed(100 + seed)
         for _ in range(STEPS):
             x = torch.randn(8, 4, generator=g)
@@ -142,7 +144,7 @@ def test_a_volunteer_apart_from_the_final_checkpoint_takes_it(kind: str, tmp_pat
         uploader.trainer._maybe_upload()
         assert uploader.trainer.upload is not None
         uploader.trainer.upload.result(timeout=scaled(30))
-        (_, data), = client.uploads
+        ((_, data),) = client.uploads
         checkpoint = torch.load(io.BytesIO(data), weights_only=True)
         assert not _equal(apart.trainer._swarm_state(), checkpoint["model"])
 
