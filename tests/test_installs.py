@@ -45,7 +45,7 @@ SECRET_KEY = "installs-secret-" + "s" * 40
 ADMIN_TOKEN = "installs-admin-" + "a" * 40
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel of a copy of the repository's files (the build leaves nothing behind)."""
     root = tmp_path_factory.mktemp("wheel")
@@ -153,12 +153,12 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def volunteer(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fresh_environment(tmp_path_factory.mktemp("volunteer"), wheel, set())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def full(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fresh_environment(tmp_path_factory.mktemp("coordinator"), wheel, {"coordinator"})
 

@@ -360,6 +360,15 @@ class RelayBook:
         self.bytes_carried += n
         return account.bucket.take(n, now)
 
+    def room(self, sender: Party, now: float) -> int:
+        """How many bytes ``sender`` may still send before its byte cap (0: none; its next
+        bytes are refused). A relay reads no more than this at a time, so that a sender is
+        carried up to its cap exactly, whatever chunks its bytes arrive in."""
+        account = self._account(sender.account, now)
+        if now - account.window_start >= self.limits.cap_window:
+            return self.limits.byte_cap
+        return max(0, self.limits.byte_cap - account.window_bytes)
+
     def close(self, circuit: Circuit) -> None:
         """``circuit`` ended (or never opened): its places are free again."""
         if self.circuits.pop(circuit.ticket, None) is None:

@@ -416,7 +416,9 @@ class RelayServer:
 
     async def _pump(self, circuit: Circuit, src: _Side, dst: _Side) -> None:
         while True:
-            data = await src.reader.read(CHUNK)
+            # up to the sender's cap and no further (a byte past it is read, and refused)
+            room = self.book.room(src.party, self.clock())
+            data = await src.reader.read(min(CHUNK, max(1, room)))
             if not data:
                 if dst.writer.can_write_eof():
                     with contextlib.suppress(OSError):

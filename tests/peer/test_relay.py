@@ -216,7 +216,8 @@ def test_a_peer_past_its_byte_cap_loses_its_circuit_and_is_refused_new_ones(
             assert wait_until(lambda: relay.stats()["peers"] == 1, scaled(5))
             reason = thread.submit(flood()).result(timeout=scaled(30))
             assert "account greedy sent its cap of 65536 bytes" in reason, reason
-            assert 0 < relay.stats()["bytes_carried"] <= 64 << 10
+            # carried up to its cap exactly, whatever chunks the relay read its bytes in
+            assert relay.stats()["bytes_carried"] == 64 << 10
             assert any("sent its cap" in r.getMessage() for r in caplog.records)
         finally:
             sinking.cancel()

@@ -210,6 +210,20 @@ def test_byte_cap_refuses_past_it_and_says_when_again() -> None:
     assert book.bytes_carried == 1500 and circuit.sent == {A: 600, B: 900}
 
 
+def test_room_is_what_a_sender_may_still_send_in_its_window() -> None:
+    book = RelayBook(RelayLimits(byte_cap=1000, cap_window=60, rate=1e9, burst=1e9))
+    book.register(party(B), 0.0)
+    circuit = book.dial(party(A), B, 0.0)
+    book.accept(circuit.ticket, party(B), 0.0)
+    assert book.room(party(A), 0.0) == 1000
+    book.charge(circuit, party(A), book.room(party(A), 1.0), 1.0)  # up to the cap exactly
+    assert book.room(party(A), 1.0) == 0 and book.room(party(B), 1.0) == 1000
+    with pytest.raises(RelayRefused, match="cap of 1000 bytes"):
+        book.charge(circuit, party(A), 1, 2.0)
+    assert book.room(party(A), 61.0) == 1000  # a new window
+    assert book.bytes_carried == 1000
+
+
 def test_the_rate_holds_a_sender_back_by_the_excess() -> None:
     bucket = TokenBucket(rate=1000, burst=500, now=0.0)
     assert bucket.take(500, 0.0) == 0.0

@@ -161,7 +161,7 @@ def test_the_real_protocol_reaches_the_mean_in_log_g_rounds_with_extras(n: int) 
     assert result.rounds_to_mean == 2, result.deviations
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def swarm_of_100() -> SwarmResult:
     # about 30 s of CPU, run once for the two tests below: 100 nodes and averagers, a
     # 10 x 10 grid, groups of up to 16, two rounds; peer ids come from the seed
