@@ -42,10 +42,11 @@ natlab:
 		echo "the NAT lab tests need root and Debian's nftables and miniupnpd: run 'sudo apt-get install nftables miniupnpd-nftables' and the tests as root" >&2; \
 	fi
 
-# Two passes. First every test on two workers: the multi-process scenarios (marked slow) one
-# at a time on one of them, in one xdist group, while the quick tests share both (the
-# scenarios mostly wait on their peers' rounds, so the cores they leave idle go to the quick
-# tests). Then the few that time something against a reference (marked alone), by themselves.
+# Two passes. First every test on two workers: the multi-process scenarios (marked slow) at
+# most two at a time, one per worker, in two xdist groups, while the quick tests fill the gaps
+# (the scenarios mostly wait on their peers' rounds, so the cores they leave idle go to the
+# quick tests). Then the few that time something against a reference (marked alone), by
+# themselves.
 test: $(STAMP) browser natlab
 	@most=0; $(BIN)/python -m pytest -m "not alone" -n 2 --dist loadgroup || most=$$?; \
 	alone=0; $(BIN)/python -m pytest -m alone || alone=$$?; \

@@ -89,10 +89,15 @@ def served(app: Any) -> Iterator[str]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The multi-process scenarios (``slow``) run one at a time, in one xdist group: with
-    ``make test``'s ``--dist loadgroup`` they keep one worker while the quick tests take
-    both. Those that time something (``alone``) run by themselves in a pass of their own."""
-    group = pytest.mark.xdist_group("processes")
+    """The multi-process scenarios (``slow``) run at most two at a time, in two xdist
+    groups (a module's scenarios in one, the modules dealt out in turn): with ``make
+    test``'s ``--dist loadgroup`` each group keeps to one worker, and the quick tests fill
+    the gaps on both. Those that time something (``alone``) run by themselves in a pass of
+    their own."""
+    groups: dict[str, pytest.MarkDecorator] = {}
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("alone"):
-            item.add_marker(group)
+            module = item.nodeid.split("::", 1)[0]
+            if module not in groups:
+                groups[module] = pytest.mark.xdist_group(f"processes-{len(groups) % 2}")
+            item.add_marker(groups[module])
