@@ -69,7 +69,7 @@ def _four_peers(train) -> list[TrainResult]:
 
 @pytest.mark.slow
 def test_four_decentralized_sgd_peers_match_one_process() -> None:
-    config = DigitsConfig(epochs=20)
+    config = DigitsConfig(epochs=10)
     data = load_digits_split(config.seed)
     single = train_single(config, data)
     peers = _four_peers(
