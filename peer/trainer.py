@@ -103,6 +103,9 @@ class Trainer(Generic[BatchT]):
         self.swarm = SwarmCounter()  # the swarm's samples, from the progress records
         self.swarm_rate = CountedRate()
         self.no_group = NoGroupWatch()  # the line's "no group for N rounds"
+        from peer.optim.progress import ProgressWatch  # with the optimizer, torch is loaded
+
+        self.others = ProgressWatch(answer.peer_id)  # a paused peer's sign of a resumed run
         self.loss: float | None = None  # mean training loss since the previous report
         self.eval_metric: float | None = None
         self.evaluated_at = -math.inf
@@ -354,6 +357,10 @@ class Trainer(Generic[BatchT]):
             self._report(0.0)  # still here: a paused peer stays online on the dashboard
             # and counted by the other peers, so the first to resume does not train alone
             self.optimizer.report_presence()
+        if self.others.moved(self.optimizer.tracker.fetch()):
+            # the others train: the organizer most likely resumed the run, so this peer
+            # asks now rather than start a poll interval after them
+            self.session.poll_soon()
         volunteer._wake.wait(STATUS_INTERVAL_S)
         volunteer._wake.clear()
 

@@ -166,6 +166,8 @@ class CoordinatorSession:
         self._renew_at = now
         self._set_certificate(certificate_expires_at)
         self._poll_at = now
+        self._poll_hinted = False  # poll_soon() asked for a poll before the next one is due
+        self._hint_at = -math.inf  # when poll_soon() was last honoured
         self._report_at = now
         self._bootstrap_at = now + t.poll_interval  # the join answer brought addresses
         self._rendezvous_at = now
@@ -242,6 +244,23 @@ class CoordinatorSession:
                 )
         self._wake.set()
 
+    def poll_soon(self) -> None:
+        """Read the run's status now rather than at the next regular poll: a hint that it
+        may have changed (a paused peer sees the others train, so the organizer most likely
+        resumed the run). Hints come from peers' claims, so at most one is honoured per poll
+        interval: whatever the swarm says, the coordinator is asked at most twice as often."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._hint_at < self.timings.poll_interval:
+                return
+            self._hint_at, self._poll_hinted = now, True
+        self._wake.set()
+
+    def _take_poll_hint(self) -> bool:
+        with self._lock:
+            hinted, self._poll_hinted = self._poll_hinted, False
+        return hinted
+
     def close(self, flush_timeout: float = 2.0) -> None:
         """Send what is queued (for at most ``flush_timeout`` seconds), tell the coordinator
         this peer leaves (for at most :data:`LEAVE_TIMEOUT_S`; a failure is only logged), then
@@ -272,7 +291,7 @@ class CoordinatorSession:
             self._guarded(self._send_reports, now, "_report_at")
             if now >= self._renew_at:
                 self._guarded(self._renew, now, "_renew_at")
-            if now >= self._poll_at:
+            if now >= self._poll_at or self._take_poll_hint():
                 self._guarded(self._poll_status, now, "_poll_at")
             if self._needs_bootstrap is not None and now >= self._bootstrap_at:
                 self._guarded(self._bootstrap, now, "_bootstrap_at")

@@ -33,6 +33,7 @@ __all__ = [
     "PerformanceEMA",
     "ProgressReport",
     "ProgressTracker",
+    "ProgressWatch",
     "SwarmCounter",
     "SwarmProgress",
     "compute_swarm_progress",
@@ -398,3 +399,26 @@ class ProgressTracker:
 
         with contextlib.suppress(Exception):  # the node may already be gone: nothing to retract
             self.node.run_coroutine(retract(), wait=False).result(timeout)
+
+
+class ProgressWatch:
+    """Whether the other peers' progress moved since the last look (a paused peer uses it:
+    when the others train, the run most likely resumed). A peer seen for the first time has
+    not moved; one whose report went away is forgotten."""
+
+    def __init__(self, peer_id: str) -> None:
+        self.peer_id = peer_id
+        self._seen: dict[str, tuple[int, int]] = {}  # peer → (epoch, samples in total)
+
+    def moved(self, reports: Iterable[ProgressReport]) -> bool:
+        seen: dict[str, tuple[int, int]] = {}
+        moved = False
+        for report in reports:
+            if report.peer_id == self.peer_id:
+                continue
+            now = (report.epoch, report.done_in_total)
+            before = self._seen.get(report.peer_id)
+            moved |= before is not None and now > before
+            seen[report.peer_id] = now
+        self._seen = seen
+        return moved

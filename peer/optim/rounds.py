@@ -5,10 +5,11 @@ A round is skipped when no other peer of the run has a live progress report (a l
 does not wait out ``averaging_timeout`` every epoch); a peer that is there but behind still
 gets the chance to join: the round looks for a group as usual. While the round looks for a
 group, it is called off as soon as nobody can join it any more: every other peer either
-reports a later epoch (announced only after that epoch's rounds ended) or withdrew from this
-round's matchmaking (its group began without this peer), or none reports at all. If others
-moved on from a gradient round, this peer is :attr:`RoundRunner.behind`: rather than step
-alone and drift from them, it skips the epoch and loads their state at its next step.
+reports a later epoch (announced only after that epoch's rounds ended), withdrew from this
+round's matchmaking (its group began without this peer) or left the swarm (its membership
+expired: a crash, a network split; its last report outlives it), or none reports at all. If
+others moved on from a gradient round, this peer is :attr:`RoundRunner.behind`: rather than
+step alone and drift from them, it skips the epoch and loads their state at its next step.
 Runs on the training thread, or on the background thread with a ``delay_*`` option.
 """
 
@@ -114,7 +115,12 @@ class RoundRunner:
             if control.began_allreduce:
                 result = control.result()
                 return result
-            others = [r for r in self.tracker.fetch() if r.peer_id != self.peer_id]
+            members = self.tracker.node.members()
+            others = [
+                r
+                for r in self.tracker.fetch()
+                if r.peer_id != self.peer_id and r.peer_id in members
+            ]
             withdrawn = averager.withdrawn_peers()
             if all(r.epoch > epoch or r.peer_id in withdrawn for r in others) and control.cancel():
                 if others and gradients:

@@ -9,6 +9,7 @@ reads the swarm's gossip records itself: progress reports, state offers. Anythin
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from peer.averaging.seam import NodeHandle
@@ -27,6 +28,10 @@ class SwarmNode(NodeHandle, Protocol):
 
     def store(self, key: str, value: object, expiration_time: float, subkey: Subkey = None) -> bool:
         """Store ``value`` under ``key`` (and ``subkey``) until ``expiration_time``."""
+        ...
+
+    def members(self) -> Mapping[str, object]:
+        """The peers whose membership is live, by peer id (this one included)."""
         ...
 
 

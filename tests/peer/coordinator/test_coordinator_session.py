@@ -320,6 +320,28 @@ def test_status_changes_are_seen_and_reported(
         session.close()
 
 
+def test_a_hint_reads_the_status_at_once_but_at_most_once_per_poll_interval(
+    fake: FakeCoordinator, client: CoordinatorClient
+) -> None:
+    """A paused peer that sees the others train asks for the status now; however often it
+    is told, the coordinator is asked at most twice per poll interval."""
+    seen: list[str] = []
+    fake.status = "paused"
+    timings = SessionTimings(poll_interval=30.0, request_timeout=2.0)
+    session = session_for(client, status="paused", on_status=seen.append, timings=timings)
+    try:
+        assert wait_until(lambda: fake.count("status") == 1, scaled(10))  # the first poll
+        fake.status = "running"
+        session.poll_soon()
+        assert wait_until(lambda: seen == ["running"], scaled(10))
+        for _ in range(50):  # a swarm that claims a lot is heard once per interval
+            session.poll_soon()
+        assert not wait_until(lambda: fake.count("status") > 2, 0.3)
+        assert fake.count("status") == 2
+    finally:
+        session.close()
+
+
 def test_why_the_run_waits_is_seen_while_its_status_stays(
     fake: FakeCoordinator, client: CoordinatorClient
 ) -> None:

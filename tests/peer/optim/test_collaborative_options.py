@@ -454,6 +454,47 @@ def test_a_round_nobody_can_join_any_more_is_called_off(nodes: list[Node]) -> No
             opt.shutdown()
 
 
+def test_a_round_whose_only_partner_left_the_swarm_is_called_off(nodes: list[Node]) -> None:
+    """The only other peer at epoch 0 is cut off (a crash, a network split): its progress
+    report outlives it, but once its membership lapses the round stops waiting for it,
+    instead of waiting out an ``averaging_timeout`` (here far longer than the test may
+    take), and this peer steps alone: nobody averaged without it."""
+    ghost = Node(nodes[0].visible_addresses, gossip_period=0.2)
+    tracker = ProgressTracker(ghost, "left", 8, expiration=3600.0)
+    model = _model()
+    lone = Optimizer(
+        node=nodes[0],
+        run_id="left",
+        target_batch_size=8,
+        batch_size_per_step=8,
+        optimizer=partial(torch.optim.SGD, lr=0.1),
+        params=model.parameters(),
+        matchmaking_time=1.0,
+        averaging_timeout=scaled(3600),
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        tracker.report(ProgressReport(ghost.peer_id, 0, 0, 0, time.time(), 1.0, False))
+        assert tracker.flush(timeout=scaled(10))
+        assert wait_until(lambda: lone.global_progress.num_peers == 2, scaled(20))
+        x, y = _batch(0, 0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        stepping = threading.Thread(target=lone.step)  # 8 samples: epoch 0 is complete
+        stepping.start()
+        assert wait_until(lambda: lone._pending.round is not None, scaled(20))
+        ghost.shutdown()  # its report stays behind (nothing retracts it), its membership ends
+        stepping.join(scaled(60))
+        assert not stepping.is_alive(), "the round waited for a peer that left the swarm"
+        assert ghost.peer_id not in nodes[0].members()
+        assert lone.global_progress.num_peers == 2, "the test needs the report to outlive it"
+        assert lone.local_epoch == 1 and lone.rounds_done == 0
+        assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    finally:
+        lone.shutdown()
+        tracker.shutdown(timeout=0.1)
+        ghost.shutdown()
+
+
 def test_delayed_state_averaging_with_local_updates(nodes: list[Node]) -> None:
     """Parameter averaging in the background; local steps taken meanwhile are kept, and after
     the last epoch's round both peers hold the same model."""

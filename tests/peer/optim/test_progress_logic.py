@@ -9,6 +9,7 @@ import pytest
 from peer.optim.progress import (
     PerformanceEMA,
     ProgressReport,
+    ProgressWatch,
     compute_swarm_progress,
 )
 
@@ -119,3 +120,17 @@ def test_a_discounted_claim_does_not_count_until_the_peer_reports_less() -> None
     assert ignored.num_peers == 2
     back = [report("a", 2, 6), report("liar", 2, 1)]
     assert compute_swarm_progress(back, report("me", 2, 6), 12, ignore={"liar": 3}).num_peers == 3
+
+
+def test_a_watch_sees_the_others_move_and_not_itself_nor_a_newcomer() -> None:
+    def at(peer: str, epoch: int, total: int) -> ProgressReport:
+        return ProgressReport(peer, epoch, 0, total, 0.0)
+
+    watch = ProgressWatch("me")
+    assert not watch.moved([at("me", 0, 0), at("a", 3, 96)])  # a newcomer has not moved
+    assert not watch.moved([at("me", 0, 50), at("a", 3, 96)])  # this peer itself moves
+    assert watch.moved([at("me", 0, 50), at("a", 3, 112)])  # samples
+    assert not watch.moved([at("a", 3, 112), at("b", 0, 0)])
+    assert watch.moved([at("a", 4, 112), at("b", 0, 0)])  # an epoch
+    assert not watch.moved([at("b", 0, 0)])  # "a" went away and is forgotten
+    assert not watch.moved([at("a", 9, 999), at("b", 0, 0)])  # back: seen anew
