@@ -237,7 +237,9 @@ async def download_state(
     (:mod:`peer.averaging.witnesses`): a newcomer uses it unless other volunteers outvote it; a
     peer that holds a state of its own (``own``) replaces it only with a state another
     volunteer confirms. A donor outvoted once is not downloaded from again, and one whose state
-    was refused is not asked again until it declares a higher priority.
+    was refused is not asked again until it declares a higher priority; so is one whose
+    verdict is contested (another volunteer declares its priority with another state: two
+    forks of one stage, where neither claim is a lone one), without discounting its claims.
     """
     refusals = Refusals() if refusals is None else refusals
     donors = await list_donors(core, prefix, prefer)
@@ -308,7 +310,23 @@ async def download_state(
             request_timeout,
             own=None if extends else own,
             refusals=refusals,
+            priority=priority,
         )
+        holder_refuses = own is not None and not extends and not sole
+        if verdict.contested and (
+            verdict.kind == "outvoted" or (verdict.kind == "unconfirmed" and holder_refuses)
+        ):
+            # two forks of one stage (a healed split): the claim is not a lone one; asked
+            # again once it declares a newer state, which the others may then confirm
+            logger.warning(
+                "state from %s (priority %g) not used: %s, and another volunteer declares "
+                "its priority with another state; asked again once it declares a newer one",
+                donor,
+                priority,
+                verdict.why,
+            )
+            refusals.deferred(person, priority)
+            continue
         if verdict.kind == "outvoted":
             logger.warning(
                 "state from %s (priority %g) dropped: %s; this peer downloads from its "
@@ -320,7 +338,7 @@ async def download_state(
             refusals.outvoted(person, donor, verdict.why)
             continue
         if verdict.kind == "unconfirmed":
-            if own is not None and not extends and not sole:
+            if holder_refuses:
                 logger.warning(
                     "state from %s (priority %g) not used: this peer replaces its own state "
                     "only with one another volunteer confirms, and %s",

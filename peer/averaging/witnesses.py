@@ -8,10 +8,12 @@ agree on another one (or, for a peer with its own state, a witness holds that ow
 else **unconfirmed**. A newcomer uses a confirmed or unconfirmed state; a peer with a state
 replaces it only with a confirmed one (exceptions: a donor that finished this peer's own
 unfinished round, and runs where every donor shares this peer's invite). Witnesses count
-by invite, else by volunteer (:func:`witness_of`), not by key.
+by invite, else by volunteer (:func:`witness_of`), not by key. A verdict is **contested**
+when another volunteer declares the donor's stage with another state (two honest forks).
 
 :class:`Refusals` remembers the donors whose states were dropped: an outvoted volunteer is
-never asked again; another refused donor only once it declares a higher priority.
+never asked again; another refused donor (or a contested one) only once it declares a
+higher priority.
 """
 
 from __future__ import annotations
@@ -50,10 +52,15 @@ def witness_of(core: NodeCore, peer_id: str) -> Person:
 @dataclass(frozen=True)
 class Verdict:
     """What the witnesses said of a downloaded state: ``kind`` is ``"confirmed"``,
-    ``"outvoted"`` or ``"unconfirmed"``; ``why`` says it in words."""
+    ``"outvoted"`` or ``"unconfirmed"``; ``why`` says it in words. ``contested``: another
+    volunteer declares a priority at least the donor's and holds another state, so the
+    donor's claim is not its alone (two sides of a healed split, members of a group whose
+    last round ended differently): a refusal then holds at this priority only, and the
+    donor's claims are not discounted."""
 
     kind: str
     why: str
+    contested: bool = False
 
 
 @dataclass
@@ -83,8 +90,12 @@ class Refusals:
         self.peers.add(peer_id)
 
     def refused(self, person: Person, peer_id: str, priority: float) -> None:
-        self.claims[person] = max(priority, self.claims.get(person, -math.inf))
+        self.deferred(person, priority)
         self.peers.add(peer_id)
+
+    def deferred(self, person: Person, priority: float) -> None:
+        """Not asked again until it declares a higher priority; its claims stand."""
+        self.claims[person] = max(priority, self.claims.get(person, -math.inf))
 
 
 async def judge(
@@ -97,6 +108,7 @@ async def judge(
     *,
     own: bytes | None = None,
     refusals: Refusals | None = None,
+    priority: float = math.inf,
 ) -> Verdict:
     """Ask ``others`` (other donors, best first) for their states' digests and judge the
     state of ``digest`` from ``donor`` by the rules below. ``own``: the digest of
@@ -134,22 +146,31 @@ async def judge(
     be told apart), else as the volunteer it names (:func:`witness_of`). A donor's other keys
     neither confirm nor outvote it, and several keys of one witness that agree count once
     (named in a warning).
+
+    ``priority`` is the donor's declared one; a witness's answer carries its own. A verdict
+    that is not confirmed is **contested** when a witness at ``priority`` or above holds
+    another state: two volunteers claim the donor's stage with states that differ (forks of
+    a healed split), so the donor's claim is not a lone one and is not refused for good.
     """
 
-    async def ask(peer_id: str) -> bytes | None:
+    async def ask(peer_id: str) -> tuple[bytes, float] | None:
         try:
             reply = await core.request(peer_id, Frame(STATE_DIGEST, {"p": prefix}), timeout)
         except (SwarmgradError, TimeoutError, ValueError):
             return None
-        return reply.fields["d"] if reply.type == STATE_HASH else None
+        if reply.type != STATE_HASH:
+            return None
+        return reply.fields["d"], float(reply.fields["e"])
 
     replies = await asyncio.gather(*(ask(p) for p in others))
     donor_person = witness_of(core, donor)
     held: dict[bytes, set[Person]] = {}  # digest → the people who hold that state
     keys: dict[tuple[bytes, Person], list[str]] = {}  # (digest, person) → peer ids
-    for peer_id, answer in zip(others, replies, strict=True):
-        if answer is None:
+    contested = False  # another person at the donor's stage holds another state
+    for peer_id, reply in zip(others, replies, strict=True):
+        if reply is None:
             continue
+        answer, declared = reply
         person = witness_of(core, peer_id)
         if person == donor_person:
             logger.info(
@@ -160,6 +181,7 @@ async def judge(
             continue
         held.setdefault(answer, set()).add(person)
         keys.setdefault((answer, person), []).append(peer_id)
+        contested |= declared >= priority and answer != digest
     for (_, person), peer_ids in keys.items():
         if len(peer_ids) > 1:  # one person's keys agreeing: one witness, however many keys
             logger.warning(
@@ -175,12 +197,16 @@ async def judge(
             "outvoted",
             f"{agreeing} other donors hold another state (each a volunteer of its own), "
             "and none holds this one",
+            contested,
         )
     if own is not None and own in held:
         return Verdict(
             "outvoted",
             "another volunteer holds this peer's own state, and none holds the donor's",
+            contested,
         )
     if held:
-        return Verdict("unconfirmed", "the other donors' states differ from it and each other")
+        return Verdict(
+            "unconfirmed", "the other donors' states differ from it and each other", contested
+        )
     return Verdict("unconfirmed", "no other donor could be asked")

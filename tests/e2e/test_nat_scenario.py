@@ -37,6 +37,16 @@ EPOCHS = 8
 CONFIG = [f"epochs={EPOCHS}", "matchmaking_time=2"]
 
 
+def rounds_told(volunteers: list, outputs: list[str]) -> str:
+    """What each volunteer said of its rounds and of the run's start, for a failure."""
+    said = ("resumed", "running", "failed", "behind", "no group", "loaded state")
+    return "\n".join(
+        f"--- volunteer {k} ({KINDS[k].value}): groups {volunteer.groups()}\n"
+        + "\n".join(line for line in output.splitlines() if any(w in line for w in said))
+        for k, (volunteer, output) in enumerate(zip(volunteers, outputs, strict=True))
+    )
+
+
 def test_six_volunteers_behind_home_routers_average_as_one_swarm(tmp_path: Path) -> None:
     reason = unavailable(KINDS)
     if reason is not None:
@@ -66,7 +76,8 @@ def test_six_volunteers_behind_home_routers_average_as_one_swarm(tmp_path: Path)
         # every round after the first, until the run's last epoch: one group of all six
         rounds = {epoch: size for epoch, size in groups.items() if 2 <= epoch < EPOCHS}
         assert rounds and all(size == len(KINDS) for size in rounds.values()), (
-            f"volunteer {k} ({KINDS[k].value}) averaged in groups {groups}"
+            f"volunteer {k} ({KINDS[k].value}) averaged in groups {groups}\n"
+            + rounds_told(volunteers, outputs)
         )
     for (a, b), how in connections.items():
         if RouterKind.PORT_MAPPING in (KINDS[a], KINDS[b]):

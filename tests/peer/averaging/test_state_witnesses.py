@@ -129,6 +129,42 @@ def test_a_held_state_is_replaced_by_a_newer_one_another_volunteer_confirms(make
     assert found is not None and torch.equal(found[1][0], torch.full((100,), 3.0))
 
 
+def test_two_forks_of_one_stage_are_refused_at_that_stage_only(
+    make_swarm, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A healed split: two volunteers declare the next stage with states that differ in
+    their last bits (their last round ended differently), and the peer beside this one
+    holds this peer's own state. The newer state is not used, yet neither donor is refused
+    for good nor its claim discounted; once the two declare a newer stage holding one state,
+    this peer takes it."""
+    swarm = make_swarm(4)
+    ahead = [_donor(swarm.nodes[0], 3.0, 2.0), _donor(swarm.nodes[1], 3.0 + 1e-6, 2.0)]
+    beside = _donor(swarm.nodes[2], 1.0, 1.0)
+    holder = DecentralizedAverager(
+        [torch.full((100,), 1.0)], swarm.nodes[3], allow_state_sharing=True, **BASE
+    )
+    holder.state_sharing_priority = 1.0
+    swarm.averagers += [*ahead, beside, holder]
+    assert wait_for(lambda: _declared(holder, [*ahead, beside]), 15)
+
+    with caplog.at_level(logging.WARNING, logger="peer.averaging.state"):
+        assert (
+            holder.load_state_from_peers(timeout=scaled(30), holding=True, min_priority=2.0) is None
+        )
+    said = [r.getMessage() for r in caplog.records]
+    assert any("another volunteer declares its priority" in m for m in said), said
+    assert not any("no more" in m for m in said), said
+    assert not holder.sharing.refused_donors(), "a fork's claim is discounted like a lone one"
+
+    with ahead[1].get_tensors() as tensors:
+        tensors[0].fill_(3.0)  # the next round made them one again
+    for donor in ahead:
+        donor.state_sharing_priority = 3.0
+    assert wait_for(lambda: _declared(holder, ahead), 15)
+    found = holder.load_state_from_peers(timeout=scaled(30), holding=True, min_priority=2.0)
+    assert found is not None and torch.equal(found[1][0], torch.full((100,), 3.0))
+
+
 def test_a_donor_serving_this_peers_own_state_changes_nothing(make_swarm) -> None:
     """Nothing to load: the state this peer holds is not handed back (its progress would be
     reset for nothing), and the donor is not refused."""
