@@ -237,9 +237,9 @@ async def download_state(
     (:mod:`peer.averaging.witnesses`): a newcomer uses it unless other volunteers outvote it; a
     peer that holds a state of its own (``own``) replaces it only with a state another
     volunteer confirms. A donor outvoted once is not downloaded from again, and one whose state
-    was refused is not asked again until it declares a higher priority; so is one whose
-    verdict is contested (another volunteer declares its priority with another state: two
-    forks of one stage, where neither claim is a lone one), without discounting its claims.
+    was refused is not asked again until it declares a higher priority. An outvoted donor
+    whose verdict is contested (another volunteer declares its priority with another state:
+    two forks of one stage, where neither claim is a lone one) is refused that way too.
     """
     refusals = Refusals() if refusals is None else refusals
     donors = await list_donors(core, prefix, prefer)
@@ -313,19 +313,18 @@ async def download_state(
             priority=priority,
         )
         holder_refuses = own is not None and not extends and not sole
-        if verdict.contested and (
-            verdict.kind == "outvoted" or (verdict.kind == "unconfirmed" and holder_refuses)
-        ):
-            # two forks of one stage (a healed split): the claim is not a lone one; asked
-            # again once it declares a newer state, which the others may then confirm
+        if verdict.kind == "outvoted" and verdict.contested:
+            # two forks of one stage (a healed split): the claim is not a lone one, so it is
+            # refused as an unconfirmed one is, not for good: asked again once it declares a
+            # newer state, which the others may then confirm
             logger.warning(
-                "state from %s (priority %g) not used: %s, and another volunteer declares "
+                "state from %s (priority %g) not used: %s, but another volunteer declares "
                 "its priority with another state; asked again once it declares a newer one",
                 donor,
                 priority,
                 verdict.why,
             )
-            refusals.deferred(person, priority)
+            refusals.refused(person, donor, priority)
             continue
         if verdict.kind == "outvoted":
             logger.warning(

@@ -12,7 +12,7 @@ by invite, else by volunteer (:func:`witness_of`), not by key. A verdict is **co
 when another volunteer declares the donor's stage with another state (two honest forks).
 
 :class:`Refusals` remembers the donors whose states were dropped: an outvoted volunteer is
-never asked again; another refused donor (or a contested one) only once it declares a
+never asked again (unless contested); another refused donor only once it declares a
 higher priority.
 """
 
@@ -55,8 +55,8 @@ class Verdict:
     ``"outvoted"`` or ``"unconfirmed"``; ``why`` says it in words. ``contested``: another
     volunteer declares a priority at least the donor's and holds another state, so the
     donor's claim is not its alone (two sides of a healed split, members of a group whose
-    last round ended differently): a refusal then holds at this priority only, and the
-    donor's claims are not discounted."""
+    last round ended differently): an outvoted donor is then refused at this priority only,
+    as an unconfirmed one is, not for good."""
 
     kind: str
     why: str
@@ -90,12 +90,8 @@ class Refusals:
         self.peers.add(peer_id)
 
     def refused(self, person: Person, peer_id: str, priority: float) -> None:
-        self.deferred(person, priority)
-        self.peers.add(peer_id)
-
-    def deferred(self, person: Person, priority: float) -> None:
-        """Not asked again until it declares a higher priority; its claims stand."""
         self.claims[person] = max(priority, self.claims.get(person, -math.inf))
+        self.peers.add(peer_id)
 
 
 async def judge(
