@@ -412,6 +412,21 @@ def test_a_peer_claiming_an_epoch_far_ahead_does_not_stall_the_others(
         torch.testing.assert_close(a, b)
 
 
+def _patient(node: Node, model: torch.nn.Module, run_id: str) -> Optimizer:
+    """A peer whose round, once its batch completes the epoch, would look for a group for an
+    hour: far longer than a test may take, unless the round is called off."""
+    return Optimizer(
+        node=node,
+        run_id=run_id,
+        target_batch_size=8,
+        batch_size_per_step=8,
+        optimizer=partial(torch.optim.SGD, lr=0.1),
+        params=model.parameters(),
+        matchmaking_time=1.0,
+        averaging_timeout=scaled(3600),
+    )
+
+
 def test_a_round_nobody_can_join_any_more_is_called_off(nodes: list[Node]) -> None:
     """A peer looking for a group at epoch 0 while the only other peer has moved on to epoch
     5 gives up at once, instead of waiting out an ``averaging_timeout`` (here far longer
@@ -419,17 +434,7 @@ def test_a_round_nobody_can_join_any_more_is_called_off(nodes: list[Node]) -> No
     state."""
     models = [_model(), _model()]
     ahead, behind = (
-        Optimizer(
-            node=node,
-            run_id="moved-on",
-            target_batch_size=8,
-            batch_size_per_step=8,
-            optimizer=partial(torch.optim.SGD, lr=0.1),
-            params=model.parameters(),
-            matchmaking_time=1.0,
-            averaging_timeout=scaled(3600),
-        )
-        for node, model in zip(nodes, models, strict=True)
+        _patient(node, model, "moved-on") for node, model in zip(nodes, models, strict=True)
     )
     before = [p.detach().clone() for p in models[1].parameters()]
     try:
@@ -462,16 +467,7 @@ def test_a_round_whose_only_partner_left_the_swarm_is_called_off(nodes: list[Nod
     ghost = Node(nodes[0].visible_addresses, gossip_period=0.2)
     tracker = ProgressTracker(ghost, "left", 8, expiration=3600.0)
     model = _model()
-    lone = Optimizer(
-        node=nodes[0],
-        run_id="left",
-        target_batch_size=8,
-        batch_size_per_step=8,
-        optimizer=partial(torch.optim.SGD, lr=0.1),
-        params=model.parameters(),
-        matchmaking_time=1.0,
-        averaging_timeout=scaled(3600),
-    )
+    lone = _patient(nodes[0], model, "left")
     before = [p.detach().clone() for p in model.parameters()]
     try:
         tracker.report(ProgressReport(ghost.peer_id, 0, 0, 0, time.time(), 1.0, False))
