@@ -42,11 +42,10 @@ natlab:
 		echo "the NAT lab tests need root and Debian's nftables and miniupnpd: run 'sudo apt-get install nftables miniupnpd-nftables' and the tests as root" >&2; \
 	fi
 
-# Two passes. First every test on two workers: the multi-process scenarios (marked slow) at
-# most two at a time, one per worker, in two xdist groups, while the quick tests fill the gaps
-# (the scenarios mostly wait on their peers' rounds, so the cores they leave idle go to the
-# quick tests). Then the few that time something against a reference (marked alone), by
-# themselves.
+# Two passes. First every test on two workers: each module of multi-process scenarios
+# (marked slow) is one xdist group, run in turn on one worker, the groups first and the quick
+# tests filling both workers after them (tests/conftest.py). Then the few that time something
+# against a reference (marked alone), by themselves.
 test: $(STAMP) browser natlab
 	@most=0; $(BIN)/python -m pytest -m "not alone" -n 2 --dist loadgroup || most=$$?; \
 	alone=0; $(BIN)/python -m pytest -m alone || alone=$$?; \

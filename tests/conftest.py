@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,16 +89,32 @@ def served(app: Any) -> Iterator[str]:
         sock.close()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The multi-process scenarios (``slow``) run at most two at a time, in two xdist
-    groups (a module's scenarios in one, the modules dealt out in turn): with ``make
-    test``'s ``--dist loadgroup`` each group keeps to one worker, and the quick tests fill
-    the gaps on both. Those that time something (``alone``) run by themselves in a pass of
-    their own."""
-    groups: dict[str, pytest.MarkDecorator] = {}
+    """Each module of multi-process scenarios (``slow``) is one xdist group: under ``make
+    test``'s ``--dist loadgroup`` its scenarios run in turn on one worker, its session
+    fixtures are built once, and the groups (largest first) go out before the quick tests,
+    which then fill both workers. Those that time something (``alone``) run by themselves
+    in a pass of their own."""
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("alone"):
-            module = item.nodeid.split("::", 1)[0]
-            if module not in groups:
-                groups[module] = pytest.mark.xdist_group(f"processes-{len(groups) % 2}")
-            item.add_marker(groups[module])
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Refuse to run when xdist ignored the groups (it writes them into the node ids; some
+    pytest releases stop that silently), rather than run the scenarios unscheduled."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [
+        i.nodeid
+        for i in session.items
+        if i.get_closest_marker("xdist_group") and "@" not in i.nodeid
+    ]
+    if lost:
+        why = (
+            f"pytest-xdist did not group {len(lost)} tests (e.g. {lost[0]}): check the "
+            "pytest and pytest-xdist versions pinned in pyproject.toml"
+        )
+        print(why, file=sys.__stderr__)  # a worker's exit message does not reach the terminal
+        pytest.exit(why, returncode=pytest.ExitCode.USAGE_ERROR)
