@@ -47,7 +47,7 @@ def worker(cfg: dict[str, Any]) -> None:
     import torch
 
     from peer import Node
-    from peer.optim.collaborative import Optimizer
+    from peer.optim.collaborative.optimizer import Optimizer
     from swarmlab.node_process import wait_until
 
     torch.set_num_threads(1)

@@ -12,7 +12,7 @@ link (one-way latency 5-80 ms, bandwidth 1-100 MB/s, log-uniform; a message pays
 ends' latency, at the slower end's bandwidth); a share of the peers are in client mode
 (they dial out only). Every round each present peer places itself on the Moshpit grid that
 fits the membership its node sees (``DecentralizedAverager.place_on_grid`` with the grid of
-:mod:`peer.averaging.grid`: ``⌈log_g N⌉`` dimensions, or one more where N forbids it, full,
+:mod:`peer.averaging.matchmaking.grid`: ``⌈log_g N⌉`` dimensions, or one more where N forbids it, full,
 with extras and slab weights) and calls the real averager's ``step`` with the place's
 weight (gossip declarations, the matchmaking state machine and its driver, the butterfly
 round and its runner, exclusion of the dead). Churn: before each
@@ -37,12 +37,12 @@ on top of it run N averagers. So, above ``--full-max`` peers (default 100):
 * **gossip** still runs for all N real nodes (stores seeded with the converged membership,
   then measured over a steady window): messages and bytes per peer per second and the
   store size per peer are full-fidelity at every N;
-* **Moshpit rounds** use the real places, keys and weights of :mod:`peer.averaging.grid`
-  and :mod:`peer.averaging.group_bits` with each group's exact weighted mean — what the
+* **Moshpit rounds** use the real places, keys and weights of :mod:`peer.averaging.matchmaking.grid`
+  and :mod:`peer.averaging.matchmaking.group_bits` with each group's exact weighted mean — what the
   butterfly computes, which the full tier checks to 1e-6 — and the same churn (a peer that
   dies mid-round drops out of its group's mean, as the runner excludes it); each peer sees
   the exact membership (no gossip lag, which the full tier has) and keeps its cell from
-  round to round (:func:`~peer.averaging.grid.place_next`), and a newcomer takes its state
+  round to round (:func:`~peer.averaging.matchmaking.grid.place_next`), and a newcomer takes its state
   and placement from a peer of its slab (:func:`slab_mates`); the full tier's averagers
   place themselves by rank from each view (a newcomer there has no placement to carry);
 * **matchmaking, failed rounds, newcomers and donors** come from a full-fidelity swarm of
@@ -74,7 +74,7 @@ import torch
 from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.control import StepControl
 from peer.averaging.exceptions import StepFailed
-from peer.averaging.grid import (
+from peer.averaging.matchmaking.grid import (
     Grid,
     GridHistory,
     Placement,
@@ -82,8 +82,8 @@ from peer.averaging.grid import (
     home_coordinate,
     place_next,
 )
-from peer.averaging.group_bits import group_key
-from peer.averaging.state import StateServer
+from peer.averaging.matchmaking.group_bits import group_key
+from peer.averaging.sharing.download import StateServer
 from peer.formats.identity import Identity
 from peer.node.core import AsyncNode, NodeConfig
 from peer.node.cost import membership_ttl
@@ -127,8 +127,8 @@ def slab_mates(
     placement: Placement, donors: list[str], newcomer: str, round_index: int
 ) -> list[str]:
     """The donors whose state a newcomer wants for its first round, ``round_index``: those
-    at its :func:`~peer.averaging.grid.home_coordinate` along that round's dimension, where
-    :func:`~peer.averaging.grid.place_all` places it if a cell there is free. After the
+    at its :func:`~peer.averaging.matchmaking.grid.home_coordinate` along that round's dimension, where
+    :func:`~peer.averaging.matchmaking.grid.place_all` places it if a cell there is free. After the
     rounds on the other dimensions they hold the mean of the slab its cell belongs to, the
     value the peer that left that cell would have brought."""
     grid = placement.grid
@@ -427,7 +427,7 @@ class MoshpitResult:
 
 def simulate_moshpit(n: int, settings: Settings = Settings()) -> MoshpitResult:
     """Moshpit averaging for ``n`` peers under churn, each peer placed on the grid of
-    :mod:`peer.averaging.grid` from the membership of the round (exact views: the model
+    :mod:`peer.averaging.matchmaking.grid` from the membership of the round (exact views: the model
     has no gossip lag) with each group's exact weighted mean (see the module docstring).
     Before each round ``churn·n`` peers leave — half at once, half during the round's
     all-reduce, before their parts go out, so that they drop out of their group's mean —

@@ -331,7 +331,7 @@ def _swarm_peer(
     import torch
 
     from peer import Node
-    from peer.optim.collaborative import Optimizer
+    from peer.optim.collaborative.optimizer import Optimizer
     from peer.tasks import TrainingConfig, load_task
     from peer.trainer import compute_gradients, set_lr
     from swarmlab.node_process import wait_until

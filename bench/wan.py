@@ -57,7 +57,7 @@ GOAL_UTILISATION, GOAL_BYTES, GOAL_LOSS = 0.95, 100.0, 1.03
 def _build(method: str, model: Any, node: Any, run: str, config: Any, cfg: dict[str, Any]) -> Any:
     import torch
 
-    from peer.optim.collaborative import Optimizer
+    from peer.optim.collaborative.optimizer import Optimizer
 
     if method.startswith("optimizer"):
         delayed = method == "optimizer+delay"
@@ -69,7 +69,7 @@ def _build(method: str, model: Any, node: Any, run: str, config: Any, cfg: dict[
             delay_grad_averaging=delayed,
             delay_optimizer_step=delayed,
         )
-    from peer.optim.diloco import DiLoCo
+    from peer.optim.diloco.outer import DiLoCo
 
     streaming = method == "streaming"
     return DiLoCo(

@@ -33,11 +33,15 @@ if TYPE_CHECKING:
     from peer.averaging.averager import DecentralizedAverager
     from peer.averaging.control import AveragingStage, StepControl
     from peer.node import AsyncNode, Node, ValueWithExpiration, get_time
-    from peer.optim.collaborative import Optimizer
-    from peer.optim.daso import DASO, DataParallelOptimizer
-    from peer.optim.decentralized import DecentralizedAdam, DecentralizedOptimizer, DecentralizedSGD
-    from peer.optim.diloco import DiLoCo
-    from peer.optim.hierarchical import HierarchicalModelAverager
+    from peer.optim.collaborative.optimizer import Optimizer
+    from peer.optim.decentralized.optimizers import (
+        DecentralizedAdam,
+        DecentralizedOptimizer,
+        DecentralizedSGD,
+    )
+    from peer.optim.diloco.outer import DiLoCo
+    from peer.optim.hierarchy.daso import DASO, DataParallelOptimizer
+    from peer.optim.hierarchy.hierarchical import HierarchicalModelAverager
 
 _LAZY = {
     "AsyncNode": "peer.node",
@@ -47,14 +51,14 @@ _LAZY = {
     "DecentralizedAverager": "peer.averaging.averager",
     "AveragingStage": "peer.averaging.control",
     "StepControl": "peer.averaging.control",
-    "DecentralizedAdam": "peer.optim.decentralized",
-    "DecentralizedOptimizer": "peer.optim.decentralized",
-    "DecentralizedSGD": "peer.optim.decentralized",
-    "Optimizer": "peer.optim.collaborative",
-    "DASO": "peer.optim.daso",
-    "DataParallelOptimizer": "peer.optim.daso",
-    "DiLoCo": "peer.optim.diloco",
-    "HierarchicalModelAverager": "peer.optim.hierarchical",
+    "DecentralizedAdam": "peer.optim.decentralized.optimizers",
+    "DecentralizedOptimizer": "peer.optim.decentralized.optimizers",
+    "DecentralizedSGD": "peer.optim.decentralized.optimizers",
+    "Optimizer": "peer.optim.collaborative.optimizer",
+    "DASO": "peer.optim.hierarchy.daso",
+    "DataParallelOptimizer": "peer.optim.hierarchy.daso",
+    "DiLoCo": "peer.optim.diloco.outer",
+    "HierarchicalModelAverager": "peer.optim.hierarchy.hierarchical",
 }
 
 

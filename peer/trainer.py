@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from peer.coordinator.client import CoordinatorClient, JoinAnswer
     from peer.coordinator.session import CoordinatorSession
     from peer.node import Node
-    from peer.optim.collaborative import Optimizer
-    from peer.optim.diloco import DiLoCo
+    from peer.optim.collaborative.optimizer import Optimizer
+    from peer.optim.diloco.outer import DiLoCo
     from peer.tasks.base import Task, TrainingConfig
     from peer.volunteer import Volunteer
 
@@ -97,13 +97,13 @@ class Trainer(Generic[BatchT]):
         self.meter = ComputeMeter()  # forward/backward against waiting, per report
         from peer.formats.rates import CountedRate
         from peer.optim.no_group import NoGroupWatch
-        from peer.optim.progress import SwarmCounter
+        from peer.optim.shared.progress import SwarmCounter
 
         self.rate = CountedRate()  # this peer's samples over its clock
         self.swarm = SwarmCounter()  # the swarm's samples, from the progress records
         self.swarm_rate = CountedRate()
         self.no_group = NoGroupWatch()  # the line's "no group for N rounds"
-        from peer.optim.progress import ProgressWatch  # with the optimizer, torch is loaded
+        from peer.optim.shared.progress import ProgressWatch  # with the optimizer, torch is loaded
 
         self.others = ProgressWatch(answer.peer_id)  # a paused peer's sign of a resumed run
         self.loss: float | None = None  # mean training loss since the previous report

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from peer.coordinator.client import CoordinatorClient, JoinAnswer
     from peer.coordinator.session import CoordinatorSession
     from peer.node import Node
-    from peer.optim.collaborative import Optimizer
-    from peer.optim.diloco import DiLoCo
+    from peer.optim.collaborative.optimizer import Optimizer
+    from peer.optim.diloco.outer import DiLoCo
     from peer.tasks.base import Task, TrainingConfig
 
 logger = logging.getLogger("peer.volunteer")

@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from peer.averaging.allreduce import AllreduceRunner, RunnerFactory
-from peer.averaging.butterfly import ButterflyRound
-from peer.averaging.butterfly_send import RoundSending
+from peer.averaging.allreduce.round import ButterflyRound
+from peer.averaging.allreduce.runner import AllreduceRunner, RunnerFactory
+from peer.averaging.allreduce.send import RoundSending
 from peer.averaging.protocol import PART
 from peer.averaging.seam import Link
-from peer.averaging.state import StateServer
+from peer.averaging.sharing.download import StateServer
 from peer.wire import Frame
 from swarmlab import child_env
 from swarmlab.node_process import ChildProcess, serve_json_lines
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         return {"ok": True, "metadata": metadata, "donor": averager.last_state_donor}
 
     def donors(command: dict[str, Any]) -> Any:
-        from peer.averaging.state import list_donors
+        from peer.averaging.sharing.download import list_donors
 
         found = node.run_coroutine(list_donors(node.core, averager.config.prefix))
         return {"donors": [peer_id for _, peer_id in found]}

@@ -71,9 +71,9 @@ def train_peer_with(
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}")
-    from peer.optim.collaborative import Optimizer
-    from peer.optim.daso import DASO
-    from peer.optim.hierarchical import HierarchicalModelAverager
+    from peer.optim.collaborative.optimizer import Optimizer
+    from peer.optim.hierarchy.daso import DASO
+    from peer.optim.hierarchy.hierarchical import HierarchicalModelAverager
 
     data = data or load_digits_split(config.seed, config.test_fraction)
     n = len(data.y_train)

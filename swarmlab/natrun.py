@@ -189,7 +189,7 @@ class NatRun:
     def join(self, k: int, *extra: str) -> LabVolunteer:
         """``swarmgrad join URL --token T`` behind router ``k`` (and ``extra`` options),
         with an invite of its own: six people, six invites (the volunteers that one shared
-        invite admitted count as one witness of a state, see ``peer.averaging.witnesses``)."""
+        invite admitted count as one witness of a state, see ``peer.averaging.sharing.witnesses``)."""
         token = str(self._ask("invite")["token"])
         argv = [sys.executable, "-m", "swarmgrad", "join", self.url, "--token", token]
         argv += ["--data-dir", str(self.directory / f"volunteer-{k}"), "--quiet", "--verbose"]

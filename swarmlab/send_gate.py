@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
-from peer.averaging.allreduce import AllreduceRunner, RunnerFactory
+from peer.averaging.allreduce.runner import AllreduceRunner, RunnerFactory
 from peer.averaging.seam import Lanes, Link, NodeCore
 from peer.wire import Frame
 

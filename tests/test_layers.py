@@ -18,6 +18,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("peer", "server", "swarmgrad", "swarmlab")
 PRODUCT = ("peer", "server", "swarmgrad")  # what the wheel ships; swarmlab is the tests' own
 
+# Folders of one layer that never import each other.
+SIBLINGS: tuple[tuple[str, ...], ...] = (
+    ("peer.averaging.allreduce", "peer.averaging.sharing"),
+    (
+        "peer.optim.collaborative",
+        "peer.optim.decentralized",
+        "peer.optim.diloco",
+        "peer.optim.hierarchy",
+    ),
+)
 # The peer library, lowest first: a module may import its own layer and those below.
 PEER_LAYERS: tuple[tuple[str, ...], ...] = (
     ("peer.exceptions",),
@@ -25,7 +35,19 @@ PEER_LAYERS: tuple[tuple[str, ...], ...] = (
     ("peer.formats", "peer.wire", "peer.compression"),
     ("peer.transport",),
     ("peer.node",),
+    # averaging: the round's vocabulary and wire below matchmaking, the all-reduce and state
+    # sharing above it, the averager (and its step) on top
+    ("peer.averaging.exceptions", "peer.averaging.seam", "peer.averaging.control"),
+    ("peer.averaging.matchmaking.messages",),
+    ("peer.averaging.protocol",),
+    ("peer.averaging.matchmaking",),
+    SIBLINGS[0],
     ("peer.averaging",),
+    # optim: what every optimizer passes down, what they share, then one folder each
+    ("peer.optim.seam", "peer.optim.scheduler", "peer.optim.averager_options"),
+    ("peer.optim.buffers", "peer.optim.no_group", "peer.optim.utilisation"),
+    ("peer.optim.shared",),
+    SIBLINGS[1],
     ("peer.optim",),
     ("peer.coordinator",),
     ("peer.tasks",),
@@ -137,6 +159,20 @@ def test_the_peer_library_imports_only_down_its_layers() -> None:
         and peer_layer(i.imported) > peer_layer(i.importer)
     ]
     assert upward == []
+
+
+def test_sibling_folders_never_import_each_other() -> None:
+    for group in SIBLINGS:
+
+        def folder(module: str, group: tuple[str, ...] = group) -> str | None:
+            return next((f for f in group if _within(module, f)), None)
+
+        crossing = [
+            i
+            for i in all_imports(type_only=True)
+            if (a := folder(i.importer)) and (b := folder(i.imported)) and a != b
+        ]
+        assert not crossing, crossing
 
 
 def test_the_product_never_imports_the_test_and_bench_support() -> None:

@@ -2,13 +2,13 @@
 
 The public signature mirrors hivemind's ``hivemind.averaging.DecentralizedAverager`` (pass a
 :class:`peer.Node` where hivemind took a ``DHT``). Inside, the options are grouped into
-small frozen configs (:class:`~peer.averaging.matchmaking.MatchmakingConfig`,
-:class:`~peer.averaging.allreduce.AllreduceConfig`, :class:`AveragerConfig`) and the work
+small frozen configs (:class:`~peer.averaging.matchmaking.machine.MatchmakingConfig`,
+:class:`~peer.averaging.allreduce.runner.AllreduceConfig`, :class:`AveragerConfig`) and the work
 is split into layers beside this module: ``group_step`` (one step: find a group and average
 with it; mixed into the averager), ``matchmaking`` (pure state machine) and
 ``matchmaking_io`` (its I/O), ``members`` (what each member tells its group), ``butterfly``
 (one round, pure) and ``allreduce`` (its driver), ``sharing`` (a
-:class:`~peer.averaging.sharing.StateSharing` the averager owns: declaring, serving and
+:class:`~peer.averaging.sharing.state_sharing.StateSharing` the averager owns: declaring, serving and
 downloading state) over ``state`` (its protocol), ``control`` (:class:`StepControl`),
 ``round_tensors`` (the tensors' lock and each round's flat buffer).
 
@@ -29,17 +29,17 @@ from typing import Any
 
 import torch
 
-from peer.averaging.allreduce import AllreduceConfig, AllreduceRunner, RunnerFactory
-from peer.averaging.grid import place_in_grid
-from peer.averaging.group_bits import (
+from peer.averaging.allreduce.inbox import RoundInbox
+from peer.averaging.allreduce.partition import FlatLayout, schema_hash
+from peer.averaging.allreduce.runner import AllreduceConfig, AllreduceRunner, RunnerFactory
+from peer.averaging.group_step import GroupSteps
+from peer.averaging.matchmaking.driver import MatchmakingDriver
+from peer.averaging.matchmaking.grid import place_in_grid
+from peer.averaging.matchmaking.group_bits import (
     group_key,
     validate_group_bits,
 )
-from peer.averaging.group_step import GroupSteps
-from peer.averaging.inbox import RoundInbox
-from peer.averaging.matchmaking import MatchmakingConfig
-from peer.averaging.matchmaking_io import MatchmakingDriver
-from peer.averaging.partition import FlatLayout, schema_hash
+from peer.averaging.matchmaking.messages import MatchmakingConfig
 from peer.averaging.protocol import (
     ABORT,
     AVERAGE,
@@ -53,8 +53,8 @@ from peer.averaging.protocol import (
 )
 from peer.averaging.round_tensors import AveragedTensors
 from peer.averaging.seam import Link, NodeCore, NodeHandle
-from peer.averaging.sharing import StateServerFactory, StateSharing
-from peer.averaging.state import StateServer
+from peer.averaging.sharing.download import StateServer
+from peer.averaging.sharing.state_sharing import StateServerFactory, StateSharing
 from peer.compression import Compression, CompressionInfo, NoCompression, TensorRole
 from peer.exceptions import SwarmgradError
 from peer.wire import Frame
@@ -100,7 +100,7 @@ class DecentralizedAverager(GroupSteps):
 
     * ``target_group_size`` / ``min_group_size`` / ``min_matchmaking_time``: groups of at most
       / at least that many, assembled about ``min_matchmaking_time`` after a step begins;
-    * ``initial_group_bits``: Moshpit grid coordinates (see :mod:`peer.averaging.group_bits`);
+    * ``initial_group_bits``: Moshpit grid coordinates (see :mod:`peer.averaging.matchmaking.group_bits`);
     * ``part_size_bytes``: parts streamed during all-reduce (after compression);
     * ``sender_timeout`` (default ``next_chunk_timeout``, itself default 10 s) /
       ``reducer_timeout`` (default twice ``sender_timeout``) / ``allreduce_timeout``;
@@ -117,11 +117,11 @@ class DecentralizedAverager(GroupSteps):
       is excluded from the round, named in the log (default: None, no bound);
     * ``aggregator`` (not in hivemind): ``"mean"`` (default, streamed), ``"trimmed_mean"`` or
       ``"centered_clip"``: how a reducer combines the contributions to each part of its
-      span (see :mod:`peer.averaging.robust`). Every member should use the same.
+      span (see :mod:`peer.averaging.allreduce.robust`). Every member should use the same.
 
     For tests and benchmarks only (not in hivemind): ``runner_factory`` builds each round's
-    :class:`~peer.averaging.allreduce.AllreduceRunner` (default: that class) and
-    ``state_server_factory`` the donor side :class:`~peer.averaging.state.StateServer`:
+    :class:`~peer.averaging.allreduce.runner.AllreduceRunner` (default: that class) and
+    ``state_server_factory`` the donor side :class:`~peer.averaging.sharing.download.StateServer`:
     doubles that misbehave or count, with the same arguments.
 
     ``start=False`` defers registration on the node until :meth:`run`. Call
@@ -366,7 +366,7 @@ class DecentralizedAverager(GroupSteps):
         this peer sees it, itself included: e.g. its node's ``members()``) for round
         ``round_index`` (a counter every peer shares, such as the epoch): sets the group
         bits and returns the factor to multiply this round's step weight by (see
-        :mod:`peer.averaging.grid`; with equal step weights every peer holds the mean after
+        :mod:`peer.averaging.matchmaking.grid`; with equal step weights every peer holds the mean after
         ``rounds_to_mean(N, target_group_size)`` rounds). Needs ``target_group_size``."""
         target = self.matchmaking_config.target_group_size
         if target is None:
@@ -412,12 +412,12 @@ class DecentralizedAverager(GroupSteps):
         declaring a priority over ``max_priority`` or under ``min_priority`` are not asked;
         a state whose metadata ``check`` refuses (it returns why; called on the node's
         loop) is dropped and the next donor asked. Other donors judge the state
-        (:mod:`peer.averaging.witnesses`); with ``holding`` (this peer holds a state worth
+        (:mod:`peer.averaging.sharing.witnesses`); with ``holding`` (this peer holds a state worth
         keeping) only a state another volunteer confirms is used, or one at ``min_priority``
         from one of ``partners`` (the peers that began, with this peer, the round that
         produced it). A donor's state may take
-        at most :data:`~peer.averaging.sharing.STATE_SIZE_FACTOR` times this peer's own
-        (:meth:`get_current_state`) plus :data:`~peer.averaging.sharing.STATE_SIZE_SLACK`
+        at most :data:`~peer.averaging.sharing.state_sharing.STATE_SIZE_FACTOR` times this peer's own
+        (:meth:`get_current_state`) plus :data:`~peer.averaging.sharing.state_sharing.STATE_SIZE_SLACK`
         bytes."""
         return self.sharing.load(
             wait,

@@ -2,9 +2,9 @@
 group, run its all-reduce, and say how it went.
 
 Mixed into the averager (whose attributes these are): :meth:`GroupSteps.step` is the public
-entry; on the node's loop a step tries matchmaking (:mod:`peer.averaging.matchmaking_io`)
+entry; on the node's loop a step tries matchmaking (:mod:`peer.averaging.matchmaking.driver`)
 until a group forms or the step's deadline passes, waits for the caller's trigger if asked
-to, then runs the group's all-reduce (:class:`~peer.averaging.allreduce.AllreduceRunner`)
+to, then runs the group's all-reduce (:class:`~peer.averaging.allreduce.runner.AllreduceRunner`)
 on the tensors — in place with their lock held, or on a snapshot whose change is added back
 (``concurrent_updates``) — and retries a failed all-reduce within the deadline. What the
 last round did is kept for the callers (``last_group``, ``last_round_left``, ...).
@@ -23,7 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from peer.averaging.allreduce import AllreduceConfig, MemberInfo, RunnerFactory
+from peer.averaging.allreduce.inbox import RoundInbox
+from peer.averaging.allreduce.members import certified, pack_metadata, parse_members
+from peer.averaging.allreduce.partition import FlatLayout
+from peer.averaging.allreduce.runner import AllreduceConfig, MemberInfo, RunnerFactory
 from peer.averaging.control import AveragingStage, StepControl
 from peer.averaging.exceptions import (
     AllreduceFailed,
@@ -34,12 +37,13 @@ from peer.averaging.exceptions import (
     StepCancelled,
     StepFailed,
 )
-from peer.averaging.group_bits import bits_per_coordinate, next_group_bits, slot_in_group
-from peer.averaging.inbox import RoundInbox
-from peer.averaging.matchmaking import GroupInfo, MatchmakingConfig
-from peer.averaging.matchmaking_io import MatchmakingDriver
-from peer.averaging.members import certified, pack_metadata, parse_members
-from peer.averaging.partition import FlatLayout
+from peer.averaging.matchmaking.driver import MatchmakingDriver
+from peer.averaging.matchmaking.group_bits import (
+    bits_per_coordinate,
+    next_group_bits,
+    slot_in_group,
+)
+from peer.averaging.matchmaking.messages import GroupInfo, MatchmakingConfig
 from peer.averaging.protocol import ABORT
 from peer.averaging.round_tensors import AveragedTensors
 from peer.averaging.seam import NodeCore, NodeHandle
@@ -257,7 +261,7 @@ class GroupSteps:
 
     def _round_config(self, group: GroupInfo) -> AllreduceConfig:
         """The round's settings. A pair under a robust aggregator holds every average to the
-        pair rule (:func:`~peer.averaging.robust.pair_average`): in a swarm of three or more a
+        pair rule (:func:`~peer.averaging.allreduce.robust.pair_average`): in a swarm of three or more a
         pair is where a hostile leader cuts one honest peer off to steer it. In a swarm of
         two (the live members this node knows, itself included) the pair is the whole swarm:
         there is no majority to protect and no larger group to wait for, so it averages

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from peer.averaging.matchmaking import (
+from peer.averaging.matchmaking.messages import (
     Declaration,
     GroupAssembled,
     GroupDisbanded,
@@ -97,8 +97,8 @@ class Router:
     ====================  ========  ===========================================================
     type                  kind      meaning
     ====================  ========  ===========================================================
-    ``avg.join``          request   matchmaking :class:`~peer.averaging.matchmaking.JoinRequest`
-    ``avg.join_reply``    reply     its :class:`~peer.averaging.matchmaking.JoinResponse`
+    ``avg.join``          request   matchmaking :class:`~peer.averaging.matchmaking.machine.JoinRequest`
+    ``avg.join_reply``    reply     its :class:`~peer.averaging.matchmaking.machine.JoinResponse`
     ``avg.notice``        one-way   ``GroupAssembled`` / ``GroupDisbanded`` / ``LeaveGroup`` /
                                     ``Redirected``
     ``avg.part``          one-way   a sender's values for one part of the receiver's span

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import torch
 
-from peer.averaging.partition import FlatLayout
+from peer.averaging.allreduce.partition import FlatLayout
 
 __all__ = ["AveragedTensors"]
 

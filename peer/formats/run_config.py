@@ -55,7 +55,7 @@ PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
 # ("constant"), or decayed to 0 at the run's last epoch ("linear", "cosine")
 LRScheduleName = Literal["constant", "linear", "cosine"]
 LR_SCHEDULES: tuple[str, ...] = get_args(LRScheduleName)
-# how reducers combine contributions (peer.averaging.robust.AGGREGATORS)
+# how reducers combine contributions (peer.averaging.allreduce.robust.AGGREGATORS)
 AGGREGATORS: tuple[str, ...] = ("mean", "trimmed_mean", "centered_clip")
 # the codecs' wire names (peer.compression.LEAF_CODECS) and the short names runs may use
 COMPRESSIONS: tuple[str, ...] = (

@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from peer.data_dir import DataDirLock
     from peer.formats.open_types import StateDict
     from peer.node import Node
-    from peer.optim.collaborative import Optimizer
-    from peer.optim.diloco import DiLoCo
+    from peer.optim.collaborative.optimizer import Optimizer
+    from peer.optim.diloco.outer import DiLoCo
 else:
     _Strategy = object
 
@@ -388,7 +388,7 @@ class SwarmgradStrategyBase(_Strategy):
         self._initialize_swarm()
 
     def _initialize_swarm(self) -> None:
-        from peer.optim.collaborative import Optimizer
+        from peer.optim.collaborative.optimizer import Optimizer
 
         if len(self.optimizers) != 1:
             raise self.lightning_package.misconfiguration(
@@ -443,7 +443,7 @@ class SwarmgradStrategyBase(_Strategy):
         schedulers step it as usual, per inner step); ``inner_steps``, ``fragments``,
         ``compression``, ``overlap``, ``outer_optimizer``, ... come from the strategy's
         other keyword arguments."""
-        from peer.optim.diloco import DiLoCo
+        from peer.optim.diloco.outer import DiLoCo
 
         kwargs = {
             k: v
@@ -507,7 +507,7 @@ class SwarmgradStrategyBase(_Strategy):
             self._left = True
             self._opt.shutdown()
             if self._algorithm == "diloco":
-                from peer.optim.diloco import DiLoCo
+                from peer.optim.diloco.outer import DiLoCo
 
                 assert isinstance(self._opt, DiLoCo)  # _initialize_diloco made it
                 # Lightning moves the optimizers' state back at teardown: the inner one's

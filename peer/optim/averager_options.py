@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypedDict
 
-from peer.averaging.allreduce import RunnerFactory
-from peer.averaging.sharing import StateServerFactory
+from peer.averaging.allreduce.runner import RunnerFactory
+from peer.averaging.sharing.state_sharing import StateServerFactory
 from peer.compression import Compression, CompressionInfo
 
 __all__ = [
@@ -72,7 +72,7 @@ class PeerAveragerOptions(RoundOptions, total=False):
 
 class StateAveragerOptions(SharedAveragerOptions, PeerAveragerOptions, total=False):
     """Every keyword but ``start``, ``prefix`` and ``concurrent_updates``: what
-    :class:`~peer.optim.optimizer_state.SharedLiveState` passes on to its averager."""
+    :class:`~peer.optim.shared.optimizer_state.SharedLiveState` passes on to its averager."""
 
 
 class AveragerOptions(StateAveragerOptions, total=False):

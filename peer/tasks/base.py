@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     import torch
     from torch.optim.optimizer import ParamsT
 
-    from peer.optim.collaborative import Optimizer
-    from peer.optim.diloco import DiLoCo
+    from peer.optim.collaborative.optimizer import Optimizer
+    from peer.optim.diloco.outer import DiLoCo
     from peer.optim.seam import SwarmNode
 
 __all__ = [
@@ -184,7 +184,7 @@ class TrainingConfig:
     max_machines: int = 8
     # how reducers combine contributions: "centered_clip" (runs are open to strangers: what
     # one peer can move is bounded, and an honest group's result is its mean), "trimmed_mean",
-    # or the plain "mean", which one peer can set (peer.averaging.robust)
+    # or the plain "mean", which one peer can set (peer.averaging.allreduce.robust)
     aggregator: str = "centered_clip"
     # a member declaring more than this factor times its group's (lower) median weight
     # (samples) is excluded from the round; None: no bound
@@ -350,7 +350,7 @@ class TrainingConfig:
         unless ``local_buffers`` keeps them each peer's own."""
         shared = None if self.local_buffers else buffers
         if self.algorithm == "diloco":
-            from peer.optim.diloco import DiLoCo
+            from peer.optim.diloco.outer import DiLoCo
 
             return DiLoCo(
                 node=node,
@@ -360,7 +360,7 @@ class TrainingConfig:
                 **self.diloco_options(),
                 **extra,
             )
-        from peer.optim.collaborative import Optimizer
+        from peer.optim.collaborative.optimizer import Optimizer
 
         return Optimizer(
             node=node,

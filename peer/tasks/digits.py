@@ -24,7 +24,7 @@ from peer.optim.seam import SwarmNode
 from peer.tasks.base import Task, TrainingConfig, peer_seed
 
 if TYPE_CHECKING:
-    from peer.optim.decentralized import SGDWrapperOptions
+    from peer.optim.decentralized.optimizers import SGDWrapperOptions
 
     class PeerOptions(SGDWrapperOptions, total=False):
         """:func:`train_peer`'s keyword arguments of ``DecentralizedSGD``."""
@@ -203,7 +203,7 @@ def train_peer(
     ``optimizer_kwargs`` go to :class:`~peer.optim.DecentralizedSGD` (defaults: groups of
     ``num_peers``, a round after every step, ``min_matchmaking_time=0.2``).
     """
-    from peer.optim.decentralized import DecentralizedSGD
+    from peer.optim.decentralized.optimizers import DecentralizedSGD
 
     data = data or load_digits_split(config.seed, config.test_fraction)
     shard = shard_indices(len(data.y_train), num_peers, index)

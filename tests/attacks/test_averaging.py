@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from peer.averaging.allreduce import AllreduceRunner, RunnerFactory
-from peer.averaging.butterfly import ButterflyRound
-from peer.averaging.reducer import FinishedPart
+from peer.averaging.allreduce.reducer import FinishedPart
+from peer.averaging.allreduce.round import ButterflyRound
+from peer.averaging.allreduce.runner import AllreduceRunner, RunnerFactory
 from peer.tasks import TrainingConfig, load_task
 from tests.attacks.conftest import Attack
 from tests.conftest import scaled

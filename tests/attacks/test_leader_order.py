@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from peer.averaging.matchmaking import BeginAllreduce, Matchmaker, MatchmakingConfig
-from peer.averaging.robust import PAIR_RADIUS
+from peer.averaging.allreduce.robust import PAIR_RADIUS
+from peer.averaging.matchmaking.machine import BeginAllreduce, Matchmaker, MatchmakingConfig
 from peer.tasks import TrainingConfig, load_task
 from tests.attacks.conftest import Attack
 from tests.conftest import scaled

@@ -4,7 +4,7 @@ loopback, a run's averaging defaults.
 
 What holds: a listed member that never began the round is unreachable, or answers traffic
 for a group id it never began with ``avg.abort`` ("not a member",
-``peer.averaging.inbox.RoundInbox.route``), so each member excludes it at once; no one
+``peer.averaging.allreduce.inbox.RoundInbox.route``), so each member excludes it at once; no one
 waits for its parts until ``sender_timeout``. That answer is the defence this test guards:
 without it the round waits 23 s here. What it costs: the spans assigned to the phantoms
 keep their local values for that round, as when a member fails."""
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from peer.averaging.matchmaking import BeginAllreduce, Declaration, GroupInfo, Notify
+from peer.averaging.matchmaking.machine import BeginAllreduce, Declaration, GroupInfo, Notify
 from peer.formats.identity import Identity
 from peer.tasks import TrainingConfig, load_task
 from tests.attacks.conftest import Attack

@@ -4,7 +4,7 @@ weight would multiply it. The group averages with a run's defaults (those of
 ``TrainingConfig``); real nodes on loopback.
 
 Defence guarded: CenteredClip's radius shrinks with a member's weight past the group's
-median (``peer.averaging.robust.centered_clip``), so a member pulls no harder than one of
+median (``peer.averaging.allreduce.robust.centered_clip``), so a member pulls no harder than one of
 the median weight. Without it the honest members end at 6.56."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from peer.averaging.robust import centered_clip
+from peer.averaging.allreduce.robust import centered_clip
 from peer.tasks import TrainingConfig, load_task
 from tests.attacks.conftest import Attack
 from tests.peer.averaging.conftest import Swarm, step_all

@@ -67,7 +67,7 @@ def test_one_claim_of_the_next_sync_does_not_replace_the_honest_outer_state(
     a state of its own and replaces it only with one another volunteer confirms: the other
     honest peer holds this peer's own state, so the claim is outvoted. Guards: the holder's
     rule (``CatchUpHost.holds_state`` → ``download_state(own=...)``,
-    :mod:`peer.averaging.witnesses`); without it a single claim of sync e + 1 outranks a
+    :mod:`peer.averaging.sharing.witnesses`); without it a single claim of sync e + 1 outranks a
     peer's own state at sync e."""
     trainers, forger, nodes = _attack(honest=2)
     try:
@@ -98,7 +98,7 @@ def test_an_outvoted_claim_costs_one_download_and_no_training(
     its claim and train on: two more syncs together, each peer at most one download from
     it, no state reloaded (nothing of their progress reset), long before
     ``load_state_timeout`` (600 s) would have ended a retry loop. Guards: the refusals
-    (:class:`peer.averaging.witnesses.Refusals`) and the discount of a refused donor's claims
+    (:class:`peer.averaging.sharing.witnesses.Refusals`) and the discount of a refused donor's claims
     (``CatchUp._discount_refused``); without them every step retries the download."""
     trainers, forger, nodes = _attack(honest=3)
     try:

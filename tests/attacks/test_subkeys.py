@@ -10,8 +10,8 @@ import time
 import pytest
 
 from peer import Node
-from peer.averaging.state import list_donors, state_key
-from peer.optim.progress import ProgressReport, ProgressTracker, progress_key
+from peer.averaging.sharing.download import list_donors, state_key
+from peer.optim.shared.progress import ProgressReport, ProgressTracker, progress_key
 from swarmlab.node_process import wait_until
 from tests.attacks.conftest import Attack
 from tests.conftest import scaled

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from peer import DecentralizedAverager, Node
-from peer.averaging.state import state_key
+from peer.averaging.sharing.download import state_key
 from peer.formats.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
 from tests.attacks.conftest import Attack, Coordinator
 from tests.conftest import scaled
@@ -173,7 +173,7 @@ def test_volunteers_of_one_shared_invite_do_not_outvote_an_honest_donor(
     downloads alice's state (the top priority) and asks them to vouch for it. The
     certificates name the invite that admitted each volunteer, and witnesses count by
     invite: mallory's keys are one witness, which cannot outvote a donor. Guards:
-    :func:`peer.averaging.witnesses.witness_of` counting by the certificate's invite
+    :func:`peer.averaging.sharing.witnesses.witness_of` counting by the certificate's invite
     (``invite_tag`` in the coordinator's ``issue_certificate``); counted by volunteer, the two
     keys outvote alice and the newcomer loads the forged state."""
     run_id = coordinator.create_run()

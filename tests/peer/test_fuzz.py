@@ -21,7 +21,7 @@ import msgpack
 import pytest
 import torch
 
-from peer.averaging.matchmaking import Declaration, GroupInfo
+from peer.averaging.matchmaking.machine import Declaration, GroupInfo
 from peer.averaging.protocol import (
     ABORT,
     AVERAGE,
@@ -40,7 +40,7 @@ from peer.averaging.protocol import (
     encode_declaration,
     encode_group,
 )
-from peer.averaging.state import parse_state_info
+from peer.averaging.sharing.download import parse_state_info
 from peer.compression import (
     CompressedTensor,
     CompressionError,

@@ -14,8 +14,12 @@ import torch
 
 from peer import Node
 from peer.integrations.hivemind_options import map_dht_options
-from peer.optim.decentralized import DecentralizedAdam, DecentralizedOptimizer, DecentralizedSGD
-from peer.optim.hierarchical import HierarchicalModelAverager
+from peer.optim.decentralized.optimizers import (
+    DecentralizedAdam,
+    DecentralizedOptimizer,
+    DecentralizedSGD,
+)
+from peer.optim.hierarchy.hierarchical import HierarchicalModelAverager
 from tests.conftest import scaled
 
 NEVER = 10**9  # an averaging period that never comes: no background round in these tests

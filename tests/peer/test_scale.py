@@ -24,7 +24,7 @@ from bench.scale import (
     simulate_swarm,
     slab_mates,
 )
-from peer.averaging.grid import grid_for, home_coordinate, place_all
+from peer.averaging.matchmaking.grid import grid_for, home_coordinate, place_all
 from swarmlab.sim import DrawnLinkNetwork, LoopHandle, VirtualTimeLoop
 
 
@@ -44,7 +44,7 @@ def test_grid_labels_and_slab_mates() -> None:
 
 @pytest.mark.parametrize("n", [20, 37, 50, 64, 100, 130, 250, 500, 1000])
 def test_moshpit_reaches_the_mean_in_log_g_rounds_for_any_n(n: int) -> None:
-    # the grid of peer/averaging/grid.py: ⌈log_16 N⌉ rounds, one more at 250 (241 … 255
+    # the grid of peer/averaging/matchmaking/grid.py: ⌈log_16 N⌉ rounds, one more at 250 (241 … 255
     # forbid two); all nine sizes take under 2 s of CPU together
     bound = log_g(n, 16) + (1 if n == 250 else 0)
     still = simulate_moshpit(n, Settings(group_size=16, churn=0.0, rounds=bound + 1))

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from peer import Node
-from peer.optim.progress import progress_key
+from peer.optim.shared.progress import progress_key
 from peer.tasks.base import TrainingConfig
 from peer.trainer import Trainer, compute_gradients, set_lr
 from peer.volunteer import JoinOptions, Volunteer

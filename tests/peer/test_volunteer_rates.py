@@ -12,7 +12,7 @@ import pytest
 
 import peer.trainer
 from peer.formats.rates import CountedRate, rate_between
-from peer.optim.progress import ProgressReport, SwarmCounter
+from peer.optim.shared.progress import ProgressReport, SwarmCounter
 from peer.trainer import Trainer
 from peer.volunteer import JoinOptions, Volunteer, VolunteerStatus
 from swarmgrad.join import epoch_line

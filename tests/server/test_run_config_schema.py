@@ -106,7 +106,7 @@ async def test_good_values_and_the_tasks_own_keys_pass(client: httpx.AsyncClient
 
 def test_the_coordinators_schema_names_what_the_peer_library_implements() -> None:
     """The schema is torch-free, so it lists the names; they must match the registries."""
-    from peer.averaging.robust import AGGREGATORS
+    from peer.averaging.allreduce.robust import AGGREGATORS
     from peer.compression import LEAF_CODECS, compression_from_name
     from peer.formats import run_config
 

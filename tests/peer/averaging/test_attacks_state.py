@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from peer.averaging.averager import DecentralizedAverager
-from peer.averaging.state import state_key
+from peer.averaging.sharing.download import state_key
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import wait_for
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from peer import AveragingStage, DecentralizedAverager
-from peer.averaging.allreduce import RunnerFactory
+from peer.averaging.allreduce.runner import RunnerFactory
 from peer.averaging.exceptions import MatchmakingFailed, StepCancelled
-from peer.averaging.group_bits import grid_bits
+from peer.averaging.matchmaking.group_bits import grid_bits
 from peer.wire import Frame
 from swarmlab.send_gate import gated_runner
 from tests.conftest import scaled
@@ -373,7 +373,7 @@ def test_state_download_waits_for_an_in_place_round(make_swarm) -> None:
 
 
 def newcomer_sees_donors(averager: DecentralizedAverager) -> bool:
-    from peer.averaging.state import state_key
+    from peer.averaging.sharing.download import state_key
 
     record = averager.node.get(state_key("test"))
     return record is not None and len(record.value) >= 2

@@ -1,4 +1,4 @@
-"""The butterfly round's state machine (:mod:`peer.averaging.butterfly`), without I/O.
+"""The butterfly round's state machine (:mod:`peer.averaging.allreduce.round`), without I/O.
 
 Scenarios first, then many machines on a simulated network where Hypothesis picks every
 step: which member sends its next frame, which frame arrives, when the transport takes a
@@ -23,7 +23,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peer.averaging.butterfly import (
+from peer.averaging.allreduce.partition import FlatLayout
+from peer.averaging.allreduce.round import (
     AllreduceConfig,
     ButterflyRound,
     Command,
@@ -34,10 +35,9 @@ from peer.averaging.butterfly import (
     Tell,
     Wake,
 )
-from peer.averaging.butterfly_send import RoundSending
+from peer.averaging.allreduce.send import RoundSending
 from peer.averaging.exceptions import BadContribution
-from peer.averaging.matchmaking import GroupInfo
-from peer.averaging.partition import FlatLayout
+from peer.averaging.matchmaking.machine import GroupInfo
 from peer.averaging.protocol import ABORT, AVERAGE, PART
 from peer.compression import NoCompression
 from peer.wire import Frame

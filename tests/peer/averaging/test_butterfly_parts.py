@@ -1,7 +1,7 @@
 """The butterfly round's pure parts on their own: the plan every member computes
-(:mod:`peer.averaging.butterfly_plan`), decoding received frames
-(:mod:`peer.averaging.butterfly_decode`) and writing results
-(:mod:`peer.averaging.butterfly_results`). The machine over them is tested in
+(:mod:`peer.averaging.allreduce.plan`), decoding received frames
+(:mod:`peer.averaging.allreduce.decode`) and writing results
+(:mod:`peer.averaging.allreduce.results`). The machine over them is tested in
 ``test_butterfly.py``."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-import peer.averaging.butterfly as butterfly
-from peer.averaging.butterfly_decode import average_values, batch_sizes, contribution_values
-from peer.averaging.butterfly_plan import RoundPlan, make_reducer, plan_round
-from peer.averaging.butterfly_results import RoundResults, check_plausible
-from peer.averaging.butterfly_types import AllreduceConfig, MemberInfo
-from peer.averaging.partition import FlatLayout
+import peer.averaging.allreduce.round as butterfly
+from peer.averaging.allreduce.decode import average_values, batch_sizes, contribution_values
+from peer.averaging.allreduce.partition import FlatLayout
+from peer.averaging.allreduce.plan import RoundPlan, make_reducer, plan_round
+from peer.averaging.allreduce.results import RoundResults, check_plausible
+from peer.averaging.allreduce.vocabulary import AllreduceConfig, MemberInfo
 from peer.averaging.protocol import AVERAGE, PART
 from peer.compression import NoCompression
 from peer.wire import Frame

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.averaging.load_balancing import load_balance
-from peer.averaging.partition import FlatLayout, Partition
+from peer.averaging.allreduce.load_balancing import load_balance
+from peer.averaging.allreduce.partition import FlatLayout, Partition
 from peer.compression import (
     BFloat16Compression,
     CompressedTensor,

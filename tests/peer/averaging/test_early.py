@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.averaging.early import FRAME_OVERHEAD, EarlyFrames
+from peer.averaging.allreduce.early import FRAME_OVERHEAD, EarlyFrames
 from peer.wire import Frame
 
 

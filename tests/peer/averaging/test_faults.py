@@ -20,7 +20,7 @@ import torch
 
 import peer.transport.bulk as bulk_module
 import peer.transport.lane_socket as lane_socket
-from peer.averaging.allreduce import AllreduceRunner
+from peer.averaging.allreduce.runner import AllreduceRunner
 from peer.averaging.exceptions import NonFiniteTensors
 from swarmlab.averager_process import AveragerProcess, faulty_runner
 from tests.conftest import scaled

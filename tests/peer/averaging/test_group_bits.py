@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from peer.averaging.group_bits import (
+from peer.averaging.matchmaking.group_bits import (
     bits_per_coordinate,
     grid_bits,
     group_key,

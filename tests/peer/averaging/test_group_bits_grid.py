@@ -1,4 +1,4 @@
-"""Grids that fit any swarm size (peer/averaging/grid.py): shape, weights and places, checked
+"""Grids that fit any swarm size (peer/averaging/matchmaking/grid.py): shape, weights and places, checked
 by averaging whole swarms without a network."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from peer.averaging.grid import (
+from peer.averaging.matchmaking.grid import (
     GridHistory,
     grid_for,
     home_coordinate,
@@ -19,7 +19,7 @@ from peer.averaging.grid import (
     rank_order,
     rounds_to_mean,
 )
-from peer.averaging.group_bits import group_key
+from peer.averaging.matchmaking.group_bits import group_key
 
 G = 16
 
@@ -223,7 +223,7 @@ def test_an_averager_takes_its_place_from_the_membership_it_is_given() -> None:
 def test_centered_clip_returns_the_weighted_mean_of_a_grid_group_that_agrees(n: int) -> None:
     # the robust aggregator with the grid's weights: honest members whose values agree
     # (none beyond its clip radius) get the exact weighted mean the grid needs
-    from peer.averaging.robust import centered_clip
+    from peer.averaging.allreduce.robust import centered_clip
 
     ids = peer_ids(n)
     d = rounds_to_mean(n, G)

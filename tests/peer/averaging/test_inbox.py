@@ -7,9 +7,9 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from peer.averaging.butterfly_recovery import RECOVERY_ID_BYTES
-from peer.averaging.inbox import RoundInbox
-from peer.averaging.matchmaking import MatchState
+from peer.averaging.allreduce.inbox import RoundInbox
+from peer.averaging.allreduce.recovery import RECOVERY_ID_BYTES
+from peer.averaging.matchmaking.machine import MatchState
 from peer.averaging.protocol import ABORT, PART
 from peer.wire import Frame
 from tests.conftest import scaled

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.averaging.load_balancing import (
+from peer.averaging.allreduce.load_balancing import (
     load_balance,
     max_transfer_time,
     optimal_fractions,

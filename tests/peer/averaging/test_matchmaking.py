@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peer.averaging.matchmaking import (
+from peer.averaging.matchmaking.machine import (
     BeginAllreduce,
     Command,
     Declaration,
@@ -33,7 +33,7 @@ from peer.averaging.matchmaking import (
     Retract,
     SendRequest,
 )
-from peer.averaging.matchmaking_types import Order
+from peer.averaging.matchmaking.messages import Order
 
 KEY = "run.0b01"
 SCHEMA = b"schema-a"

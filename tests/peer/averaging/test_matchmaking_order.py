@@ -4,7 +4,7 @@ followers' own bounds."""
 
 from __future__ import annotations
 
-from peer.averaging.matchmaking import (
+from peer.averaging.matchmaking.machine import (
     BeginAllreduce,
     Declaration,
     GroupAssembled,

@@ -1,4 +1,4 @@
-"""What each member tells its group (peer.averaging.members): pure, no sockets."""
+"""What each member tells its group (peer.averaging.allreduce.members): pure, no sockets."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from peer.averaging.butterfly import MemberInfo
-from peer.averaging.matchmaking import GroupInfo
-from peer.averaging.members import certified, pack_metadata, parse_members
+from peer.averaging.allreduce.members import certified, pack_metadata, parse_members
+from peer.averaging.allreduce.round import MemberInfo
+from peer.averaging.matchmaking.machine import GroupInfo
 
 
 def _group(gathered: list[bytes], client_mode: tuple[bool, ...] | None = None) -> GroupInfo:

@@ -1,7 +1,7 @@
 """Two honest members in a group of two, under a run's robust defaults (CenteredClip, the
 weight bound): they have no majority to clip against, so each part is averaged only where
 the pair's weighted mean moves neither member by more than ``PAIR_RADIUS`` of its own
-values (``peer.averaging.robust.pair_average``). Real nodes on loopback."""
+values (``peer.averaging.allreduce.robust.pair_average``). Real nodes on loopback."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from peer.averaging.robust import PAIR_RADIUS
+from peer.averaging.allreduce.robust import PAIR_RADIUS
 from peer.tasks import TrainingConfig, load_task
 from tests.peer.averaging.conftest import Swarm, step_all
 

@@ -10,9 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from peer.averaging.allreduce.partition import (
+    FlatLayout,
+    Partition,
+    schema_hash,
+    zeros_back_to_back,
+)
+from peer.averaging.allreduce.reducer import WeightedMeanReducer, apply_averaging_alpha
 from peer.averaging.exceptions import BadContribution, UnexpectedSender
-from peer.averaging.partition import FlatLayout, Partition, schema_hash, zeros_back_to_back
-from peer.averaging.reducer import WeightedMeanReducer, apply_averaging_alpha
 from peer.compression import (
     CompressedTensor,
     Float16Compression,
@@ -293,7 +298,7 @@ def test_averaging_alpha() -> None:
 @pytest.mark.parametrize("part_bytes", [4, 36, 1 << 20])
 def test_butterfly_round_without_io(part_bytes: int) -> None:
     """4 peers, odd tensors (zero-size and 0-d included), weights: everyone gets Σwx/Σw."""
-    from peer.averaging.load_balancing import load_balance
+    from peer.averaging.allreduce.load_balancing import load_balance
 
     shapes = [(3, 5), (0,), (), (7,)]
     peers = [make(shapes, seed=i) for i in range(4)]

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from peer.averaging.allreduce import AllreduceConfig, AllreduceRunner, MemberInfo
-from peer.averaging.butterfly_recovery import Orphans, is_recovery_of, plan_recovery
-from peer.averaging.matchmaking import GroupInfo
-from peer.averaging.partition import FlatLayout, Partition
-from peer.averaging.robust import aggregate
+from peer.averaging.allreduce.partition import FlatLayout, Partition
+from peer.averaging.allreduce.recovery import Orphans, is_recovery_of, plan_recovery
+from peer.averaging.allreduce.robust import aggregate
+from peer.averaging.allreduce.runner import AllreduceConfig, AllreduceRunner, MemberInfo
+from peer.averaging.matchmaking.machine import GroupInfo
 from peer.compression import NoCompression
 from swarmlab.sim import VirtualTimeLoop
 from tests.peer.averaging.test_round_properties import Net, _Core

@@ -18,11 +18,8 @@ import pytest
 import torch
 
 from peer import DecentralizedAverager, Node
-from peer.averaging.allreduce import AllreduceRunner
-from peer.averaging.butterfly import ButterflyRound
-from peer.averaging.exceptions import BadContribution
-from peer.averaging.reducer import WeightedMeanReducer
-from peer.averaging.robust import (
+from peer.averaging.allreduce.reducer import WeightedMeanReducer
+from peer.averaging.allreduce.robust import (
     aggregate,
     centered_clip,
     default_trim,
@@ -31,8 +28,11 @@ from peer.averaging.robust import (
     trimmed_mean,
     weight_bound,
 )
+from peer.averaging.allreduce.round import ButterflyRound
+from peer.averaging.allreduce.runner import AllreduceRunner
+from peer.averaging.exceptions import BadContribution
 from peer.node.node import LoopThread
-from peer.optim.collaborative import Optimizer
+from peer.optim.collaborative.optimizer import Optimizer
 from peer.tasks.digits import (
     DigitsData,
     accuracy,

@@ -1,16 +1,16 @@
 """What a declared weight and a pair can do to a robust aggregate (pure functions and the
 reducer, no I/O): a weight does not scale a member's CenteredClip pull, an honest group
 with unequal batches keeps its weighted mean, and a pair averages only where neither
-member moves by more than :data:`~peer.averaging.robust.PAIR_RADIUS` of its own values."""
+member moves by more than :data:`~peer.averaging.allreduce.robust.PAIR_RADIUS` of its own values."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from peer.averaging.butterfly_results import check_pair
-from peer.averaging.reducer import WeightedMeanReducer
-from peer.averaging.robust import (
+from peer.averaging.allreduce.reducer import WeightedMeanReducer
+from peer.averaging.allreduce.results import check_pair
+from peer.averaging.allreduce.robust import (
     PAIR_RADIUS,
     aggregate,
     centered_clip,

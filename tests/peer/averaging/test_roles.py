@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from peer import DecentralizedAverager, Node
-from peer.averaging.allreduce import AllreduceRunner
-from peer.averaging.butterfly import ButterflyRound
-from peer.averaging.butterfly_send import RoundSending
+from peer.averaging.allreduce.round import ButterflyRound
+from peer.averaging.allreduce.runner import AllreduceRunner
+from peer.averaging.allreduce.send import RoundSending
 from peer.formats.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
 from peer.wire import Frame
 from tests.peer.averaging.conftest import step_all, wait_for

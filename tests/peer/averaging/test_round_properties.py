@@ -25,9 +25,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peer.averaging.allreduce import AllreduceConfig, AllreduceRunner, MemberInfo
-from peer.averaging.matchmaking import GroupInfo
-from peer.averaging.partition import FlatLayout, Partition
+from peer.averaging.allreduce.partition import FlatLayout, Partition
+from peer.averaging.allreduce.runner import AllreduceConfig, AllreduceRunner, MemberInfo
+from peer.averaging.matchmaking.machine import GroupInfo
 from peer.averaging.protocol import AVERAGE, PART
 from peer.compression import NoCompression
 from peer.exceptions import TransportError

@@ -7,7 +7,7 @@ import asyncio
 
 import torch
 
-from peer.averaging.partition import FlatLayout
+from peer.averaging.allreduce.partition import FlatLayout
 from peer.averaging.round_tensors import AveragedTensors
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from peer.averaging.protocol import STATE_BEGIN, STATE_CHUNK, STATE_DIGEST, STATE_HASH
-from peer.averaging.sharing import StateSharing
-from peer.averaging.state import state_key
+from peer.averaging.sharing.download import state_key
+from peer.averaging.sharing.state_sharing import StateSharing
 from peer.compression import NoCompression
 from peer.wire import Frame
 from tests.conftest import scaled

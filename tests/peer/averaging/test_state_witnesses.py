@@ -1,6 +1,6 @@
 """A peer that holds a state of its own replaces it only with one another volunteer
 confirms, and a donor whose state was dropped is not downloaded from again
-(:mod:`peer.averaging.witnesses`). Averagers over loopback."""
+(:mod:`peer.averaging.sharing.witnesses`). Averagers over loopback."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from peer import Node
 from peer.averaging.averager import DecentralizedAverager
-from peer.averaging.state import StateServer, state_key
+from peer.averaging.sharing.download import StateServer, state_key
 from peer.formats.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
 from peer.wire import Frame
 from tests.conftest import scaled

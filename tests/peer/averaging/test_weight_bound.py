@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from peer.averaging.reducer import BadContribution, WeightedMeanReducer
+from peer.averaging.allreduce.reducer import BadContribution, WeightedMeanReducer
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import step_all
 

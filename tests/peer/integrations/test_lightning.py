@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from peer import Node
 from peer.integrations.lightning import SwarmgradStrategy, SwarmScheduler
-from peer.optim.collaborative import Optimizer
+from peer.optim.collaborative.optimizer import Optimizer
 from tests.conftest import scaled
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
@@ -218,7 +218,7 @@ def test_options_are_forwarded_to_the_optimizer(node: Node) -> None:
     from peer.compression import ScaledFloat16Compression
 
     compression = ScaledFloat16Compression()
-    with mock.patch("peer.optim.collaborative.Optimizer", wraps=Optimizer) as spy:
+    with mock.patch("peer.optim.collaborative.optimizer.Optimizer", wraps=Optimizer) as spy:
         model = BoringModel()
         _trainer(
             _strategy(
@@ -348,7 +348,7 @@ def test_a_coordinators_invite_joins_its_run_and_reports_progress(tmp_path: Path
 
 
 def test_algorithm_diloco_takes_inner_steps_with_the_modules_optimizer(node: Node) -> None:
-    from peer.optim.diloco import DiLoCo
+    from peer.optim.diloco.outer import DiLoCo
 
     seen: list[Any] = []
 
@@ -480,7 +480,7 @@ def test_pytorch_lightning_trains_with_its_own_helpers_and_counts_peers_after_fi
 
 
 def test_num_peers_after_a_diloco_fit_is_the_last_count(node: Node) -> None:
-    from peer.optim.diloco import DiLoCo
+    from peer.optim.diloco.outer import DiLoCo
 
     strategy = SwarmgradStrategy(
         algorithm="diloco", inner_steps=2, matchmaking_time=0.2, node=node, batch_size=2

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from peer import Node
 from peer.formats.identity import OpenAuth
-from peer.optim.collaborative import Optimizer
-from peer.optim.progress import ProgressTracker
+from peer.optim.collaborative.optimizer import Optimizer
+from peer.optim.shared.progress import ProgressTracker
 
 
 def make_model() -> torch.nn.Module:

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from peer import DiLoCo, Node
-from peer.averaging.state import StateServer, state_key
-from peer.optim.optimizer_state import StateSharingAverager
-from peer.optim.progress import ProgressReport, ProgressTracker
+from peer.averaging.sharing.download import StateServer, state_key
+from peer.optim.shared.optimizer_state import StateSharingAverager
+from peer.optim.shared.progress import ProgressReport, ProgressTracker
 from peer.wire import Frame
 from swarmlab.node_process import wait_until
 from tests.conftest import scaled

@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from peer import DiLoCo, Node
-from peer.averaging.butterfly import ButterflyRound, Idle, Send
+from peer.averaging.allreduce.round import ButterflyRound, Idle, Send
 from peer.averaging.control import AveragingStage, StepControl
 from peer.formats.identity import OpenAuth
-from peer.optim.progress import ProgressTracker
+from peer.optim.shared.progress import ProgressTracker
 
 RUN_ID = "diloco-test"
 

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import peer.averaging.averager as averager_module
 from peer import Node
-from peer.averaging.allreduce import AllreduceRunner
-from peer.averaging.butterfly import ButterflyRound
-from peer.averaging.butterfly_send import RoundSending
+from peer.averaging.allreduce.round import ButterflyRound
+from peer.averaging.allreduce.runner import AllreduceRunner
+from peer.averaging.allreduce.send import RoundSending
 from peer.wire import Frame
 from swarmlab.node_process import wait_until
 
@@ -133,7 +133,7 @@ def _leave_together(node: Any, machines: int) -> None:
 
 
 def _hma(args: argparse.Namespace, model: torch.nn.Module, node: Any) -> dict[str, Any]:
-    from peer.optim.hierarchical import HierarchicalModelAverager
+    from peer.optim.hierarchy.hierarchical import HierarchicalModelAverager
 
     levels = {}
     for item in args.levels.split(","):
@@ -172,7 +172,7 @@ def _hma(args: argparse.Namespace, model: torch.nn.Module, node: Any) -> dict[st
 
 
 def _daso(args: argparse.Namespace, model: torch.nn.Module, node: Any) -> dict[str, Any]:
-    from peer.optim.daso import DASO
+    from peer.optim.hierarchy.daso import DASO
 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     daso = DASO(

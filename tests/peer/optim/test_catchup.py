@@ -1,4 +1,4 @@
-"""The catch-up policy on its own (peer.optim.catchup.CatchUp), with a fake swarm: which
+"""The catch-up policy on its own (peer.optim.shared.catchup.CatchUp), with a fake swarm: which
 state it adopts, from whom it asks, and what it does when none comes — per policy. No
 sockets: the node, tracker and averager are stand-ins holding what the swarm would say."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from peer.averaging.state import state_key
-from peer.optim.catchup import CatchUp, CatchUpHost, CatchUpPolicy
-from peer.optim.progress import ProgressReport, compute_swarm_progress
+from peer.averaging.sharing.download import state_key
+from peer.optim.shared.catchup import CatchUp, CatchUpHost, CatchUpPolicy
+from peer.optim.shared.progress import ProgressReport, compute_swarm_progress
 
 PREFIX = "run_state"
 COLLABORATIVE = CatchUpPolicy(timeout=0.3, retry=True, on_timeout="discount", discount_s=60)

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from peer import Node
-from peer.optim.collaborative import Optimizer
-from peer.optim.options import resolve_options
-from peer.optim.progress import ProgressReport, ProgressTracker
+from peer.optim.collaborative.optimizer import Optimizer
+from peer.optim.collaborative.options import resolve_options
+from peer.optim.shared.progress import ProgressReport, ProgressTracker
 from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from peer import Node
-from peer.optim.collaborative import Optimizer
-from peer.optim.progress import progress_key
+from peer.optim.collaborative.optimizer import Optimizer
+from peer.optim.shared.progress import progress_key
 from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-import peer.averaging.state as state_module
+import peer.averaging.sharing.download as state_module
 from peer import Node
-from peer.averaging.state import state_key
-from peer.optim.collaborative import Optimizer
-from peer.optim.optimizer_state import StateSharingAverager
-from peer.optim.progress import progress_key
+from peer.averaging.sharing.download import state_key
+from peer.optim.collaborative.optimizer import Optimizer
+from peer.optim.shared.optimizer_state import StateSharingAverager
+from peer.optim.shared.progress import progress_key
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import wait_for
 

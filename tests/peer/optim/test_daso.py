@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peer.optim.daso import DASO, DataParallelOptimizer
-from peer.optim.daso_schedule import BatchPlan, LocalSync, Phase, SkipSchedule, plan_batch
+from peer.optim.hierarchy.daso import DASO, DataParallelOptimizer
+from peer.optim.hierarchy.daso_schedule import BatchPlan, LocalSync, Phase, SkipSchedule, plan_batch
 
 
 def test_schedule_follows_the_documented_phases() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from peer import DecentralizedAdam, DecentralizedOptimizer, DecentralizedSGD, Node
-from peer.optim.progress import ProgressReport, progress_key
+from peer.optim.shared.progress import ProgressReport, progress_key
 from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 

@@ -216,7 +216,7 @@ def _fragment_reference(
     """Streaming DiLoCo by hand (equal batch sizes, so the mean is plain): sync k after
     ``steps_before_sync(k)`` more inner steps averages fragment ``k % F``'s pseudo-gradient
     and steps the outer optimizer on that fragment only."""
-    from peer.optim.diloco_schedule import steps_before_sync
+    from peer.optim.diloco.sync_schedule import steps_before_sync
 
     global_model = make_model()
     outer_params = list(global_model.parameters())

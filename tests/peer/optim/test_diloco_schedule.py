@@ -9,15 +9,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from peer.compression import Blockwise4BitQuantization, Blockwise8BitQuantization
-from peer.optim.diloco_schedule import (
+from peer.optim.diloco.error_feedback import ErrorFeedback
+from peer.optim.diloco.sync_schedule import (
     RoundTimer,
     fragment_of,
     split_fragments,
     steps_before_sync,
     stragglers,
 )
-from peer.optim.error_feedback import ErrorFeedback
-from peer.optim.progress import ProgressReport
+from peer.optim.shared.progress import ProgressReport
 
 
 @given(

@@ -1,4 +1,4 @@
-"""Which phases end a collaborative epoch, and where they run (``peer.optim.epochs``)."""
+"""Which phases end a collaborative epoch, and where they run (``peer.optim.collaborative.epochs``)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from peer.optim.epochs import Phase, plan_epoch
-from peer.optim.options import resolve_options
+from peer.optim.collaborative.epochs import Phase, plan_epoch
+from peer.optim.collaborative.options import resolve_options
 
 G, S, T = Phase.GRADIENTS, Phase.STEP, Phase.STATE
 

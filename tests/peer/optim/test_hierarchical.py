@@ -8,8 +8,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from peer.optim.hierarchical import HierarchicalModelAverager, period_for_step
-from peer.optim.levels import params_to_average
+from peer.optim.hierarchy.hierarchical import HierarchicalModelAverager, period_for_step
+from peer.optim.hierarchy.levels import params_to_average
 
 
 def test_the_largest_dividing_period_averages_after_warm_up() -> None:

@@ -19,8 +19,8 @@ import torch
 from peer import DiLoCo, Node
 from peer.optim import model_buffers
 from peer.optim.buffers import ModelBuffers
-from peer.optim.collaborative import Optimizer
-from peer.optim.live_state import LiveState
+from peer.optim.collaborative.optimizer import Optimizer
+from peer.optim.shared.live_state import LiveState
 from peer.tasks.base import TrainingConfig
 from peer.tasks.digits import load_digits_split
 from swarmlab.node_process import wait_until
@@ -184,7 +184,7 @@ def test_tied_weights_stay_one_tensor_through_a_state_load_and_load_state_dict()
 
 
 def test_local_buffers_keeps_them_out_of_the_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    import peer.optim.collaborative as collaborative
+    import peer.optim.collaborative.optimizer as collaborative
 
     seen: dict[str, Any] = {}
 

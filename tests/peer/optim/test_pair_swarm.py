@@ -11,7 +11,7 @@ import torch
 
 from peer import Node
 from peer.optim.buffers import model_buffers
-from peer.optim.diloco import DiLoCo
+from peer.optim.diloco.outer import DiLoCo
 from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 from tests.peer.optim.test_model_buffers import loss, make_model

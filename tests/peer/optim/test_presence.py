@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from peer import Node
-from peer.optim import collaborative
-from peer.optim.collaborative import Optimizer
-from peer.optim.progress import ProgressTracker
+from peer.optim.collaborative import optimizer as collaborative
+from peer.optim.collaborative.optimizer import Optimizer
+from peer.optim.shared.progress import ProgressTracker
 from swarmlab.node_process import wait_until
 from tests.conftest import scaled
 

@@ -1,4 +1,4 @@
-"""Swarm progress and epoch rule without I/O (``peer.optim.progress``)."""
+"""Swarm progress and epoch rule without I/O (``peer.optim.shared.progress``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from peer.optim.progress import (
+from peer.optim.shared.progress import (
     PerformanceEMA,
     ProgressReport,
     ProgressWatch,

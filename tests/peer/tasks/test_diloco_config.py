@@ -61,8 +61,8 @@ def test_bad_diloco_settings_name_the_key(change: dict[str, Any], message: str) 
 
 def test_a_volunteer_builds_diloco_from_the_config() -> None:
     from peer import Node
-    from peer.optim.collaborative import Optimizer
-    from peer.optim.diloco import DiLoCo
+    from peer.optim.collaborative.optimizer import Optimizer
+    from peer.optim.diloco.outer import DiLoCo
 
     task = CharLMTask()
     config = TrainingConfig.from_run_config(task, {**RUN, "d_model": 16, "n_layers": 1})

@@ -174,7 +174,7 @@ def test_an_open_runs_robust_averaging_reaches_every_peers_optimizer() -> None:
     """The organizer sets the aggregator and the weight bound in the run's config; each
     volunteer's Optimizer (built from ``optimizer_options``) averages with them."""
     from peer import Node
-    from peer.optim.collaborative import Optimizer
+    from peer.optim.collaborative.optimizer import Optimizer
 
     run = {"aggregator": "trimmed_mean", "relative_weight_bound": 4}
     config = TrainingConfig.from_run_config(Toy(), run)
