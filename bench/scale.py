@@ -6,20 +6,19 @@ downloads hold from 50 to 1,000 peers.
     python bench/scale.py --peers 100 --full-max 100   # the real protocol for every peer
 
 Every peer is a real :class:`~peer.node.AsyncNode` on the in-memory transport, on the one
-virtual-time loop of :mod:`swarmlab.sim` (time jumps to the next timer whenever every peer
-waits, so the figures are protocol time, not this machine's). Each host draws its access
-link (one-way latency 5-80 ms, bandwidth 1-100 MB/s, log-uniform; a message pays both
-ends' latency, at the slower end's bandwidth); a share of the peers are in client mode
-(they dial out only). Every round each present peer places itself on the Moshpit grid that
-fits the membership its node sees (``DecentralizedAverager.place_on_grid`` with the grid of
-:mod:`peer.averaging.matchmaking.grid`: ``⌈log_g N⌉`` dimensions, or one more where N forbids it, full,
-with extras and slab weights) and calls the real averager's ``step`` with the place's
-weight (gossip declarations, the matchmaking state machine and its driver, the butterfly
-round and its runner, exclusion of the dead). Churn: before each
-round a share of the peers leave (half of them crash in the middle of the round's
-all-reduce, the others between rounds) and as many newcomers arrive, each bootstrapping
-from one peer and downloading the state with ``load_state_from_peers`` (counted per
-donor); they take their places from their own views in the next round.
+virtual-time loop of :mod:`swarmlab.sim` (time jumps to the next timer whenever every peer waits, so
+the figures are protocol time, not this machine's). Each host draws its access link (one-way latency
+5-80 ms, bandwidth 1-100 MB/s, log-uniform; a message pays both ends' latency, at the slower end's
+bandwidth); a share of the peers are in client mode (they dial out only). Every round each present
+peer places itself on the Moshpit grid that fits the membership its node sees
+(``DecentralizedAverager.place_on_grid`` with the grid of :mod:`peer.averaging.matchmaking.grid`:
+``⌈log_g N⌉`` dimensions, or one more where N forbids it, full, with extras and slab weights) and
+calls the real averager's ``step`` with the place's weight (gossip declarations, the matchmaking
+state machine and its driver, the butterfly round and its runner, exclusion of the dead). Churn:
+before each round a share of the peers leave (half of them crash in the middle of the round's
+all-reduce, the others between rounds) and as many newcomers arrive, each bootstrapping from one
+peer and downloading the state with ``load_state_from_peers`` (counted per donor); they take their
+places from their own views in the next round.
 
 What is reported: without churn, the rounds until every peer holds the global mean within
 1e-6; with churn (``--churn-rounds`` rounds of it, then none), the survivors' distance from
@@ -39,12 +38,12 @@ on top of it run N averagers. So, above ``--full-max`` peers (default 100):
   store size per peer are full-fidelity at every N;
 * **Moshpit rounds** use the real places, keys and weights of :mod:`peer.averaging.matchmaking.grid`
   and :mod:`peer.averaging.matchmaking.group_bits` with each group's exact weighted mean — what the
-  butterfly computes, which the full tier checks to 1e-6 — and the same churn (a peer that
-  dies mid-round drops out of its group's mean, as the runner excludes it); each peer sees
-  the exact membership (no gossip lag, which the full tier has) and keeps its cell from
-  round to round (:func:`~peer.averaging.matchmaking.grid.place_next`), and a newcomer takes its state
-  and placement from a peer of its slab (:func:`slab_mates`); the full tier's averagers
-  place themselves by rank from each view (a newcomer there has no placement to carry);
+  butterfly computes, which the full tier checks to 1e-6 — and the same churn (a peer that dies
+  mid-round drops out of its group's mean, as the runner excludes it); each peer sees the exact
+  membership (no gossip lag, which the full tier has) and keeps its cell from round to round
+  (:func:`~peer.averaging.matchmaking.grid.place_next`), and a newcomer takes its state and
+  placement from a peer of its slab (:func:`slab_mates`); the full tier's averagers place themselves
+  by rank from each view (a newcomer there has no placement to carry);
 * **matchmaking, failed rounds, newcomers and donors** come from a full-fidelity swarm of
   ``--full-max`` peers (its own grid, of sides ``≤ g`` like every size's): a peer's
   matchmaking sees only the peers of its key and a newcomer's download touches one donor,
@@ -127,9 +126,9 @@ def slab_mates(
     placement: Placement, donors: list[str], newcomer: str, round_index: int
 ) -> list[str]:
     """The donors whose state a newcomer wants for its first round, ``round_index``: those
-    at its :func:`~peer.averaging.matchmaking.grid.home_coordinate` along that round's dimension, where
-    :func:`~peer.averaging.matchmaking.grid.place_all` places it if a cell there is free. After the
-    rounds on the other dimensions they hold the mean of the slab its cell belongs to, the
+    at its :func:`~peer.averaging.matchmaking.grid.home_coordinate` along that round's dimension,
+    where :func:`~peer.averaging.matchmaking.grid.place_all` places it if a cell there is free.
+    After the rounds on the other dimensions they hold the mean of the slab its cell belongs to, the
     value the peer that left that cell would have brought."""
     grid = placement.grid
     dim = round_index % grid.dims

@@ -8,8 +8,8 @@ is split into layers beside this module: ``group_step`` (one step: find a group 
 with it; mixed into the averager), ``matchmaking`` (pure state machine) and
 ``matchmaking_io`` (its I/O), ``members`` (what each member tells its group), ``butterfly``
 (one round, pure) and ``allreduce`` (its driver), ``sharing`` (a
-:class:`~peer.averaging.sharing.state_sharing.StateSharing` the averager owns: declaring, serving and
-downloading state) over ``state`` (its protocol), ``control`` (:class:`StepControl`),
+:class:`~peer.averaging.sharing.state_sharing.StateSharing` the averager owns: declaring, serving
+and downloading state) over ``state`` (its protocol), ``control`` (:class:`StepControl`),
 ``round_tensors`` (the tensors' lock and each round's flat buffer).
 
 Use: build one over the tensors to average, call :meth:`~DecentralizedAverager.step` (the
@@ -100,7 +100,8 @@ class DecentralizedAverager(GroupSteps):
 
     * ``target_group_size`` / ``min_group_size`` / ``min_matchmaking_time``: groups of at most
       / at least that many, assembled about ``min_matchmaking_time`` after a step begins;
-    * ``initial_group_bits``: Moshpit grid coordinates (see :mod:`peer.averaging.matchmaking.group_bits`);
+    * ``initial_group_bits``: Moshpit grid coordinates (see
+      :mod:`peer.averaging.matchmaking.group_bits`);
     * ``part_size_bytes``: parts streamed during all-reduce (after compression);
     * ``sender_timeout`` (default ``next_chunk_timeout``, itself default 10 s) /
       ``reducer_timeout`` (default twice ``sender_timeout``) / ``allreduce_timeout``;
@@ -366,8 +367,8 @@ class DecentralizedAverager(GroupSteps):
         this peer sees it, itself included: e.g. its node's ``members()``) for round
         ``round_index`` (a counter every peer shares, such as the epoch): sets the group
         bits and returns the factor to multiply this round's step weight by (see
-        :mod:`peer.averaging.matchmaking.grid`; with equal step weights every peer holds the mean after
-        ``rounds_to_mean(N, target_group_size)`` rounds). Needs ``target_group_size``."""
+        :mod:`peer.averaging.matchmaking.grid`; with equal step weights every peer holds the mean
+        after ``rounds_to_mean(N, target_group_size)`` rounds). Needs ``target_group_size``."""
         target = self.matchmaking_config.target_group_size
         if target is None:
             raise ValueError("a Moshpit grid needs target_group_size")
@@ -407,18 +408,17 @@ class DecentralizedAverager(GroupSteps):
     ) -> tuple[Any, list[torch.Tensor]] | concurrent.futures.Future[Any] | None:
         """Download ``(metadata, tensors)`` from the donor with the highest
         ``state_sharing_priority`` (among ties those in ``prefer`` first, such as the
-        peers of this peer's Moshpit slab, then at random), falling back to the next one if a
-        donor fails. Returns None if no donor could provide it within ``timeout``. Donors
-        declaring a priority over ``max_priority`` or under ``min_priority`` are not asked;
-        a state whose metadata ``check`` refuses (it returns why; called on the node's
-        loop) is dropped and the next donor asked. Other donors judge the state
-        (:mod:`peer.averaging.sharing.witnesses`); with ``holding`` (this peer holds a state worth
-        keeping) only a state another volunteer confirms is used, or one at ``min_priority``
-        from one of ``partners`` (the peers that began, with this peer, the round that
-        produced it). A donor's state may take
-        at most :data:`~peer.averaging.sharing.state_sharing.STATE_SIZE_FACTOR` times this peer's own
-        (:meth:`get_current_state`) plus :data:`~peer.averaging.sharing.state_sharing.STATE_SIZE_SLACK`
-        bytes."""
+        peers of this peer's Moshpit slab, then at random), falling back to the next one if a donor
+        fails. Returns None if no donor could provide it within ``timeout``. Donors declaring a
+        priority over ``max_priority`` or under ``min_priority`` are not asked; a state whose
+        metadata ``check`` refuses (it returns why; called on the node's loop) is dropped and the
+        next donor asked. Other donors judge the state (:mod:`peer.averaging.sharing.witnesses`);
+        with ``holding`` (this peer holds a state worth keeping) only a state another volunteer
+        confirms is used, or one at ``min_priority`` from one of ``partners`` (the peers that began,
+        with this peer, the round that produced it). A donor's state may take at most
+        :data:`~peer.averaging.sharing.state_sharing.STATE_SIZE_FACTOR` times this peer's own
+        (:meth:`get_current_state`) plus
+        :data:`~peer.averaging.sharing.state_sharing.STATE_SIZE_SLACK` bytes."""
         return self.sharing.load(
             wait,
             timeout,

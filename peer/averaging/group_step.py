@@ -261,12 +261,12 @@ class GroupSteps:
 
     def _round_config(self, group: GroupInfo) -> AllreduceConfig:
         """The round's settings. A pair under a robust aggregator holds every average to the
-        pair rule (:func:`~peer.averaging.allreduce.robust.pair_average`): in a swarm of three or more a
-        pair is where a hostile leader cuts one honest peer off to steer it. In a swarm of
-        two (the live members this node knows, itself included) the pair is the whole swarm:
-        there is no majority to protect and no larger group to wait for, so it averages
-        plainly; the pair rule would leave two honest volunteers' gradients or
-        pseudo-gradients, which seldom lie within its radius, each its own: two models."""
+        pair rule (:func:`~peer.averaging.allreduce.robust.pair_average`): in a swarm of three or
+        more a pair is where a hostile leader cuts one honest peer off to steer it. In a swarm of
+        two (the live members this node knows, itself included) the pair is the whole swarm: there
+        is no majority to protect and no larger group to wait for, so it averages plainly; the pair
+        rule would leave two honest volunteers' gradients or pseudo-gradients, which seldom lie
+        within its radius, each its own: two models."""
         config = self.allreduce_config
         if config.aggregator != "mean" and group.size == 2:
             live = [m for m in self.core.members().values() if not m.leaving]

@@ -98,8 +98,8 @@ def test_an_outvoted_claim_costs_one_download_and_no_training(
     its claim and train on: two more syncs together, each peer at most one download from
     it, no state reloaded (nothing of their progress reset), long before
     ``load_state_timeout`` (600 s) would have ended a retry loop. Guards: the refusals
-    (:class:`peer.averaging.sharing.witnesses.Refusals`) and the discount of a refused donor's claims
-    (``CatchUp._discount_refused``); without them every step retries the download."""
+    (:class:`peer.averaging.sharing.witnesses.Refusals`) and the discount of a refused donor's
+    claims (``CatchUp._discount_refused``); without them every step retries the download."""
     trainers, forger, nodes = _attack(honest=3)
     try:
         before = [t.steps for t in trainers]

@@ -44,27 +44,28 @@ class RoundFaults:
     * a sender silent for ``sender_timeout`` while still owing parts is excluded from this
       reducer's parts not yet final;
     * a reducer silent for ``reducer_timeout`` (no average, no accepted send) fails: its span's
-      remaining parts keep the local values. A member killed once its contributions went out is
-      seen this way (nothing more is sent to it, so no send fails), and only by the members
-      still owed one of its averages: :attr:`~peer.averaging.allreduce.round.ButterflyRound.left` names it with the members
-      excluded in both roles. This member keeps a copy of its own values of those parts
-      (:attr:`~peer.averaging.allreduce.round.ButterflyRound.orphans`), from which the survivors finish them after the round
-      (:mod:`peer.averaging.allreduce.recovery`);
+      remaining parts keep the local values. A member killed once its contributions went out is seen
+      this way (nothing more is sent to it, so no send fails), and only by the members still owed
+      one of its averages: :attr:`~peer.averaging.allreduce.round.ButterflyRound.left` names it with
+      the members excluded in both roles. This member keeps a copy of its own values of those parts
+      (:attr:`~peer.averaging.allreduce.round.ButterflyRound.orphans`), from which the survivors
+      finish them after the round (:mod:`peer.averaging.allreduce.recovery`);
     * a member that takes nothing of a frame sent to it for ``sender_timeout`` (it stopped
-      reading: a frozen process) is excluded in both roles. Silence is the absence of bytes,
-      not of complete frames: the driver passes the transport's signs of life to
-      :meth:`~peer.averaging.allreduce.round.ButterflyRound.tick` (on a bulk lane, the bytes of a frame still under way count),
-      so a slow link whose frames take longer than the timeouts is not taken for a dead peer;
+      reading: a frozen process) is excluded in both roles. Silence is the absence of bytes, not of
+      complete frames: the driver passes the transport's signs of life to
+      :meth:`~peer.averaging.allreduce.round.ButterflyRound.tick` (on a bulk lane, the bytes of a
+      frame still under way count), so a slow link whose frames take longer than the timeouts is not
+      taken for a dead peer;
     * a link that breaks, a bad part (wrong size or dtype, NaN/Inf, undecodable), or an
       ``avg.abort`` from a member excludes that member in both roles; bad input is logged once
       and its sender told with ``avg.abort``;
     * this peer's own values with NaN/Inf: its span (all its values if it reduces nothing) is
-      checked before the round; values for another reducer's span are checked by that reducer,
-      which excludes this peer and tells it with ``avg.abort``, upon which this peer checks the
-      values it sent there itself. Either way the round ends at once with :class:`~peer.averaging.allreduce.vocabulary.Done` holding
-      :class:`~peer.averaging.exceptions.BadContribution` naming this peer: nothing more is
-      reduced or sent (an average finished from then on would leave out the member that found
-      the fault).
+      checked before the round; values for another reducer's span are checked by that reducer, which
+      excludes this peer and tells it with ``avg.abort``, upon which this peer checks the values it
+      sent there itself. Either way the round ends at once with
+      :class:`~peer.averaging.allreduce.vocabulary.Done` holding
+      :class:`~peer.averaging.exceptions.BadContribution` naming this peer: nothing more is reduced
+      or sent (an average finished from then on would leave out the member that found the fault).
     """
 
     me: str

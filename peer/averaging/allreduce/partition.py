@@ -125,7 +125,8 @@ class FlatLayout:
     ) -> None:
         """Write ``flat`` back into ``tensors`` in place: ``t += alpha * (flat_view - t)``.
 
-        ``alpha=1`` copies exactly; see :func:`peer.averaging.allreduce.reducer.apply_averaging_alpha`.
+        ``alpha=1`` copies exactly; see
+        :func:`peer.averaging.allreduce.reducer.apply_averaging_alpha`.
         """
         from peer.averaging.allreduce.reducer import apply_averaging_alpha
 

@@ -93,17 +93,17 @@ def plan_recovery(
     the heir is chosen by (default ``members``; a recovery's own recovery passes the
     original round's, since a recovery gives every member but its heir no span).
 
-    A reducer that dies mid-round (silent for ``reducer_timeout``, or its link broken) leaves
-    the parts of its span whose averages had not come yet at each member's own values, so the
-    members would leave the round disagreeing there. Each member keeps a copy of its own values
-    of those parts when it gives the reducer up (:class:`Orphans`); once the round is over, the
-    survivors run a second, short butterfly round among themselves over those parts only (the
-    same machine, :class:`~peer.averaging.allreduce.round.ButterflyRound`, with every rule of a round:
-    the robust aggregator and its pair rule, weight bounds, exclusions), and each writes the
-    result into the slots the dead reducer left. One heir reduces every open part: the first
-    survivor in the group's order that reduced a span and is not auxiliary, so a part of the
-    round is averaged whole or kept whole. If the heir dies too, its parts are left open in
-    the recovery, and the others recover them in turn with the next heir.
+    A reducer that dies mid-round (silent for ``reducer_timeout``, or its link broken) leaves the
+    parts of its span whose averages had not come yet at each member's own values, so the members
+    would leave the round disagreeing there. Each member keeps a copy of its own values of those
+    parts when it gives the reducer up (:class:`Orphans`); once the round is over, the survivors run
+    a second, short butterfly round among themselves over those parts only (the same machine,
+    :class:`~peer.averaging.allreduce.round.ButterflyRound`, with every rule of a round: the robust
+    aggregator and its pair rule, weight bounds, exclusions), and each writes the result into the
+    slots the dead reducer left. One heir reduces every open part: the first survivor in the group's
+    order that reduced a span and is not auxiliary, so a part of the round is averaged whole or kept
+    whole. If the heir dies too, its parts are left open in the recovery, and the others recover
+    them in turn with the next heir.
 
     Members meet in that round only if they agree on it: its group id is the main group's id
     followed by a digest of the plan (the survivors, and for each dead reducer the parts left

@@ -86,10 +86,11 @@ class WeightedMeanReducer:
     affected accumulators from the survivors'; references are released at finalisation, so
     memory beyond the accumulator is bounded by the contributions of parts still in flight.
 
-    With a robust ``aggregator`` (:mod:`peer.averaging.allreduce.robust`) nothing is accumulated: a part
-    is aggregated from its retained contributions once it has them all, into the same buffers,
-    and the senders whose values lie far from the aggregate (:func:`~peer.averaging.allreduce.robust.outliers`)
-    are queued in :attr:`WeightedMeanReducer.outliers` for the caller to name.
+    With a robust ``aggregator`` (:mod:`peer.averaging.allreduce.robust`) nothing is accumulated: a
+    part is aggregated from its retained contributions once it has them all, into the same buffers,
+    and the senders whose values lie far from the aggregate
+    (:func:`~peer.averaging.allreduce.robust.outliers`) are queued in
+    :attr:`WeightedMeanReducer.outliers` for the caller to name.
     """
 
     def __init__(

@@ -22,8 +22,8 @@ from peer.averaging.allreduce.robust import PAIR_RADIUS, within_pair_radius
 
 __all__ = ["FORGED_AVERAGE_FACTOR", "PAIR_SLACK", "RoundResults", "check_pair", "check_plausible"]
 
-#: how far past :data:`~peer.averaging.allreduce.robust.PAIR_RADIUS` (relatively) a pair's average may
-#: move this peer's values: the reducer checked the exact average, a lossy codec rounds it
+#: how far past :data:`~peer.averaging.allreduce.robust.PAIR_RADIUS` (relatively) a pair's average
+#: may move this peer's values: the reducer checked the exact average, a lossy codec rounds it
 PAIR_SLACK = 0.1
 
 #: with a robust aggregator, an average holding values over this many times the largest
@@ -45,13 +45,13 @@ class RoundResults:
       values and updates made to the tensors during the round are preserved.
     * ``in_place=True``: ``flat`` is the averaged tensors' memory (or a copy the caller writes
       back) and the slot becomes ``local + alpha · (average - local)`` as soon as the average is
-      known — except that averages from a reducer whose own contributions to this peer's span
-      are not all in and checked yet are held until they are (a reducer found bad meanwhile
-      then leaves its whole span at the local values, as in delta mode; once they are all in
-      and valid, its held averages are written). Contributions are checked for NaN/Inf with
-      the sums of the parts they are in (:class:`~peer.averaging.allreduce.reducer.WeightedMeanReducer`),
-      and a sender's values in parts still open when its last one arrives right then. Two
-      passes over the tensors fewer than delta mode, and no snapshot.
+      known — except that averages from a reducer whose own contributions to this peer's span are
+      not all in and checked yet are held until they are (a reducer found bad meanwhile then leaves
+      its whole span at the local values, as in delta mode; once they are all in and valid, its held
+      averages are written). Contributions are checked for NaN/Inf with the sums of the parts they
+      are in (:class:`~peer.averaging.allreduce.reducer.WeightedMeanReducer`), and a sender's values
+      in parts still open when its last one arrives right then. Two passes over the tensors fewer
+      than delta mode, and no snapshot.
     """
 
     def __init__(self, *, in_place: bool, alpha: float, trusted: set[int]) -> None:

@@ -41,7 +41,8 @@ from peer.wire import Frame
 
 __all__ = ["AllreduceConfig", "AllreduceRunner", "MemberInfo", "RoundFactory", "RunnerFactory"]
 
-#: builds a round's machine; takes :class:`~peer.averaging.allreduce.round.ButterflyRound`'s arguments
+#: builds a round's machine; takes :class:`~peer.averaging.allreduce.round.ButterflyRound`'s
+#: arguments
 RoundFactory = Callable[..., ButterflyRound]
 
 

@@ -50,15 +50,15 @@ class RoundSending:
     overriding :meth:`_frame` and :meth:`_contribution_wire` to misbehave, and hand the
     subclass to the round as ``sending_factory``.
 
-    Each other member has an outbox (:class:`Outbox`): the indices of the contributions this
-    member still owes it (parts of that member's span) and of the averages of this member's
-    own span not yet sent to it. What to send next to a member is pulled, not pushed:
-    :meth:`RoundSending.next_send` takes the head of its outbox (contributions first, then
-    averages as they are ready) and turns it into a frame. :class:`RoundSending` is a
-    collaborator that :class:`~peer.averaging.allreduce.round.ButterflyRound` owns (``round.sending``):
-    it is given what it reads (the round's plan, flat buffer, reducer and the containers of
-    finished parts and unresolved or failed reducers, which the round fills) and owns the
-    outboxes, the wire cache and the set of reducers a contribution is under way to.
+    Each other member has an outbox (:class:`Outbox`): the indices of the contributions this member
+    still owes it (parts of that member's span) and of the averages of this member's own span not
+    yet sent to it. What to send next to a member is pulled, not pushed:
+    :meth:`RoundSending.next_send` takes the head of its outbox (contributions first, then averages
+    as they are ready) and turns it into a frame. :class:`RoundSending` is a collaborator that
+    :class:`~peer.averaging.allreduce.round.ButterflyRound` owns (``round.sending``): it is given
+    what it reads (the round's plan, flat buffer, reducer and the containers of finished parts and
+    unresolved or failed reducers, which the round fills) and owns the outboxes, the wire cache and
+    the set of reducers a contribution is under way to.
 
     Payloads are views of the flat buffer or of the reducer's results (``NoCompression`` is
     zero-copy): uncompressed frames are slices of byte views taken once per round. An average

@@ -1,8 +1,8 @@
 """Moshpit grids that fit any swarm size: shape, places and weights (pure functions).
 
-:mod:`peer.averaging.matchmaking.group_bits` averages along one dimension of a ``d``-dimensional grid
-per round; the global mean after ``d`` rounds needs every cell taken. :func:`grid_for`
-picks a grid from N that is always full (``d = ⌈log_g N⌉`` dimensions of sides ``m`` or
+:mod:`peer.averaging.matchmaking.group_bits` averages along one dimension of a ``d``-dimensional
+grid per round; the global mean after ``d`` rounds needs every cell taken. :func:`grid_for` picks a
+grid from N that is always full (``d = ⌈log_g N⌉`` dimensions of sides ``m`` or
 ``m + 1``, the remaining peers as *extras*, a second peer in a cell, spread evenly), so
 every peer holds the mean within :func:`rounds_to_mean` rounds. :func:`place_all` and
 :func:`place_next` place peers and carry the placement from round to round (a peer keeps

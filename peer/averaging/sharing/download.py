@@ -234,12 +234,12 @@ async def download_state(
 
     Checked against the swarm: a donor could serve any weights under any priority, so a state
     downloaded is judged by what other donors hold before it is used
-    (:mod:`peer.averaging.sharing.witnesses`): a newcomer uses it unless other volunteers outvote it; a
-    peer that holds a state of its own (``own``) replaces it only with a state another
-    volunteer confirms. A donor outvoted once is not downloaded from again, and one whose state
-    was refused is not asked again until it declares a higher priority. An outvoted donor
-    whose verdict is contested (another volunteer declares its priority with another state:
-    two forks of one stage, where neither claim is a lone one) is refused that way too.
+    (:mod:`peer.averaging.sharing.witnesses`): a newcomer uses it unless other volunteers outvote
+    it; a peer that holds a state of its own (``own``) replaces it only with a state another
+    volunteer confirms. A donor outvoted once is not downloaded from again, and one whose state was
+    refused is not asked again until it declares a higher priority. An outvoted donor whose verdict
+    is contested (another volunteer declares its priority with another state: two forks of one
+    stage, where neither claim is a lone one) is refused that way too.
     """
     refusals = Refusals() if refusals is None else refusals
     donors = await list_donors(core, prefix, prefer)

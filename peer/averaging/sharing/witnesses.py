@@ -112,10 +112,10 @@ async def judge(
     keys whose certificates name the donor's volunteer, and volunteers already outvoted,
     are no witnesses, and several keys of one volunteer count as one.
 
-    A donor can serve any weights under any priority, so a downloaded state is compared with
-    what other donors hold before it is used (:func:`judge`). Up to
-    :data:`~peer.averaging.sharing.download.CORROBORATORS` other donors are asked for the digest of the
-    state they would serve now (``avg.state_digest`` → ``avg.state_hash``), and the state is:
+    A donor can serve any weights under any priority, so a downloaded state is compared with what
+    other donors hold before it is used (:func:`judge`). Up to
+    :data:`~peer.averaging.sharing.download.CORROBORATORS` other donors are asked for the digest of
+    the state they would serve now (``avg.state_digest`` → ``avg.state_hash``), and the state is:
 
     * **confirmed** when a witness holds the same state;
     * **outvoted** when two or more witnesses agree with each other on another state; or, for a

@@ -7,12 +7,13 @@ gradient of the mean loss over every sample the swarm saw) and each takes the sa
 step. That is one epoch. With exact averaging in one group, every peer ends each epoch with
 the parameters one process would have after a step on the concatenated batches.
 
-This module runs the pieces, one idea each: the options (:mod:`~peer.optim.collaborative.options`), the
-phases that end an epoch (:mod:`~peer.optim.collaborative.epochs`, :mod:`~peer.optim.collaborative.phases`,
-:mod:`~peer.optim.collaborative.rounds`), the gradients between rounds (:mod:`~peer.optim.collaborative.accumulation`),
-the live state averaged and served to newcomers (:mod:`~peer.optim.shared.live_state`,
-:mod:`~peer.optim.shared.optimizer_state`), catching up (:mod:`~peer.optim.shared.live_catchup`) and the background
-epoch (:mod:`~peer.optim.shared.pending`). See :class:`Optimizer` for the loop and the options.
+This module runs the pieces, one idea each: the options (:mod:`~peer.optim.collaborative.options`),
+the phases that end an epoch (:mod:`~peer.optim.collaborative.epochs`,
+:mod:`~peer.optim.collaborative.phases`, :mod:`~peer.optim.collaborative.rounds`), the gradients
+between rounds (:mod:`~peer.optim.collaborative.accumulation`), the live state averaged and served
+to newcomers (:mod:`~peer.optim.shared.live_state`, :mod:`~peer.optim.shared.optimizer_state`),
+catching up (:mod:`~peer.optim.shared.live_catchup`) and the background epoch
+(:mod:`~peer.optim.shared.pending`). See :class:`Optimizer` for the loop and the options.
 """
 
 from __future__ import annotations
@@ -104,15 +105,15 @@ class Optimizer(LiveCatchUp[EpochRun]):
     Combinations that cannot work raise ``ValueError`` naming the reason (see
     :func:`resolve_options`). Call :meth:`shutdown` when done (the node is not shut down).
 
-    How the swarm keeps moving: a peer whose ``local_epoch`` is behind the swarm's loads the
-    state (parameters, optimizer state, epoch) instead of stepping, and a newcomer does so
-    on start (:mod:`peer.optim.shared.catchup`); a peer with nothing accumulated when the swarm is
-    ready joins the round with weight 0; the gradient round's group key carries the epoch,
-    and a new epoch is announced only once the epoch's rounds ended, so a slow peer still
-    finds the others there; a failed round leaves each peer stepping with what it has (the
-    partial average or its own), and state rounds (every ``average_state_every`` epochs)
-    pull diverged parameters back together; a lone peer skips the rounds, and one left
-    behind in a round nobody can join loads the others' state (:mod:`peer.optim.collaborative.rounds`).
+    How the swarm keeps moving: a peer whose ``local_epoch`` is behind the swarm's loads the state
+    (parameters, optimizer state, epoch) instead of stepping, and a newcomer does so on start
+    (:mod:`peer.optim.shared.catchup`); a peer with nothing accumulated when the swarm is ready
+    joins the round with weight 0; the gradient round's group key carries the epoch, and a new epoch
+    is announced only once the epoch's rounds ended, so a slow peer still finds the others there; a
+    failed round leaves each peer stepping with what it has (the partial average or its own), and
+    state rounds (every ``average_state_every`` epochs) pull diverged parameters back together; a
+    lone peer skips the rounds, and one left behind in a round nobody can join loads the others'
+    state (:mod:`peer.optim.collaborative.rounds`).
 
     An epoch runs three phases: the gradient round, the optimizer step (with the scheduler
     step), the state round. A ``delay_*`` option moves a phase, and every phase after it, to

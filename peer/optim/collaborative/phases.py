@@ -1,13 +1,13 @@
 """What each phase of a collaborative epoch does to the live state.
 
-:mod:`peer.optim.collaborative.epochs` plans an epoch's phases (the gradient round, the optimizer step
-with the scheduler's, the state round) and which of them run in the background;
+:mod:`peer.optim.collaborative.epochs` plans an epoch's phases (the gradient round, the optimizer
+step with the scheduler's, the state round) and which of them run in the background;
 :class:`EpochPhases` runs them — on the training thread, or on the background thread — and
 :meth:`EpochPhases.apply` brings a finished run to the model on the training thread.
 
 The live state is read and written under its lock
-(:meth:`peer.optim.shared.optimizer_state.SharedLiveState.lock`, the state averager's), which also guards the
-snapshot served to newcomers; see "Locking" in :mod:`peer.optim.collaborative.optimizer`.
+(:meth:`peer.optim.shared.optimizer_state.SharedLiveState.lock`, the state averager's), which also
+guards the snapshot served to newcomers; see "Locking" in :mod:`peer.optim.collaborative.optimizer`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Local steps with background averaging: ``DecentralizedOptimizer``, ``DecentralizedSGD``,
 ``DecentralizedAdam``.
 
-Signatures and meanings follow hivemind's decentralized optimizers (pass a
-:class:`peer.Node` where hivemind took a ``DHT``). Each peer steps its own optimizer on its
-own batches; a background thread (:mod:`peer.optim.decentralized.averaging_thread`) averages copies of the
-parameters (and/or gradients, and named optimizer statistics) with other peers, which reach
-the model between two passes (:mod:`peer.optim.decentralized.averaged_copies`); epochs are counted across the
-swarm through progress reports (:mod:`peer.optim.shared.progress`), and newcomers download the
-state laid out by :mod:`peer.optim.decentralized.state_layout`. See :class:`DecentralizedOptimizer`.
+Signatures and meanings follow hivemind's decentralized optimizers (pass a :class:`peer.Node` where
+hivemind took a ``DHT``). Each peer steps its own optimizer on its own batches; a background thread
+(:mod:`peer.optim.decentralized.averaging_thread`) averages copies of the parameters (and/or
+gradients, and named optimizer statistics) with other peers, which reach the model between two
+passes (:mod:`peer.optim.decentralized.averaged_copies`); epochs are counted across the swarm
+through progress reports (:mod:`peer.optim.shared.progress`), and newcomers download the state laid
+out by :mod:`peer.optim.decentralized.state_layout`. See :class:`DecentralizedOptimizer`.
 """
 
 from __future__ import annotations

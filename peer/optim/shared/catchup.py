@@ -121,11 +121,11 @@ class CatchUp:
       donor claiming an epoch nobody reports is not asked, and a state whose epoch says more
       is dropped;
     * **whom to believe**: a peer that holds a state of its own (:attr:`CatchUpHost.holds_state`:
-      it took part in the run) replaces it only with a newer one that another volunteer
-      confirms (:mod:`peer.averaging.sharing.witnesses`); a newcomer takes a single donor's state unless
-      other volunteers outvote it. A donor whose state was dropped is not downloaded from again
-      at that priority (outvoted: not at all), and its claims ahead are discounted at once, so
-      one volunteer's claim costs this peer at most one download and resets nothing;
+      it took part in the run) replaces it only with a newer one that another volunteer confirms
+      (:mod:`peer.averaging.sharing.witnesses`); a newcomer takes a single donor's state unless
+      other volunteers outvote it. A donor whose state was dropped is not downloaded from again at
+      that priority (outvoted: not at all), and its claims ahead are discounted at once, so one
+      volunteer's claim costs this peer at most one download and resets nothing;
     * **how to apply it**: a state older than this peer's is ignored (for a peer that holds
       one, a state not newer than its own); otherwise the optimizer loads it and moves to its
       epoch (:attr:`CatchUpHost.adopt`; ``ValueError``: it did not fit, and is ignored);

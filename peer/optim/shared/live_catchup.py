@@ -2,15 +2,15 @@
 
 :class:`peer.Optimizer` and :class:`peer.DiLoCo` each keep a *live state*
 (:class:`~peer.optim.shared.live_state.LiveState`, served to newcomers by a
-:class:`~peer.optim.shared.optimizer_state.SharedLiveState`), run at most one piece of work in the background
-(:class:`~peer.optim.shared.pending.Pending`) and count swarm epochs with progress reports. Mixed
-into both, :class:`LiveCatchUp` is what they share: the :class:`~peer.optim.shared.catchup.CatchUp`
-they are driven by (retried within ``load_state_timeout``, then the claims ahead are
-discounted), how a downloaded state or a later epoch is taken on, settling the background
-run, the progress report and shutting down. Each optimizer says what an epoch's start
-means to it (:meth:`LiveCatchUp._start_epoch_at`), how a finished background run lands
-(:meth:`LiveCatchUp._land`) and where its progress stands (:meth:`LiveCatchUp._progress`).
-Training thread throughout.
+:class:`~peer.optim.shared.optimizer_state.SharedLiveState`), run at most one piece of work in the
+background (:class:`~peer.optim.shared.pending.Pending`) and count swarm epochs with progress
+reports. Mixed into both, :class:`LiveCatchUp` is what they share: the
+:class:`~peer.optim.shared.catchup.CatchUp` they are driven by (retried within
+``load_state_timeout``, then the claims ahead are discounted), how a downloaded state or a later
+epoch is taken on, settling the background run, the progress report and shutting down. Each
+optimizer says what an epoch's start means to it (:meth:`LiveCatchUp._start_epoch_at`), how a
+finished background run lands (:meth:`LiveCatchUp._land`) and where its progress stands
+(:meth:`LiveCatchUp._progress`). Training thread throughout.
 """
 
 from __future__ import annotations

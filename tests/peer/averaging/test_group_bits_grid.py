@@ -1,5 +1,5 @@
-"""Grids that fit any swarm size (peer/averaging/matchmaking/grid.py): shape, weights and places, checked
-by averaging whole swarms without a network."""
+"""Grids that fit any swarm size (peer/averaging/matchmaking/grid.py): shape, weights and places,
+checked by averaging whole swarms without a network."""
 
 from __future__ import annotations
 
