@@ -235,7 +235,10 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
         class Server(CountingStateServer):
             owner = node.peer_id
 
-        averager = DecentralizedAverager(
+        class Averager(DecentralizedAverager):
+            state_server_class = Server
+
+        averager = Averager(
             [tensor],
             LoopHandle(node),
             start=False,
@@ -247,7 +250,6 @@ async def _swarm(n: int, s: Settings) -> SwarmResult:
             part_size_bytes=4 * s.numel,
             next_chunk_timeout=2.0,
             client_mode=client,
-            state_server_factory=Server,
         )
         averager.run()
         driver = averager._driver

@@ -38,6 +38,7 @@ from peer.averaging.seam import Link
 from peer.averaging.sharing.download import StateServer
 from peer.wire import Frame
 from swarmlab import child_env
+from swarmlab.averager_doubles import averager_with
 from swarmlab.node_process import ChildProcess, serve_json_lines
 from swarmlab.send_gate import gated_runner
 
@@ -89,12 +90,11 @@ class FaultySending(RoundSending):
 
 
 class FaultyRound(ButterflyRound):
-    """A round that misbehaves as ``fault`` says: its frames (see :class:`FaultySending`),
-    or ``kill_while_reducing``."""
+    """A round that misbehaves as ``fault`` says: its frames (see :class:`FaultySending`:
+    a subclass sets ``sending_class`` to one for its fault), or ``kill_while_reducing``."""
 
     def __init__(self, *args: Any, fault: str, **kwargs: Any) -> None:
-        sending = functools.partial(FaultySending, fault=fault)
-        super().__init__(*args, sending_factory=sending, **kwargs)
+        super().__init__(*args, **kwargs)
         self.fault = fault
 
     def _on_received_parts(self, sender: str, index: int, count: int) -> None:
@@ -131,12 +131,13 @@ class SendFault:
 
 
 def faulty_runner(fault: str) -> RunnerFactory:
-    """A runner factory (``DecentralizedAverager(runner_factory=...)``) whose rounds
-    misbehave as ``fault`` says, in their sends or their frames.
+    """A runner factory (an averager's ``runner_class``, see
+    :func:`swarmlab.averager_doubles.averager_with`) whose rounds misbehave as ``fault`` says,
+    in their sends or their frames.
 
-    ``--fault`` injects one misbehaviour, through the averager's ``runner_factory`` (a round
+    ``--fault`` injects one misbehaviour, through the averager's ``runner_class`` (a round
     whose frames misbehave, sends held at the seam by :mod:`swarmlab.send_gate`) or its
-    ``state_server_factory`` (a donor that dies):
+    ``state_server_class`` (a donor that dies):
     ``kill_after_first_part`` / ``stall_after_first_part`` / ``freeze_after_first_part``
     (SIGKILL itself, stop sending anything, or SIGSTOP itself -- no more reading either, its
     connections left open, like a laptop put to sleep -- right after its first part went out),
@@ -144,10 +145,14 @@ def faulty_runner(fault: str) -> RunnerFactory:
     ``wrong_length`` / ``oversized`` (corrupt parts), ``kill_mid_state`` (SIGKILL while serving
     the third chunk of a state download).
     """
-    runner = functools.partial(
-        AllreduceRunner, round_factory=functools.partial(FaultyRound, fault=fault)
-    )
-    return gated_runner(SendFault(fault), runner)
+
+    class Round(FaultyRound):
+        sending_class = functools.partial(FaultySending, fault=fault)
+
+    class Runner(AllreduceRunner):
+        round_class = functools.partial(Round, fault=fault)
+
+    return gated_runner(SendFault(fault), Runner)
 
 
 class FaultyStateServer(StateServer):
@@ -178,11 +183,12 @@ def main(argv: list[str] | None = None) -> None:
     tensors = torch.load(args.tensors, weights_only=True)
     node = Node(args.initial_peer, gossip_period=0.2, client_mode=args.client_mode)
     config = json.loads(args.config)
+    averager_class = DecentralizedAverager
     if args.fault == "kill_mid_state":
-        config["state_server_factory"] = FaultyStateServer
+        averager_class = averager_with(state_server=FaultyStateServer)
     elif args.fault:
-        config["runner_factory"] = faulty_runner(args.fault)
-    averager = DecentralizedAverager(tensors, node, start=True, **config)
+        averager_class = averager_with(runner=faulty_runner(args.fault))
+    averager = averager_class(tensors, node, start=True, **config)
 
     def step(command: dict[str, Any]) -> Any:
         try:

@@ -5,12 +5,11 @@ A round's runner sends its parts and averages over ``core.link(peer).send`` or
 ``core.bulk.send``; :class:`GatedCore` wraps a node's core so that each of those sends first
 awaits ``before_send(peer_id, frame)``, which may hold it (a gate), never return (a peer
 that stalls) or end the process (one that dies mid-round). Everything else goes to the node
-unchanged. Give it to one round with a runner factory::
+unchanged. Give it to an averager's rounds with :func:`gated_runner`::
 
-    def runner(core, *args, **kwargs):
-        return AllreduceRunner(GatedCore(core, before_send), *args, **kwargs)
+    averager_with(runner=gated_runner(before_send))(tensors, node, ...)
 
-    DecentralizedAverager(..., runner_factory=runner)
+(:func:`swarmlab.averager_doubles.averager_with`).
 """
 
 from __future__ import annotations
@@ -83,8 +82,8 @@ class GatedCore:
 
 
 def gated_runner(before_send: BeforeSend, base: RunnerFactory = AllreduceRunner) -> RunnerFactory:
-    """A runner factory for ``DecentralizedAverager(runner_factory=...)``: rounds built by
-    ``base`` whose sends await ``before_send`` first."""
+    """A runner factory (an averager's ``runner_class``): rounds built by ``base`` whose
+    sends await ``before_send`` first."""
 
     def build(core: NodeCore, *args: Any, **kwargs: Any) -> AllreduceRunner:
         return base(cast(NodeCore, GatedCore(core, before_send)), *args, **kwargs)

@@ -25,7 +25,7 @@ import logging
 import math
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -120,10 +120,11 @@ class DecentralizedAverager(GroupSteps):
       ``"centered_clip"``: how a reducer combines the contributions to each part of its
       span (see :mod:`peer.averaging.allreduce.robust`). Every member should use the same.
 
-    For tests and benchmarks only (not in hivemind): ``runner_factory`` builds each round's
-    :class:`~peer.averaging.allreduce.runner.AllreduceRunner` (default: that class) and
-    ``state_server_factory`` the donor side :class:`~peer.averaging.sharing.download.StateServer`:
-    doubles that misbehave or count, with the same arguments.
+    What a subclass overrides (not in hivemind; tests and benchmarks use it for doubles that
+    misbehave or count): :attr:`runner_class` builds each round's
+    :class:`~peer.averaging.allreduce.runner.AllreduceRunner` and :attr:`state_server_class`
+    the donor side :class:`~peer.averaging.sharing.download.StateServer`, each given that
+    class's arguments (a subclass, or any callable returning one).
 
     ``start=False`` defers registration on the node until :meth:`run`. Call
     :meth:`shutdown` when done (or use as a context manager); the node is not shut down.
@@ -142,6 +143,9 @@ class DecentralizedAverager(GroupSteps):
     updated during the round. :class:`~peer.averaging.round_tensors.AveragedTensors` owns the
     lock and does that tensor handling (its docstring has the details and costs).
     """
+
+    runner_class: ClassVar[RunnerFactory] = AllreduceRunner
+    state_server_class: ClassVar[StateServerFactory] = StateServer
 
     def __init__(
         self,
@@ -175,8 +179,6 @@ class DecentralizedAverager(GroupSteps):
         max_weight: float = math.inf,
         relative_weight_bound: float | None = None,
         aggregator: str = "mean",
-        runner_factory: RunnerFactory | None = None,
-        state_server_factory: StateServerFactory | None = None,
     ) -> None:
         tensors = tuple(averaged_tensors)
         for t in tensors:
@@ -244,9 +246,6 @@ class DecentralizedAverager(GroupSteps):
         self._driver: MatchmakingDriver | None = None
         self._inbox = RoundInbox(prefix, self.layout.total * self.layout.dtype.itemsize)
         self._step_lock: asyncio.Lock | None = None
-        # AllreduceRunner is looked up here, not bound as a default: a test worker may
-        # replace the module's name before the optimizers it drives build their averagers
-        self._runner_factory = AllreduceRunner if runner_factory is None else runner_factory
         self.sharing = StateSharing(
             node,
             prefix,
@@ -264,7 +263,7 @@ class DecentralizedAverager(GroupSteps):
                 else bool(allow_state_sharing)
             ),
             client_mode=client_mode,
-            server_factory=StateServer if state_server_factory is None else state_server_factory,
+            server_factory=type(self).state_server_class,
         )
         if start:
             self.run()

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -77,7 +77,7 @@ class GroupSteps:
     _driver: MatchmakingDriver | None
     _step_lock: asyncio.Lock | None
     _step_futures: set[concurrent.futures.Future[Any]]
-    _runner_factory: RunnerFactory
+    runner_class: ClassVar[RunnerFactory]
     _group_bits: str
     _running: bool
     _shut: bool
@@ -291,7 +291,7 @@ class GroupSteps:
         else:
             flat, copy_back = self._tensors.in_place(auxiliary=self.config.auxiliary)
         try:
-            runner = self._runner_factory(
+            runner = type(self).runner_class(
                 self.core,
                 self.config.prefix,
                 group,

@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypedDict
 
-from peer.averaging.allreduce.runner import RunnerFactory
-from peer.averaging.sharing.state_sharing import StateServerFactory
 from peer.compression import Compression, CompressionInfo
 
 __all__ = [
@@ -50,8 +48,6 @@ class RoundOptions(TypedDict, total=False):
     max_weight: float
     relative_weight_bound: float | None
     aggregator: str
-    runner_factory: RunnerFactory | None
-    state_server_factory: StateServerFactory | None
 
 
 class SharedAveragerOptions(RoundOptions, total=False):

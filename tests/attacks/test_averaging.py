@@ -5,7 +5,6 @@ volunteer's optimizer does); real nodes on loopback."""
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Iterator
 
@@ -16,6 +15,7 @@ from peer.averaging.allreduce.reducer import FinishedPart
 from peer.averaging.allreduce.round import ButterflyRound
 from peer.averaging.allreduce.runner import AllreduceRunner, RunnerFactory
 from peer.tasks import TrainingConfig, load_task
+from swarmlab.averager_doubles import averager_with
 from tests.attacks.conftest import Attack
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import Swarm, step_all
@@ -43,7 +43,8 @@ class _ForgingRound(ButterflyRound):
         super()._on_finished(finished)
 
 
-_ForgingRunner = functools.partial(AllreduceRunner, round_factory=_ForgingRound)
+class _ForgingRunner(AllreduceRunner):
+    round_class = _ForgingRound
 
 
 def _attacked_round(
@@ -73,7 +74,7 @@ def _attacked_round(
         part_size_bytes=4096,
         aggregator=config.aggregator,
         relative_weight_bound=config.relative_weight_bound,
-        per_peer=[{}] * HONEST + [{} if runner is None else {"runner_factory": runner}],
+        per_peer=[{}] * HONEST + [{"averager_class": averager_with(runner=runner)}],
     )
     attacker = averagers[HONEST].peer_id
     with caplog.at_level(logging.WARNING, logger="peer.averaging"):

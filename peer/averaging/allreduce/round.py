@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -85,9 +85,9 @@ class ButterflyRound(RoundFaults):
     """One member's side of one round (see also below). After :class:`Done` and
     :meth:`finish`, ``flat`` holds the round's result.
 
-    ``sending_factory`` is for tests: it builds the round's sending side
-    (:class:`~peer.averaging.allreduce.send.RoundSending`, given keyword arguments) in place
-    of the real one (a subclass whose frames misbehave).
+    What a subclass overrides (tests do): :attr:`sending_class` builds the round's sending
+    side (:class:`~peer.averaging.allreduce.send.RoundSending`, given its keyword arguments;
+    a subclass whose frames misbehave).
 
     The machine
     -----------
@@ -108,6 +108,8 @@ class ButterflyRound(RoundFaults):
       ready together travel as one frame.
     """
 
+    sending_class: ClassVar[SendingFactory] = RoundSending
+
     def __init__(
         self,
         me: str,
@@ -124,7 +126,6 @@ class ButterflyRound(RoundFaults):
         scratch: Callable[[int, torch.dtype], torch.Tensor] | None = None,
         in_place: bool = False,
         alpha: float = 1.0,
-        sending_factory: SendingFactory = RoundSending,
     ) -> None:
         self.prefix = prefix
         self.group = group
@@ -183,7 +184,7 @@ class ButterflyRound(RoundFaults):
         self.excluded_senders: set[str] = set()
         self._logged: set[str] = set()
         self._outliers_named: set[str] = set()
-        self.sending = sending_factory(
+        self.sending = type(self).sending_class(
             prefix=prefix,
             group=group,
             index=self.index,

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -59,10 +59,10 @@ class AllreduceRunner:
     :mod:`peer.averaging.allreduce.round` for the two modes). ``run()`` raises
     :class:`~peer.averaging.exceptions.BadContribution` if this peer's own values are bad.
 
-    ``round_factory`` is for tests: it builds the round's machine in place of
-    :class:`~peer.averaging.allreduce.round.ButterflyRound` (a subclass that misbehaves, to see
-    the other members cope). Faults in sending are injected through ``core`` (a wrapper
-    around the node's).
+    What a subclass overrides (tests do, to see the other members cope): :attr:`round_class`
+    builds the round's machine (:class:`~peer.averaging.allreduce.round.ButterflyRound`, given
+    its arguments; a subclass that misbehaves). Faults in sending are injected through
+    ``core`` (a wrapper around the node's).
 
     The round's rules — who reduces what, batching, in-place results, every fault decision —
     live in the machine (:mod:`peer.averaging.allreduce.round`); this class gives it time and I/O:
@@ -81,6 +81,8 @@ class AllreduceRunner:
     gives up (:meth:`AllreduceRunner.abort`).
     """
 
+    round_class: ClassVar[RoundFactory] = ButterflyRound
+
     def __init__(
         self,
         core: NodeCore,
@@ -97,13 +99,12 @@ class AllreduceRunner:
         scratch: Callable[[int, torch.dtype], torch.Tensor] | None = None,
         in_place: bool = False,
         alpha: float = 1.0,
-        round_factory: RoundFactory = ButterflyRound,
         candidates: Sequence[MemberInfo] | None = None,
     ) -> None:
         self.core = core
         # whom the heir of a dead reducer's parts is chosen from (butterfly_recovery)
         self._candidates = candidates
-        self.round = round_factory(
+        self.round = type(self).round_class(
             core.peer_id,
             prefix,
             group,
@@ -405,6 +406,6 @@ def _pieces(
     return out
 
 
-#: builds a round's runner; takes :class:`AllreduceRunner`'s arguments (tests pass one that
-#: misbehaves to :class:`~peer.averaging.averager.DecentralizedAverager`)
+#: builds a round's runner; takes :class:`AllreduceRunner`'s arguments (what
+#: :attr:`~peer.averaging.averager.DecentralizedAverager.runner_class` holds)
 RunnerFactory = Callable[..., AllreduceRunner]

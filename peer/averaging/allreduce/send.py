@@ -47,8 +47,8 @@ class Outbox:
 class RoundSending:
     """Frames out of a round's state (the rules are below), owned by a
     :class:`~peer.averaging.allreduce.round.ButterflyRound`. Fault-injection tests subclass it,
-    overriding :meth:`_frame` and :meth:`_contribution_wire` to misbehave, and hand the
-    subclass to the round as ``sending_factory``.
+    overriding :meth:`_frame` and :meth:`_contribution_wire` to misbehave, and make it a
+    round's ``sending_class``.
 
     Each other member has an outbox (:class:`Outbox`): the indices of the contributions this member
     still owes it (parts of that member's span) and of the averages of this member's own span not

@@ -54,7 +54,7 @@ class StateSharing:
     ``get_state`` gives what this peer serves (called with the tensors locked: on the node's
     loop under ``locked()``, an async context manager, and in a caller's thread under
     ``hold()``, a plain one). ``client_mode`` peers cannot share (nobody can dial them).
-    ``server_factory`` is for tests and benchmarks (a donor that counts or misbehaves).
+    ``server_factory`` builds the donor side: the averager's ``state_server_class``.
 
     Lifetime: :meth:`start` on the node's loop (registers nothing: the averager routes
     ``avg.state_*`` requests to :meth:`serve`), :meth:`stop` there to retract.

@@ -36,12 +36,17 @@ class Swarm:
     def add_averagers(
         self, tensors: Sequence[Sequence[torch.Tensor]], **kwargs: Any
     ) -> list[DecentralizedAverager]:
+        """One averager per node over ``tensors``, with ``kwargs``; ``per_peer`` (a dict per
+        peer) adds or overrides keyword arguments, and its ``averager_class`` key builds that
+        peer from a subclass (e.g. :func:`swarmlab.averager_doubles.averager_with`)."""
         per_peer: list[dict[str, Any]] = kwargs.pop("per_peer", [{}] * len(tensors))
         # request_timeout stays at its default: a busy 2-core CI box answers slowly
         base = dict(prefix="test", min_matchmaking_time=1.0, request_timeout=3.0, start=True)
         base.update(kwargs)
         for node, t, extra in zip(self.nodes, tensors, per_peer, strict=False):
-            self.averagers.append(DecentralizedAverager(t, node, **{**base, **extra}))
+            options = {**base, **extra}
+            cls = options.pop("averager_class", DecentralizedAverager)
+            self.averagers.append(cls(t, node, **options))
         return self.averagers
 
     def close(self) -> None:

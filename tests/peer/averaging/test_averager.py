@@ -16,6 +16,7 @@ from peer.averaging.allreduce.runner import RunnerFactory
 from peer.averaging.exceptions import MatchmakingFailed, StepCancelled
 from peer.averaging.matchmaking.group_bits import grid_bits
 from peer.wire import Frame
+from swarmlab.averager_doubles import averager_with
 from swarmlab.send_gate import gated_runner
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import random_tensors, step_all, wait_for
@@ -310,7 +311,9 @@ def test_tensor_lock_during_a_round(make_swarm, concurrent: bool) -> None:
     tensors = [[torch.zeros(1000)], [torch.ones(1000)]]
     gate = threading.Event()
     a, b = swarm.add_averagers(
-        tensors, concurrent_updates=concurrent, per_peer=[{}, {"runner_factory": _gated(gate)}]
+        tensors,
+        concurrent_updates=concurrent,
+        per_peer=[{}, {"averager_class": averager_with(runner=_gated(gate))}],
     )
     try:
         ca, cb = (x.step(wait=False, timeout=scaled(30)) for x in (a, b))
@@ -344,7 +347,9 @@ def test_state_download_waits_for_an_in_place_round(make_swarm) -> None:
     swarm = make_swarm(3)
     tensors = [[torch.zeros(1000)], [torch.ones(1000)], [torch.full((1000,), 7.0)]]
     gate = threading.Event()
-    a, b = swarm.add_averagers(tensors[:2], allow_state_sharing=True, runner_factory=_gated(gate))
+    a, b = swarm.add_averagers(
+        tensors[:2], allow_state_sharing=True, averager_class=averager_with(runner=_gated(gate))
+    )
     newcomer = DecentralizedAverager(
         tensors[2], swarm.nodes[2], start=True, prefix="test", allow_state_sharing=False
     )

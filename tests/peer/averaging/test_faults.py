@@ -22,6 +22,7 @@ import peer.transport.bulk as bulk_module
 import peer.transport.lane_socket as lane_socket
 from peer.averaging.allreduce.runner import AllreduceRunner
 from peer.averaging.exceptions import NonFiniteTensors
+from swarmlab.averager_doubles import averager_with
 from swarmlab.averager_process import AveragerProcess, faulty_runner
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import step_all, wait_for
@@ -211,7 +212,12 @@ def test_bad_parts_exclude_the_sender(make_swarm, caplog, fault: str) -> None:
         part_size_bytes=4096,
         sender_timeout=scaled(5.0),
         # the bad peer reduces nothing
-        per_peer=[{}, {}, {}, {"bandwidth": 0.0, "runner_factory": faulty_runner(fault)}],
+        per_peer=[
+            {},
+            {},
+            {},
+            {"bandwidth": 0.0, "averager_class": averager_with(runner=faulty_runner(fault))},
+        ],
     )
     with caplog.at_level(logging.WARNING, logger="peer.averaging"):
         results = step_all(averagers)
@@ -237,8 +243,9 @@ def test_bad_reducer_span_keeps_local_values(make_swarm) -> None:
     tensors = [[torch.randn(3000)] for _ in range(3)]
     local = [t[0].clone() for t in tensors]
     expected = (local[0] + local[1]) / 2
+    bad = averager_with(runner=faulty_runner("nan"))
     averagers = swarm.add_averagers(
-        tensors, part_size_bytes=2048, per_peer=[{}, {}, {"runner_factory": faulty_runner("nan")}]
+        tensors, part_size_bytes=2048, per_peer=[{}, {}, {"averager_class": bad}]
     )
     results = step_all(averagers)
     for i in (0, 1):
@@ -277,7 +284,7 @@ def test_a_peer_with_non_finite_tensors_fails_its_step_and_the_others_go_on(
     local = [t[0].clone() for t in tensors]
     third: dict[str, Any] = {
         "no span": {"bandwidth": 0.0},
-        "outside its span": {"runner_factory": _NanOutsideOwnSpan},
+        "outside its span": {"averager_class": averager_with(runner=_NanOutsideOwnSpan)},
     }.get(where, {})
     averagers = swarm.add_averagers(
         tensors, part_size_bytes=2048, sender_timeout=scaled(5.0), per_peer=[{}, {}, third]

@@ -42,6 +42,7 @@ from peer.tasks.digits import (
     shard_indices,
 )
 from peer.transport.memory import MemoryNetwork
+from swarmlab.averager_doubles import averager_with
 from tests.peer.averaging.conftest import step_all, wait_for
 
 # ------------------------------------------------------------------ pure functions
@@ -148,15 +149,19 @@ def memory_swarm(n: int, gossip_period: float = 0.1) -> Iterator[list[Node]]:
         loop.stop()
 
 
-def averagers(nodes: list[Node], tensors: list[list[torch.Tensor]], **kwargs: Any) -> list[Any]:
+def averagers(
+    nodes: list[Node],
+    tensors: list[list[torch.Tensor]],
+    *,
+    averager_class: type[DecentralizedAverager] = DecentralizedAverager,
+    **kwargs: Any,
+) -> list[Any]:
     n = len(nodes[0].members())
     options: dict[str, Any] = dict(
         start=True, min_matchmaking_time=0.1, target_group_size=n, min_group_size=n
     )
     options.update(kwargs)
-    return [
-        DecentralizedAverager(t, node, **options) for node, t in zip(nodes, tensors, strict=True)
-    ]
+    return [averager_class(t, node, **options) for node, t in zip(nodes, tensors, strict=True)]
 
 
 class _LyingRound(ButterflyRound):
@@ -165,6 +170,10 @@ class _LyingRound(ButterflyRound):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.weight = self.sending.weight = 1000.0
+
+
+class _LyingRunner(AllreduceRunner):
+    round_class = _LyingRound
 
 
 def test_a_sender_cannot_take_over_the_mean_by_weight_or_overflow(caplog) -> None:
@@ -178,12 +187,12 @@ def test_a_sender_cannot_take_over_the_mean_by_weight_or_overflow(caplog) -> Non
         lying = False  # from the third attack on, its rounds send a weight it did not declare
 
         def attacker_runner(*args: Any, **kwargs: Any) -> AllreduceRunner:
-            machine = _LyingRound if lying else ButterflyRound
-            return AllreduceRunner(*args, round_factory=machine, **kwargs)
+            return (_LyingRunner if lying else AllreduceRunner)(*args, **kwargs)
 
         # the attacker reduces nothing: every span is an honest reducer's
+        attacker_class = averager_with(runner=attacker_runner)
         group += averagers(
-            nodes[2:], tensors[2:], bandwidth=0.0, runner_factory=attacker_runner, **options
+            nodes[2:], tensors[2:], averager_class=attacker_class, bandwidth=0.0, **options
         )
         attacker = group[2]
         g = torch.Generator().manual_seed(1)

@@ -8,7 +8,6 @@ by honest reducers only. Over WebSocket on loopback, in certificate mode.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import Any
@@ -40,10 +39,16 @@ class _TamperingSending(RoundSending):
         return Frame(frame.type, frame.fields, np.full(size, 1e6, dtype=np.float32).tobytes())
 
 
-_Tampering = functools.partial(
-    AllreduceRunner,
-    round_factory=functools.partial(ButterflyRound, sending_factory=_TamperingSending),
-)
+class _TamperingRound(ButterflyRound):
+    sending_class = _TamperingSending
+
+
+class _TamperingRunner(AllreduceRunner):
+    round_class = _TamperingRound
+
+
+class _TamperingAverager(DecentralizedAverager):
+    runner_class = _TamperingRunner
 
 
 def _credentials(authority: Identity, role: str) -> tuple[Identity, CertificateAuth]:
@@ -73,11 +78,9 @@ def test_a_client_that_claims_to_reduce_gets_no_span(caplog: pytest.LogCaptureFi
             nodes.append(Node(initial, identity=identity, auth=auth, **FAST))
         assert wait_for(lambda: all(len(n.members()) == 3 for n in nodes), 15)
         options: dict[str, Any] = {"prefix": "roles", "target_group_size": 3}
-        extra: list[dict[str, Any]] = [{}, {}, {"runner_factory": _Tampering}]
-        for node, t, more in zip(nodes, tensors, extra, strict=True):
-            averagers.append(
-                DecentralizedAverager(t, node, request_timeout=3.0, start=True, **options, **more)
-            )
+        classes = [DecentralizedAverager, DecentralizedAverager, _TamperingAverager]
+        for node, t, cls in zip(nodes, tensors, classes, strict=True):
+            averagers.append(cls(t, node, request_timeout=3.0, start=True, **options))
         with caplog.at_level(logging.WARNING, logger="peer.averaging"):
             step_all(averagers, [{"allow_retries": False}] * 3)
         honest = [tensors[0][0], tensors[1][0]]

@@ -17,6 +17,7 @@ from peer.averaging.averager import DecentralizedAverager
 from peer.averaging.sharing.download import StateServer, state_key
 from peer.formats.identity import Certificate, CertificateAuth, CertificateVerifier, Identity
 from peer.wire import Frame
+from swarmlab.averager_doubles import averager_with
 from tests.conftest import scaled
 from tests.peer.averaging.conftest import wait_for
 
@@ -25,7 +26,7 @@ BASE: dict[str, Any] = dict(
 )
 
 
-def _counting(begun: collections.Counter[str]) -> Any:
+def _counting(begun: collections.Counter[str]) -> type[StateServer]:
     """A donor side that counts the downloads begun from it, in ``begun``."""
 
     class Counting(StateServer):
@@ -36,9 +37,12 @@ def _counting(begun: collections.Counter[str]) -> Any:
     return Counting
 
 
-def _donor(node: Any, value: float, priority: float, **kwargs: Any) -> DecentralizedAverager:
-    donor = DecentralizedAverager(
-        [torch.full((100,), value)], node, allow_state_sharing=True, **BASE, **kwargs
+def _donor(
+    node: Any, value: float, priority: float, server: type[StateServer] | None = None
+) -> DecentralizedAverager:
+    """A donor declaring ``priority`` over ``value``; ``server`` serves its state if given."""
+    donor = averager_with(state_server=server)(
+        [torch.full((100,), value)], node, allow_state_sharing=True, **BASE
     )
     donor.state_sharing_priority = priority
     return donor
@@ -60,7 +64,7 @@ def test_a_lone_donors_newer_state_does_not_replace_a_held_one_and_is_asked_once
     the donor declares a higher priority."""
     swarm = make_swarm(2)
     begun: collections.Counter[str] = collections.Counter()
-    donor = _donor(swarm.nodes[0], 5.0, 2.0, state_server_factory=_counting(begun))
+    donor = _donor(swarm.nodes[0], 5.0, 2.0, server=_counting(begun))
     holder = DecentralizedAverager([torch.full((100,), 1.0)], swarm.nodes[1], **BASE)
     swarm.averagers += [donor, holder]
     me = holder.node.peer_id
@@ -97,7 +101,7 @@ def test_a_witness_holding_this_peers_own_state_outvotes_the_donor_for_good(
     one: the donor is outvoted, named, and not downloaded from again at any priority."""
     swarm = make_swarm(3)
     begun: collections.Counter[str] = collections.Counter()
-    donor = _donor(swarm.nodes[0], 1000.0, 2.0, state_server_factory=_counting(begun))
+    donor = _donor(swarm.nodes[0], 1000.0, 2.0, server=_counting(begun))
     witness = _donor(swarm.nodes[1], 1.0, 1.0)
     holder = DecentralizedAverager(
         [torch.full((100,), 1.0)], swarm.nodes[2], allow_state_sharing=True, **BASE

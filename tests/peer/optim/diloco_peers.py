@@ -137,13 +137,15 @@ class Forger:
             made.begun = begun
             return made
 
-        self.averager = StateSharingAverager(
+        class Averager(StateSharingAverager):
+            state_server_class = server
+
+        self.averager = Averager(
             [torch.zeros(1)],
             node,
             lambda: ({"epoch": sync}, [torch.full(s, value) for s in shapes]),
             prefix=f"{RUN}_diloco_state",
             start=True,
-            state_server_factory=server,
         )
         self.averager.state_sharing_priority = float(sync)
         self.tracker = ProgressTracker(node, RUN, INNER_STEPS)

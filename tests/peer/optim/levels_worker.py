@@ -8,7 +8,6 @@ JSON line with its addresses. Every process writes what it saw to ``--out`` (tor
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import os
@@ -22,8 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-import peer.averaging.averager as averager_module
-from peer import Node
+from peer import DecentralizedAverager, Node
 from peer.averaging.allreduce.round import ButterflyRound
 from peer.averaging.allreduce.runner import AllreduceRunner
 from peer.averaging.allreduce.send import RoundSending
@@ -58,10 +56,12 @@ class RecordingSending(RoundSending):
         return frame
 
 
-RecordingRunner = functools.partial(
-    AllreduceRunner,
-    round_factory=functools.partial(ButterflyRound, sending_factory=RecordingSending),
-)
+class RecordingRound(ButterflyRound):
+    sending_class = RecordingSending
+
+
+class RecordingRunner(AllreduceRunner):
+    round_class = RecordingRound
 
 
 def main() -> None:
@@ -86,7 +86,8 @@ def main() -> None:
     torch.set_num_threads(1)
     # on stderr: the test shows it when something goes wrong
     logging.basicConfig(level=logging.INFO, format="%(relativeCreated)6.0f %(name)s %(message)s")
-    averager_module.AllreduceRunner = RecordingRunner  # type: ignore[misc]
+    # the optimizers build their averagers themselves: every one in this process records
+    DecentralizedAverager.runner_class = RecordingRunner
     if args.index == args.die_index:
         RecordingSending.die_in_round = args.die_in_round
     if args.local_size > 1:
