@@ -226,7 +226,18 @@ class NatRun:
             self.join(k, *(("--save-final", str(self.final_path(k))) if save_final else ()))
             for k in range(len(self.kinds))
         ]
-        if not wait_until(lambda: self.linked() and self.ready(), timeout, interval=0.5):
+
+        def settled() -> bool:
+            return any(v.process.poll() is not None for v in volunteers) or (
+                self.linked() and self.ready()
+            )
+
+        settled_in_time = wait_until(settled, timeout, interval=0.5)
+        gone = [k for k, v in enumerate(volunteers) if v.process.poll() is not None]
+        if gone:
+            last = volunteers[gone[0]].lines[-1:] or ["(no output)"]
+            raise RuntimeError(f"volunteer {gone[0]} exited before the run started: {last[0]}")
+        if not settled_in_time:
             unlinked = sorted(p for p, how in self._seen().items() if not how)
             waiting = sorted(set(range(len(self.kinds))) - self._waiting())
             raise RuntimeError(

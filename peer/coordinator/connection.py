@@ -33,6 +33,13 @@ _M = TypeVar("_M", bound=BaseModel)
 Params = Mapping[str, str | int]
 
 _GATEWAY_DOWN = frozenset({502, 503, 504})
+#: how long an idle connection is kept for the next request: well under the coordinator's idle
+#: timeout (``http_keep_alive_s``, 5 s by default), so a request is not sent on a connection
+#: the server is closing at that moment
+KEEPALIVE_EXPIRY_S = 2.0
+# Requests sent again, once, on a fresh connection when the server closed the one they went out
+# on without answering (a kept-alive connection it timed out): the others may have been acted on.
+_IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 _TOKEN_CHARS = re.compile(r"^[\x21-\x7e]+$")  # printable ASCII, no spaces
 
 
@@ -63,6 +70,7 @@ class CoordinatorConnection:
             transport=transport,
             follow_redirects=False,
             headers={"User-Agent": "swarmgrad-peer"},
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
     def close(self) -> None:
@@ -141,8 +149,9 @@ class CoordinatorConnection:
             # python's values, not pydantic's JSON mode, which sends a NaN as null
             content = _json_bytes(body.model_dump(exclude_unset=True))
             all_headers["Content-Type"] = "application/json"
-        try:
-            response = self._http.request(
+
+        def send() -> httpx.Response:
+            return self._http.request(
                 method,
                 path,
                 content=content,
@@ -150,6 +159,14 @@ class CoordinatorConnection:
                 headers=all_headers,
                 timeout=self.timeout if timeout is None else timeout,
             )
+
+        try:
+            try:
+                response = send()
+            except httpx.RemoteProtocolError:
+                if method.upper() not in _IDEMPOTENT:
+                    raise
+                response = send()
         except httpx.TimeoutException as exc:
             limit = self.timeout if timeout is None else timeout
             raise CoordinatorUnreachable(

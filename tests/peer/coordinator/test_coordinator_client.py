@@ -28,6 +28,7 @@ from peer.coordinator import (
     RunNotAccepting,
     Unauthorized,
 )
+from peer.coordinator.connection import KEEPALIVE_EXPIRY_S
 from peer.coordinator.reports import clean_report
 from peer.formats.identity import Identity, join_proof_payload, verify_signature
 from peer.formats.payloads import CheckpointPublic, RunPublic, RunStatus
@@ -540,6 +541,34 @@ def test_network_failures_are_unreachable_and_name_the_host(
     assert str(caught.value) == message
     assert caught.value.__cause__ is error
     assert caught.value.status_code is None
+
+
+def test_a_read_the_server_dropped_unanswered_is_sent_again_once_a_write_never() -> None:
+    """A kept-alive connection the server closes just as a request goes out on it: a read is
+    sent again on a fresh one; a write may have been acted on, so it fails instead."""
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.method)
+        if len(calls) % 2:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return answer(body=run_body())
+
+    with client_with(handler) as client:
+        assert client.run("r1").id == run_body()["id"]
+        assert calls == ["GET", "GET"]
+        calls.clear()
+        with pytest.raises(CoordinatorUnreachable, match="lost the connection"):
+            client.report(TOKEN, "r1", ReportCreate(epoch=0, samples=0, samples_per_second=0.0))
+        assert calls == ["POST"]
+
+
+def test_idle_connections_are_dropped_before_the_coordinator_times_them_out() -> None:
+    """The client's keep-alive expiry stays under the coordinator's idle timeout: otherwise a
+    request after an idle spell of that length races the server's close."""
+    from server.config import Settings
+
+    assert Settings.model_fields["http_keep_alive_s"].default > KEEPALIVE_EXPIRY_S
 
 
 def test_a_closed_port_is_unreachable() -> None:
