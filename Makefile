@@ -42,12 +42,13 @@ natlab:
 		echo "the NAT lab tests need root and Debian's nftables and miniupnpd: run 'sudo apt-get install nftables miniupnpd-nftables' and the tests as root" >&2; \
 	fi
 
-# Two passes. First every test on two workers: each module of multi-process scenarios
-# (marked slow) is one xdist group, run in turn on one worker, the groups first and the quick
-# tests filling both workers after them (tests/conftest.py). Then the few that time something
+# Two passes. First every test on three workers (on two cores: the multi-process scenarios
+# mostly wait on their peers' rounds, and the third worker takes that time): each module of
+# scenarios (marked slow) is one xdist group, run in turn on one worker, the groups first and
+# the quick tests filling the workers after them (tests/conftest.py). Then the few that time something
 # against a reference (marked alone), by themselves.
 test: $(STAMP) browser natlab
-	@most=0; $(BIN)/python -m pytest -m "not alone" -n 2 --dist loadgroup || most=$$?; \
+	@most=0; $(BIN)/python -m pytest -m "not alone" -n 3 --dist loadgroup || most=$$?; \
 	alone=0; $(BIN)/python -m pytest -m alone || alone=$$?; \
 	[ $$most -eq 0 ] && [ $$alone -eq 0 ]
 
