@@ -11,6 +11,7 @@ another seed::
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import struct
@@ -172,8 +173,9 @@ PARSERS: dict[str, Callable[[Frame], object]] = {
 }
 
 
+@functools.cache
 def full_registry() -> MessageRegistry:
-    """Every message type a node with averagers accepts."""
+    """Every message type a node with averagers accepts (built once: parsing only reads it)."""
     node = AsyncNode(transport=MemoryNetwork().transport("fuzz"))
     Router.of(node)
     return node.registry
