@@ -1,5 +1,8 @@
 """Fixtures for coordinator tests: every database test runs on SQLite and on PostgreSQL,
-each test on a fresh database (a new SQLite file, or a new PostgreSQL schema).
+each test on a database of its own at the newest migration with only what the migrations
+put there. The migrations run once per test process: each test gets a copy of a migrated
+SQLite file, or this process's PostgreSQL schema emptied back to that state. Tests of the
+migrations themselves take ``empty_database_url``: a new SQLite file or a new schema.
 
 PostgreSQL is found at ``SWARMGRAD_TEST_POSTGRES_URL`` (default: the local server, database
 ``test``). Without it the PostgreSQL half is skipped — unless ``CI=true``, where its absence
@@ -85,8 +88,108 @@ def fresh_database(backend: str, directory: Path) -> Iterator[str]:
         admin.dispose()
 
 
+@functools.cache
+def _sqlite_template() -> Path:
+    """A SQLite file migrated to the newest revision, made once per test process."""
+    from server.db import upgrade_database
+
+    path = _scratch() / "migrated.db"
+    engine = create_engine(f"sqlite:///{path}")
+    upgrade_database(engine)
+    engine.dispose()  # the last connection's close folds the WAL into the file
+    return path
+
+
+@dataclass(frozen=True)
+class _MigratedSchema:
+    """This process's PostgreSQL schema at the newest revision, and the rows the migrations
+    left in it (seed rows), to empty it back to that state before each test."""
+
+    url: str
+    tables: tuple[str, ...]
+    seeded: dict[str, list[dict[str, Any]]]
+
+
+@functools.cache
+def _postgres_schema() -> _MigratedSchema:
+    from server.db import upgrade_database
+
+    schema = f"t_{secrets.token_hex(6)}"
+    admin = create_engine(POSTGRES_URL)
+    with admin.begin() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+
+    def drop() -> None:
+        with admin.begin() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+    atexit.register(drop)
+    url = make_url(POSTGRES_URL).update_query_dict({"options": f"-csearch_path={schema}"})
+    rendered = url.render_as_string(hide_password=False)
+    engine = create_engine(rendered)
+    upgrade_database(engine)
+    with engine.connect() as connection:
+        found = connection.execute(
+            text("SELECT tablename FROM pg_tables WHERE schemaname = :s ORDER BY tablename"),
+            {"s": schema},
+        )
+        tables = tuple(t for (t,) in found if t != "alembic_version")
+        seeded = {
+            table: [
+                dict(row._mapping) for row in connection.execute(text(f'SELECT * FROM "{table}"'))
+            ]
+            for table in tables
+        }
+    engine.dispose()
+    return _MigratedSchema(rendered, tables, {t: rows for t, rows in seeded.items() if rows})
+
+
+def _emptied(schema: _MigratedSchema) -> str:
+    """``schema`` back to its state right after the migrations; its URL."""
+    engine = create_engine(schema.url)
+    try:
+        with engine.begin() as connection:
+            # a test that left a transaction open would block this: fail instead of hanging
+            connection.execute(text("SET LOCAL lock_timeout = '10s'"))
+            names = ", ".join(f'"{t}"' for t in schema.tables)
+            connection.execute(text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
+            for table, rows in schema.seeded.items():
+                columns = list(rows[0])
+                connection.execute(
+                    text(
+                        f'INSERT INTO "{table}" ({", ".join(columns)}) '
+                        f"VALUES ({', '.join(':' + c for c in columns)})"
+                    ),
+                    rows,
+                )
+    finally:
+        engine.dispose()
+    return schema.url
+
+
+@contextlib.contextmanager
+def migrated_database(backend: str, directory: Path) -> Iterator[str]:
+    """A URL to a database of ``backend`` at the newest migration, holding only what the
+    migrations put there, without running them again."""
+    if backend == "sqlite":
+        path = directory / "coordinator.db"
+        shutil.copyfile(_sqlite_template(), path)
+        yield f"sqlite:///{path}"
+        return
+    require_postgres()
+    yield _emptied(_postgres_schema())
+
+
 @pytest.fixture(params=BACKENDS)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    with migrated_database(request.param, tmp_path) as url:
+        yield url
+
+
+@pytest.fixture(params=BACKENDS)
+def empty_database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database without tables: for tests of the migrations themselves."""
     with fresh_database(request.param, tmp_path) as url:
         yield url
 

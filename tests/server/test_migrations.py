@@ -1,4 +1,4 @@
-"""Point 2: upgrade → downgrade → upgrade on both databases, and the models match the
+"""Upgrade → downgrade → upgrade on both databases, and the models match the
 migrations (autogenerate finds nothing to add); data migrations do what they say."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import subprocess
 import sys
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -15,6 +16,13 @@ from sqlalchemy import column, create_engine, insert, inspect, select, table
 from server.db import alembic_config
 from server.models import Base
 from tests.server.conftest import REPO_ROOT
+
+
+@pytest.fixture
+def database_url(empty_database_url: str) -> str:
+    """These tests run the migrations themselves, from a database without tables."""
+    return empty_database_url
+
 
 TABLES = {
     "runs",

@@ -20,6 +20,13 @@ from server.app import create_app
 from server.db import alembic_config
 from tests.server.conftest import ORGANIZER, client_for, make_settings, running
 
+
+@pytest.fixture
+def database_url(empty_database_url: str) -> str:
+    """These tests run the migrations themselves, from a database without tables."""
+    return empty_database_url
+
+
 BEFORE_REPAIR = "0007"
 HONEST_ROUNDS = 3
 # 1,028 reports over two epochs: each epoch's sum fits in 64 bits, their total does not.
