@@ -96,6 +96,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     fixtures are built once, and the groups (largest first) go out before the quick tests,
     which then fill both workers. Those that time something (``alone``) run by themselves
     in a pass of their own."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return  # run without xdist (-p no:xdist): nothing to schedule
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("alone"):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))

@@ -59,7 +59,7 @@ def test_a_lone_peer_trains_without_waiting_for_a_group(caplog: pytest.LogCaptur
             optimizer=sgd,
             params=model.parameters(),
             average_state_every=1,
-            matchmaking_time=1.0,
+            matchmaking_time=0.5,
             averaging_timeout=scaled(3),
         )
         try:
@@ -167,7 +167,7 @@ def _train(
             batch_size_per_step=4,
             optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.5),
             params=model.parameters(),
-            matchmaking_time=1.0,
+            matchmaking_time=0.5,
             averaging_timeout=scaled(20),
             **options,
         )
@@ -341,7 +341,7 @@ def test_a_peer_faster_than_averaging_waits_one_epoch_ahead(nodes: list[Node]) -
             batch_size_per_step=4,
             optimizer=partial(torch.optim.SGD, lr=0.1),
             params=model.parameters(),
-            matchmaking_time=1.0,
+            matchmaking_time=0.5,
             averaging_timeout=scaled(20),
             delay_grad_averaging=True,
             delay_optimizer_step=True,
@@ -422,7 +422,7 @@ def _patient(node: Node, model: torch.nn.Module, run_id: str) -> Optimizer:
         batch_size_per_step=8,
         optimizer=partial(torch.optim.SGD, lr=0.1),
         params=model.parameters(),
-        matchmaking_time=1.0,
+        matchmaking_time=0.5,
         averaging_timeout=scaled(3600),
     )
 
@@ -511,7 +511,7 @@ def test_shutdown_stops_a_background_round_promptly(nodes: list[Node]) -> None:
         target_batch_size=4,
         batch_size_per_step=4,
         optimizer=partial(torch.optim.SGD, lr=0.1),
-        matchmaking_time=1.0,
+        matchmaking_time=0.5,
         averaging_timeout=60.0,
         delay_grad_averaging=True,
     )
