@@ -22,6 +22,7 @@ import base64
 import functools
 import hashlib
 import hmac
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -41,7 +42,7 @@ SIGNATURE_SIZE = 64
 PEER_ID_LENGTH = 32
 
 CERTIFICATE_CONTEXT = b"swarmgrad/certificate/v1\x00"
-_PEER_ID_ALPHABET = frozenset("abcdefghijklmnopqrstuvwxyz234567")
+_PEER_ID = re.compile(f"[a-z2-7]{{{PEER_ID_LENGTH}}}")  # base32, lower case
 
 
 def pack(value: object) -> bytes:
@@ -52,11 +53,7 @@ def pack(value: object) -> bytes:
 
 def is_peer_id(value: object) -> bool:
     """Whether ``value`` has the form of a peer id (not whether such a peer exists)."""
-    return (
-        isinstance(value, str)
-        and len(value) == PEER_ID_LENGTH
-        and all(c in _PEER_ID_ALPHABET for c in value)
-    )
+    return isinstance(value, str) and _PEER_ID.fullmatch(value) is not None
 
 
 def peer_id_from_public_key(public_key: bytes) -> str:

@@ -17,6 +17,7 @@ record vanishes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import struct
 from collections.abc import Iterable
@@ -81,6 +82,14 @@ def next_sequence(previous: int, now: float) -> int:
     return min(max(previous + 1, int(now * 1_000_000)), MAX_SEQUENCE)
 
 
+# Every gossip exchange asks for the slots of the records it carries: a peer sees the same
+# few slots per member over and over. Bounded, so a stream of new slots only evicts.
+@functools.lru_cache(maxsize=1 << 14, typed=True)
+def _slot_id(key: str, subkey: Subkey, owner: bytes) -> bytes:
+    slot = msgpack.packb([key, subkey, owner], use_bin_type=True)
+    return hashlib.blake2b(slot, digest_size=RECORD_ID_BYTES).digest()
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
     key: str
@@ -94,8 +103,7 @@ class Record:
     @property
     def rid(self) -> bytes:
         """Identity of the record's slot: (key, subkey, owner)."""
-        slot = msgpack.packb([self.key, self.subkey, self.owner], use_bin_type=True)
-        return hashlib.blake2b(slot, digest_size=RECORD_ID_BYTES).digest()
+        return _slot_id(self.key, self.subkey, self.owner)
 
     @property
     def owner_id(self) -> str:
