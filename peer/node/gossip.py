@@ -82,12 +82,16 @@ def next_sequence(previous: int, now: float) -> int:
     return min(max(previous + 1, int(now * 1_000_000)), MAX_SEQUENCE)
 
 
-# Every gossip exchange asks for the slots of the records it carries: a peer sees the same
-# few slots per member over and over. Bounded, so a stream of new slots only evicts.
-@functools.lru_cache(maxsize=1 << 14, typed=True)
-def _slot_id(key: str, subkey: Subkey, owner: bytes) -> bytes:
+def _slot_digest(key: str, subkey: Subkey, owner: bytes) -> bytes:
     slot = msgpack.packb([key, subkey, owner], use_bin_type=True)
     return hashlib.blake2b(slot, digest_size=RECORD_ID_BYTES).digest()
+
+
+# Every gossip exchange asks for the slots of the records it carries: a peer sees the same
+# few slots per member over and over. Only short slots are kept, and at most 8192 of them
+# (a few MiB at worst), so a sender's long or ever-new keys cost it work, not our memory.
+_slot_id = functools.lru_cache(maxsize=1 << 13, typed=True)(_slot_digest)
+_CACHED_SLOT_CHARS = 320  # key, subkey and owner together
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +107,9 @@ class Record:
     @property
     def rid(self) -> bytes:
         """Identity of the record's slot: (key, subkey, owner)."""
+        sub = len(self.subkey) if isinstance(self.subkey, str | bytes) else 0
+        if len(self.key) + sub + len(self.owner) > _CACHED_SLOT_CHARS:
+            return _slot_digest(self.key, self.subkey, self.owner)
         return _slot_id(self.key, self.subkey, self.owner)
 
     @property
