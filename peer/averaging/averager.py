@@ -34,7 +34,7 @@ from peer.averaging.allreduce.partition import FlatLayout, schema_hash
 from peer.averaging.allreduce.runner import AllreduceConfig, AllreduceRunner, RunnerFactory
 from peer.averaging.group_step import GroupSteps
 from peer.averaging.matchmaking.driver import MatchmakingDriver
-from peer.averaging.matchmaking.grid import place_in_grid
+from peer.averaging.matchmaking.grid import GridHistory, place_next
 from peer.averaging.matchmaking.group_bits import (
     group_key,
     validate_group_bits,
@@ -235,9 +235,8 @@ class DecentralizedAverager(GroupSteps):
         )
         self.schema_hash = schema_hash(tensors, compression, self.roles)
         self._group_bits = validate_group_bits(initial_group_bits)
-        # place_on_grid: the membership last placed from, and the rounds placed from it since
-        self._grid_view: frozenset[str] | None = None
-        self._grid_rounds = 0
+        # place_on_grid: the placement, membership and round count carried to the next round
+        self._grid = GridHistory()
         self._running = False
         self._shut = False
         self._step_futures: set[concurrent.futures.Future[Any]] = set()
@@ -363,18 +362,19 @@ class DecentralizedAverager(GroupSteps):
 
     def place_on_grid(self, members: Iterable[str], round_index: int) -> float:
         """Take this round's place on the Moshpit grid that fits ``members`` (the swarm as
-        this peer sees it, itself included: e.g. its node's ``members()``) for round
-        ``round_index`` (a counter every peer shares, such as the epoch): sets the group
-        bits and returns the factor to multiply this round's step weight by (see
-        :mod:`peer.averaging.matchmaking.grid`; with equal step weights every peer holds the mean
-        after ``rounds_to_mean(N, target_group_size)`` rounds). Needs ``target_group_size``."""
+        this peer sees it, itself included: e.g. the run's peers with a live progress report)
+        for round ``round_index`` (a counter every peer shares, such as the epoch): sets the
+        group bits and returns the factor to multiply this round's step weight by when the
+        averaged values carry over from round to round (a model's parameters; not fresh
+        gradients, whose weight stays their own). The placement carries over from the round
+        before (:func:`~peer.averaging.matchmaking.grid.place_next`): with equal step weights
+        every peer holds the mean after ``rounds_to_mean(N, target_group_size)`` rounds.
+        Needs ``target_group_size``."""
         target = self.matchmaking_config.target_group_size
         if target is None:
             raise ValueError("a Moshpit grid needs target_group_size")
         view = frozenset(members) | {self.peer_id}
-        self._grid_rounds = self._grid_rounds + 1 if view == self._grid_view else 0
-        self._grid_view = view
-        place = place_in_grid(view, self.peer_id, target, round_index, self._grid_rounds)
+        place, self._grid = place_next(self._grid, view, self.peer_id, target, round_index)
         self._group_bits = place.bits
         return place.weight
 

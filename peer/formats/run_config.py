@@ -89,6 +89,7 @@ BASE_DEFAULTS: ConfigValues = MappingProxyType(
         "max_machines": 8,
         "aggregator": "centered_clip",
         "relative_weight_bound": 16.0,
+        "group_size": None,
         "algorithm": "collaborative",
         "inner_steps": 100,
         "outer_lr": 0.7,
@@ -217,6 +218,10 @@ def _max_norm(key: str, value: object) -> float | None:
     return None if value is None else _positive(key, value)
 
 
+def _group_size(key: str, value: object) -> int | None:
+    return None if value is None else _integer(key, value, minimum=2, maximum=10_000)
+
+
 def _weight_bound(key: str, value: object) -> float | None:
     if value is None:
         return None
@@ -242,6 +247,7 @@ FIELD_CHECKS: Mapping[str, Callable[[str, object], object]] = MappingProxyType(
         "max_machines": functools.partial(_integer, minimum=1, maximum=10_000),
         "aggregator": functools.partial(_one_of, AGGREGATORS),
         "relative_weight_bound": _weight_bound,
+        "group_size": _group_size,
         "algorithm": functools.partial(_one_of, ALGORITHMS),
         "inner_steps": functools.partial(_integer, minimum=1, maximum=1_000_000),
         "outer_lr": _positive,

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     import torch
     from torch.optim.optimizer import ParamsT
 
+    from peer.optim.averager_options import SharedAveragerOptions
     from peer.optim.collaborative.optimizer import Optimizer
     from peer.optim.diloco.outer import DiLoCo
     from peer.optim.seam import SwarmNode
@@ -80,6 +81,7 @@ class OptimizerOptions(TypedDict):
     averaging_timeout: float
     aggregator: str
     relative_weight_bound: float | None
+    averager_opts: SharedAveragerOptions
 
 
 class DiLoCoOptions(TypedDict):
@@ -96,6 +98,7 @@ class DiLoCoOptions(TypedDict):
     averaging_timeout: float
     aggregator: str
     relative_weight_bound: float | None
+    averager_opts: SharedAveragerOptions
 
 
 class TaskError(SwarmgradError):
@@ -189,6 +192,10 @@ class TrainingConfig:
     # a member declaring more than this factor times its group's (lower) median weight
     # (samples) is excluded from the round; None: no bound
     relative_weight_bound: float | None = 16.0
+    # peers per averaging group: each round's groups are the lines of the Moshpit grid that
+    # fits the swarm (about group_size peers each; the mean in ⌈log_group_size N⌉ rounds);
+    # None: every round is one group of the peers that look for one at the same time
+    group_size: int | None = None
     # peer.DiLoCo instead of peer.Optimizer, and its settings (used with "diloco" only):
     # inner steps per outer round (H), the outer Nesterov SGD's lr and momentum, fragments
     # synced one after another (Streaming DiLoCo; at most inner_steps), the pseudo-gradients'
@@ -301,6 +308,7 @@ class TrainingConfig:
             "averaging_timeout": self.averaging_timeout,
             "aggregator": self.aggregator,
             "relative_weight_bound": self.relative_weight_bound,
+            "averager_opts": self._averager_opts(),
         }
 
     def diloco_options(self) -> DiLoCoOptions:
@@ -319,7 +327,11 @@ class TrainingConfig:
             "averaging_timeout": self.averaging_timeout,
             "aggregator": self.aggregator,
             "relative_weight_bound": self.relative_weight_bound,
+            "averager_opts": self._averager_opts(),
         }
+
+    def _averager_opts(self) -> SharedAveragerOptions:
+        return {} if self.group_size is None else {"target_group_size": self.group_size}
 
     def make_outer_optimizer(self) -> OptimizerFactory:
         """DiLoCo's outer optimizer: SGD at ``outer_lr`` with Nesterov momentum

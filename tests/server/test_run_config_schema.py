@@ -26,6 +26,7 @@ BAD_VALUES: dict[str, Any] = {
     "max_machines": 10_001,
     "aggregator": "bogus",
     "relative_weight_bound": 0.5,
+    "group_size": 1,
     "algorithm": "fedavg",
     "inner_steps": 0,
     "outer_lr": 0,

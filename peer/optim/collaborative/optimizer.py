@@ -274,6 +274,7 @@ class Optimizer(LiveCatchUp[EpochRun]):
             auxiliary=auxiliary,
             use_local_updates=use_local_updates,
             epoch_in_group_bits=epoch_in_group_bits,
+            average_state_every=average_state_every,
             verbose=verbose,
         )
         self._wire_catch_up(load_state_timeout)

@@ -33,7 +33,11 @@ class EpochPhases:
     ``shared`` is the live state with its averager (the state rounds'); ``step_scheduler``
     steps the optimizer's scheduler (if any) once. ``epoch_in_group_bits``:
     rounds of different epochs never meet (the epoch is their group key; without a
-    ``target_group_size``, which makes the group bits Moshpit's)."""
+    ``target_group_size``). With one, each round takes its place on the Moshpit grid of the
+    run's peers at its epoch (:meth:`DecentralizedAverager.place_on_grid`): the gradient
+    round with epoch ``e`` as its round index (fresh gradients keep their samples as weight),
+    the state round, run every ``average_state_every`` epochs, with ``e //
+    average_state_every`` and the grid's weight (parameters carry over from round to round)."""
 
     def __init__(
         self,
@@ -45,6 +49,7 @@ class EpochPhases:
         auxiliary: bool,
         use_local_updates: bool,
         epoch_in_group_bits: bool,
+        average_state_every: int,
         verbose: bool,
     ) -> None:
         self.shared = shared
@@ -56,6 +61,7 @@ class EpochPhases:
         self.auxiliary = auxiliary
         self.use_local_updates = use_local_updates
         self.epoch_in_group_bits = epoch_in_group_bits
+        self.average_state_every = average_state_every
         self.verbose = verbose
 
     def run(self, run: EpochRun, phases: Sequence[Phase]) -> None:
@@ -74,6 +80,8 @@ class EpochPhases:
         epoch, samples = run.plan.epoch, run.plan.samples
         if self.epoch_in_group_bits:
             self.grad_averager.set_group_bits(format(epoch % (1 << 16), "016b"))
+        else:
+            self.grad_averager.place_on_grid(self.rounds.tracker.peers_at(epoch), epoch)
         group = self.rounds.run(
             self.grad_averager,
             weight=0.0 if self.auxiliary else float(samples),
@@ -110,11 +118,17 @@ class EpochPhases:
             run.state_version = self.live.version
             if self.use_local_updates:  # local steps may change the live state meanwhile
                 run.state_snapshot = [s.clone() for s in shared]
+        weight = 1.0
         if self.epoch_in_group_bits:
             self.state_averager.set_group_bits(format((run.plan.epoch + 1) % (1 << 16), "016b"))
+        else:
+            weight = self.state_averager.place_on_grid(
+                self.rounds.tracker.peers_at(run.plan.epoch),
+                run.plan.epoch // self.average_state_every,
+            )
         group = self.rounds.run(
             self.state_averager,
-            weight=0.0 if self.auxiliary else 1.0,
+            weight=0.0 if self.auxiliary else weight,
             gather=None,
             epoch=run.plan.epoch,
             what=f"epoch {run.plan.epoch}: state averaging",

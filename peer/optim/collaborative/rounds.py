@@ -115,12 +115,7 @@ class RoundRunner:
             if control.began_allreduce:
                 result = control.result()
                 return result
-            members = self.tracker.node.members()
-            others = [
-                r
-                for r in self.tracker.fetch()
-                if r.peer_id != self.peer_id and r.peer_id in members
-            ]
+            others = [r for r in self.tracker.present() if r.peer_id != self.peer_id]
             withdrawn = averager.withdrawn_peers()
             if all(r.epoch > epoch or r.peer_id in withdrawn for r in others) and control.cancel():
                 if others and gradients:

@@ -96,8 +96,8 @@ class DiLoCo(SyncRounds, LiveCatchUp[SyncRun]):
       change since those values (weighted like the pseudo-gradients) and adds it, so every
       peer leaves an outer round with the same buffers (integer ones rounded back);
     * ``aggregator``, ``relative_weight_bound``, ``averager_opts`` — as for
-      :class:`peer.Optimizer` (``target_group_size`` in ``averager_opts`` gives Moshpit
-      groups in a swarm larger than a group).
+      :class:`peer.Optimizer` (``target_group_size`` in ``averager_opts``: the groups of
+      the Moshpit grid that fits the run's peers, sync ``k`` along dimension ``k // F``).
 
     Streaming DiLoCo (arXiv:2501.18512) with ``fragments=F``: the parameters are cut into F
     fragments of whole tensors and sync ``k`` averages fragment ``k % F`` after about

@@ -377,6 +377,18 @@ class ProgressTracker:
             del self._discounted[peer_id]
         return {peer_id: epoch for peer_id, (epoch, _) in self._discounted.items()}
 
+    def present(self) -> list[ProgressReport]:
+        """The live reports of peers that are members of the swarm now: a report outlives
+        a peer that crashed or was cut off until it expires, its membership does not."""
+        members = self.node.members()
+        return [r for r in self.fetch() if r.peer_id in members]
+
+    def peers_at(self, epoch: int) -> list[str]:
+        """The present peers (:meth:`present`) at ``epoch`` or later: those a round of
+        ``epoch`` may meet (an epoch's report goes out only once the rounds before it ended),
+        the view an optimizer places its Moshpit grid from."""
+        return [r.peer_id for r in self.present() if r.epoch >= epoch]
+
     def others_reporting(self) -> int:
         """How many other peers have a live report, at any epoch."""
         return sum(r.peer_id != self.peer_id for r in self.fetch())

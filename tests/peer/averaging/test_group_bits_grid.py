@@ -201,13 +201,16 @@ def test_an_averager_takes_its_place_from_the_membership_it_is_given() -> None:
         )
         others = [f"p{i}" for i in range(36)]  # with this peer: 37, a 6 x 6 grid and one extra
         members = [*others, averager.peer_id]
-        expected = [place_in_grid(members, averager.peer_id, G, r, r) for r in range(3)]
+        history = GridHistory()
         for r in range(3):  # the same view: the count goes on, the weights follow it
+            expected, history = place_next(history, members, averager.peer_id, G, r)
             weight = averager.place_on_grid(others, r)  # this peer is added if missing
-            assert averager.get_group_bits() == expected[r].bits
-            assert weight == expected[r].weight
-        moved = place_in_grid([*members, "new"], averager.peer_id, G, 3, 0)
-        assert averager.place_on_grid([*members, "new"], 3) == moved.weight  # count restarts
+            assert averager.get_group_bits() == expected.bits
+            assert weight == expected.weight
+        # a newcomer: the placement carries over, this peer keeps its cell
+        moved, _ = place_next(history, [*members, "new"], averager.peer_id, G, 3)
+        assert averager.place_on_grid([*members, "new"], 3) == moved.weight
+        assert moved.cell == expected.cell
         no_grid = DecentralizedAverager([torch.zeros(3)], handle, start=False, prefix="x")
         with pytest.raises(ValueError, match="target_group_size"):
             no_grid.place_on_grid(members, 0)

@@ -88,6 +88,9 @@ def test_json_numbers_are_taken_as_json_gives_them() -> None:
         ("relative_weight_bound", 0.5),
         ("relative_weight_bound", float("inf")),
         ("relative_weight_bound", "4"),
+        ("group_size", 1),
+        ("group_size", 16.5),
+        ("group_size", "16"),
         ("accumulation", 0),
         ("accumulation", 2.5),
         ("precision", "fp16"),
@@ -176,9 +179,10 @@ def test_an_open_runs_robust_averaging_reaches_every_peers_optimizer() -> None:
     from peer import Node
     from peer.optim.collaborative.optimizer import Optimizer
 
-    run = {"aggregator": "trimmed_mean", "relative_weight_bound": 4}
+    run = {"aggregator": "trimmed_mean", "relative_weight_bound": 4, "group_size": 16}
     config = TrainingConfig.from_run_config(Toy(), run)
     assert (config.aggregator, config.relative_weight_bound) == ("trimmed_mean", 4.0)
+    assert config.group_size == 16
     assert TrainingConfig.from_run_config(Toy(), config.to_run_config()) == config
     node = Node(gossip_period=0.2)
     try:
@@ -190,9 +194,11 @@ def test_an_open_runs_robust_averaging_reaches_every_peers_optimizer() -> None:
             for averager in (opt.grad_averager, opt.state_averager):
                 assert averager.allreduce_config.aggregator == "trimmed_mean"
                 assert averager.allreduce_config.relative_weight_bound == 4.0
+                assert averager.matchmaking_config.target_group_size == 16  # the grid's g
         finally:
             opt.shutdown()
     finally:
         node.shutdown()
     default = TrainingConfig.from_run_config(Toy(), {})
     assert (default.aggregator, default.relative_weight_bound) == ("centered_clip", 16.0)
+    assert default.group_size is None and default.optimizer_options()["averager_opts"] == {}
