@@ -355,32 +355,28 @@ class TrainingConfig:
     ) -> Optimizer | DiLoCo:
         """The run's swarm optimizer over ``params``: a ``peer.Optimizer`` or, with
         ``algorithm: diloco``, a ``peer.DiLoCo``, configured by this config; ``extra``
-        keyword arguments go to it as well (``client_mode``, say).
+        keyword arguments go to it as well (``client_mode``, say; ``averager_opts`` are
+        merged over the config's).
 
         ``buffers`` are the model's buffers to share (``peer.optim.model_buffers(model)``):
         averaged as values with the parameters and handed to newcomers with the state,
         unless ``local_buffers`` keeps them each peer's own."""
         shared = None if self.local_buffers else buffers
+        more: SharedAveragerOptions = extra.pop("averager_opts", {})
         if self.algorithm == "diloco":
             from peer.optim.diloco.outer import DiLoCo
 
+            diloco = self.diloco_options()
+            diloco["averager_opts"].update(more)
             return DiLoCo(
-                node=node,
-                run_id=run_id,
-                params=params,
-                buffers=shared,
-                **self.diloco_options(),
-                **extra,
+                node=node, run_id=run_id, params=params, buffers=shared, **diloco, **extra
             )
         from peer.optim.collaborative.optimizer import Optimizer
 
+        options = self.optimizer_options()
+        options["averager_opts"].update(more)
         return Optimizer(
-            node=node,
-            run_id=run_id,
-            params=params,
-            buffers=shared,
-            **self.optimizer_options(),
-            **extra,
+            node=node, run_id=run_id, params=params, buffers=shared, **options, **extra
         )
 
     def make_optimizer(self) -> OptimizerFactory:

@@ -77,10 +77,11 @@ def config(batch_size: int, accumulation: int, **options: Any) -> TrainingConfig
         epochs=EPOCHS,
         lr_schedule="linear",
         warmup_epochs=2,
-        # the group forms as soon as both are in (target_group_size=2); a long wait only
+        # the group forms as soon as both are in (group_size=2); a long wait only
         # keeps a loaded machine from failing a round, after which a peer steps alone
         matchmaking_time=scaled(10.0),
         aggregator="mean",
+        group_size=2,
         **options,
     )
 
@@ -106,9 +107,7 @@ def train_peer(
 ) -> list[torch.Tensor]:
     """Peer ``rank``: each epoch its 16 samples as ``cfg.accumulation`` micro-batches, one
     step, then steps without samples until the swarm's epoch moves; its final parameters."""
-    opt = cfg.make_swarm_optimizer(
-        node, run_id, model.parameters(), averager_opts={"target_group_size": 2}
-    )
+    opt = cfg.make_swarm_optimizer(node, run_id, model.parameters())
     try:
         while opt.local_epoch < EPOCHS:
             epoch = opt.local_epoch

@@ -190,12 +190,18 @@ def test_an_open_runs_robust_averaging_reaches_every_peers_optimizer() -> None:
         opt = Optimizer(
             node=node, run_id="r", params=model.parameters(), **config.optimizer_options()
         )
+        # the run's options, and a caller's own averager options over them
+        built = config.make_swarm_optimizer(
+            node, "r2", torch.nn.Linear(2, 1).parameters(), averager_opts={"min_group_size": 3}
+        )
         try:
-            for averager in (opt.grad_averager, opt.state_averager):
+            for averager in (opt.grad_averager, opt.state_averager, built.state_averager):
                 assert averager.allreduce_config.aggregator == "trimmed_mean"
                 assert averager.allreduce_config.relative_weight_bound == 4.0
                 assert averager.matchmaking_config.target_group_size == 16  # the grid's g
+            assert built.state_averager.matchmaking_config.min_group_size == 3
         finally:
+            built.shutdown()
             opt.shutdown()
     finally:
         node.shutdown()
