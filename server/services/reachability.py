@@ -19,7 +19,6 @@ import contextlib
 import ipaddress
 import os
 import urllib.parse
-from dataclasses import dataclass
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
@@ -27,18 +26,8 @@ from sqlalchemy.orm import Session
 from server.clock import now_ms
 from server.exceptions import RateLimited
 from server.models import Peer
+from server.schemas import ReachabilityPublic
 from server.services import presence
-
-
-@dataclass(frozen=True, slots=True)
-class Reachability:
-    reachable: bool
-    address: str | None
-    host: str
-    port: int
-    bulk_port: int | None
-    detail: str
-    punch_address: str | None = None
 
 
 async def check(
@@ -51,7 +40,7 @@ async def check(
     interval_s: float,
     timeout_s: float,
     punch_port: int | None = None,
-) -> Reachability:
+) -> ReachabilityPublic:
     """Probe the peer's ports from here and record the outcome (see the module's docstring);
     :class:`RateLimited` when the peer was probed less than ``interval_s`` ago."""
     await asyncio.to_thread(_claim, session, peer_pk, interval_s)
@@ -87,7 +76,7 @@ async def check(
             f" (bulk port {bulk_port} too)" if bulk_port is not None else ""
         )
     await asyncio.to_thread(_record, session, peer_pk, address or punch_address)
-    return Reachability(
+    return ReachabilityPublic(
         reachable=address is not None,
         address=address,
         host=shown if ip is None else str(ip),

@@ -187,7 +187,7 @@ async def check_reachability(
     answered, no address and client mode otherwise. Once per ``reachability_interval_s``
     (429 with ``Retry-After`` before)."""
     assert peer.peer_pk is not None
-    result = await reachability_service.check(
+    return await reachability_service.check(
         session,
         peer.peer_pk,
         request.client.host if request.client else None,
@@ -196,15 +196,6 @@ async def check_reachability(
         interval_s=settings.reachability_interval_s,
         timeout_s=settings.reachability_timeout_s,
         punch_port=body.punch_port,
-    )
-    return ReachabilityPublic(
-        reachable=result.reachable,
-        address=result.address,
-        host=result.host,
-        port=result.port,
-        bulk_port=result.bulk_port,
-        detail=result.detail,
-        punch_address=result.punch_address,
     )
 
 
