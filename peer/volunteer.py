@@ -200,11 +200,9 @@ class Volunteer:
         """Leave the swarm: ``run()`` returns within a few seconds. Thread-safe, idempotent."""
         self._stopping.set()
         self._wake.set()
-        # the collaborative optimizer's round in flight is called off; DiLoCo has no
-        # interrupt(): its round in flight ends with its shutdown() as run() returns
-        interrupt: Callable[[], None] | None = getattr(self._optimizer, "interrupt", None)
-        if interrupt is not None:
-            interrupt()
+        optimizer = self._optimizer
+        if optimizer is not None:  # its averaging round in flight is called off
+            optimizer.interrupt()
 
     # ------------------------------------------------------------------- run
 

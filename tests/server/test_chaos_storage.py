@@ -91,7 +91,22 @@ async def remount_read_only(
 
     # polled while the loop runs, so that a flush in flight completes between attempts (a
     # blocked loop keeps its result, and what that holds, alive)
-    assert await wait_until_async(attempt, scaled(10)), "the filesystem stayed busy"
+    assert await wait_until_async(attempt, scaled(30)), (
+        f"the filesystem stayed busy; open on it here: {_open_files(directory)}"
+    )
+
+
+def _open_files(directory: Path) -> list[str]:
+    """This process's descriptors on files under ``directory``, with their open flags (what
+    keeps a remount read-only from happening)."""
+    found = []
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = fd.readlink()
+            if str(target).startswith(str(directory)):
+                flags = (Path("/proc/self/fdinfo") / fd.name).read_text().split("\n")[1]
+                found.append(f"{target} ({flags.strip()})")
+    return found
 
 
 def restore(directory: Path) -> None:

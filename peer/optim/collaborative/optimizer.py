@@ -447,6 +447,7 @@ class Optimizer(LiveCatchUp[EpochRun]):
         """Average, step, advance the epoch: the phases before the first delayed one run
         here, the rest in the background thread (see :mod:`peer.optim.collaborative.epochs`)."""
         self._settle_pending()  # one background epoch at a time; it also frees the buffers
+        self._pending.interrupted = False  # an interrupt() calls off the epoch under way only
         plan = plan_epoch(
             self.options,
             epoch=self.local_epoch,
@@ -482,11 +483,6 @@ class Optimizer(LiveCatchUp[EpochRun]):
         self.phases.apply(run)  # even a cancelled one: its optimizer step may have run
         if run.plan.holds_announcement:
             self._report()
-
-    def interrupt(self) -> None:
-        """Call off the averaging round in flight, if any; safe from any thread (e.g. a
-        signal handler's). The step running it goes on as after a failed round."""
-        self._pending.interrupt()
 
     def state_dict(self) -> StateDict:
         """Optimizer, scheduler and epoch; waits for pending background work first, so the

@@ -78,6 +78,9 @@ class RoundRunner:
         """One round of ``averager`` (``gradients``: the epoch's gradient round, which others
         may have left this peer behind in); None (logged as ``what``, then ``fallback``) if
         it failed, was cancelled or was skipped, else the gathered group."""
+        if self.pending.interrupted:
+            logger.info("%s called off (interrupted); %s", what, fallback)
+            return None
         if not self.tracker.others_reporting():
             logger.debug("%s skipped: no other peer in the run; %s", what, fallback)
             return None
@@ -85,9 +88,13 @@ class RoundRunner:
             control = averager.step(weight=weight, timeout=self.timeout, gather=gather, wait=False)
             assert isinstance(control, StepControl)  # wait=False always returns one
             self.pending.round = control
+            if self.pending.interrupted:  # (an interrupt() just before the round was set)
+                control.cancel()
             result = self._await(averager, control, epoch, gradients=gradients)
         except StepFailed as exc:
-            if not self.closing.is_set() and not (self.behind and gradients):
+            if self.pending.interrupted:
+                logger.info("%s called off (interrupted); %s", what, fallback)
+            elif not self.closing.is_set() and not (self.behind and gradients):
                 self.rounds_failed += 1
                 self.last_failure = type(exc).__name__
                 logger.log(level, "%s failed (%s); %s", what, exc, fallback)

@@ -488,6 +488,7 @@ class DiLoCo(SyncRounds, LiveCatchUp[SyncRun]):
         round (here, or in the background with ``overlap``). Training thread."""
         started = time.monotonic()
         self._settle_pending()  # one round in flight at a time
+        self._pending.interrupted = False  # an interrupt() calls off the sync under way only
         self.round_wait_seconds += time.monotonic() - started
         if self._behind:
             return  # (the landed round found the others gone on: the next step loads state)

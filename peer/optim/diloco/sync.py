@@ -118,10 +118,16 @@ class SyncRounds:
             )
             assert isinstance(control, StepControl)  # wait=False always returns one
             self._pending.round = control
+            if self._pending.interrupted:  # (an interrupt() just before the round was set)
+                control.cancel()
             group = self._await_round(control, run.sync)
         except StepFailed as exc:
             if self._closed:
                 run.cancelled = True
+                return
+            if self._pending.interrupted:
+                run.failed = True
+                logger.info("sync %d: averaging called off; retrying at the next step", run.sync)
                 return
             if isinstance(exc, AllreduceTimeout | MatchmakingFailed):
                 self.timer.timed_out()

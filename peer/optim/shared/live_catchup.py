@@ -172,6 +172,13 @@ class LiveCatchUp(Generic[RunT]):
         ``timeout``."""
         return self._pending.settle(self._land, cancel=cancel, timeout=timeout)
 
+    def interrupt(self) -> None:
+        """Call off the averaging round in flight, if any, and the rounds of the epoch (or
+        sync) under way that have not begun; safe from any thread (e.g. a signal handler's).
+        The step running them goes on as after failed rounds (the collaborative optimizer
+        steps with this peer's own gradients)."""
+        self._pending.interrupt()
+
     def wait_for_pending(self, timeout: float | None = None) -> bool:
         """Wait until background work has finished and apply its result to the model —
         e.g. after the last ``step()``, before evaluating or saving. Returns False if it

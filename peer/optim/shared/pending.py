@@ -33,6 +33,9 @@ class Pending(Generic[RunT]):
     def __init__(self) -> None:
         self.run: RunT | None = None  # the background run not applied yet
         self.round: StepControl | None = None  # the averaging round in flight, if any
+        # set by interrupt(): the rounds of the epoch under way are called off too (the
+        # optimizer clears it when its next epoch begins)
+        self.interrupted = False
 
     @property
     def landed(self) -> bool:
@@ -41,7 +44,9 @@ class Pending(Generic[RunT]):
         return run is not None and run.future is not None and run.future.done()
 
     def interrupt(self) -> None:
-        """Call off the averaging round in flight; safe from any thread."""
+        """Call off the averaging round in flight, and the rounds of the epoch under way that
+        have not begun; safe from any thread."""
+        self.interrupted = True
         control = self.round
         if control is not None:
             control.cancel()
