@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from functools import partial
 
 import pytest
@@ -32,15 +31,6 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + rank)
     x = torch.randn(4, 4, generator=g)
     return x, x.sum(dim=1, keepdim=True).cos()
-
-
-@pytest.fixture
-def nodes() -> Iterator[list[Node]]:
-    a = Node(gossip_period=0.2)
-    b = Node(a.visible_addresses, gossip_period=0.2)
-    yield [a, b]
-    b.shutdown()
-    a.shutdown()
 
 
 def test_a_lone_peer_trains_without_waiting_for_a_group(caplog: pytest.LogCaptureFixture) -> None:

@@ -7,7 +7,6 @@ it. Peers in one process over loopback WebSockets."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from functools import partial
 
 import pytest
@@ -59,16 +58,6 @@ def _sees_epoch(node: Node, peer_id: str, epoch: int) -> bool:
         and peer_id in record.value
         and record.value[peer_id].value[0] == epoch
     )
-
-
-@pytest.fixture
-def nodes() -> Iterator[list[Node]]:
-    a = Node(gossip_period=0.2)
-    b = Node(a.visible_addresses, gossip_period=0.2)
-    assert wait_until(lambda: len(a.members()) == len(b.members()) == 2, scaled(15))
-    yield [a, b]
-    b.shutdown()
-    a.shutdown()
 
 
 def test_step_lr_steps_once_per_swarm_epoch_and_is_saved_with_the_state() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -19,15 +19,6 @@ from tests.conftest import scaled
 
 # a round that would look for a third peer for a minute
 WAIT = {"matchmaking_time": 60.0, "averaging_timeout": 120.0}
-
-
-@pytest.fixture
-def nodes() -> Iterator[list[Node]]:
-    a = Node(gossip_period=0.2)
-    b = Node(a.visible_addresses, gossip_period=0.2)
-    yield [a, b]
-    b.shutdown()
-    a.shutdown()
 
 
 def _collaborative(node: Node, model: torch.nn.Module) -> Optimizer:
