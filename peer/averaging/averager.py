@@ -360,7 +360,9 @@ class DecentralizedAverager(GroupSteps):
     def set_group_bits(self, group_bits: str) -> None:
         self._group_bits = validate_group_bits(group_bits)
 
-    def place_on_grid(self, members: Iterable[str], round_index: int) -> float:
+    def place_on_grid(
+        self, members: Iterable[str], round_index: int, clients: Iterable[str] = ()
+    ) -> float:
         """Take this round's place on the Moshpit grid that fits ``members`` (the swarm as
         this peer sees it, itself included: e.g. the run's peers with a live progress report)
         for round ``round_index`` (a counter every peer shares, such as the epoch): sets the
@@ -369,12 +371,15 @@ class DecentralizedAverager(GroupSteps):
         gradients, whose weight stays their own). The placement carries over from the round
         before (:func:`~peer.averaging.matchmaking.grid.place_next`): with equal step weights
         every peer holds the mean after ``rounds_to_mean(N, target_group_size)`` rounds.
-        Needs ``target_group_size``."""
+        ``clients``: the members in client mode (no group can be led by one; the others take
+        cells that put one on every line). Needs ``target_group_size``."""
         target = self.matchmaking_config.target_group_size
         if target is None:
             raise ValueError("a Moshpit grid needs target_group_size")
         view = frozenset(members) | {self.peer_id}
-        place, self._grid = place_next(self._grid, view, self.peer_id, target, round_index)
+        in_client_mode = frozenset(clients) & view
+        hosts = view - in_client_mode if in_client_mode else None
+        place, self._grid = place_next(self._grid, view, self.peer_id, target, round_index, hosts)
         self._group_bits = place.bits
         return place.weight
 

@@ -32,6 +32,7 @@ __all__ = [
     "Placement",
     "grid_for",
     "home_coordinate",
+    "leader_cells",
     "place_all",
     "place_in_grid",
     "place_next",
@@ -221,11 +222,20 @@ def _capacities(grid: Grid) -> Counter[int]:
     return capacity
 
 
+def leader_cells(grid: Grid) -> list[int]:
+    """Cells of which every line of every dimension holds at least one: those whose
+    coordinates sum to a multiple of the shortest side (a line along a side of ``s ≥ m``
+    runs through ``s`` consecutive sums, so through a multiple of ``m``)."""
+    m = min(grid.sides)
+    return [c for c in range(grid.cells) if sum(grid.coords(c)) % m == 0]
+
+
 def place_all(
     members: Iterable[str],
     target_group_size: int,
     round_index: int = 0,
     previous: Placement | None = None,
+    hosts: frozenset[str] | None = None,
 ) -> Placement:
     """Every member's cell for round ``round_index``. Without ``previous`` (or when the
     grid's sides changed) the peers take the places of :func:`rank_order`. Otherwise every
@@ -234,11 +244,18 @@ def place_all(
     free places: first the cells nobody holds, then the extra places, each peer taking a
     free one at its :func:`home_coordinate` along this round's dimension where one is left,
     else the first free one. A departure or an arrival moves no other peer unless the
-    number of extras drops; the layout stays that of :func:`grid_for` (full, balanced)."""
+    number of extras drops; the layout stays that of :func:`grid_for` (full, balanced).
+
+    ``hosts``: the members that accept connections (None: all of them). A group needs one
+    to lead it, so on a new grid the hosts take the :func:`leader_cells` first, in rank
+    order, and every line holds one wherever there are enough of them; a newcomer that is
+    a host takes a free leader cell first."""
     order = rank_order(members)
     grid = grid_for(len(order), target_group_size)
     if previous is None or previous.grid.sides != grid.sides:
-        return Placement(grid, {p: grid.cell_of(i) for i, p in enumerate(order)})
+        if hosts is None or len(hosts) >= len(order):
+            return Placement(grid, {p: grid.cell_of(i) for i, p in enumerate(order)})
+        return Placement(grid, _leaders_first(grid, order, hosts))
     room = _capacities(grid)
     cells: dict[str, int] = {}
     for peer in order:
@@ -251,6 +268,17 @@ def place_all(
     extra = [c for c in range(grid.cells) for _ in range(room[c] - (held[c] == 0))]
     dim = round_index % grid.dims
     waiting = [p for p in order if p not in cells]
+    if hosts is not None:  # hosts first, to the free leader cells of lines without a host
+        leaders = set(leader_cells(grid))
+        led = {c for p, c in cells.items() if p in hosts}
+        for peer in [p for p in waiting if p in hosts]:
+            free_leader = next((c for c in empty if c in leaders and c not in led), None)
+            if free_leader is None:
+                break
+            empty.remove(free_leader)
+            cells[peer] = free_leader
+            led.add(free_leader)
+        waiting = [p for p in waiting if p not in cells]
     for free in (empty, extra):
         by_coordinate: dict[int, list[int]] = {}
         for cell in free:
@@ -268,6 +296,21 @@ def place_all(
         waiting = unplaced[len(left) :]
     assert not waiting, "the layout holds exactly one place per member"
     return Placement(grid, cells)
+
+
+def _leaders_first(grid: Grid, order: list[str], hosts: frozenset[str]) -> dict[str, int]:
+    """A new grid's places with the hosts on the leader cells first (then the cells and
+    the extras' places in order, as :meth:`Grid.cell_of` lays them out)."""
+    places = [grid.cell_of(i) for i in range(len(order))]
+    leaders = set(leader_cells(grid))
+    first = [c for c in places[: grid.cells] if c in leaders]
+    rest = [c for c in places[: grid.cells] if c not in leaders] + places[grid.cells :]
+    leading = [p for p in order if p in hosts][: len(first)]
+    taken = set(leading)
+    cells = dict(zip(leading, first, strict=False))
+    free = first[len(leading) :] + rest
+    cells.update(zip([p for p in order if p not in taken], free, strict=True))
+    return cells
 
 
 @dataclass(frozen=True)
@@ -291,18 +334,19 @@ def place_in_grid(
     round_index: int,
     stable_rounds: int,
     previous: Placement | None = None,
+    hosts: frozenset[str] | None = None,
 ) -> GridPlace:
     """This peer's place in round ``round_index`` on the grid of ``members`` (this peer
     included, as this peer sees them), having averaged on the same grid for the previous
     ``stable_rounds`` rounds (0 when the view just changed); ``previous``: the placement
-    of the round before, whose cells the members keep (:func:`place_all`)."""
+    of the round before, whose cells the members keep, and ``hosts`` (:func:`place_all`)."""
     if round_index < 0 or stable_rounds < 0:
         raise ValueError("round_index and stable_rounds must not be negative")
     view = frozenset(members)
     if peer_id not in view:
         raise ValueError("the peer must be among the members it sees")
     placement = _placement(
-        view, target_group_size, 0 if previous is None else round_index, previous
+        view, target_group_size, 0 if previous is None else round_index, previous, hosts
     )
     grid = placement.grid
     d = grid.dims
@@ -319,11 +363,15 @@ def place_in_grid(
 
 @functools.lru_cache(maxsize=64)
 def _placement(
-    members: frozenset[str], target_group_size: int, round_index: int, previous: Placement | None
+    members: frozenset[str],
+    target_group_size: int,
+    round_index: int,
+    previous: Placement | None,
+    hosts: frozenset[str] | None,
 ) -> Placement:
     # every peer of a simulated swarm asks for the same placement (``Placement`` hashes by
     # identity: the same ``previous`` object)
-    return place_all(members, target_group_size, round_index, previous)
+    return place_all(members, target_group_size, round_index, previous, hosts)
 
 
 @dataclass(frozen=True)
@@ -344,6 +392,7 @@ def place_next(
     peer_id: str,
     target_group_size: int,
     round_index: int,
+    hosts: frozenset[str] | None = None,
 ) -> tuple[GridPlace, GridHistory]:
     """This peer's place in round ``round_index`` with its placement carried over from
     ``history`` (:func:`place_all`), and the history to pass to the next round. The count
@@ -368,6 +417,12 @@ def place_next(
     else:
         stable, held = history.stable + 1, True
     place = place_in_grid(
-        view, peer_id, target_group_size, round_index, stable, previous if carried else None
+        view,
+        peer_id,
+        target_group_size,
+        round_index,
+        stable,
+        previous if carried else None,
+        hosts,
     )
     return place, GridHistory(place.placement, view, stable, held)

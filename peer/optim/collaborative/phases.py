@@ -81,7 +81,8 @@ class EpochPhases:
         if self.epoch_in_group_bits:
             self.grad_averager.set_group_bits(format(epoch % (1 << 16), "016b"))
         else:
-            self.grad_averager.place_on_grid(self.rounds.tracker.peers_at(epoch), epoch)
+            peers, clients = self.rounds.tracker.peers_at(epoch)
+            self.grad_averager.place_on_grid(peers, epoch, clients)
         group = self.rounds.run(
             self.grad_averager,
             weight=0.0 if self.auxiliary else float(samples),
@@ -122,9 +123,9 @@ class EpochPhases:
         if self.epoch_in_group_bits:
             self.state_averager.set_group_bits(format((run.plan.epoch + 1) % (1 << 16), "016b"))
         else:
+            peers, clients = self.rounds.tracker.peers_at(run.plan.epoch)
             weight = self.state_averager.place_on_grid(
-                self.rounds.tracker.peers_at(run.plan.epoch),
-                run.plan.epoch // self.average_state_every,
+                peers, run.plan.epoch // self.average_state_every, clients
             )
         group = self.rounds.run(
             self.state_averager,

@@ -106,7 +106,8 @@ class SyncRounds:
         if self._sync_in_group_bits:
             averager.set_group_bits(format(run.sync % (1 << 16), "016b"))
         else:  # fresh pseudo-gradients: even groups, their weight stays the samples
-            averager.place_on_grid(self.tracker.peers_at(run.sync), run.sync // len(self.averagers))
+            peers, clients = self.tracker.peers_at(run.sync)
+            averager.place_on_grid(peers, run.sync // len(self.averagers), clients)
         started = time.monotonic()
         averager.last_group = frozenset()  # (no all-reduce begun: nobody holds a result)
         try:

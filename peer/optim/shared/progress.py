@@ -383,11 +383,12 @@ class ProgressTracker:
         members = self.node.members()
         return [r for r in self.fetch() if r.peer_id in members]
 
-    def peers_at(self, epoch: int) -> list[str]:
+    def peers_at(self, epoch: int) -> tuple[list[str], list[str]]:
         """The present peers (:meth:`present`) at ``epoch`` or later: those a round of
         ``epoch`` may meet (an epoch's report goes out only once the rounds before it ended),
-        the view an optimizer places its Moshpit grid from."""
-        return [r.peer_id for r in self.present() if r.epoch >= epoch]
+        the view an optimizer places its Moshpit grid from; and those of them in client mode."""
+        reports = [r for r in self.present() if r.epoch >= epoch]
+        return [r.peer_id for r in reports], [r.peer_id for r in reports if r.client_mode]
 
     def others_reporting(self) -> int:
         """How many other peers have a live report, at any epoch."""

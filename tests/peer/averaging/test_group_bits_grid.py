@@ -11,8 +11,10 @@ import torch
 
 from peer.averaging.matchmaking.grid import (
     GridHistory,
+    Placement,
     grid_for,
     home_coordinate,
+    leader_cells,
     place_all,
     place_in_grid,
     place_next,
@@ -211,6 +213,17 @@ def test_an_averager_takes_its_place_from_the_membership_it_is_given() -> None:
         moved, _ = place_next(history, [*members, "new"], averager.peer_id, G, 3)
         assert averager.place_on_grid([*members, "new"], 3) == moved.weight
         assert moved.cell == expected.cell
+        # client-mode members: the others are the hosts of the placement
+        clients = [p for p in others if p.endswith(("1", "2", "3", "4"))]
+        hosted = DecentralizedAverager(
+            [torch.zeros(3)], handle, start=False, prefix="hosted", target_group_size=G
+        )
+        view = frozenset([*others, hosted.peer_id])
+        expected, _ = place_next(
+            GridHistory(), view, hosted.peer_id, G, 0, view - frozenset(clients)
+        )
+        assert hosted.place_on_grid(others, 0, clients) == expected.weight
+        assert hosted.get_group_bits() == expected.bits
         no_grid = DecentralizedAverager([torch.zeros(3)], handle, start=False, prefix="x")
         with pytest.raises(ValueError, match="target_group_size"):
             no_grid.place_on_grid(members, 0)
@@ -320,3 +333,70 @@ def test_places_carried_over_reach_the_mean_once_the_membership_stops_changing()
                 values[p] = avg.clone()
     assert counts[:4] == [0, 1, 2, 0]
     assert max(float((v - reference).abs().max()) for v in values.values()) <= 1e-12
+
+
+def _lines_without_a_host(placement: Placement, hosts: frozenset[str]) -> int:
+    grid = placement.grid
+    missing = 0
+    for dim in range(grid.dims):
+        led: dict[tuple[int, ...], bool] = {}
+        for peer, cell in placement.cells.items():
+            coords = grid.coords(cell)
+            line = coords[:dim] + coords[dim + 1 :]
+            led[line] = led.get(line, False) or peer in hosts
+        missing += sum(not has for has in led.values())
+    return missing
+
+
+@pytest.mark.parametrize("g", [4, 16])
+@pytest.mark.parametrize("n", [20, 37, 50, 64, 100, 130, 250, 500, 1000])
+def test_the_leader_cells_meet_every_line_of_every_dimension(n: int, g: int) -> None:
+    grid = grid_for(n, g)
+    leaders = set(leader_cells(grid))
+    for dim in range(grid.dims):
+        for line, _ in grid.line_sizes(dim).items():
+            cells = [
+                c for c in range(grid.cells)
+                if grid.coords(c)[:dim] + grid.coords(c)[dim + 1 :] == line[:dim] + line[dim + 1 :]
+            ]  # fmt: skip
+            assert leaders & set(cells), (n, g, dim, line)
+    assert len(leaders) <= grid.cells // min(grid.sides) + grid.cells // grid.dims
+
+
+@pytest.mark.parametrize("n", [37, 100, 250])
+def test_hosts_take_the_leader_cells_so_no_line_is_all_clients(n: int) -> None:
+    """With just enough peers accepting connections (one per leader cell), a plain rank
+    placement leaves lines of client-mode peers only (no group can form there); hosts on
+    the leader cells leave none, and the placement is still one of the grid's layout."""
+    members = [f"p{i}" for i in range(n)]
+    hosts = frozenset(members[: len(leader_cells(grid_for(n, G)))])
+    plain = place_all(members, G)
+    assert _lines_without_a_host(plain, hosts) > 0
+    placed = place_all(members, G, hosts=hosts)
+    assert _lines_without_a_host(placed, hosts) == 0
+    assert Counter(placed.cells.values()) == Counter(plain.cells.values())
+    assert place_all(members, G, hosts=frozenset(members)).cells == plain.cells
+
+
+def test_a_newcomer_host_takes_a_free_leader_cell() -> None:
+    """On a carried placement (the same count, so the same grid): a host on a leader cell
+    and a client elsewhere leave, a host and a client arrive; nobody else moves, and the new
+    host takes the leader cell, the new client the other."""
+    members = [f"p{i}" for i in range(105)]  # 10 x 10 and five extras
+    hosts = frozenset(members[:20])
+    before = place_all(members, G, hosts=hosts)
+    leaders = set(leader_cells(before.grid))
+    alone = Counter(before.cells.values())
+    host = next(
+        p for p in sorted(hosts) if before.cells[p] in leaders and alone[before.cells[p]] == 1
+    )
+    client = next(
+        p for p in members
+        if p not in hosts and before.cells[p] not in leaders and alone[before.cells[p]] == 1
+    )  # fmt: skip
+    staying = [p for p in members if p not in (host, client)]
+    now_hosts = hosts - {host} | {"new-host"}
+    after = place_all([*staying, "new-host", "new-client"], G, 1, before, hosts=now_hosts)
+    assert all(after.cells[p] == before.cells[p] for p in staying)
+    assert after.cells["new-host"] == before.cells[host]
+    assert after.cells["new-client"] == before.cells[client]

@@ -65,7 +65,7 @@ def test_the_rounds_take_the_grids_groups_and_reach_the_mean_of_the_parameters()
                 )
             )
         assert wait_until(
-            lambda: all(len(opt.tracker.peers_at(0)) == PEERS for opt in opts), scaled(30)
+            lambda: all(len(opt.tracker.peers_at(0)[0]) == PEERS for opt in opts), scaled(30)
         )
         # distinct parameters on every peer (a newcomer had downloaded the first one's)
         generator = torch.Generator().manual_seed(0)
@@ -140,7 +140,7 @@ def test_diloco_syncs_take_the_grids_groups() -> None:
                 )
             )
         assert wait_until(
-            lambda: all(len(opt.tracker.peers_at(0)) == peers for opt in opts), scaled(30)
+            lambda: all(len(opt.tracker.peers_at(0)[0]) == peers for opt in opts), scaled(30)
         )
         expected = _expected_groups([node.peer_id for node in nodes], syncs)
         for k in range(syncs):
