@@ -297,7 +297,9 @@ def test_a_volunteer_install_joins_a_run_of_the_full_install(
         answer: dict[str, str] = json.loads(done.stdout)
         return answer
 
-    run = swarmgrad("runs", "create", "installs", "--task", "digits")
+    # no natural end: alone, a volunteer trains digits' 40 epochs in seconds, and could be
+    # on its way out when the interrupt below comes
+    run = swarmgrad("runs", "create", "installs", "--task", "digits", "--config", "epochs=100000")
     token = swarmgrad("invite", run["id"], "--uses", "1")["token"]
     process = subprocess.Popen(
         [
