@@ -27,6 +27,13 @@ def _priority_seen(newcomer: DecentralizedAverager, donor: DecentralizedAverager
     return getattr(item, "value", None)
 
 
+def _priorities_seen(
+    newcomer: DecentralizedAverager, declared: dict[DecentralizedAverager, float]
+) -> bool:
+    """Whether ``newcomer`` sees every donor of ``declared`` declare its priority there."""
+    return all(_priority_seen(newcomer, donor) == value for donor, value in declared.items())
+
+
 class _Bloated(DecentralizedAverager):
     """Serves a state far larger than any peer of this run holds."""
 
@@ -50,7 +57,7 @@ def test_a_donor_claiming_a_huge_state_is_skipped(
     honest.state_sharing_priority = 1.0
     hostile.state_sharing_priority = 100.0
 
-    assert wait_for(lambda: _donors_declared(newcomer, 2), 15)
+    assert wait_for(lambda: _priorities_seen(newcomer, {honest: 1.0, hostile: 100.0}), 15)
     with caplog.at_level(logging.WARNING, logger="peer.averaging.state"):
         found = newcomer.load_state_from_peers(timeout=scaled(30))
     assert found is not None
@@ -89,7 +96,9 @@ def test_a_donor_serving_wrong_weights_is_outvoted_by_the_honest_donors(
         averager.state_sharing_priority = 1.0
     liar.state_sharing_priority = 100.0
 
-    assert wait_for(lambda: _donors_declared(newcomer, 3), 15)
+    assert wait_for(
+        lambda: _priorities_seen(newcomer, {honest[0]: 1.0, honest[1]: 1.0, liar: 100.0}), 15
+    )
     with caplog.at_level(logging.WARNING, logger="peer.averaging.state"):
         found = newcomer.load_state_from_peers(timeout=scaled(30))
     assert found is not None
@@ -116,6 +125,7 @@ def test_a_state_no_other_donor_can_vouch_for_is_used_as_before(make_swarm) -> N
     donors[1].state_sharing_priority = 5.0
 
     assert wait_for(lambda: _donors_declared(newcomer, 2), 15)
+    assert wait_for(lambda: _priority_seen(newcomer, donors[1]) == 5.0, 15)
     found = newcomer.load_state_from_peers(timeout=scaled(30))
     assert found is not None and torch.equal(found[1][0], torch.full((10,), 1.0))
 
