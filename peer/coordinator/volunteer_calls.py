@@ -87,19 +87,9 @@ class JoinAnswer:
     relays: tuple[str, ...] = ()  # to register with when no other peer can dial this one
 
 
-@dataclass(frozen=True, slots=True)
-class Reachability:
-    """The coordinator's attempt to connect back to a peer at ``host`` (as it sees the
-    peer): ``address`` is what it now announces for the peer (None when unreachable);
-    ``detail`` is one line for the volunteer."""
-
-    reachable: bool
-    address: str | None
-    host: str
-    port: int
-    bulk_port: int | None
-    detail: str
-    punch_address: str | None = None  # where others punch toward it, when they must
+# The coordinator's answer to a reachability check (its attempt to connect back to the
+# peer), under the name this client has always exported.
+Reachability = ReachabilityPublic
 
 
 # --------------------------------------------------------------------------- client
@@ -193,18 +183,9 @@ class VolunteerCalls(CoordinatorConnection):
         if punch_port is not None:
             fields["punch_port"] = punch_port
         request = ReachabilityRequest.model_validate(fields)  # ValueError before sending
-        body = self._parse(
+        return self._parse(
             ReachabilityPublic,
             self._json("POST", run_path(run_id, "reachability"), token=peer_token, body=request),
-        )
-        return Reachability(
-            reachable=body.reachable,
-            address=body.address,
-            host=body.host,
-            port=body.port,
-            bulk_port=body.bulk_port,
-            detail=body.detail,
-            punch_address=body.punch_address,
         )
 
     def rendezvous(self, peer_token: str, run_id: str) -> list[RendezvousPeer]:
