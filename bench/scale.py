@@ -24,8 +24,9 @@ What is reported: without churn, the rounds until every peer holds the global me
 1e-6; with churn (``--churn-rounds`` rounds of it, then none), the survivors' distance from
 the mean of the peers present after each round (∞-norm, the largest over survivors and
 coordinates; survivors are the peers present before and after the round), the factor by
-which it shrinks per round (median and smallest of the churn rounds) and the rounds until
-it is under 1e-6 once churn stops.
+which it shrinks per round (median and smallest of the churn rounds, pooled over
+``--model-runs`` runs of the model, as one run's median of ten rounds is noisy: each run's
+own is printed too) and the rounds until it is under 1e-6 once churn stops.
 
 What is sampled, and why
 ------------------------
@@ -41,9 +42,10 @@ on top of it run N averagers. So, above ``--full-max`` peers (default 100):
   butterfly computes, which the full tier checks to 1e-6 — and the same churn (a peer that dies
   mid-round drops out of its group's mean, as the runner excludes it); each peer sees the exact
   membership (no gossip lag, which the full tier has) and keeps its cell from round to round
-  (:func:`~peer.averaging.matchmaking.grid.place_next`), and a newcomer takes its state and
-  placement from a peer of its slab (:func:`slab_mates`); the full tier's averagers place themselves
-  by rank from each view (a newcomer there has no placement to carry);
+  (:func:`~peer.averaging.matchmaking.grid.place_next`), and a newcomer takes its state from a
+  peer of its slab (:func:`slab_mates`) and its cell from the cells the others claim
+  (:func:`~peer.averaging.matchmaking.grid.with_claims`), as the full tier's averagers do
+  (``DecentralizedAverager.place_on_grid``, over gossip);
 * **matchmaking, failed rounds, newcomers and donors** come from a full-fidelity swarm of
   ``--full-max`` peers (its own grid, of sides ``≤ g`` like every size's): a peer's
   matchmaking sees only the peers of its key and a newcomer's download touches one donor,
@@ -77,9 +79,11 @@ from peer.averaging.matchmaking.grid import (
     Grid,
     GridHistory,
     Placement,
+    claim,
     grid_for,
     home_coordinate,
     place_next,
+    with_claims,
 )
 from peer.averaging.matchmaking.group_bits import group_key
 from peer.averaging.sharing.download import StateServer
@@ -101,6 +105,7 @@ class Settings:
     churn: float = 0.10  # share of the peers that leave (and arrive) per round
     churn_rounds: int | None = None  # the rounds with churn (None: all); calm after them
     churn_run: int = 10  # the table's run: rounds with churn before the calm ones
+    model_runs: int = 8  # the model's churn runs (seeds seed, seed + 1, …), pooled
     full_rounds: int = 4  # rounds of the full-protocol swarm (churn in every one)
     client_share: float = 0.10
     numel: int = 16  # averaged values per peer (the protocol, not the arithmetic)
@@ -123,17 +128,20 @@ def grid_label(grid: Grid) -> str:
 
 
 def slab_mates(
-    placement: Placement, donors: list[str], newcomer: str, round_index: int
-) -> list[str]:
-    """The donors whose state a newcomer wants for its first round, ``round_index``: those
-    at its :func:`~peer.averaging.matchmaking.grid.home_coordinate` along that round's dimension,
-    where :func:`~peer.averaging.matchmaking.grid.place_all` places it if a cell there is free.
-    After the rounds on the other dimensions they hold the mean of the slab its cell belongs to, the
-    value the peer that left that cell would have brought."""
+    placement: Placement, donors: list[str], newcomers: list[str], round_index: int
+) -> dict[str, list[str]]:
+    """For each newcomer, the donors whose state it wants for its first round,
+    ``round_index``: those at its :func:`~peer.averaging.matchmaking.grid.home_coordinate`
+    along that round's dimension, where :func:`~peer.averaging.matchmaking.grid.place_all`
+    places it if a cell there is free. After the rounds on the other dimensions they hold
+    the mean of the slab its cell belongs to, the value the peer that left that cell would
+    have brought."""
     grid = placement.grid
     dim = round_index % grid.dims
-    home = home_coordinate(newcomer, grid, dim)
-    return [p for p in donors if grid.coords(placement.cells[p])[dim] == home]
+    at: dict[int, list[str]] = {}
+    for p in donors:
+        at.setdefault(grid.coords(placement.cells[p])[dim], []).append(p)
+    return {new: at.get(home_coordinate(new, grid, dim), []) for new in newcomers}
 
 
 def deviation(values: list[torch.Tensor], everyone: list[torch.Tensor]) -> float:
@@ -432,11 +440,11 @@ def simulate_moshpit(n: int, settings: Settings = Settings()) -> MoshpitResult:
     has no gossip lag) with each group's exact weighted mean (see the module docstring).
     Before each round ``churn·n`` peers leave — half at once, half during the round's
     all-reduce, before their parts go out, so that they drop out of their group's mean —
-    and as many arrive after it, each holding the values and the placement of a donor of
-    the slab it will average for (:func:`slab_mates`; any donor if there is none). The
-    survivors are
-    the peers present before and after the round; "the mean" is that of every peer
-    present after it, newcomers included."""
+    and as many arrive after it, each holding the values of a donor of the slab it will
+    average for (:func:`slab_mates`; any donor if there is none) and taking its cell from
+    the others' claims in its first round. The survivors are the peers present before and
+    after the round; "the mean" is that of every peer present after it, newcomers
+    included."""
     s = settings
     rng = random.Random(s.seed)
     gen = torch.Generator().manual_seed(s.seed)
@@ -444,8 +452,10 @@ def simulate_moshpit(n: int, settings: Settings = Settings()) -> MoshpitResult:
         f"m{i}": torch.randn(s.numel, generator=gen, dtype=torch.float64) for i in range(n)
     }
     ids = iter(range(n, 10**9))
-    # each peer's placement carried from round to round (a newcomer takes its donor's)
+    # each peer's placement carried from round to round, and the cell each claims (a
+    # newcomer starts from the placement the claims describe, as the averager does)
     history = dict.fromkeys(peers, GridHistory())
+    claims: dict[str, list[int]] = {}
     placement: Placement | None = None
     deviations: list[float] = []
     initial = deviation(list(peers.values()), list(peers.values()))
@@ -457,8 +467,16 @@ def simulate_moshpit(n: int, settings: Settings = Settings()) -> MoshpitResult:
             del peers[peer]
         view = frozenset(peers)  # the crashing ones are still there when the round begins
         groups: dict[str, list[tuple[str, float]]] = {}
+        resumed = None
         for peer in sorted(peers):
+            # with exact views every carried placement is what the claims say; a newcomer
+            # resumes from them (the same for every newcomer of the round: none claims yet)
+            if history[peer].placement is None:
+                if resumed is None:
+                    resumed = with_claims(GridHistory(), view, peer, s.group_size, r, claims)
+                history[peer] = resumed
             place, history[peer] = place_next(history[peer], view, peer, s.group_size, r)
+            claims[peer] = claim(place, r, claims.get(peer))
             placement = place.placement
             key = group_key(PREFIX, place.bits, s.group_size)
             groups.setdefault(key, []).append((peer, place.weight))
@@ -471,17 +489,18 @@ def simulate_moshpit(n: int, settings: Settings = Settings()) -> MoshpitResult:
             mean = (stacked * weights[:, None]).sum(0) / weights.sum()
             for p, _ in staying:
                 peers[p] = mean.clone()
-        for peer in mid:
-            del peers[peer]
+        for peer in [*mid, *leaving]:
+            peers.pop(peer, None)
+            claims.pop(peer, None)  # gone: its claim no longer counts (not in any view)
         survivors = list(peers.values())
         donors = sorted(peers)
         assert placement is not None
-        for _ in leaving:
-            newcomer = f"m{next(ids)}"
-            mates = slab_mates(placement, donors, newcomer, r + 1)
-            donor = rng.choice(mates or donors)
+        arriving = [f"m{next(ids)}" for _ in leaving]
+        mates = slab_mates(placement, donors, arriving, r + 1)
+        for newcomer in arriving:
+            donor = rng.choice(mates[newcomer] or donors)
             peers[newcomer] = peers[donor].clone()
-            history[newcomer] = history[donor]
+            history[newcomer] = GridHistory()
         dev = deviation(survivors, list(peers.values()))
         deviations.append(dev)
         if dev <= TOLERANCE and rounds_to_mean is None:
@@ -494,6 +513,47 @@ def simulate_moshpit(n: int, settings: Settings = Settings()) -> MoshpitResult:
         deviations,
         initial,
         churn_rounds if s.churn > 0 else 0,
+    )
+
+
+@dataclass
+class ChurnSummary:
+    """The model's churn figures over ``len(runs)`` runs (seeds ``seed``, ``seed + 1``, …):
+    the contraction of every churn round of every run, pooled (one run's ten rounds give a
+    noisy median: a round's factor ranges from about 2.5 to 8), and each run's own."""
+
+    runs: list[MoshpitResult]
+
+    @property
+    def factors(self) -> list[float]:
+        return [f for run in self.runs for f in run.contraction()]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.factors) if self.factors else math.nan
+
+    @property
+    def worst(self) -> float:
+        return min(self.factors) if self.factors else math.nan
+
+    @property
+    def run_medians(self) -> list[float]:
+        return [statistics.median(run.contraction()) for run in self.runs if run.contraction()]
+
+    @property
+    def rounds_after_churn(self) -> int | None:
+        """The most rounds any run took to the mean once churn stopped (None: one never did)."""
+        rounds = [run.rounds_after_churn() for run in self.runs]
+        return None if any(r is None for r in rounds) else max(r for r in rounds if r is not None)
+
+
+def churn_runs(n: int, settings: Settings) -> ChurnSummary:
+    """:func:`simulate_moshpit` for ``settings.model_runs`` seeds from ``settings.seed``."""
+    return ChurnSummary(
+        [
+            simulate_moshpit(n, replace(settings, seed=settings.seed + k))
+            for k in range(max(1, settings.model_runs))
+        ]
     )
 
 
@@ -603,9 +663,10 @@ class Row:
     needed: int  # rounds the grid needs: the bound, or one more where N forbids it
     rounds_still: int | None  # Moshpit rounds to the mean without churn
     contraction_p50: float  # with churn: the survivors' distance shrinks by this per round
-    contraction_worst: float
+    contraction_worst: float  # (both over every churn round of the model's runs)
+    run_medians: list[float]  # each run's own median
     rounds_calm: int | None  # once churn (for ⌈log_g N⌉ + 1 rounds) stops: rounds to 1e-6
-    churned: MoshpitResult
+    churned: MoshpitResult  # the first run, whose distances are printed and drawn
     swarm: SwarmResult
     swarm_sampled: bool
     gossip: GossipResult
@@ -638,13 +699,12 @@ def measure(sizes: list[int], s: Settings, full_max: int, log: Any = print) -> l
         d = grid.dims
         wall = time.monotonic()
         still = simulate_moshpit(n, replace(s, churn=0.0, rounds=d + 2))
-        churned = simulate_moshpit(
+        churned = churn_runs(
             n, replace(s, churn_rounds=s.churn_run, rounds=s.churn_run + 2 * d + 2)
         )
-        factors = churned.contraction()
         # recovery: churn for d + 1 rounds leaves the survivors far apart (10 rounds of it
-        # may leave them under 1e-6 already), then none
-        calm = simulate_moshpit(n, replace(s, churn_rounds=d + 1, rounds=3 * d + 3))
+        # may leave them under 1e-6 already), then none; the slowest run counts
+        calm = churn_runs(n, replace(s, churn_rounds=d + 1, rounds=3 * d + 3))
         sample = min(n, full_max)
         if sample not in swarms:
             swarms[sample] = simulate_swarm(
@@ -658,10 +718,11 @@ def measure(sizes: list[int], s: Settings, full_max: int, log: Any = print) -> l
                 log_g(n, s.group_size),
                 d,
                 still.rounds_to_mean,
-                statistics.median(factors) if factors else math.nan,
-                min(factors) if factors else math.nan,
-                calm.rounds_after_churn(),
-                churned,
+                churned.median,
+                churned.worst,
+                churned.run_medians,
+                calm.rounds_after_churn,
+                churned.runs[0],
                 swarms[sample],
                 sample != n,
                 gossip,
@@ -679,7 +740,9 @@ def print_table(rows: list[Row], s: Settings, full_max: int) -> None:
     g = s.group_size
     print(
         f"\nMoshpit averaging, groups of at most g={g}, churn {s.churn:.0%} per round "
-        f"({s.churn_run} rounds, then none), {s.client_share:.0%} client-mode peers; "
+        f"({s.churn_run} rounds, then none; the model's figures over {max(1, s.model_runs)} "
+        f"runs, seeds {s.seed}…{s.seed + max(1, s.model_runs) - 1}), "
+        f"{s.client_share:.0%} client-mode peers; "
         f"* = from a full-protocol swarm of min(N, {full_max}) peers"
     )
     header = (
@@ -709,16 +772,23 @@ def print_table(rows: list[Row], s: Settings, full_max: int) -> None:
         "grid: sides (+ extras: a second peer in that many cells); rounds: Moshpit rounds "
         f"until every peer holds the global mean within {TOLERANCE:g} without churn; "
         "x/round, worst: with churn, the factor by which the survivors' distance from the "
-        "mean of the peers present shrinks per round (median, smallest); calm: rounds "
+        "mean of the peers present shrinks per round (median and smallest over every churn "
+        "round of every run); calm: rounds "
         f"until it is under {TOLERANCE:g} once churn stops, after d + 1 rounds of it "
-        "(d: the grid's dimensions); "
+        "(d: the grid's dimensions; the slowest run); "
         "mm ok: matchmaking attempts that found a group; "
         "failed: steps that failed; donor max: downloads served by the most-asked donor / "
         "all downloads; store: records and KiB of a peer's gossip store"
     )
     for row in rows:
+        if len(row.run_medians) > 1:
+            print(
+                f"N={row.n}: each run's own median x/round: {min(row.run_medians):.2f} to "
+                f"{max(row.run_medians):.2f} over {len(row.run_medians)} runs"
+            )
+    for row in rows:
         spread = " ".join(f"{dev:.0e}" for dev in row.churned.deviations)
-        print(f"N={row.n}: the survivors' distance after each round (model): {spread}")
+        print(f"N={row.n}: the survivors' distance after each round (model, first run): {spread}")
     seen = set()
     for row in rows:
         sw = row.swarm
@@ -805,6 +875,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gossip-live", type=int, default=100, help="gossip nodes run")
     parser.add_argument("--plot", default="scale.png", help="PNG path ('' for none)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--model-runs", type=int, default=8, help="churn runs of the model (seeds from --seed)"
+    )
     args = parser.parse_args(argv)
     sizes = sorted(set(args.peers or SIZES))
     if any(n < 2 for n in sizes) or args.group_size < 2:
@@ -815,6 +888,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--churn-rounds must be at least 1")
     if args.full_max < 4 or args.gossip_live < 2:
         parser.error("--full-max must be at least 4 and --gossip-live at least 2")
+    if args.model_runs < 1:
+        parser.error("--model-runs must be at least 1")
     settings = Settings(
         group_size=args.group_size,
         churn=args.churn,
@@ -822,6 +897,7 @@ def main(argv: list[str] | None = None) -> int:
         client_share=args.clients,
         gossip_live=args.gossip_live,
         seed=args.seed,
+        model_runs=args.model_runs,
     )
     wall = time.monotonic()
     rows = measure(sizes, settings, args.full_max)

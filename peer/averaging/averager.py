@@ -34,7 +34,13 @@ from peer.averaging.allreduce.partition import FlatLayout, schema_hash
 from peer.averaging.allreduce.runner import AllreduceConfig, AllreduceRunner, RunnerFactory
 from peer.averaging.group_step import GroupSteps
 from peer.averaging.matchmaking.driver import MatchmakingDriver
-from peer.averaging.matchmaking.grid import GridHistory, place_next
+from peer.averaging.matchmaking.grid import (
+    GridHistory,
+    claim,
+    grid_key,
+    place_next,
+    with_claims,
+)
 from peer.averaging.matchmaking.group_bits import (
     group_key,
     validate_group_bits,
@@ -60,6 +66,10 @@ from peer.exceptions import SwarmgradError
 from peer.wire import Frame
 
 logger = logging.getLogger("peer.averaging")
+
+#: seconds a peer's claim of its grid cell lives; it is stored again when the cell
+#: changes and half-way through (a claim only guides newcomers, so it may be old)
+GRID_CLAIM_TTL = 600.0
 
 __all__ = ["AveragerConfig", "DecentralizedAverager"]
 
@@ -235,8 +245,11 @@ class DecentralizedAverager(GroupSteps):
         )
         self.schema_hash = schema_hash(tensors, compression, self.roles)
         self._group_bits = validate_group_bits(initial_group_bits)
-        # place_on_grid: the placement, membership and round count carried to the next round
+        # place_on_grid: the placement, membership and round count carried to the next round,
+        # and the cell this peer claims (and until when)
         self._grid = GridHistory()
+        self._claimed: list[int] = []
+        self._claimed_until = 0.0
         self._running = False
         self._shut = False
         self._step_futures: set[concurrent.futures.Future[Any]] = set()
@@ -379,9 +392,44 @@ class DecentralizedAverager(GroupSteps):
         view = frozenset(members) | {self.peer_id}
         in_client_mode = frozenset(clients) & view
         hosts = view - in_client_mode if in_client_mode else None
-        place, self._grid = place_next(self._grid, view, self.peer_id, target, round_index, hosts)
+        # the others' cells as they claim them: a newcomer takes a free one, and a peer whose
+        # view differed from the others' falls back into their placement
+        claims = self._grid_claims()
+        history = with_claims(self._grid, view, self.peer_id, target, round_index, claims)
+        place, self._grid = place_next(history, view, self.peer_id, target, round_index, hosts)
         self._group_bits = place.bits
+        self._claim(claim(place, round_index, self._claimed))
         return place.weight
+
+    def _grid_claims(self) -> dict[str, object]:
+        """The cells the peers averaging under this prefix claim, as this node knows them."""
+        core = self.node.core
+        try:
+            found = self.node.run_coroutine(core.get(grid_key(self.config.prefix)))
+        except SwarmgradError:
+            return {}
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        return {str(k): getattr(item, "value", None) for k, item in found.value.items()}
+
+    def _claim(self, value: list[int]) -> None:
+        """Announce this peer's cell (:func:`~peer.averaging.matchmaking.grid.claim`) when it
+        changed, and again before the last announcement expires (once running)."""
+        if not self._running:
+            return
+        core = self.node.core
+        now = core.now()
+        if value == self._claimed and now < self._claimed_until - GRID_CLAIM_TTL / 2:
+            return
+        expiration = max(now + GRID_CLAIM_TTL, self._claimed_until + 1e-3)
+        self._claimed, self._claimed_until = value, expiration
+        key = grid_key(self.config.prefix)
+
+        async def store() -> None:
+            with contextlib.suppress(SwarmgradError):
+                await core.store(key, value, expiration, subkey=core.peer_id)
+
+        self.node.run_coroutine(store(), wait=False)
 
     def _group_key(self) -> str:
         target = self.matchmaking_config.target_group_size

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -13,8 +13,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.scale import (
+    ChurnSummary,
     Settings,
     SwarmResult,
+    churn_runs,
     fit_slope,
     grid_label,
     log_g,
@@ -37,7 +39,7 @@ def test_grid_labels_and_slab_mates() -> None:
     placement = place_all(members, 16)
     for r in (0, 1):
         home = home_coordinate("new", placement.grid, r)
-        mates = slab_mates(placement, members, "new", r)
+        mates = slab_mates(placement, members, ["new"], r)["new"]
         assert len(mates) == 10
         assert all(placement.grid.coords(placement.cells[p])[r] == home for p in mates)
 
@@ -53,46 +55,52 @@ def test_moshpit_reaches_the_mean_in_log_g_rounds_for_any_n(n: int) -> None:
     assert still.deviations[bound - 1] <= 1e-12
 
 
+@functools.cache
+def _churned(n: int) -> ChurnSummary:
+    """Eight runs of the model (seeds 0-7) with 10 % churn for ten rounds, then calm."""
+    d = log_g(n, 16)
+    return churn_runs(
+        n, Settings(group_size=16, churn=0.10, churn_rounds=10, rounds=10 + d + 1, model_runs=8)
+    )
+
+
 @pytest.mark.parametrize("n", [100, 1000])
 def test_moshpit_under_churn_contracts_and_holds_the_mean_once_churn_stops(n: int) -> None:
     # 10 % leave per round (half mid-round, their values lost), as many arrive: every round
     # brings the survivors closer to the mean of the peers present; once churn stops, every
     # peer sees the same membership, back at N peers (the churn's rounds saw 0.95 N, a grid
     # of other sides), its count restarts, and ⌈log_16 N⌉ rounds later every peer holds the
-    # mean (1e-6) — unless it already did
+    # mean (1e-6) — unless it already did; on each of eight runs (seeds 0-7)
     d = log_g(n, 16)
-    churned = simulate_moshpit(
-        n, Settings(group_size=16, churn=0.10, churn_rounds=10, rounds=10 + d + 1)
-    )
-    factors = churned.contraction()
-    assert len(factors) == 10
-    assert min(factors) > 1.5, factors  # never stalls
-    calm = churned.rounds_after_churn()
-    assert calm is not None and calm <= d, churned.deviations
-    assert churned.deviations[-1] <= 1e-12
+    churned = _churned(n)
+    assert len(churned.factors) == 80
+    assert churned.worst > 1.5, churned.factors  # never stalls
+    calm = churned.rounds_after_churn
+    assert calm is not None and calm <= d, [run.deviations for run in churned.runs]
+    assert all(run.deviations[-1] <= 1e-12 for run in churned.runs)
     # a short churn leaves the survivors far apart; the calm rounds still take at most d
-    short = simulate_moshpit(
-        n, Settings(group_size=16, churn=0.10, churn_rounds=2, rounds=2 + d + 1)
+    short = churn_runs(
+        n, Settings(group_size=16, churn=0.10, churn_rounds=2, rounds=2 + d + 1, model_runs=8)
     )
-    assert short.deviations[1] > 1e-3
-    assert short.rounds_after_churn() == d, short.deviations
+    for run in short.runs:
+        assert run.deviations[1] > 1e-3
+        assert run.rounds_after_churn() == d, run.deviations
 
 
 @pytest.mark.parametrize("n", [100, 1000])
 def test_moshpit_under_churn_contracts_at_least_4x_per_round(n: int) -> None:
     # 10 % churn per round as above: the survivors' distance from the mean of the peers
-    # present shrinks by at least 4x per round, median over the ten rounds, on the first
-    # three seeds (peers keep their cells, newcomers take their slab's values: 5.8-9.8 at
-    # 100 and 3.89-4.72 at 1,000 over seeds 0-15, seed 15 the one under 4 — the first two
-    # rounds on fresh values, lines of 10, are near sqrt(10) by nature; placing by rank,
-    # with a random donor's values, it was 3.6-3.8 at 1,000)
-    d = log_g(n, 16)
-    for seed in range(3):
-        churned = simulate_moshpit(
-            n, Settings(group_size=16, churn=0.10, churn_rounds=10, rounds=10 + d, seed=seed)
-        )
-        factors = churned.contraction()
-        assert statistics.median(factors) >= 4.0, (seed, factors)
+    # present shrinks by at least 4x per round, the median of the ten churn rounds of eight
+    # runs (seeds 0-7, as bench/scale.py reports it: a round's factor ranges from about 2.5
+    # to 8, so one run's median of ten is noisy). Over seeds 0-39 the pooled median is
+    # 6.6-7.4 at 100 and 4.27-4.43 at 1,000 for every eight consecutive seeds; each run's
+    # own median is 5.8-9.8 and 3.54-4.76 (peers keep their cells, newcomers take their
+    # slab's values; placing by rank, with a random donor's values, it was 3.6-3.8 at
+    # 1,000; the first two rounds, on fresh values in lines of 10, are near sqrt(10))
+    churned = _churned(n)
+    assert len(churned.factors) == 80
+    assert churned.median >= 4.0, churned.run_medians
+    assert min(churned.run_medians) >= 3.5, churned.run_medians
 
 
 def test_drawn_links_add_both_ends_latency_at_the_slower_bandwidth() -> None:

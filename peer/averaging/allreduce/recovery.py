@@ -103,7 +103,8 @@ def plan_recovery(
     slots the dead reducer left. One heir reduces every open part: the first survivor in the group's
     order that reduced a span and is not auxiliary, so a part of the round is averaged whole or kept
     whole. If the heir dies too, its parts are left open in the recovery, and the others recover
-    them in turn with the next heir.
+    them in turn with the next heir, up to ``MAX_RECOVERY_DEPTH`` recoveries deep (the runner's):
+    past that the parts keep each member's own values.
 
     Members meet in that round only if they agree on it: its group id is the main group's id
     followed by a digest of the plan (the survivors, and for each dead reducer the parts left

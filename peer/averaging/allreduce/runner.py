@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -48,6 +49,13 @@ RoundFactory = Callable[..., ButterflyRound]
 
 #: recovery frames kept for a recovery not begun yet here (one per part of a span, a few)
 _RECOVERY_EARLY_FRAMES = 4096
+
+#: recoveries of recoveries at most (the heir of a dead reducer's parts died too, and the
+#: next heir); past them a member keeps its own values there rather than wait, since each
+#: level waits longer than the one before
+MAX_RECOVERY_DEPTH = 2
+
+logger = logging.getLogger("peer.averaging.butterfly")
 
 
 def _never(peer_id: str) -> float:
@@ -100,8 +108,10 @@ class AllreduceRunner:
         in_place: bool = False,
         alpha: float = 1.0,
         candidates: Sequence[MemberInfo] | None = None,
+        depth: int = 0,
     ) -> None:
         self.core = core
+        self.depth = depth  # recoveries above this round (0: a round of its own)
         # whom the heir of a dead reducer's parts is chosen from (butterfly_recovery)
         self._candidates = candidates
         self.round = type(self).round_class(
@@ -207,6 +217,21 @@ class AllreduceRunner:
                 self._not_in_recovery(sender, frame)
         if plan is None:
             return
+        if self.depth >= MAX_RECOVERY_DEPTH:
+            # heir after heir gave up: most likely the others run another recovery (their
+            # view of the round differs) and never meet this one; the parts stay at this
+            # member's own values rather than wait on, each level longer than the last
+            logger.info(
+                "%s: %d recoveries deep, parts of %d spans keep their own values",
+                self.prefix,
+                self.depth,
+                len(plan.slots),
+            )
+            ours = plan.group.group_id
+            for sender, frame in early:
+                if frame.fields["g"] == ours or is_recovery_of(ours, frame.fields["g"]):
+                    self._not_in_recovery(sender, frame)
+            return
         flat = plan.gather(machine.orphans, machine.flat.dtype)
         self.recovery = AllreduceRunner(
             self.core,
@@ -228,6 +253,7 @@ class AllreduceRunner:
             ),
             in_place=True,
             candidates=plan.candidates,
+            depth=self.depth + 1,
         )
         ours = plan.group.group_id
         self.recovery.early.extend(

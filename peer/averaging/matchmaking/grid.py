@@ -7,7 +7,8 @@ grid from N that is always full (``d = ⌈log_g N⌉`` dimensions of sides ``m``
 every peer holds the mean within :func:`rounds_to_mean` rounds. :func:`place_all` and
 :func:`place_next` place peers and carry the placement from round to round (a peer keeps
 its cell while the grid's sides hold; a newcomer takes a free cell, preferring its
-:func:`home_coordinate`); :func:`place_in_grid` gives a peer its group bits and its
+:func:`home_coordinate`; the others' cells are those they :func:`claim`);
+:func:`place_in_grid` gives a peer its group bits and its
 step's weight (``|slab| / peers in its cell``, so a group's weighted mean is the mean of
 the union of its slabs). Every peer computes from the membership it sees; nothing is
 exchanged. The shape, the weights, the bound, churn and gossip lag are explained in
@@ -20,7 +21,7 @@ import functools
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from peer.averaging.matchmaking.group_bits import bits_per_coordinate
@@ -30,7 +31,9 @@ __all__ = [
     "GridHistory",
     "GridPlace",
     "Placement",
+    "claim",
     "grid_for",
+    "grid_key",
     "home_coordinate",
     "leader_cells",
     "place_all",
@@ -38,6 +41,7 @@ __all__ = [
     "place_next",
     "rank_order",
     "rounds_to_mean",
+    "with_claims",
 ]
 
 
@@ -426,3 +430,57 @@ def place_next(
         hosts,
     )
     return place, GridHistory(place.placement, view, stable, held)
+
+
+def grid_key(prefix: str) -> str:
+    """The gossip key under which the peers averaging under ``prefix`` claim their cells."""
+    return f"{prefix}.grid"
+
+
+def claim(place: GridPlace, round_index: int, previous: list[int] | None = None) -> list[int]:
+    """What a peer announces of its place in round ``round_index`` (under :func:`grid_key`,
+    its peer id the subkey): its cell, the round since which it holds it (that of its
+    ``previous`` claim where the cell and the grid are the same) and the grid's sides."""
+    held = [place.cell, *place.grid.sides]
+    if previous and len(previous) == len(held) + 1 and [previous[0], *previous[2:]] == held:
+        return [place.cell, previous[1], *place.grid.sides]
+    return [place.cell, round_index, *place.grid.sides]
+
+
+def with_claims(
+    history: GridHistory,
+    members: Iterable[str],
+    peer_id: str,
+    target_group_size: int,
+    round_index: int,
+    claims: Mapping[str, object],
+) -> GridHistory:
+    """``history`` to place this peer from in round ``round_index``, with the other members'
+    cells taken from their ``claims`` (peer id to :func:`claim`) made before that round on
+    the grid that fits ``members``: what they hold, rather than what this peer computed for
+    them from views that may have differed. A peer without a placement on that grid (new
+    to the swarm, or whose view differed last round) resumes the placement the claims
+    describe, with the count behind the weights as after ``d`` rounds on a grid, and takes
+    the free cell the others' placements leave it. Claims made in this round are left out:
+    they come from peers placed with this one (on a new grid, all by rank). A claim is the
+    claimant's word: one cell per member, on this grid, or it is ignored (a false one can
+    only misplace this peer within the grid). No claim: ``history`` as it is."""
+    view = frozenset(members)
+    grid = grid_for(len(view), target_group_size)
+    cells: dict[str, int] = {}
+    for peer, value in claims.items():
+        if peer == peer_id or peer not in view or not isinstance(value, list | tuple):
+            continue
+        if len(value) != grid.dims + 2 or not all(type(v) is int for v in value):
+            continue
+        cell, since, *sides = value
+        if tuple(sides) == grid.sides and 0 <= cell < grid.cells and since < round_index:
+            cells[peer] = cell
+    if not cells:
+        return history
+    own = history.placement
+    if own is not None and own.grid.sides == grid.sides:
+        if peer_id in own.cells:
+            cells[peer_id] = own.cells[peer_id]
+        return GridHistory(Placement(grid, cells), history.view, history.stable, history.held)
+    return GridHistory(Placement(grid, cells), frozenset(), grid.dims, held=False)

@@ -14,7 +14,12 @@ import torch
 from peer.averaging.allreduce.partition import FlatLayout, Partition
 from peer.averaging.allreduce.recovery import Orphans, is_recovery_of, plan_recovery
 from peer.averaging.allreduce.robust import aggregate
-from peer.averaging.allreduce.runner import AllreduceConfig, AllreduceRunner, MemberInfo
+from peer.averaging.allreduce.runner import (
+    MAX_RECOVERY_DEPTH,
+    AllreduceConfig,
+    AllreduceRunner,
+    MemberInfo,
+)
 from peer.averaging.matchmaking.machine import GroupInfo
 from peer.compression import NoCompression
 from swarmlab.sim import VirtualTimeLoop
@@ -84,7 +89,12 @@ def test_nothing_to_recover_or_nobody_to_recover_with() -> None:
 
 
 async def _killed_reducer_round(
-    numel: int, kill_after: int, in_place: bool, aggregator: str = "mean", heir_dies: bool = False
+    numel: int,
+    kill_after: int,
+    in_place: bool,
+    aggregator: str = "mean",
+    heir_dies: bool = False,
+    depth: int = 0,
 ) -> Any:
     net = Net(random.Random(7), 0.001)
     gen = torch.Generator().manual_seed(kill_after)
@@ -110,6 +120,7 @@ async def _killed_reducer_round(
             roles=None,
             config=config,
             in_place=in_place,
+            depth=depth,
         )
     tasks = {p: asyncio.create_task(net.runners[p].run()) for p in IDS}
 
@@ -213,3 +224,34 @@ def test_when_the_heir_dies_too_the_next_one_finishes_its_parts(in_place: bool) 
         assert names == frozenset({"peer2", "peer3"})
         mean = _mean(names, local, weights, lo, hi)
         assert torch.allclose(first[lo:hi].double(), mean, atol=1e-5)
+
+
+def test_recoveries_nest_at_most_max_recovery_depth_deep() -> None:
+    """A round that is itself a recovery that deep (heir after heir gave up: most likely the
+    others run another recovery and never meet this one) starts none: the dead reducer's
+    parts keep each member's own values, and the round ends."""
+    loop = VirtualTimeLoop()
+    try:
+        net, _, _, results = loop.run_until_complete(
+            _killed_reducer_round(200, 4, True, depth=MAX_RECOVERY_DEPTH)
+        )
+    finally:
+        loop.close()
+    survivors = [p for p in IDS if p not in net.dead]
+    assert len(survivors) == 3
+    assert all(net.runners[p].recovery is None for p in survivors)
+    orphaned = net.runners[survivors[0]].round.orphans.parts
+    assert orphaned, "the killed reducer left parts open"
+    # somewhere the survivors still hold their own values, so they differ there
+    assert not torch.equal(results[survivors[0]], results[survivors[1]])
+    # one level less: the survivors recover and agree
+    loop = VirtualTimeLoop()
+    try:
+        net, _, _, results = loop.run_until_complete(
+            _killed_reducer_round(200, 4, True, depth=MAX_RECOVERY_DEPTH - 1)
+        )
+    finally:
+        loop.close()
+    survivors = [p for p in IDS if p not in net.dead]
+    assert all(net.runners[p].recovery is not None for p in survivors)
+    assert all(torch.allclose(results[p], results[survivors[0]], atol=1e-6) for p in survivors)
