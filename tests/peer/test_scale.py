@@ -225,3 +225,7 @@ def test_bad_arguments_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--churn", "1.5"])
     assert exc.value.code == 2
     assert "--churn and --clients are shares" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--model-runs", "0"])
+    assert exc.value.code == 2
+    assert "--model-runs must be at least 1" in capsys.readouterr().err

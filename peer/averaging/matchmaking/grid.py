@@ -10,8 +10,8 @@ its cell while the grid's sides hold; a newcomer takes a free cell, preferring i
 :func:`home_coordinate`; the others' cells are those they :func:`claim`);
 :func:`place_in_grid` gives a peer its group bits and its
 step's weight (``|slab| / peers in its cell``, so a group's weighted mean is the mean of
-the union of its slabs). Every peer computes from the membership it sees; nothing is
-exchanged. The shape, the weights, the bound, churn and gossip lag are explained in
+the union of its slabs). Every peer computes from the membership it sees and the cells
+the others claim over gossip (:func:`with_claims`). The shape, the weights, the bound, churn and gossip lag are explained in
 ``docs/averaging.md`` ("Grids that fit any N").
 """
 
