@@ -135,6 +135,7 @@ class Trainer(Generic[BatchT]):
                 raise Unauthorized(lost, status_code=401)
             status = self.session.status
             if status == "finished":
+                self._take_final_model()
                 detail = self.session.status_detail
                 why = f" ({detail})" if detail else ""
                 return volunteer._finish(
@@ -391,6 +392,14 @@ class Trainer(Generic[BatchT]):
         self.volunteer._wake.wait(0.2)
         self.volunteer._wake.clear()
         return None
+
+    def _take_final_model(self) -> None:
+        """The run is finished: leave with its newest checkpoint where it is at least as new
+        as this peer's model (a peer that learns of the end before it looked for the last
+        epoch's checkpoint, on a side of a split swarm, would otherwise save its own)."""
+        final = _newest_checkpoint(self.client, self.answer.run_id)
+        if final is not None and final.epoch >= self.optimizer.local_epoch:
+            self._take_final_checkpoint(final)
 
     def _take_final_checkpoint(self, final: CheckpointPublic) -> None:
         """The run's final model is its checkpoint of the last epoch. A peer whose own model

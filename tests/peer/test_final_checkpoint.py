@@ -30,16 +30,25 @@ STEPS = 4
 
 
 class Coordinator:
-    """The coordinator client's checkpoint calls: uploads kept, the newest served back."""
+    """The coordinator client's checkpoint calls: uploads kept, the newest served back (and
+    announced in the run's progress, as uploaded by ``uploader``)."""
 
     def __init__(self) -> None:
         self.uploads: list[tuple[int, bytes]] = []
         self.served: bytes | None = None
+        self.uploader = ""
+        self.downloads = 0
+
+    def progress(self, run_id: str) -> Any:
+        epoch = self.uploads[-1][0] if self.uploads else None
+        checkpoint = None if epoch is None else _final(epoch, self.uploader)
+        return SimpleNamespace(checkpoint=checkpoint)
 
     def upload_checkpoint(self, token: str, run_id: str, epoch: int, data: bytes) -> None:
         self.uploads.append((epoch, data))
 
     def download_checkpoint(self, token: str, run_id: str) -> tuple[bytes, int] | None:
+        self.downloads += 1
         if self.served is not None:
             return self.served, 0
         if not self.uploads:
@@ -188,3 +197,36 @@ def test_a_final_checkpoint_of_another_model_changes_nothing(tmp_path: Path) -> 
         assert _equal(peer.trainer._swarm_state(), before)
     finally:
         peer.close()
+
+
+def test_a_volunteer_that_learns_the_run_finished_leaves_with_its_final_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The run finished before this peer looked for its last epoch's checkpoint (the
+    coordinator ends a run once that checkpoint is in): it still leaves with the run's
+    model, not its own side's; a checkpoint older than its model is left alone."""
+    client = Coordinator()
+    uploader = Peer("diloco", 0, client, tmp_path)
+    apart = Peer("diloco", 1, client, tmp_path)
+    try:
+        client.uploader = uploader.node.peer_id
+        apart.trainer._take_final_model()  # no checkpoint yet: nothing to take
+        assert apart.said == []
+        uploader.trainer._maybe_upload()
+        assert uploader.trainer.upload is not None
+        uploader.trainer.upload.result(timeout=scaled(30))
+        ((epoch, data),) = client.uploads
+        checkpoint = torch.load(io.BytesIO(data), weights_only=True)
+        assert apart.opt.local_epoch == epoch
+        assert not _equal(apart.trainer._swarm_state(), checkpoint["model"])
+        apart.trainer._take_final_model()
+        assert _equal(apart.trainer._swarm_state(), checkpoint["model"])
+        assert any("differed from the run's final checkpoint" in line for line in apart.said)
+        # a checkpoint behind this peer's model stays on the coordinator
+        asked = client.downloads
+        client.uploads = [(epoch - 1, client.uploads[0][1])]
+        apart.trainer._take_final_model()
+        assert client.downloads == asked
+    finally:
+        apart.close()
+        uploader.close()
