@@ -144,6 +144,15 @@ async def _killed_reducer_round(
     return net, local, weights, results
 
 
+def _in_virtual_time(*args: Any, **kwargs: Any) -> Any:
+    """:func:`_killed_reducer_round` run on a virtual-time loop of its own."""
+    loop = VirtualTimeLoop()
+    try:
+        return loop.run_until_complete(_killed_reducer_round(*args, **kwargs))
+    finally:
+        loop.close()
+
+
 def _aggregate(name: str, values: torch.Tensor, weights: list[float]) -> torch.Tensor:
     out = aggregate(name, values, weights)
     assert out is not None
@@ -163,13 +172,7 @@ def test_survivors_of_a_killed_reducer_hold_the_same_values(
 ) -> None:
     # a reducer of four killed once it has sent kill_after frames: the three survivors
     # finish its span (with the round's aggregator) and end holding the same values
-    loop = VirtualTimeLoop()
-    try:
-        net, local, weights, results = loop.run_until_complete(
-            _killed_reducer_round(200, kill_after, in_place, aggregator)
-        )
-    finally:
-        loop.close()
+    net, local, weights, results = _in_virtual_time(200, kill_after, in_place, aggregator)
     survivors = ["peer0", "peer2", "peer3"]
     first = results[survivors[0]]
     for p in survivors[1:]:
@@ -208,13 +211,7 @@ def test_survivors_of_a_killed_reducer_hold_the_same_values(
 
 @pytest.mark.parametrize("in_place", [True, False])
 def test_when_the_heir_dies_too_the_next_one_finishes_its_parts(in_place: bool) -> None:
-    loop = VirtualTimeLoop()
-    try:
-        net, local, weights, results = loop.run_until_complete(
-            _killed_reducer_round(200, 4, in_place, heir_dies=True)
-        )
-    finally:
-        loop.close()
+    net, local, weights, results = _in_virtual_time(200, 4, in_place, heir_dies=True)
     assert net.dead == {"peer0", "peer1"}
     first = results["peer2"]
     assert torch.allclose(results["peer3"], first, atol=1e-6, rtol=0)
@@ -230,13 +227,7 @@ def test_recoveries_nest_at_most_max_recovery_depth_deep() -> None:
     """A round that is itself a recovery that deep (heir after heir gave up: most likely the
     others run another recovery and never meet this one) starts none: the dead reducer's
     parts keep each member's own values, and the round ends."""
-    loop = VirtualTimeLoop()
-    try:
-        net, _, _, results = loop.run_until_complete(
-            _killed_reducer_round(200, 4, True, depth=MAX_RECOVERY_DEPTH)
-        )
-    finally:
-        loop.close()
+    net, _, _, results = _in_virtual_time(200, 4, True, depth=MAX_RECOVERY_DEPTH)
     survivors = [p for p in IDS if p not in net.dead]
     assert len(survivors) == 3
     assert all(net.runners[p].recovery is None for p in survivors)
@@ -245,13 +236,7 @@ def test_recoveries_nest_at_most_max_recovery_depth_deep() -> None:
     # somewhere the survivors still hold their own values, so they differ there
     assert not torch.equal(results[survivors[0]], results[survivors[1]])
     # one level less: the survivors recover and agree
-    loop = VirtualTimeLoop()
-    try:
-        net, _, _, results = loop.run_until_complete(
-            _killed_reducer_round(200, 4, True, depth=MAX_RECOVERY_DEPTH - 1)
-        )
-    finally:
-        loop.close()
+    net, _, _, results = _in_virtual_time(200, 4, True, depth=MAX_RECOVERY_DEPTH - 1)
     survivors = [p for p in IDS if p not in net.dead]
     assert all(net.runners[p].recovery is not None for p in survivors)
     assert all(torch.allclose(results[p], results[survivors[0]], atol=1e-6) for p in survivors)
